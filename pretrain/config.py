@@ -1,0 +1,481 @@
+"""Recipes: a typed, strict, validated description of what is trained.
+
+A recipe is YAML. ``base: other.yaml`` inherits from another recipe (path relative to the file, deep
+merge, chains allowed, cycles are an error); trailing ``key.path=value`` arguments override any key.
+Every field documents its unit here, and the README's recipe reference is generated from this file
+(``python tools/recipe_reference.py``). Unknown keys are errors that suggest the closest valid key.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pretrain.errors import ConfigError
+
+
+class Section(BaseModel):
+    """Base of every recipe section: unknown keys are errors and a loaded recipe is immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ModelConfig(Section):
+    arch: str = Field(
+        "llama",
+        description="Architecture: a transformers `model_type` with a causal-LM head (`llama`, `gpt2`, "
+        "`mistral`, `qwen2`, ...). Built with `from_config`: random init, no download.",
+    )
+    hidden_size: int = Field(256, gt=0, description="Model width d_model (features).")
+    num_layers: int = Field(4, gt=0, description="Number of transformer blocks.")
+    num_heads: int = Field(4, gt=0, description="Number of attention (query) heads.")
+    num_kv_heads: int | None = Field(
+        None, gt=0, description="Number of key/value heads (GQA); null = num_heads (multi-head attention)."
+    )
+    intermediate_size: int | None = Field(
+        None, gt=0, description="MLP hidden width (features); null = the architecture's default (gpt2: 4 x hidden)."
+    )
+    vocab_size: int | None = Field(
+        None,
+        gt=0,
+        description="Embedding rows (tokens); null = the tokenizer's vocabulary rounded up to a multiple of 64.",
+    )
+    max_position_embeddings: int | None = Field(
+        None, gt=0, description="Longest sequence the positions support (tokens); null = data.seq_len."
+    )
+    rope_theta: float | None = Field(None, gt=0, description="RoPE base; null = the architecture's default.")
+    norm_eps: float | None = Field(None, gt=0, description="Epsilon of the normalisation layers; null = default.")
+    init_std: float = Field(0.02, gt=0, description="Standard deviation of the normal weight init.")
+    tie_embeddings: bool = Field(False, description="Share the input embedding and LM-head weights.")
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each block's activations in backward (less memory, ~33% more compute)."
+    )
+    attention: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="Attention kernel: `sdpa` (PyTorch fused), `eager` (reference), `flash_attention_2`."
+    )
+    compile: bool = Field(False, description="Wrap the model in torch.compile.")
+    config_overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra attributes of the transformers config (e.g. `{hidden_act: silu}`); each must exist.",
+    )
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelConfig:
+        problems = []
+        if self.hidden_size % self.num_heads:
+            problems.append(
+                f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads ({self.num_heads})"
+            )
+        kv = self.num_kv_heads or self.num_heads
+        if self.num_heads % kv:
+            problems.append(f"model.num_heads ({self.num_heads}) must be divisible by model.num_kv_heads ({kv})")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+class DataConfig(Section):
+    source: str = Field(
+        "stdlib",
+        description="`stdlib` (built-in offline corpus: this Python's standard-library sources), a local "
+        "file, directory or glob of .txt / .jsonl / .parquet files, or `hf:NAME` for a Hugging Face dataset.",
+    )
+    format: Literal["auto", "text", "jsonl", "parquet"] = Field(
+        "auto", description="Format of local files; `auto` decides by file extension."
+    )
+    text_field: str = Field("text", description="Field holding the document text in jsonl / parquet / hf data.")
+    hf_config: str | None = Field(None, description="Configuration name of an `hf:` dataset.")
+    hf_split: str = Field("train", description="Split of an `hf:` dataset to read.")
+    tokenizer: str = Field(
+        "bpe",
+        description="`bpe` trains a byte-level BPE on the training corpus (cached); otherwise a local "
+        "tokenizer directory / tokenizer.json or a Hugging Face tokenizer name.",
+    )
+    tokenizer_vocab_size: int = Field(8192, ge=256, description="Vocabulary size (tokens) of a trained `bpe` tokenizer.")
+    seq_len: int = Field(256, gt=0, description="Sequence length of a training sample (tokens).")
+    train_subset: int = Field(0, ge=0, description="Use only this many training sequences; 0 = all.")
+    val_subset: int = Field(0, ge=0, description="Use only this many validation sequences; 0 = all.")
+    val_fraction: float = Field(
+        0.05, gt=0, lt=1, description="Fraction of documents held out for validation (documents, not tokens)."
+    )
+    shuffle: bool = Field(True, description="Shuffle training sequences (a permutation per epoch from train.seed).")
+    drop_last: bool = Field(
+        True,
+        description="Drop the samples left over at the end of an epoch that do not fill a global batch; "
+        "false carries them into the next epoch's first batch.",
+    )
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
+    prefetch_factor: int | None = Field(
+        None, gt=0, description="Batches prefetched per DataLoader worker (needs num_workers > 0)."
+    )
+    num_proc: int | None = Field(
+        None, gt=0, description="Processes for tokenization (`datasets.map`); null = min(CPU cores, 8)."
+    )
+    cache_dir: str | None = Field(
+        None,
+        description="Where tokenizers and tokenized data are cached; null = $PRETRAIN_CACHE_DIR or "
+        "~/.cache/pretrain.",
+    )
+    on_decode_error: Literal["replace", "skip"] = Field(
+        "replace",
+        description="Text that is not UTF-8: `replace` bad bytes with U+FFFD or `skip` the document; "
+        "either way the count is logged.",
+    )
+
+    @model_validator(mode="after")
+    def _prefetch_needs_workers(self) -> DataConfig:
+        if self.prefetch_factor is not None and self.num_workers == 0:
+            raise ValueError(
+                f"data.prefetch_factor ({self.prefetch_factor}) needs data.num_workers > 0; "
+                "set data.num_workers or remove data.prefetch_factor"
+            )
+        return self
+
+
+class BatchConfig(Section):
+    global_batch_size: int | None = Field(
+        None, gt=0, description="GBS: sequences per optimizer step across all processes."
+    )
+    micro_batch_size: int | None = Field(
+        None, gt=0, description="MBS: sequences per process per forward/backward."
+    )
+    gradient_accumulation_steps: int | None = Field(
+        None, gt=0, description="GAS: micro-batches per optimizer step; GBS = MBS x GAS x world."
+    )
+    local_batch_size: int | None = Field(
+        None, gt=0, description="Sequences per process per optimizer step with GAS = 1; GBS = world x local."
+    )
+
+    @model_validator(mode="after")
+    def _one_way_to_say_it(self) -> BatchConfig:
+        gbs, mbs, gas, lbs = (
+            self.global_batch_size,
+            self.micro_batch_size,
+            self.gradient_accumulation_steps,
+            self.local_batch_size,
+        )
+        if lbs is not None:
+            if gbs is not None or mbs is not None or gas is not None:
+                raise ValueError(
+                    "batch.local_batch_size stands alone (GAS = 1, GBS = world x local); remove "
+                    "global_batch_size / micro_batch_size / gradient_accumulation_steps, or remove local_batch_size"
+                )
+            return self
+        if gbs is None:
+            raise ValueError("give batch.global_batch_size with micro_batch_size or gradient_accumulation_steps, "
+                             "or batch.local_batch_size alone")
+        if (mbs is None) == (gas is None):
+            raise ValueError(
+                "give exactly one of batch.micro_batch_size and batch.gradient_accumulation_steps with "
+                f"batch.global_batch_size (got micro_batch_size={mbs}, gradient_accumulation_steps={gas}); "
+                "the other follows from GBS = MBS x GAS x world"
+            )
+        return self
+
+
+class OptimConfig(Section):
+    name: str = Field("AdamW", description="A torch.optim class name (AdamW, Adam, SGD, Adafactor, ...).")
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate (after warm-up).")
+    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay of the decayed parameter group.")
+    args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Other keyword arguments of the optimizer class, passed through (e.g. `{betas: [0.9, 0.95], "
+        "eps: 1.0e-8}`).",
+    )
+    grad_clip: float | None = Field(
+        1.0, ge=0, description="Clip the global gradient L2 norm to this value; 0 or null = no clipping."
+    )
+    decay_embeddings: bool = Field(
+        True, description="Apply weight decay to embedding matrices (norm weights and biases never decay)."
+    )
+    lr_scaling: Literal["none", "linear", "sqrt"] = Field(
+        "none",
+        description="Rescale lr when GBS differs from reference_global_batch_size: lr x (GBS/ref) or x sqrt(GBS/ref).",
+    )
+    reference_global_batch_size: int | None = Field(
+        None, gt=0, description="The GBS that `lr` was tuned for (needed by lr_scaling)."
+    )
+
+    @model_validator(mode="after")
+    def _scaling_needs_reference(self) -> OptimConfig:
+        if self.lr_scaling != "none" and self.reference_global_batch_size is None:
+            raise ValueError(
+                f"optim.lr_scaling={self.lr_scaling} needs optim.reference_global_batch_size (the GBS lr was tuned for)"
+            )
+        reserved = {"params", "lr", "weight_decay"} & set(self.args)
+        if reserved:
+            raise ValueError(
+                f"optim.args must not repeat {sorted(reserved)}: use optim.lr / optim.weight_decay instead"
+            )
+        return self
+
+
+class LRScheduleConfig(Section):
+    name: Literal["cosine", "linear", "constant", "wsd"] = Field(
+        "cosine",
+        description="`cosine` (to min_lr_ratio x lr), `linear` (to 0), `constant`, `wsd` (warmup-stable-decay).",
+    )
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warm-up from 0 to lr.")
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1, description="Final lr as a fraction of the peak (cosine and wsd)."
+    )
+    decay_fraction: float = Field(
+        0.2, gt=0, le=1, description="wsd only: fraction of the optimizer steps spent in the final decay."
+    )
+
+
+class PrecisionConfig(Section):
+    dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Compute dtype; bf16/fp16 are mixed precision with fp32 master weights."
+    )
+    loss_scale: Literal["dynamic"] | float = Field(
+        "dynamic", description="fp16 only: `dynamic` loss scaling or a fixed scale (> 0)."
+    )
+    initial_scale_power: int = Field(16, ge=0, description="fp16 dynamic scaling: the initial scale is 2**power.")
+    loss_scale_window: int = Field(1000, gt=0, description="fp16 dynamic scaling: steps without overflow before the scale grows.")
+    hysteresis: int = Field(2, gt=0, description="fp16 dynamic scaling: overflows tolerated before the scale shrinks.")
+    min_loss_scale: float = Field(1.0, gt=0, description="fp16 dynamic scaling: the scale never goes below this.")
+
+    @field_validator("loss_scale")
+    @classmethod
+    def _positive_scale(cls, value):
+        if value != "dynamic" and value <= 0:
+            raise ValueError(f"precision.loss_scale must be `dynamic` or a number > 0, got {value}")
+        return value
+
+
+class TrainConfig(Section):
+    max_steps: int | None = Field(None, gt=0, description="Training horizon in optimizer steps.")
+    max_tokens: int | None = Field(
+        None, gt=0, description="Training horizon in tokens; steps = ceil(max_tokens / tokens per step)."
+    )
+    eval_every_steps: int = Field(0, ge=0, description="Evaluate every N optimizer steps; 0 = only at start and end.")
+    eval_batches: int = Field(
+        0, ge=0, description="Validation global batches (GBS sequences each) per evaluation; 0 = the whole split."
+    )
+    eval_at_start: bool = Field(True, description="Evaluate the untrained model at step 0 (logged like the others).")
+    seed: int = Field(1234, description="Seed of weight init and data order.")
+    log_every_steps: int = Field(10, gt=0, description="Log metrics at step 1 and every N optimizer steps.")
+
+    @model_validator(mode="after")
+    def _one_horizon(self) -> TrainConfig:
+        if (self.max_steps is None) == (self.max_tokens is None):
+            raise ValueError(
+                "give exactly one of train.max_steps and train.max_tokens "
+                f"(got max_steps={self.max_steps}, max_tokens={self.max_tokens})"
+            )
+        return self
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(0, ge=0, description="Save every N optimizer steps; 0 = only at the end.")
+    keep_last: int = Field(2, ge=0, description="Keep the newest N checkpoints; 0 = keep all.")
+    resume: str = Field(
+        "auto",
+        description="`auto` (continue from output_dir's latest checkpoint if any), `none`, or a checkpoint directory.",
+    )
+    save_final_model: bool = Field(
+        True, description="Export a transformers `save_pretrained` model and tokenizer to output_dir/final_model."
+    )
+
+
+class LoggingConfig(Section):
+    backends: list[Literal["jsonl", "wandb", "tensorboard"]] = Field(
+        default_factory=lambda: ["jsonl"], description="Any of `jsonl` (output_dir/metrics.jsonl), `wandb`, `tensorboard`."
+    )
+    project: str = Field("pretrain", description="wandb project / tensorboard group name.")
+    run_name: str | None = Field(None, description="Run name in the trackers; null = the recipe name.")
+    progress: Literal["auto", "bar", "plain", "none"] = Field(
+        "auto",
+        description="Console output: `bar` (rich progress bar), `plain` (one line per log step, for log "
+        "files), `auto` (bar on a terminal, plain otherwise), `none`.",
+    )
+
+    @field_validator("backends")
+    @classmethod
+    def _unique(cls, value):
+        if len(set(value)) != len(value):
+            raise ValueError(f"logging.backends lists a backend twice: {value}")
+        return value
+
+
+class Recipe(Section):
+    name: str | None = Field(None, description="Recipe name; null = the file name without .yaml.")
+    description: str = Field("", description="Free text shown in --print-config.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    batch: BatchConfig
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    lr_schedule: LRScheduleConfig = Field(default_factory=LRScheduleConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    train: TrainConfig
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    output_dir: str | None = Field(None, description="Where the run writes; null = runs/<name>.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+
+    def fingerprint(self) -> str:
+        """A hash of the resolved recipe, stored in checkpoints to notice a changed recipe on resume."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading: files, inheritance, overrides, and errors a user can act on.
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        hint = ""
+        if path.parent.is_dir():
+            near = difflib.get_close_matches(path.name, [p.name for p in path.parent.glob("*.yaml")], n=1)
+            if near:
+                hint = f" (did you mean {path.parent / near[0]}?)"
+        raise ConfigError(f"recipe file not found: {path}{hint}; give the path of a recipe YAML, e.g. recipes/tiny.yaml")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read recipe {path}: {exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"malformed YAML in {path}{where}: {problem}; fix the syntax there") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"recipe {path} must be a YAML mapping of sections, got a {type(data).__name__}")
+    return data
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Return base updated by override, merging nested mappings key by key (lists are replaced)."""
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def load_recipe_dict(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read a recipe file and everything it inherits through ``base:``, merged into one dict."""
+    path = Path(path).resolve() if _chain else Path(path)
+    resolved = path.resolve()
+    if resolved in _chain:
+        cycle = " -> ".join(str(p) for p in (*_chain, resolved))
+        raise ConfigError(f"recipe inheritance cycle: {cycle}; remove one of these `base:` keys")
+    data = _read_yaml(path)
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: `base` must be a file path (relative to the recipe), got {base!r}")
+    base_path = (resolved.parent / base).resolve()
+    parent = load_recipe_dict(base_path, (*_chain, resolved))
+    parent.pop("name", None)  # a recipe's name is its own, never inherited
+    return deep_merge(parent, data)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key.path=value (e.g. train.max_steps=40)")
+    key, _, raw = item.partition("=")
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {item!r} has an empty key; write it like optim.lr=1e-3")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    data = copy.deepcopy(data)
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(
+                    f"override {item!r}: {'.'.join(parts[: i + 1])} is a value, not a section"
+                )
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def _field_names(model_cls: type[BaseModel], loc: tuple) -> list[str]:
+    """Valid keys at the section named by loc (for 'did you mean' suggestions)."""
+    cls = model_cls
+    for part in loc:
+        field = cls.model_fields.get(part) if isinstance(part, str) else None
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        cls = annotation
+    return list(cls.model_fields)
+
+
+def format_validation_error(exc: ValidationError, source: str, model_cls: type[BaseModel] = Recipe) -> ConfigError:
+    problems = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        key = ".".join(str(p) for p in loc) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            valid = _field_names(model_cls, loc[:-1])
+            near = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
+            hint = f"did you mean '{'.'.join([*map(str, loc[:-1]), near[0]])}'?" if near else (
+                f"valid keys here: {', '.join(valid)}" if valid else "remove it"
+            )
+            problems.append(f"unknown key '{key}': {hint}")
+        elif err["type"] == "missing":
+            problems.append(f"missing required key '{key}'")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "value_error":
+                problems.append(msg if loc == () else f"{key}: {msg}")
+            else:
+                problems.append(f"{key} = {err.get('input')!r}: {msg}")
+    return ConfigError([f"{source}: {p}" for p in problems] if len(problems) > 1 else f"{source}: {problems[0]}")
+
+
+def build_recipe(data: dict[str, Any], source: str = "recipe", default_name: str | None = None) -> Recipe:
+    data = dict(data)
+    if data.get("name") is None and default_name:
+        data["name"] = default_name
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise format_validation_error(exc, source) from None
+    if recipe.output_dir is None:
+        recipe = recipe.model_copy(update={"output_dir": str(Path("runs") / recipe.name)})
+    return recipe
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Load, inherit, override and validate a recipe. Raises ConfigError listing every problem."""
+    data = apply_overrides(load_recipe_dict(path), overrides)
+    return build_recipe(data, source=str(path), default_name=Path(path).stem)
