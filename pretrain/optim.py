@@ -1,0 +1,106 @@
+"""Optimizer (any torch.optim class by name) and learning-rate schedule (transformers' schedules).
+
+The schedule is a function of the optimizer step only. It is built for the run's number of optimizer
+steps and stepped once per optimizer step by the trainer, whatever the world size.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+from torch import nn
+from transformers import get_scheduler
+
+from pretrain.config import LRScheduleConfig, OptimConfig
+from pretrain.errors import ConfigError
+
+
+def optimizer_class(cfg: OptimConfig) -> type[torch.optim.Optimizer]:
+    cls = getattr(torch.optim, cfg.name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        names = sorted(n for n, c in vars(torch.optim).items() if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)
+                       and c is not torch.optim.Optimizer)
+        raise ConfigError(f"optim.name = {cfg.name!r} is not a torch.optim optimizer; use one of: {', '.join(names)}")
+    return cls
+
+
+def check_optimizer_args(cfg: OptimConfig) -> None:
+    """Fail before any compute if optim.args names an argument the optimizer class does not take."""
+    cls = optimizer_class(cfg)
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+    unknown = sorted(set(cfg.args) - accepted)
+    if unknown:
+        raise ConfigError(
+            f"optim.args has {unknown} which torch.optim.{cfg.name} does not accept; "
+            f"its arguments are: {', '.join(sorted(accepted))}"
+        )
+    if "weight_decay" not in accepted and cfg.weight_decay:
+        raise ConfigError(f"torch.optim.{cfg.name} has no weight decay; set optim.weight_decay=0")
+
+
+def scaled_lr(cfg: OptimConfig, global_batch_size: int) -> float:
+    """The peak lr after optional batch-size scaling (linear or square-root rule)."""
+    if cfg.lr_scaling == "none":
+        return cfg.lr
+    ratio = global_batch_size / cfg.reference_global_batch_size
+    return cfg.lr * (ratio if cfg.lr_scaling == "linear" else math.sqrt(ratio))
+
+
+def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
+    """Two groups: matrices decay; norm weights, biases (and embeddings unless configured) do not."""
+    embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay, seen = [], [], set()
+    for param in model.parameters():
+        if not param.requires_grad or id(param) in seen:
+            continue
+        seen.add(id(param))
+        is_embedding = id(param) in embedding_params
+        if param.ndim < 2 or (is_embedding and not cfg.decay_embeddings):
+            no_decay.append(param)
+        else:
+            decay.append(param)
+    return [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.Optimizer:
+    check_optimizer_args(cfg)
+    cls = optimizer_class(cfg)
+    groups = [g for g in param_groups(model, cfg) if g["params"]]
+    try:
+        return cls(groups, lr=lr, **cfg.args)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"optim: torch.optim.{cfg.name} rejected its arguments {cfg.args}: {exc}") from None
+
+
+def check_schedule(cfg: LRScheduleConfig, num_steps: int) -> None:
+    if cfg.warmup_steps >= num_steps and cfg.name != "constant":
+        raise ConfigError(
+            f"lr_schedule.warmup_steps ({cfg.warmup_steps}) must be smaller than the run's {num_steps} optimizer "
+            "steps; lower warmup_steps or raise train.max_steps / train.max_tokens"
+        )
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduleConfig, num_steps: int):
+    check_schedule(cfg, num_steps)
+    if cfg.name == "cosine":
+        name, extra = "cosine_with_min_lr", {"min_lr_rate": cfg.min_lr_ratio}
+    elif cfg.name == "linear":
+        name, extra = "linear", {}
+    elif cfg.name == "constant":
+        name, extra = "constant_with_warmup", {}
+    else:
+        decay_steps = max(1, round(cfg.decay_fraction * num_steps))
+        name = "warmup_stable_decay"
+        extra = {"num_decay_steps": decay_steps, "min_lr_ratio": cfg.min_lr_ratio}
+    return get_scheduler(
+        name,
+        optimizer,
+        num_warmup_steps=cfg.warmup_steps,
+        num_training_steps=num_steps,
+        scheduler_specific_kwargs=extra,
+    )

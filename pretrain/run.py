@@ -1,0 +1,99 @@
+"""Entry point: parse, load the recipe, build, train, close.
+
+    accelerate launch --config_file accelerate_configs/cpu.yaml pretrain/run.py --recipe recipes/tiny.yaml [key=value ...]
+    python pretrain/run.py --recipe recipes/tiny.yaml [--print-config | --dry-run] [key.path=value ...]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    # Run as a script: put the repository root first, and drop pretrain/ itself from the path so
+    # that its module names (data, config, ...) cannot shadow other packages.
+    _here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
+    sys.path.insert(0, str(_here.parent))
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+
+from pretrain.errors import EXIT_USAGE, ConfigError  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="pretrain",
+        description="Pretrain a language model from a recipe YAML.",
+        epilog="Overrides: trailing key.path=value pairs, e.g. train.max_steps=40 optim.lr=1e-3 output_dir=/tmp/run1",
+    )
+    parser.add_argument("--recipe", required=True, help="recipe YAML, e.g. recipes/tiny.yaml")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
+    mode.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="resolve recipe and batch plan, build the model on the meta device, print the plan and exit",
+    )
+    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="recipe overrides")
+    return parser.parse_args(argv)
+
+
+def dry_run(recipe) -> None:
+    from pretrain.batching import num_training_steps, plan_batches
+    from pretrain.model import build_model, count_parameters, resolve_vocab_size
+    from pretrain.runtime import launch_world_size
+
+    plan = plan_batches(recipe.batch, launch_world_size(), recipe.data.seq_len)
+    steps = num_training_steps(recipe.train.max_steps, recipe.train.max_tokens, plan)
+    if recipe.model.vocab_size is not None:
+        tokenizer_vocab = None
+    elif recipe.data.tokenizer == "bpe":
+        tokenizer_vocab = recipe.data.tokenizer_vocab_size
+    else:
+        from pretrain.data import build_tokenizer
+
+        tokenizer_vocab = len(build_tokenizer(recipe.data))
+    vocab = resolve_vocab_size(recipe.model, tokenizer_vocab)
+    model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed, meta=True)
+    num_params = count_parameters(model)
+    print(f"recipe           {recipe.name}")
+    print(f"model            {recipe.model.arch}, {num_params:,} parameters (vocab {vocab:,})")
+    print(
+        f"batch plan       world {plan.world_size}: GBS {plan.global_batch_size} = MBS {plan.micro_batch_size} "
+        f"x GAS {plan.grad_accum_steps} x world {plan.world_size}"
+    )
+    print(f"tokens per step  {plan.tokens_per_step:,} ({plan.global_batch_size} x {plan.seq_len} tokens)")
+    print(f"optimizer steps  {steps:,} ({steps * plan.tokens_per_step:,} tokens)")
+    print(f"output_dir       {recipe.output_dir}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        from pretrain.config import load_recipe
+
+        recipe = load_recipe(args.recipe, args.overrides)
+        if args.print_config:
+            print(recipe.to_yaml(), end="")
+            return 0
+        if args.dry_run:
+            dry_run(recipe)
+            return 0
+        from pretrain.train import Trainer
+
+        Trainer(recipe).train()
+        return 0
+    except ConfigError as exc:
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

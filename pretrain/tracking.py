@@ -1,0 +1,207 @@
+"""Where metrics go: metrics.jsonl, wandb and tensorboard through accelerate's trackers, and the console.
+
+Every backend receives the same namespaced keys through ``accelerator.log``; the JSONL file is an
+accelerate ``GeneralTracker`` of our own so that call sites never branch on which backends exist.
+"""
+
+from __future__ import annotations
+
+import json
+import netrc
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from accelerate.tracking import GeneralTracker, TensorBoardTracker, WandBTracker, on_main_process
+
+from pretrain.config import Recipe
+
+
+def flatten(values: dict[str, Any], prefix: str = "", sep: str = "/") -> dict[str, Any]:
+    """Nested dict -> one level with 'a/b/c' keys; lists become strings (trackers take scalars only)."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}{sep}{key}" if prefix else str(key)
+        if isinstance(value, dict):
+            flat.update(flatten(value, name, sep))
+        elif isinstance(value, (list, tuple)):
+            flat[name] = json.dumps(value)
+        else:
+            flat[name] = value
+    return flat
+
+
+class JSONLTracker(GeneralTracker):
+    """Appends one JSON object per logged step to ``metrics.jsonl``; writes the run config beside it.
+
+    On resume, lines for steps after the checkpoint are dropped first, so steps redone after a restart
+    replace the lost ones instead of appearing twice.
+    """
+
+    name = "jsonl"
+    requires_logging_directory = False
+    main_process_only = True
+
+    def __init__(self, output_dir: str | os.PathLike, resume_step: int | None = None):
+        super().__init__()
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.config_path = Path(output_dir) / "run_config.json"
+        self.resume_step = resume_step
+        self._file = None
+
+    @on_main_process
+    def start(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            keep_until = self.resume_step if self.resume_step is not None else -1
+            kept = [line for line in self.path.read_text().splitlines() if _line_step(line) <= keep_until]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.path)
+        # Line-buffered: a killed run keeps every line it logged.
+        self._file = open(self.path, "a", buffering=1, encoding="utf-8")
+
+    @property
+    def tracker(self):
+        return self._file
+
+    @on_main_process
+    def store_init_configuration(self, values: dict):
+        tmp = self.config_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(values, indent=1, sort_keys=True, default=str))
+        os.replace(tmp, self.config_path)
+
+    @on_main_process
+    def log(self, values: dict, step: int | None = None, **kwargs):
+        record = {"step": step, **values, "time": round(time.time(), 3)}
+        self._file.write(json.dumps(record, default=float) + "\n")
+
+    @on_main_process
+    def finish(self):
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _line_step(line: str) -> float:
+    try:
+        return json.loads(line).get("step", float("inf"))
+    except (json.JSONDecodeError, AttributeError):
+        return float("inf")  # a torn last line from a killed run is dropped
+
+
+def wandb_key_configured() -> bool:
+    """Whether wandb could log in online (an env key or a netrc entry). The key itself is never read out."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("//")[-1].split("/")[0]
+        return netrc.netrc().authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+def wandb_mode() -> str:
+    return os.environ.get("WANDB_MODE") or ("online" if wandb_key_configured() else "offline")
+
+
+def _stable_run_id(output_dir: Path) -> str:
+    """One wandb run id per output_dir, so a resumed run continues the same wandb run."""
+    path = output_dir / ".wandb_run_id"
+    if not path.exists():
+        path.write_text(uuid.uuid4().hex[:12])
+    return path.read_text().strip()
+
+
+def build_trackers(recipe: Recipe, output_dir: Path, resume_step: int | None, is_main: bool) -> list[GeneralTracker]:
+    """Tracker objects for ``Accelerator(log_with=...)``; built on every rank, active on the main one."""
+    run_name = recipe.logging.run_name or recipe.name
+    trackers: list[GeneralTracker] = []
+    for backend in recipe.logging.backends:
+        if backend == "jsonl":
+            trackers.append(JSONLTracker(output_dir, resume_step))
+        elif backend == "tensorboard":
+            trackers.append(TensorBoardTracker(run_name, output_dir / "tensorboard"))
+        elif backend == "wandb":
+            run_id = _stable_run_id(output_dir) if is_main else "unused"
+            trackers.append(
+                WandBTracker(
+                    recipe.logging.project, name=run_name, id=run_id, resume="allow", dir=str(output_dir),
+                    mode=wandb_mode(),
+                )
+            )
+    return trackers
+
+
+class Console:
+    """Main-process console output: a rich progress bar on a terminal, plain lines in a log file.
+
+    ``plain`` mode prints one self-contained line per logged step, which reads well in a SLURM log
+    (no carriage-return redraws).
+    """
+
+    def __init__(self, mode: str, enabled: bool):
+        self.enabled = enabled
+        if mode == "auto":
+            mode = "bar" if sys.stdout.isatty() else "plain"
+        self.mode = mode if enabled else "none"
+        self._progress = None
+        self._task = None
+
+    def print(self, message: str) -> None:
+        if self.mode == "none":
+            return
+        if self._progress is not None:
+            self._progress.console.print(message, highlight=False, markup=False)
+        else:
+            print(message, flush=True)
+
+    def start(self, total_steps: int, first_step: int) -> None:
+        if self.mode != "bar":
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self._progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            refresh_per_second=4,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task("train", total=total_steps, completed=first_step, info="")
+
+    def advance(self, step: int) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step)
+
+    def step_summary(self, step: int, total_steps: int, metrics: dict[str, Any]) -> None:
+        parts = [f"step {step}/{total_steps}"]
+        for key, label, fmt in (
+            ("train/loss", "loss", "{:.4f}"),
+            ("val/loss", "val_loss", "{:.4f}"),
+            ("train/lr", "lr", "{:.2e}"),
+            ("train/grad_norm", "gnorm", "{:.3f}"),
+            ("perf/tokens_per_s", "tok/s", "{:,.0f}"),
+            ("perf/mfu", "mfu", "{:.1%}"),
+            ("memory/peak_gib", "mem", "{:.2f}GiB"),
+        ):
+            if metrics.get(key) is not None:
+                parts.append(f"{label} {fmt.format(metrics[key])}")
+        line = " | ".join(parts)
+        if self._progress is not None:
+            info = " ".join(p for p in parts[1:] if not p.startswith(("lr", "gnorm", "mem")))
+            self._progress.update(self._task, completed=step, info=info)
+        elif self.mode == "plain":
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

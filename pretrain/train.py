@@ -1,0 +1,318 @@
+"""The training loop.
+
+Names: a *micro-step* is one forward/backward on MBS sequences of one process; an *optimizer step*
+(``step``) is GAS micro-steps on every process followed by one parameter update. The LR schedule,
+logging, evaluation and checkpoints all count optimizer steps.
+
+The loss of an optimizer step is the sum of token losses over the whole global batch divided by its
+number of target tokens. Each micro-step's loss is normalised by N_global / (world x GAS): accelerate
+divides by GAS and data parallelism averages over world, which leaves exactly sum / N_global.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.utils import set_seed
+
+from pretrain.batching import BatchPlan, num_training_steps, plan_batches
+from pretrain.checkpoint import Checkpointer, read_state
+from pretrain.config import Recipe
+from pretrain.data import prepare_data
+from pretrain.errors import ConfigError
+from pretrain.loader import build_train_loader, build_val_loader
+from pretrain.model import build_model, count_parameters, resolve_vocab_size
+from pretrain.optim import build_optimizer, build_scheduler, check_optimizer_args, check_schedule, scaled_lr
+from pretrain.runtime import build_accelerator, check_precision, launch_world_size
+from pretrain.tracking import Console, build_trackers, flatten
+
+
+def check_output_dir(output_dir: Path) -> None:
+    """Fail before any compute if the run cannot write where it is told to."""
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        probe = output_dir / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(
+            f"output_dir = {str(output_dir)!r} is not writable ({exc.strerror or exc}); "
+            "choose another, e.g. output_dir=/tmp/my-run"
+        ) from None
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # CPU: the process's peak resident set size (ru_maxrss is KiB on Linux).
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe):
+        self.recipe = recipe
+        self.output_dir = Path(recipe.output_dir)
+        self.world_size = launch_world_size()
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.is_main = self.rank == 0
+
+        # Everything that can be checked without compute is checked before any process group exists.
+        self.plan: BatchPlan = plan_batches(recipe.batch, self.world_size, recipe.data.seq_len)
+        self.num_steps = num_training_steps(recipe.train.max_steps, recipe.train.max_tokens, self.plan)
+        check_optimizer_args(recipe.optim)
+        check_schedule(recipe.lr_schedule, self.num_steps)
+        check_precision(recipe)
+        check_output_dir(self.output_dir)
+
+        self.console = Console(recipe.logging.progress, enabled=self.is_main)
+        self.checkpointer = Checkpointer(None, self.output_dir, recipe.checkpoint, log=self.log)
+        # Plain file reads, done alike on every rank (checkpoints live on a filesystem all ranks share).
+        resume_from = self.checkpointer.resume_path()
+        resume_step = int(read_state(resume_from)["step"]) if resume_from is not None else None
+
+        trackers = build_trackers(recipe, self.output_dir, resume_step, self.is_main)
+        self.accelerator = build_accelerator(recipe, self.plan, self.output_dir, trackers)
+        self.checkpointer.accelerator = self.accelerator
+        self.device = self.accelerator.device
+        set_seed(recipe.train.seed)
+
+        with self.accelerator.main_process_first():
+            self.data = prepare_data(recipe.data, log=self.log)
+        self.tokenizer = self.data.tokenizer
+
+        vocab = resolve_vocab_size(recipe.model, len(self.tokenizer))
+        model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed)
+        self.num_params = count_parameters(model)
+        self.lr = scaled_lr(recipe.optim, self.plan.global_batch_size)
+        optimizer = build_optimizer(model, recipe.optim, self.lr)
+        scheduler = build_scheduler(optimizer, recipe.lr_schedule, self.num_steps)
+        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+
+        self.step = 0
+        self.tokens_seen = 0
+        if resume_from is not None:
+            state = self.checkpointer.load(resume_from, recipe.to_dict())
+            self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+
+        pin = self.device.type == "cuda"
+        self.train_loader, self.sample_order = build_train_loader(
+            self.data.train, recipe.data, self.plan, self.accelerator.process_index, recipe.train.seed, self.step, pin
+        )
+        self.val_loader = build_val_loader(
+            self.data.val, recipe.data, self.plan, self.accelerator.process_index, recipe.train.eval_batches, pin
+        )
+        # Targets per global batch: packed sequences have no padding, so every position is a target.
+        self.global_target_tokens = self.plan.tokens_per_step
+        self.loss_normaliser = self.global_target_tokens / (self.plan.world_size * self.plan.grad_accum_steps)
+        self._start_run_record()
+
+    # ---- setup helpers ----------------------------------------------------------------------------
+    def log(self, message: str) -> None:
+        if self.is_main:
+            if hasattr(self, "console"):
+                self.console.print(message)
+            else:
+                print(message, flush=True)
+
+    def run_config(self) -> dict[str, Any]:
+        return {
+            "recipe": self.recipe.to_dict(),
+            "plan": self.plan.to_dict(),
+            "dist": {
+                "world_size": self.accelerator.num_processes,
+                "num_machines": int(os.environ.get("ACCELERATE_NUM_MACHINES", os.environ.get("NUM_MACHINES", 1))),
+                "distributed_type": str(self.accelerator.distributed_type).split(".")[-1],
+                "device": str(self.device),
+                "mixed_precision": self.accelerator.mixed_precision,
+            },
+            "model": {"num_params": self.num_params, "vocab_size": len(self.tokenizer)},
+            "data": self.data.stats,
+            "train": {"num_steps": self.num_steps, "lr": self.lr},
+        }
+
+    def _start_run_record(self) -> None:
+        config = self.run_config()
+        if self.is_main:
+            (self.output_dir / "recipe.resolved.yaml").write_text(self.recipe.to_yaml())
+        self.accelerator.init_trackers(self.recipe.logging.project, config=flatten(config))
+        p = self.plan
+        self.log(
+            f"pretrain: {self.recipe.name} | world size {config['dist']['world_size']} "
+            f"({config['dist']['distributed_type']}, {config['dist']['device']}, {self.recipe.precision.dtype}) | "
+            f"{self.num_params:,} params | GBS {p.global_batch_size} = MBS {p.micro_batch_size} x GAS "
+            f"{p.grad_accum_steps} x world {p.world_size} | {p.tokens_per_step:,} tokens/step | "
+            f"{self.num_steps} steps | lr {self.lr:.3g} | output {self.output_dir}"
+        )
+
+    # ---- the loop -----------------------------------------------------------------------------------
+    def train(self) -> dict[str, float]:
+        recipe = self.recipe
+        last_metrics: dict[str, float] = {}
+        if self.step >= self.num_steps:
+            self.log(f"run already complete at step {self.step}/{self.num_steps}")
+            self.finish()
+            return last_metrics
+        if self.step == 0 and recipe.train.eval_at_start:
+            self.evaluate()
+
+        self.model.train()
+        batches = iter(self.train_loader)
+        meter = _IntervalMeter()
+        self.console.start(self.num_steps, self.step)
+        while self.step < self.num_steps:
+            step_metrics = self.train_step(batches, meter)
+            self.step += 1
+            self.tokens_seen += self.plan.tokens_per_step
+            meter.steps += 1
+            if self.should_log():
+                last_metrics = self.log_train(step_metrics, meter)
+                meter = _IntervalMeter()
+            else:
+                self.console.advance(self.step)
+            if self.should_eval():
+                meter.excluded_s += self.evaluate()
+            if self.checkpointer.should_save(self.step) or self.step == self.num_steps:
+                start = time.perf_counter()
+                self.checkpointer.save(self.step, self.trainer_state())
+                meter.excluded_s += time.perf_counter() - start
+        self.finish()
+        return last_metrics
+
+    def train_step(self, batches, meter: _IntervalMeter) -> dict[str, torch.Tensor]:
+        """One optimizer step: GAS micro-steps, clipping, update, schedule."""
+        acc, model = self.accelerator, self.model
+        loss_sum = torch.zeros((), device=self.device)
+        grad_norm = None
+        lr = self.optimizer.param_groups[0]["lr"]  # the lr this step uses
+        for _micro_step in range(self.plan.grad_accum_steps):
+            wait_start = time.perf_counter()
+            batch = next(batches).to(self.device)
+            meter.data_wait_s += time.perf_counter() - wait_start
+            with acc.accumulate(model):
+                out = model(
+                    input_ids=batch.input_ids,
+                    labels=batch.targets,
+                    shift_labels=batch.targets,
+                    num_items_in_batch=self.loss_normaliser,
+                )
+                acc.backward(out.loss)
+                loss_sum += out.loss.detach()
+                if acc.sync_gradients:
+                    clip = self.recipe.optim.grad_clip or float("inf")
+                    grad_norm = acc.clip_grad_norm_(model.parameters(), clip)
+                self.optimizer.step()
+                if acc.sync_gradients and not acc.optimizer_step_was_skipped:
+                    self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+        assert acc.sync_gradients, "the last micro-step of an optimizer step must synchronise gradients"
+        return {"loss_sum": loss_sum, "grad_norm": grad_norm, "lr": lr}
+
+    def should_log(self) -> bool:
+        every = self.recipe.train.log_every_steps
+        return self.step == 1 or self.step % every == 0 or self.step == self.num_steps
+
+    def should_eval(self) -> bool:
+        every = self.recipe.train.eval_every_steps
+        return self.step == self.num_steps or (every > 0 and self.step % every == 0)
+
+    def log_train(self, step_metrics: dict, meter: _IntervalMeter) -> dict[str, float]:
+        # Expensive device-to-host synchronization: only on logging steps.
+        loss = self.accelerator.reduce(step_metrics["loss_sum"], reduction="mean").item() / self.plan.grad_accum_steps
+        elapsed = max(meter.elapsed(), 1e-9)
+        tokens = meter.steps * self.plan.tokens_per_step
+        grad_norm = step_metrics["grad_norm"]
+        metrics = {
+            "train/loss": loss,
+            "train/ppl": math.exp(min(loss, 50.0)),
+            "train/lr": step_metrics["lr"],
+            "train/grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "train/tokens_seen": self.tokens_seen,
+            "perf/tokens_per_s": tokens / elapsed,
+            "perf/tokens_per_s_per_device": tokens / elapsed / self.plan.world_size,
+            "perf/step_time_s": elapsed / meter.steps,
+            "perf/data_wait_frac": meter.data_wait_s / elapsed,
+            "memory/peak_gib": peak_memory_gib(self.device),
+            **self.plan.as_metrics(),
+        }
+        metrics = {k: v for k, v in metrics.items() if v is not None}
+        self.accelerator.log(metrics, step=self.step)
+        self.console.step_summary(self.step, self.num_steps, metrics)
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Validation loss over the evaluation set (the same set on any world size). Returns seconds spent."""
+        start = time.perf_counter()
+        self.model.eval()
+        totals = torch.zeros(2, device=self.device, dtype=torch.float64)
+        for batch in self.val_loader:
+            batch = batch.to(self.device)
+            out = self.model(input_ids=batch.input_ids, labels=batch.targets, shift_labels=batch.targets,
+                             num_items_in_batch=1.0)
+            totals[0] += out.loss.double()
+            totals[1] += batch.targets.numel()
+        self.model.train()
+        # Expensive device-to-host synchronization.
+        loss_sum, count = self.accelerator.reduce(totals, reduction="sum").tolist()
+        val_loss = loss_sum / count
+        metrics = {"val/loss": val_loss, "val/ppl": math.exp(min(val_loss, 50.0)), "val/tokens": int(count)}
+        self.accelerator.log(metrics, step=self.step)
+        self.console.print(f"eval step {self.step}: val_loss {val_loss:.4f} | val_ppl {metrics['val/ppl']:.2f}")
+        return time.perf_counter() - start
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "samples_seen": self.step * self.plan.global_batch_size,
+            "data_cursor": {"kind": "global_step", "step": self.step, "seed": self.recipe.train.seed},
+            "num_steps": self.num_steps,
+            "plan": self.plan.to_dict(),
+            "recipe_fingerprint": self.recipe.fingerprint(),
+            "recipe": self.recipe.to_dict(),
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+        }
+
+    def finish(self) -> None:
+        self.console.close()
+        if self.recipe.checkpoint.save_final_model:
+            self.export_final_model()
+        self.accelerator.end_training()
+
+    def export_final_model(self) -> None:
+        acc = self.accelerator
+        state_dict = acc.get_state_dict(self.model)  # gathers ZeRO-3 / FSDP shards: every rank takes part
+        if acc.is_main_process:
+            final, tmp = self.output_dir / "final_model", self.output_dir / ".tmp-final_model"
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            model = acc.unwrap_model(self.model)
+            model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            self.tokenizer.save_pretrained(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            self.log(f"export: transformers model and tokenizer in {final}")
+        acc.wait_for_everyone()
+
+
+class _IntervalMeter:
+    """Wall time between logging steps, minus evaluation and checkpoint time."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.steps = 0
+        self.excluded_s = 0.0
+        self.data_wait_s = 0.0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start - self.excluded_s
