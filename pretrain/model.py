@@ -1,0 +1,259 @@
+"""The model a recipe describes: a transformers config, a layout-independent init, parameter counts.
+
+Nothing is downloaded: ``AutoModelForCausalLM.from_config`` builds the architecture with random weights,
+which ``init_weights`` then re-draws so that every module's values depend only on the seed, the
+module's name and the config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import hashlib
+import itertools
+
+import torch
+from accelerate import init_empty_weights
+from huggingface_hub.errors import StrictDataclassError
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from pretrain.config import ModelConfig
+from pretrain.errors import ConfigError
+
+VOCAB_MULTIPLE = 64
+"""A tokenizer's vocabulary is padded to a multiple of this (tensor-core friendly matmul shapes)."""
+
+# Our field -> the config attributes that can hold it, first match wins. GPT-2's config maps hidden_size,
+# num_hidden_layers, num_attention_heads and max_position_embeddings to n_embd, n_layer, n_head and
+# n_positions through its attribute_map; its MLP width is n_inner and its epsilon layer_norm_epsilon.
+_CONFIG_NAMES = {
+    "vocab_size": ("vocab_size",),
+    "hidden_size": ("hidden_size",),
+    "num_layers": ("num_hidden_layers",),
+    "num_heads": ("num_attention_heads",),
+    "num_kv_heads": ("num_key_value_heads",),
+    "intermediate_size": ("intermediate_size", "n_inner"),
+    "max_position_embeddings": ("max_position_embeddings",),
+    "rope_theta": ("rope_parameters",),  # transformers 5 turns a `rope_theta` argument into rope_parameters
+    "norm_eps": ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps"),
+    "init_std": ("initializer_range",),
+    "tie_embeddings": ("tie_word_embeddings",),
+}
+_NULLABLE = {"num_kv_heads", "intermediate_size", "rope_theta", "norm_eps"}  # null = the architecture's default
+_MEANING = {"num_kv_heads": "grouped-query attention", "rope_theta": "rotary position embeddings"}
+_COMMON_ARCHS = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox")
+_LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+
+
+def resolve_vocab_size(model_cfg: ModelConfig, tokenizer_vocab_size: int | None) -> int:
+    """Embedding rows: ``model.vocab_size`` if set, else the tokenizer's vocabulary rounded up to a
+    multiple of 64 (GPT-2's 50257 -> 50304); the padding rows are never targets."""
+    if model_cfg.vocab_size is not None:
+        if tokenizer_vocab_size is not None and model_cfg.vocab_size < tokenizer_vocab_size:
+            raise ConfigError(
+                f"model.vocab_size ({model_cfg.vocab_size}) is smaller than the tokenizer's vocabulary "
+                f"({tokenizer_vocab_size}): token ids past the embedding would crash; set model.vocab_size to "
+                f"at least {tokenizer_vocab_size}, or null to use {_round_up(tokenizer_vocab_size)}"
+            )
+        return model_cfg.vocab_size
+    if tokenizer_vocab_size is None:
+        raise ConfigError(
+            "model.vocab_size is null and there is no tokenizer to take the vocabulary size from; "
+            "set model.vocab_size (embedding rows)"
+        )
+    return _round_up(tokenizer_vocab_size)
+
+
+def _round_up(num_tokens: int) -> int:
+    return -(-num_tokens // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def hf_config(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> PreTrainedConfig:
+    """The transformers config of ``model.arch`` with our fields mapped to its attribute names.
+
+    Every non-null field must have a home in the architecture's config (a field that would be silently
+    ignored is an error). ``intermediate_size`` is required where the config has one (its default, e.g.
+    llama's 11008, ignores hidden_size). ``model.config_overrides`` must name existing attributes and is
+    applied last. ``use_cache`` is off: training never decodes.
+    """
+    arch = model_cfg.arch
+    if arch not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        near = difflib.get_close_matches(arch, list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), n=3, cutoff=0.6)
+        hint = f"did you mean {' or '.join(near)}?" if near else "valid types include " + ", ".join(_COMMON_ARCHS)
+        raise ConfigError(f"model.arch = {arch!r} is not a transformers model type with a causal-LM head; {hint}")
+    default = AutoConfig.for_model(arch)
+    kwargs, problems = _mapped_fields(model_cfg, default, vocab_size, seq_len)
+    attributes = sorted({*default.to_dict(), *default.attribute_map})
+    for key in model_cfg.config_overrides:
+        if not hasattr(default, key):
+            near = difflib.get_close_matches(key, attributes, n=3, cutoff=0.6)
+            hint = f"did you mean {' or '.join(near)}?" if near else f"see transformers' {type(default).__name__}"
+            problems.append(f"model.config_overrides.{key} is not an attribute of the {arch} config; {hint}")
+    if problems:
+        raise ConfigError(problems)
+    try:
+        return AutoConfig.for_model(arch, **{**kwargs, "use_cache": False, **model_cfg.config_overrides})
+    except (StrictDataclassError, ValueError, TypeError) as exc:
+        raise ConfigError(f"model (arch {arch}): transformers rejects the config: {exc}") from None
+
+
+def _mapped_fields(
+    model_cfg: ModelConfig, default: PreTrainedConfig, vocab_size: int, seq_len: int
+) -> tuple[dict, list[str]]:
+    """Our fields as keyword arguments of the arch's config, and the problems found on the way."""
+    arch = default.model_type
+    max_positions = model_cfg.max_position_embeddings or seq_len
+    values = {
+        **model_cfg.model_dump(include=set(_CONFIG_NAMES)),
+        "vocab_size": vocab_size,
+        "num_kv_heads": model_cfg.num_kv_heads or model_cfg.num_heads,
+        "max_position_embeddings": max_positions,
+    }
+    problems = []
+    if max_positions < seq_len:
+        problems.append(
+            f"model.max_position_embeddings ({max_positions}) is shorter than data.seq_len ({seq_len}); "
+            "raise it or set it to null (= data.seq_len)"
+        )
+    kwargs = {}
+    for field, names in _CONFIG_NAMES.items():
+        value = values[field]
+        name = next((n for n in names if hasattr(default, n)), None)
+        if name == "intermediate_size" and value is None:
+            problems.append(
+                f"model.intermediate_size is required for arch {arch} (its default {default.intermediate_size} "
+                "does not follow hidden_size); set the MLP width, e.g. 8/3 x hidden_size for SwiGLU"
+            )
+        elif value is None:
+            continue
+        elif name is not None:
+            kwargs["rope_theta" if name == "rope_parameters" else name] = value
+        elif field == "num_kv_heads" and value == model_cfg.num_heads:
+            continue  # multi-head attention is what an arch without GQA does anyway
+        elif field in _NULLABLE:
+            what = _MEANING.get(field, f"`{names[0]}`")
+            problems.append(f"model.{field} = {value}, but the {arch} config has no {what}; set model.{field} to null")
+        else:
+            problems.append(f"model.arch = {arch} is not supported: its config has no `{names[0]}` (model.{field})")
+    return kwargs, problems
+
+
+def build_model(
+    model_cfg: ModelConfig, vocab_size: int, seq_len: int, *, seed: int, meta: bool = False
+) -> PreTrainedModel:
+    """The causal LM in fp32 (mixed precision casts at run time), initialised by ``init_weights(seed)``.
+
+    ``meta=True`` builds every parameter on the meta device (no memory, no init): shapes and counts of a
+    70B model in seconds, for dry runs and tests.
+    """
+    config = hf_config(model_cfg, vocab_size, seq_len)
+    with init_empty_weights() if meta else contextlib.nullcontext():
+        try:
+            model = AutoModelForCausalLM.from_config(
+                config, attn_implementation=model_cfg.attention, dtype=torch.float32
+            )
+        except ImportError as exc:
+            raise ConfigError(
+                f"model.attention = {model_cfg.attention} cannot be used here: {exc}; try sdpa"
+            ) from None
+    model.tie_weights()  # init_empty_weights re-creates every parameter it registers, which unties them
+    if not meta:
+        init_weights(model, seed)
+    if model_cfg.activation_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def init_weights(model: PreTrainedModel, seed: int) -> None:
+    """Re-draw every parameter with transformers' own rules (``model._init_weights``), each module from
+    a generator seeded by (seed, the module's qualified name).
+
+    So a module's values do not depend on how many modules were built before it, on the global RNG, on
+    the world size or on ZeRO-3 partitioning: the same layer gets the same weights in any layout.
+    Modules are visited children first, as transformers does, because a parent's rule may overwrite a
+    child's (GPT-2 rescales attn.c_proj by 1/sqrt(2 x layers)); the rule of a parent may touch its direct
+    children's parameters, so those are gathered with it. Draws come from the CPU generator (parameters
+    elsewhere are copied there and back): CPU and CUDA generators give different numbers for one seed.
+    """
+    # transformers' init functions skip tensors flagged as already loaded (from_pretrained, resized
+    # embeddings); here every tensor is to be drawn.
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if hasattr(tensor, "_is_hf_initialized"):
+            del tensor._is_hf_initialized
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        for name, module in reversed(list(model.named_modules())):
+            family = itertools.chain([module], module.children())
+            params = list({id(p): p for m in family for p in m.parameters(recurse=False)}.values())
+            with _gathered(params), _on_cpu(params):
+                torch.default_generator.manual_seed(_module_seed(seed, name))
+                model._init_weights(module)
+
+
+def _module_seed(seed: int, name: str) -> int:
+    """A stable 63-bit seed from the run seed and a module name (Python's hash() is salted per process)."""
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _gathered(params: list[torch.nn.Parameter]):
+    """Under DeepSpeed ZeRO-3 (zero.Init) parameters are partitioned at construction: gather the full
+    tensors for the init. Every rank draws the same values; rank 0's are kept."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+
+
+@contextlib.contextmanager
+def _on_cpu(params: list[torch.nn.Parameter]):
+    """Let the init draw on CPU copies of parameters that live elsewhere, then copy the values back."""
+    moved = [(p, p.data) for p in params if p.device.type != "cpu"]
+    for p, data in moved:
+        p.data = data.to("cpu")
+    try:
+        yield
+    finally:
+        for p, data in moved:
+            data.copy_(p.data)
+            p.data = data
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Unique parameters (a tied embedding counts once); works on meta and ZeRO-3 partitioned models."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
+def closed_form_num_params(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> int:
+    """Parameter count from the architecture's formula, without building the model.
+
+    V vocab, d hidden, L layers, f MLP width, P positions, q = heads x head_dim, k = kv_heads x head_dim;
+    the LM head adds V d unless tied.
+
+    llama, mistral, qwen2 (SwiGLU MLP, RMSNorm, no position table):
+        V d + L (d q + 2 d k + q d + 3 d f + 2 d) + d
+        + biases: q/k/v (q + 2 k: qwen2, llama with attention_bias), o_proj (d: llama attention_bias),
+          MLP (2 f + d: llama mlp_bias)
+    gpt2 (f = 4 d unless set; every matrix has a bias, LayerNorms have weight and bias):
+        V d + P d + L (2 x 2 d + (3 d^2 + 3 d) + (d^2 + d) + (d f + f) + (f d + d)) + 2 d
+    """
+    cfg = hf_config(model_cfg, vocab_size, seq_len)
+    arch = cfg.model_type
+    V, d, L = cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers
+    lm_head = 0 if cfg.tie_word_embeddings else V * d
+    if arch == "gpt2":
+        f = cfg.n_inner or 4 * d
+        block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
+        return V * d + cfg.n_positions * d + L * block + 2 * d + lm_head
+    if arch in _LLAMA_FAMILY:
+        head_dim = getattr(cfg, "head_dim", None) or d // cfg.num_attention_heads
+        q, k, f = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim, cfg.intermediate_size
+        attention_bias = getattr(cfg, "attention_bias", False)
+        qkv_bias = attention_bias or arch == "qwen2"  # qwen2's q/k/v projections always have biases
+        biases = (q + 2 * k if qkv_bias else 0) + (d if attention_bias else 0)
+        biases += 2 * f + d if getattr(cfg, "mlp_bias", False) else 0
+        block = d * q + 2 * d * k + q * d + 3 * d * f + 2 * d + biases
+        return V * d + L * block + d + lm_head
+    known = ", ".join((*_LLAMA_FAMILY, "gpt2"))
+    raise ConfigError(f"no parameter-count formula for model.arch = {arch}; formulas exist for {known}")

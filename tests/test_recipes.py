@@ -1,0 +1,57 @@
+"""Every shipped recipe loads, builds on the meta device, and has the parameter count it claims."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from pretrain.config import load_recipe
+from pretrain.model import build_model, closed_form_num_params, count_parameters, resolve_vocab_size
+
+RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+
+# Published counts (Llama 2 model cards) and the counts the recipes state in their comments.
+EXPECTED_NUM_PARAMS = {
+    "7b": 6_738_415_616,
+    "13b": 13_015_864_320,
+    "70b": 68_976_648_192,
+    "llama-1b": 1_235_814_400,  # = Llama-3.2-1B
+    "gpt2-124m": 124_475_904,  # GPT-2 small with the vocabulary padded to 50,304
+}
+
+
+def build(recipe):
+    """Meta-build the recipe's model; a null model.vocab_size comes from its (untrained) tokenizer's size."""
+    tokenizer_size = recipe.data.tokenizer_vocab_size if recipe.model.vocab_size is None else None
+    vocab_size = resolve_vocab_size(recipe.model, tokenizer_size)
+    start = time.perf_counter()
+    model = build_model(recipe.model, vocab_size, recipe.data.seq_len, seed=recipe.train.seed, meta=True)
+    return model, vocab_size, time.perf_counter() - start
+
+
+def test_recipes_exist():
+    assert {p.stem for p in RECIPES} >= set(EXPECTED_NUM_PARAMS)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_recipe_builds_with_its_closed_form_parameter_count(path):
+    recipe = load_recipe(path)
+    model, vocab_size, seconds = build(recipe)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert seconds < 10, f"meta build of {path.name} took {seconds:.1f} s"
+    assert count_parameters(model) == closed_form_num_params(recipe.model, vocab_size, recipe.data.seq_len)
+    if recipe.name in EXPECTED_NUM_PARAMS:
+        assert count_parameters(model) == EXPECTED_NUM_PARAMS[recipe.name]
+
+
+def test_larger_llama2_recipes_inherit_the_7b_run():
+    base = load_recipe(RECIPES[0].parent / "7b.yaml")
+    for name in ("13b", "70b"):
+        recipe = load_recipe(RECIPES[0].parent / f"{name}.yaml")
+        assert recipe.name == name
+        assert (recipe.data, recipe.batch, recipe.train, recipe.precision) == (
+            base.data, base.batch, base.train, base.precision
+        )
+        assert recipe.model.activation_checkpointing and recipe.model.norm_eps == 1e-5
