@@ -44,8 +44,9 @@ def check_precision(recipe: Recipe) -> None:
 def build_accelerator(recipe: Recipe, plan: BatchPlan, output_dir: Path, trackers: list) -> Accelerator:
     check_precision(recipe)
     handlers = []
-    if not torch.cuda.is_available():
-        # Without an explicit gloo group a CPU launch can end up with mismatched process groups.
+    if not torch.cuda.is_available() and plan.world_size > 1:
+        # A multi-process CPU launch needs an explicit gloo group; without it DeepSpeed and accelerate
+        # can disagree about the world size. (A single process must not get one: it has no group.)
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
     prec = recipe.precision
     if prec.dtype == "fp16":

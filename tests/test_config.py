@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from pretrain.config import Recipe, apply_overrides, load_recipe
 from pretrain.errors import ConfigError
@@ -134,7 +135,7 @@ def test_override_without_equals_is_an_error():
 
 def test_recipe_is_frozen(tmp_path):
     recipe = load_recipe(write(tmp_path / "r.yaml", MINIMAL))
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         recipe.train = None  # type: ignore[misc]
 
 

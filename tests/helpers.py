@@ -1,0 +1,67 @@
+"""Launch the real entry point in subprocesses and read what runs write."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = str(ROOT / "pretrain" / "run.py")
+TINY = str(ROOT / "recipes" / "tiny.yaml")
+
+# A smaller, faster variant of the tiny recipe for tests that check mechanics, not learning.
+FAST = [
+    "model.hidden_size=64",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.intermediate_size=128",
+    "data.seq_len=64",
+    "batch.global_batch_size=8",
+    "batch.micro_batch_size=4",
+    "lr_schedule.warmup_steps=1",
+    "train.eval_batches=2",
+    "train.log_every_steps=1",
+    "logging.progress=plain",
+]
+
+
+def env(**extra: str) -> dict[str, str]:
+    out = dict(os.environ)
+    out.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline", "DS_ACCELERATOR": "cpu",
+                "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
+    out.setdefault("PRETRAIN_CACHE_DIR", str(ROOT / ".cache" / "pretrain"))
+    out.update(extra)
+    return out
+
+
+def run_cmd(cmd: list[str], timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def train(args: list[str], recipe: str = TINY, timeout: float = 600) -> subprocess.CompletedProcess:
+    return run_cmd([sys.executable, RUN, "--recipe", recipe, *args], timeout=timeout)
+
+
+def accelerate_launch(config: str, args: list[str], recipe: str = TINY, extra: list[str] = (), timeout: float = 900):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
+           *extra, RUN, "--recipe", recipe, *args]
+    return run_cmd(cmd, timeout=timeout)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["train/loss"] for m in metrics(run_dir) if "train/loss" in m}
+
+
+def val_losses(run_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["val/loss"] for m in metrics(run_dir) if "val/loss" in m}
+
+
+def check_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}"

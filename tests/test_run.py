@@ -1,0 +1,167 @@
+"""End to end: the real entry point trains, logs, checkpoints, resumes exactly and exports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import FAST, RUN, TINY, check_ok, env, metrics, train, train_losses, val_losses
+
+pytestmark = pytest.mark.slow
+
+REQUIRED_KEYS = {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "batch/mbs", "batch/gbs",
+                 "batch/gas", "batch/tokens_per_step"}
+
+
+def test_demo_recipe_learns_three_nats(tmp_path):
+    """The README demo, unchanged: the final validation loss is >= 3 nats below the untrained model's."""
+    start = time.perf_counter()
+    proc = train([f"output_dir={tmp_path / 'demo'}"])
+    elapsed = time.perf_counter() - start
+    check_ok(proc)
+    val = val_losses(tmp_path / "demo")
+    print(f"\ndemo: {elapsed:.0f}s, val loss {val}")
+    assert min(val) == 0 and max(val) == 400
+    assert val[0] - val[400] >= 3.0, val
+    assert elapsed < 300, f"the demo took {elapsed:.0f}s on this machine (budget: 5 minutes)"
+
+
+def test_metrics_files_and_final_model(tmp_path):
+    out = tmp_path / "run"
+    check_ok(train([*FAST, "train.max_steps=6", "train.log_every_steps=3", f"output_dir={out}"]))
+    records = metrics(out)
+    train_steps = [r["step"] for r in records if "train/loss" in r]
+    assert train_steps == [1, 3, 6]  # step 1, every N, and the last
+    for record in records:
+        if "train/loss" in record:
+            assert REQUIRED_KEYS <= record.keys()
+            assert record["batch/gbs"] == 8 and record["batch/mbs"] == 4 and record["batch/gas"] == 2
+            assert record["batch/tokens_per_step"] == 8 * 64
+    assert [r["step"] for r in records if "val/loss" in r] == [0, 6]
+    resolved = (out / "recipe.resolved.yaml").read_text()
+    assert "hidden_size: 64" in resolved
+    run_config = json.loads((out / "run_config.json").read_text())
+    assert run_config["dist/world_size"] == 1 and run_config["plan/grad_accum_steps"] == 2
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out / "final_model")
+    tokenizer = AutoTokenizer.from_pretrained(out / "final_model")
+    ids = tokenizer("import os\n", return_tensors="pt").input_ids
+    generated = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert generated.shape[1] == ids.shape[1] + 8
+    assert isinstance(tokenizer.decode(generated[0]), str)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended (exit {proc.returncode}) before {path} appeared:\n{proc.stdout.read()}")
+        if time.time() > deadline:
+            raise AssertionError(f"{path} did not appear within {timeout}s")
+        time.sleep(0.05)
+
+
+def test_kill_9_then_rerun_resumes_exactly(tmp_path):
+    args = [*FAST, "train.max_steps=20", "checkpoint.every_steps=10", "checkpoint.keep_last=0"]
+    reference = tmp_path / "reference"
+    check_ok(train([*args, f"output_dir={reference}"]))
+
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, RUN, "--recipe", TINY, *args, f"output_dir={killed}"]
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    _wait_for(killed / "checkpoints" / "step_00000010" / "trainer_state.json", proc, timeout=300)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "final_model").exists()
+
+    check_ok(again := train([*args, f"output_dir={killed}"]))  # the same command, nothing added
+    assert "resume: continuing from" in again.stdout and "at step 10" in again.stdout
+
+    expected, resumed = train_losses(reference), train_losses(killed)
+    assert sorted(resumed) == list(range(1, 21))  # redone steps replaced the lost ones, none twice
+    for step in range(11, 21):
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-6), (step, resumed[step], expected[step])
+    steps_logged = [m["step"] for m in metrics(killed) if "train/loss" in m]
+    assert len(steps_logged) == len(set(steps_logged))
+
+
+def test_finished_run_started_again_does_not_retrain(tmp_path):
+    out = tmp_path / "run"
+    check_ok(train([*FAST, "train.max_steps=3", f"output_dir={out}"]))
+    before = (out / "metrics.jsonl").read_text()
+    again = train([*FAST, "train.max_steps=3", f"output_dir={out}"])
+    check_ok(again)
+    assert "run already complete at step 3/3" in again.stdout
+    assert (out / "metrics.jsonl").read_text() == before
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.source=/nonexistent/corpus"], "data.source"),
+        (["batch.global_batch_size=10", "batch.micro_batch_size=4"],
+         "batch.global_batch_size (10) is not divisible by batch.micro_batch_size (4)"),
+        (["precision.dtype=fp16"], "precision.dtype=fp16 needs a CUDA GPU"),
+        (["optim.name=Adamm"], "optim.name = 'Adamm' is not a torch.optim optimizer"),
+        (["model.hiden_size=3"], "did you mean 'model.hidden_size'"),
+    ],
+)
+def test_bad_input_is_one_message_exit_2_no_traceback(tmp_path, overrides, message):
+    proc = train([*FAST, "train.max_steps=2", f"output_dir={tmp_path / 'r'}", *overrides])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_empty_corpus_and_unwritable_output_dir(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").write_text("   \n")
+    proc = train([*FAST, "train.max_steps=2", f"data.source={empty}", f"output_dir={tmp_path / 'r'}",
+                  f"data.cache_dir={tmp_path / 'cache'}"])
+    assert proc.returncode == 2 and "has no text" in proc.stderr and "Traceback" not in proc.stderr
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    proc = train([*FAST, "train.max_steps=2", f"output_dir={blocker / 'run'}"])
+    assert proc.returncode == 2 and "is not writable" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_non_utf8_text_is_replaced_and_counted_not_fatal(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(40):
+        (corpus / f"doc{i}.txt").write_text(f"def function_{i}(x):\n    return x * {i} + 1\n" * 30)
+    (corpus / "latin1.txt").write_bytes("caf\xe9 cr\xe8me br\xfbl\xe9e\n".encode("latin-1") * 50)
+    out = tmp_path / "run"
+    proc = train([*FAST, "train.max_steps=2", f"data.source={corpus}", "data.tokenizer_vocab_size=300",
+                  f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={out}"])
+    check_ok(proc)
+    assert "non-UTF-8" in proc.stdout
+    assert len(train_losses(out)) == 2
+
+
+def test_print_config_and_dry_run_of_7b_without_allocating():
+    proc = subprocess.run([sys.executable, RUN, "--recipe", TINY, "--print-config", "train.max_steps=40"],
+                          env=env(), capture_output=True, text=True, timeout=120)
+    check_ok(proc)
+    assert "max_steps: 40" in proc.stdout and proc.stdout.startswith("name: tiny")
+
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, RUN, "--recipe", str(Path(TINY).parent / "7b.yaml"), "--dry-run"],
+                          env=env(WORLD_SIZE="8"), capture_output=True, text=True, timeout=120)
+    check_ok(proc)
+    assert "6,738,415,616 parameters" in proc.stdout
+    assert "world 8: GBS 1024 = MBS 1 x GAS 128 x world 8" in proc.stdout
+    assert "4,194,304" in proc.stdout  # tokens per step: 1024 x 4096
+    assert time.perf_counter() - start < 60
