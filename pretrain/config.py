@@ -310,6 +310,35 @@ class LoggingConfig(Section):
         return value
 
 
+class DeepSpeedSection(Section):
+    """Used only when the accelerate config launches DeepSpeed; the ZeRO stage and offload come from there."""
+
+    optimizer: Literal["auto", "torch", "deepspeed"] = Field(
+        "auto",
+        description="`torch`: the recipe's torch.optim optimizer as DeepSpeed's client optimizer (no JIT op build); "
+        "`deepspeed`: DeepSpeed's fused / CPU Adam with the recipe's hyper-parameters; `auto`: deepspeed when the "
+        "DeepSpeed JSON has an `optimizer` block, torch otherwise.",
+    )
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(
+        None, description="dtype of gradient all-reduce / reduce-scatter; null = DeepSpeed's default (the compute dtype)."
+    )
+    prescale_gradients: bool = Field(False, description="Divide gradients by the world size before the all-reduce.")
+    reduce_bucket_size: int | None = Field(None, gt=0, description="ZeRO reduce bucket (elements); null = DeepSpeed's 5e8.")
+    allgather_bucket_size: int | None = Field(
+        None, gt=0, description="ZeRO-1/2 all-gather bucket (elements); null = DeepSpeed's 5e8."
+    )
+    overlap_comm: bool | None = Field(None, description="Overlap gradient reduction with backward; null = default.")
+    contiguous_gradients: bool | None = Field(None, description="Copy gradients into a contiguous buffer; null = default.")
+    stage3_prefetch_bucket_size: int | None = Field(None, gt=0, description="ZeRO-3 parameter prefetch (elements).")
+    stage3_param_persistence_threshold: int | None = Field(
+        None, ge=0, description="ZeRO-3: parameters smaller than this (elements) stay unpartitioned."
+    )
+    stage3_max_live_parameters: int | None = Field(None, gt=0, description="ZeRO-3: parameters resident at once (elements).")
+    steps_per_print: int = Field(0, ge=0, description="DeepSpeed's own progress print every N steps; 0 = never.")
+    wall_clock_breakdown: bool = Field(False, description="DeepSpeed's forward/backward/step timing breakdown.")
+    dump_state: bool = Field(False, description="Print DeepSpeed's state after initialisation.")
+
+
 class Recipe(Section):
     name: str | None = Field(None, description="Recipe name; null = the file name without .yaml.")
     description: str = Field("", description="Free text shown in --print-config.")
@@ -322,6 +351,7 @@ class Recipe(Section):
     train: TrainConfig
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
     output_dir: str | None = Field(None, description="Where the run writes; null = runs/<name>.")
 
     def to_dict(self) -> dict[str, Any]:

@@ -104,3 +104,17 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduleConfig, num
         num_training_steps=num_steps,
         scheduler_specific_kwargs=extra,
     )
+
+
+def deepspeed_optimizer(model: nn.Module, recipe, lr: float, num_steps: int):
+    """Placeholders that let DeepSpeed build its own (fused / CPU) Adam on our parameter groups.
+
+    The schedule is still transformers': DeepSpeed calls the callable with the optimizer it built.
+    """
+    from accelerate.utils import DummyOptim, DummyScheduler
+
+    optimizer = DummyOptim(param_groups(model, recipe.optim), lr=lr, weight_decay=recipe.optim.weight_decay)
+    scheduler = DummyScheduler(
+        optimizer, lr_scheduler_callable=lambda built: build_scheduler(built, recipe.lr_schedule, num_steps)
+    )
+    return optimizer, scheduler

@@ -7,14 +7,23 @@ machines, DDP / FSDP / DeepSpeed). Where the launch's config also names a precis
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DynamoBackend, GradScalerKwargs, InitProcessGroupKwargs, TorchDynamoPlugin
+from accelerate.utils import (
+    DeepSpeedPlugin,
+    DynamoBackend,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    TorchDynamoPlugin,
+)
 
 from pretrain.batching import BatchPlan
 from pretrain.config import Recipe
+from pretrain.deepspeed import DeepSpeedLaunch, build_deepspeed_config, is_deepspeed_launch, read_user_config
 from pretrain.errors import ConfigError
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -41,8 +50,35 @@ def check_precision(recipe: Recipe) -> None:
         )
 
 
-def build_accelerator(recipe: Recipe, plan: BatchPlan, output_dir: Path, trackers: list) -> Accelerator:
+@dataclass
+class Runtime:
+    accelerator: Accelerator
+    deepspeed_config: dict[str, Any] | None  # None unless launched with DeepSpeed
+    deepspeed_optimizer: bool  # DeepSpeed builds the optimizer (DummyOptim) instead of the torch client one
+
+
+def deepspeed_plugin(recipe: Recipe, plan: BatchPlan, lr: float) -> tuple[DeepSpeedPlugin, dict, bool]:
+    launch = DeepSpeedLaunch.from_env()
+    user = read_user_config(launch.config_file) if launch.config_file else None
+    config, ds_optimizer = build_deepspeed_config(recipe, plan, launch, lr, user)
+    stage = config["zero_optimization"]["stage"]
+    zero3_init = launch.zero3_init if launch.zero3_init is not None else stage == 3
+    # accelerate refuses a config dict next to accelerate-config DeepSpeed fields, assuming the dict is a
+    # user's file that would silently win. Ours already merged those fields (conflicts are errors).
+    hidden = os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
+    try:
+        plugin = DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=zero3_init and stage == 3)
+    finally:
+        if hidden is not None:
+            os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = hidden
+    # accelerate silences DeepSpeed's own step printing; the recipe decides (deepspeed.steps_per_print).
+    plugin.deepspeed_config["steps_per_print"] = config["steps_per_print"]
+    return plugin, plugin.deepspeed_config, ds_optimizer
+
+
+def build_accelerator(recipe: Recipe, plan: BatchPlan, output_dir: Path, trackers: list, lr: float) -> Runtime:
     check_precision(recipe)
+    plugin, ds_config, ds_optimizer = deepspeed_plugin(recipe, plan, lr) if is_deepspeed_launch() else (None, None, False)
     handlers = []
     if not torch.cuda.is_available() and plan.world_size > 1:
         # A multi-process CPU launch needs an explicit gloo group; without it DeepSpeed and accelerate
@@ -59,6 +95,9 @@ def build_accelerator(recipe: Recipe, plan: BatchPlan, output_dir: Path, tracker
         handlers.append(scaler)
     dynamo = TorchDynamoPlugin(backend=DynamoBackend.INDUCTOR) if recipe.model.compile else None
     accelerator = Accelerator(
+        # No CUDA and not DeepSpeed: run as MULTI_CPU over gloo. Without this, processes started by
+        # torchrun on a CPU box would each become an unrelated single-process run.
+        cpu=not torch.cuda.is_available() and plugin is None,
         mixed_precision=MIXED_PRECISION[prec.dtype],
         gradient_accumulation_steps=plan.grad_accum_steps,
         # The trainer steps the LR scheduler once per optimizer step itself. By default accelerate's
@@ -68,10 +107,11 @@ def build_accelerator(recipe: Recipe, plan: BatchPlan, output_dir: Path, tracker
         project_dir=str(output_dir),
         kwargs_handlers=handlers,
         dynamo_plugin=dynamo,
+        deepspeed_plugin=plugin,
     )
     if accelerator.num_processes != plan.world_size:
         raise ConfigError(
             f"the launch reported WORLD_SIZE={plan.world_size} but accelerate started {accelerator.num_processes} "
             "processes; check the accelerate config's num_processes / distributed_type"
         )
-    return accelerator
+    return Runtime(accelerator, ds_config, ds_optimizer)

@@ -11,6 +11,7 @@ divides by GAS and data parallelism averages over world, which leaves exactly su
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import resource
@@ -30,7 +31,14 @@ from pretrain.data import prepare_data
 from pretrain.errors import ConfigError
 from pretrain.loader import build_train_loader, build_val_loader
 from pretrain.model import build_model, count_parameters, resolve_vocab_size
-from pretrain.optim import build_optimizer, build_scheduler, check_optimizer_args, check_schedule, scaled_lr
+from pretrain.optim import (
+    build_optimizer,
+    build_scheduler,
+    check_optimizer_args,
+    check_schedule,
+    deepspeed_optimizer,
+    scaled_lr,
+)
 from pretrain.runtime import build_accelerator, check_precision, launch_world_size
 from pretrain.tracking import Console, build_trackers, flatten
 
@@ -47,6 +55,12 @@ def check_output_dir(output_dir: Path) -> None:
             f"output_dir = {str(output_dir)!r} is not writable ({exc.strerror or exc}); "
             "choose another, e.g. output_dir=/tmp/my-run"
         ) from None
+
+
+def write_json(path: Path, value: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2, sort_keys=True, default=str))
+    os.replace(tmp, path)
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -78,8 +92,10 @@ class Trainer:
         resume_from = self.checkpointer.resume_path()
         resume_step = int(read_state(resume_from)["step"]) if resume_from is not None else None
 
+        self.lr = scaled_lr(recipe.optim, self.plan.global_batch_size)
         trackers = build_trackers(recipe, self.output_dir, resume_step, self.is_main)
-        self.accelerator = build_accelerator(recipe, self.plan, self.output_dir, trackers)
+        self.runtime = build_accelerator(recipe, self.plan, self.output_dir, trackers, self.lr)
+        self.accelerator = self.runtime.accelerator
         self.checkpointer.accelerator = self.accelerator
         self.device = self.accelerator.device
         set_seed(recipe.train.seed)
@@ -91,10 +107,14 @@ class Trainer:
         vocab = resolve_vocab_size(recipe.model, len(self.tokenizer))
         model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed)
         self.num_params = count_parameters(model)
-        self.lr = scaled_lr(recipe.optim, self.plan.global_batch_size)
-        optimizer = build_optimizer(model, recipe.optim, self.lr)
-        scheduler = build_scheduler(optimizer, recipe.lr_schedule, self.num_steps)
+        if self.runtime.deepspeed_optimizer:
+            optimizer, scheduler = deepspeed_optimizer(model, recipe, self.lr, self.num_steps)
+        else:
+            optimizer = build_optimizer(model, recipe.optim, self.lr)
+            scheduler = build_scheduler(optimizer, recipe.lr_schedule, self.num_steps)
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        if self.runtime.deepspeed_config is not None and self.is_main:
+            write_json(self.output_dir / "deepspeed_config.json", self.runtime.deepspeed_config)
 
         self.step = 0
         self.tokens_seen = 0

@@ -1,0 +1,243 @@
+"""FLOPs per token against PyTorch's FLOP counter, the peak table, MFU and memory metrics."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from pretrain.config import ModelConfig
+from pretrain.errors import ConfigError
+from pretrain.metrics import (
+    CONVENTION,
+    PEAK_TFLOPS,
+    Peak,
+    flops_per_token,
+    match_device,
+    measure_cpu_peak_tflops,
+    memory_metrics,
+    mfu,
+    resolve_peak,
+)
+from pretrain.model import build_model, hf_config
+
+SMALL = {"vocab_size": 256, "max_position_embeddings": 256, "bos_token_id": None, "eos_token_id": None,
+         "pad_token_id": None}  # fmt: skip
+LLAMA = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 176, **SMALL}
+GPT2 = {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256, "n_positions": 256,
+        "bos_token_id": None, "eos_token_id": None}  # fmt: skip
+
+
+def counted_flops_per_token(model: torch.nn.Module, vocab_size: int, batch: int, seq_len: int) -> float:
+    """FLOPs of one training step (forward + backward) counted by PyTorch, per token."""
+    model.train()
+    input_ids = torch.randint(0, vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+    return counter.get_total_flops() / (batch * seq_len)
+
+
+def build(arch: str, checkpointing: bool = False, **config) -> tuple[torch.nn.Module, object]:
+    cfg = AutoConfig.for_model(arch, use_cache=False, **config)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    if checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    return model, cfg
+
+
+# (arch, config, batch, seq_len): MHA, GQA, MQA with tied embeddings, GPT-2 (biases, n_inner default 4d).
+TRAIN_CASES = {
+    "llama-mha": ("llama", {**LLAMA, "num_key_value_heads": 4}, 2, 128),
+    "llama-gqa": ("llama", {**LLAMA, "num_key_value_heads": 2}, 1, 256),
+    "llama-mqa-tied": ("llama", {**LLAMA, "num_key_value_heads": 1, "tie_word_embeddings": True}, 2, 64),
+    "gpt2": ("gpt2", GPT2, 2, 128),
+    "gpt2-n_inner": ("gpt2", {**GPT2, "n_inner": 100}, 1, 64),
+}
+
+
+@pytest.mark.parametrize("case", list(TRAIN_CASES))
+def test_model_flops_match_flop_counter(case):
+    arch, config, batch, seq_len = TRAIN_CASES[case]
+    model, cfg = build(arch, **config)
+    counted = counted_flops_per_token(model, cfg.vocab_size, batch, seq_len)
+    flops = flops_per_token(cfg, seq_len)
+    assert flops.model_flops == pytest.approx(counted, rel=0.02)
+    assert flops.hardware_flops == flops.model_flops  # nothing is recomputed without checkpointing
+
+
+def test_gqa_shrinks_only_key_value_weights():
+    mha = flops_per_token(AutoConfig.for_model("llama", **LLAMA, num_key_value_heads=4), 128)
+    gqa = flops_per_token(AutoConfig.for_model("llama", **LLAMA, num_key_value_heads=1), 128)
+    d, kv_saved = 64, 3 * 16  # k and v lose 3 of 4 heads of 16 dims, in both layers
+    assert mha.num_params_non_embedding - gqa.num_params_non_embedding == 2 * 2 * d * kv_saved
+    # attention-score FLOPs follow the query heads, so they are unchanged
+    assert mha.model_flops - gqa.model_flops == 6 * 2 * 2 * d * kv_saved
+
+
+def test_tied_lm_head_still_counts():
+    untied = flops_per_token(AutoConfig.for_model("llama", **LLAMA), 64)
+    tied = flops_per_token(AutoConfig.for_model("llama", **LLAMA, tie_word_embeddings=True), 64)
+    assert tied == untied
+
+
+# Activation checkpointing recomputes each block's forward except the MLP down projection, unless a
+# dropout or norm after it (GPT-2's resid_pdrop, on by default; OLMo-2's post-norm) saves its output.
+CHECKPOINT_CASES = {
+    "llama-gqa": ("llama", {**LLAMA, "num_key_value_heads": 2}),
+    "gpt2-dropout": ("gpt2", GPT2),
+    "gpt2-no-dropout": ("gpt2", {**GPT2, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
+    "olmo2-post-norm": ("olmo2", {**LLAMA, "num_key_value_heads": 2}),
+}
+
+
+@pytest.mark.parametrize("case", list(CHECKPOINT_CASES))
+def test_hardware_flops_match_flop_counter_with_checkpointing(case):
+    arch, config = CHECKPOINT_CASES[case]
+    model, cfg = build(arch, checkpointing=True, **config)
+    counted = counted_flops_per_token(model, cfg.vocab_size, 2, 128)
+    flops = flops_per_token(cfg, 128, activation_checkpointing=True)
+    assert flops.hardware_flops == pytest.approx(counted, rel=0.02)
+    assert flops.hardware_flops > flops.model_flops
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "gemma", "olmo", "gpt_neox"])
+def test_other_architectures_match_flop_counter(arch):
+    extra = {"head_dim": 32} if arch in ("gemma", "qwen3") else {}  # head_dim != hidden / heads
+    config = {**LLAMA, **extra} if arch == "gpt_neox" else {**LLAMA, "num_key_value_heads": 2, **extra}
+    model, cfg = build(arch, **config)
+    counted = counted_flops_per_token(model, cfg.vocab_size, 1, 64)
+    assert flops_per_token(cfg, 64).model_flops == pytest.approx(counted, rel=0.02)
+
+
+def test_recipe_model_with_activation_checkpointing():
+    """The config and model the trainer builds (pretrain.model) agree too, checkpointing on."""
+    model_cfg = ModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                            intermediate_size=176, attention="eager", activation_checkpointing=True)
+    model = build_model(model_cfg, 256, 64, seed=0)
+    counted = counted_flops_per_token(model, 256, 2, 64)
+    flops = flops_per_token(hf_config(model_cfg, 256, 64), 64, activation_checkpointing=True)
+    assert flops.hardware_flops == pytest.approx(counted, rel=0.02)
+
+
+def test_convention_and_unknown_arch():
+    flops = flops_per_token(AutoConfig.for_model("llama", **LLAMA), 64)
+    assert flops.convention == CONVENTION and "6 x N" in CONVENTION
+    with pytest.raises(ConfigError, match="no FLOPs formula for model.arch = mixtral"):
+        flops_per_token(AutoConfig.for_model("mixtral"), 64)
+
+
+def test_llama2_7b_flops_per_token():
+    """Llama-2-7B: N = 6,738,415,616 - 32000 x 4096 (input embedding) - 65 x 4096 (norms) at seq 4096."""
+    cfg = AutoConfig.for_model("llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                               intermediate_size=11008, vocab_size=32000)  # fmt: skip
+    flops = flops_per_token(cfg, 4096)
+    assert flops.num_params_non_embedding == 6_738_415_616 - 32000 * 4096 - 65 * 4096
+    assert flops.model_flops == 6 * flops.num_params_non_embedding + 12 * 32 * 32 * 128 * 4096
+
+
+# ---- Peak FLOPs ----------------------------------------------------------------------------------------
+
+REAL_NAMES = {
+    "NVIDIA H100 80GB HBM3": "H100 SXM",
+    "NVIDIA H100 PCIe": "H100 PCIe",
+    "NVIDIA H100 NVL": "H100 NVL",
+    "NVIDIA A100-SXM4-80GB": "A100 SXM",
+    "NVIDIA A100-SXM4-40GB": "A100 SXM",
+    "NVIDIA A100-PCIE-40GB": "A100 PCIe",
+    "NVIDIA A100 80GB PCIe": "A100 PCIe",
+    "NVIDIA H200": "H200 SXM",
+    "NVIDIA H200 NVL": "H200 NVL",
+    "NVIDIA GH200 480GB": "GH200",
+    "NVIDIA B200": "B200",
+    "NVIDIA GB200": "GB200",
+    "NVIDIA L40S": "L40S",
+    "NVIDIA L40": "L40",
+    "NVIDIA L4": "L4",
+    "NVIDIA A10": "A10",
+    "NVIDIA A10G": "A10G",
+    "Tesla T4": "T4",
+    "Tesla V100-SXM2-16GB": "V100 SXM2",
+    "Tesla V100-SXM2-32GB": "V100 SXM2",
+    "Tesla V100-PCIE-32GB": "V100 PCIe",
+    "Tesla V100S-PCIE-32GB": "V100S PCIe",
+    "AMD Instinct MI300X": "MI300X",
+    "AMD Instinct MI250X/MI250": "MI250X",
+    "AMD Instinct MI250X": "MI250X",
+}
+
+
+@pytest.mark.parametrize("name", list(REAL_NAMES))
+def test_match_device_real_names(name):
+    assert match_device(name) == REAL_NAMES[name]
+
+
+@pytest.mark.parametrize(
+    "name", ["AMD Instinct MI350X", "NVIDIA GeForce RTX 4090", "NVIDIA A100-SXM4-40GB MIG 3g.20gb", "NVIDIA H100", ""]
+)
+def test_match_device_unknown(name):
+    assert match_device(name) is None
+
+
+def test_table_is_dense_and_complete():
+    assert set(REAL_NAMES.values()) <= set(PEAK_TFLOPS)
+    for key, row in PEAK_TFLOPS.items():
+        assert set(row) <= {"bf16", "fp16", "tf32", "fp32"}, key
+    assert PEAK_TFLOPS["H100 SXM"]["bf16"] == pytest.approx(989.5)  # not the 1979 sparsity figure
+    assert PEAK_TFLOPS["A100 SXM"]["bf16"] == 312
+    assert PEAK_TFLOPS["MI300X"]["bf16"] == pytest.approx(1307.4)
+
+
+def test_resolve_peak_from_table():
+    assert resolve_peak("cuda", "NVIDIA H100 PCIe", "bf16", None) == Peak(
+        756.5, "table", "table: H100 PCIe bf16 dense, 756.5 TFLOP/s"
+    )
+    assert resolve_peak("cuda", "NVIDIA A100-SXM4-80GB", torch.float16, None).tflops == 312
+
+
+def test_fp32_reads_tf32_row_when_torch_allows_it():
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert resolve_peak("cuda", "NVIDIA A100-SXM4-80GB", "fp32", None).tflops == 19.5
+        torch.set_float32_matmul_precision("high")
+        assert resolve_peak("cuda", "NVIDIA A100-SXM4-80GB", "fp32", None).tflops == 156
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def test_unknown_device_has_no_peak_and_no_mfu():
+    peak = resolve_peak("cuda", "AMD Instinct MI350X", "bf16", None)
+    assert peak.tflops is None and peak.source == "unknown" and "MI350X" in peak.detail
+    assert mfu(1e9, 1e4, peak.tflops) is None
+    assert resolve_peak("cuda", "Tesla V100-SXM2-16GB", "bf16", None).tflops is None  # Volta has no bf16
+    assert resolve_peak("mps", "Apple M2", "fp32", None).source == "unknown"
+
+
+def test_recipe_peak_wins():
+    assert resolve_peak("cuda", "NVIDIA H100 80GB HBM3", "bf16", 500.0) == Peak(500.0, "recipe", "recipe: 500.0 TFLOP/s")
+    assert resolve_peak("cuda", "AMD Instinct MI350X", "bf16", 2300).tflops == 2300
+    assert resolve_peak("cpu", None, "fp32", 0.5).source == "recipe"  # no benchmark either
+
+
+def test_cpu_peak_is_measured_within_budget():
+    start = time.perf_counter()
+    tflops = measure_cpu_peak_tflops("fp32")
+    assert time.perf_counter() - start < 3.0
+    assert 0 < tflops < 100  # positive, and no CPU reaches 100 TFLOP/s in fp32
+    peak = resolve_peak("cpu", None, "bf16", None)
+    assert peak.source == "measured" and peak.tflops > 0 and "bf16" in peak.detail
+
+
+def test_mfu_arithmetic():
+    # 6e9 FLOPs/token x 50,000 tokens/s = 300 TFLOP/s achieved, of a 1,000 TFLOP/s peak
+    assert mfu(6e9, 50_000, 1000.0) == pytest.approx(0.3)
+    assert mfu(6e9, 50_000, 0.0) is None
+
+
+def test_memory_metrics_on_cpu():
+    metrics = memory_metrics("cpu")
+    assert set(metrics) == {"memory/peak_gib", "memory/rss_gib"}
+    assert 0 < metrics["memory/rss_gib"] <= metrics["memory/peak_gib"] * 1.01 < 1024
