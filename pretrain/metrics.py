@@ -47,9 +47,11 @@ CONVENTION = (
     "over the full seq_len x seq_len scores; training = forward + backward = 3 x forward"
 )
 
-# model_type -> number of d x f matrices in the MLP. Gated MLPs (SwiGLU / GeGLU: gate, up, down) have 3;
-# phi3 fuses gate and up into one d x 2f matrix, the same count. Each layout was checked against
-# FlopCounterMode (tests/test_metrics.py covers llama and gpt2).
+# The model_types whose matmul shapes _shape knows, each checked against FlopCounterMode in
+# tests/test_metrics.py (phi3 by hand: its tiny test configs need a 32k vocabulary). Gated MLPs (SwiGLU /
+# GeGLU) have three d x f matrices (phi3 fuses gate and up into one d x 2f, the same count), with
+# separate q/k/v projections that grouped-query attention narrows; plain MLPs have two, and a fused
+# d x 3d qkv projection (no GQA).
 _GATED_MLP_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo", "olmo2", "phi3")
 _PLAIN_MLP_ARCHS = ("gpt2", "gpt_neox")
 
@@ -157,7 +159,7 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     # NVIDIA A10 Tensor Core GPU datasheet
     "A10": {"bf16": 250 / 2, "fp16": 250 / 2, "tf32": 125 / 2, "fp32": 31.2},
     # AWS's A10G (EC2 G5) has no NVIDIA datasheet and AWS publishes no tensor-core figure; these are the
-    # A10 datasheet's (as PyTorch Lightning's table uses). Give train.peak_tflops if you know better.
+    # A10 datasheet's (as PyTorch Lightning's table uses). A recipe's peak overrides them.
     "A10G": {"bf16": 250 / 2, "fp16": 250 / 2, "tf32": 125 / 2, "fp32": 31.2},
     # NVIDIA T4 Tensor Core GPU datasheet (FP16 mixed precision; no bf16 or tf32)
     "T4": {"fp16": 65, "fp32": 8.1},
@@ -268,7 +270,9 @@ def resolve_peak(
     if device_type == "cpu":
         tflops = measure_cpu_peak_tflops(dtype)
         threads = torch.get_num_threads()
-        return Peak(tflops, "measured", f"measured: {dtype} matmul on this CPU, {threads} threads")
+        return Peak(
+            tflops, "measured", f"measured: {tflops:.3g} TFLOP/s, {dtype} matmul on this CPU, {threads} threads"
+        )
     if device_type != "cuda":  # ROCm reports "cuda" too
         return Peak(None, "unknown", f"no peak table for device type {device_type!r}; set the recipe's peak")
     key = match_device(device_name or "")

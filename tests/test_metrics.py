@@ -114,8 +114,16 @@ def test_other_architectures_match_flop_counter(arch):
 
 def test_recipe_model_with_activation_checkpointing():
     """The config and model the trainer builds (pretrain.model) agree too, checkpointing on."""
-    model_cfg = ModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                            intermediate_size=176, attention="eager", activation_checkpointing=True)
+    model_cfg = ModelConfig(
+        arch="llama",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=176,
+        attention="eager",
+        activation_checkpointing=True,
+    )
     model = build_model(model_cfg, 256, 64, seed=0)
     counted = counted_flops_per_token(model, 256, 2, 64)
     flops = flops_per_token(hf_config(model_cfg, 256, 64), 64, activation_checkpointing=True)
@@ -217,7 +225,9 @@ def test_unknown_device_has_no_peak_and_no_mfu():
 
 
 def test_recipe_peak_wins():
-    assert resolve_peak("cuda", "NVIDIA H100 80GB HBM3", "bf16", 500.0) == Peak(500.0, "recipe", "recipe: 500.0 TFLOP/s")
+    assert resolve_peak("cuda", "NVIDIA H100 80GB HBM3", "bf16", 500.0) == Peak(
+        500.0, "recipe", "recipe: 500.0 TFLOP/s"
+    )
     assert resolve_peak("cuda", "AMD Instinct MI350X", "bf16", 2300).tflops == 2300
     assert resolve_peak("cpu", None, "fp32", 0.5).source == "recipe"  # no benchmark either
 

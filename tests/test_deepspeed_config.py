@@ -1,0 +1,86 @@
+"""The DeepSpeed config built from a recipe, and how a user's JSON merges with it."""
+
+from __future__ import annotations
+
+import pytest
+
+from pretrain.batching import plan_batches
+from pretrain.config import build_recipe
+from pretrain.deepspeed import DeepSpeedLaunch, build_deepspeed_config
+from pretrain.errors import ConfigError
+
+
+def recipe(**sections):
+    data = {"batch": {"global_batch_size": 64, "micro_batch_size": 4}, "train": {"max_steps": 10}, **sections}
+    return build_recipe(data, default_name="t")
+
+
+def launch(stage=2, opt="none", param="none", config_file=None, gas=None, clip=None):
+    return DeepSpeedLaunch(stage, opt, param, None, config_file, gas, clip)
+
+
+def build(r, lau=None, user=None, world=4):
+    plan = plan_batches(r.batch, world, r.data.seq_len)
+    return build_deepspeed_config(r, plan, lau or launch(), r.optim.lr, user)
+
+
+def test_batch_triple_precision_and_clipping_come_from_the_recipe():
+    config, ds_opt = build(recipe(precision={"dtype": "bf16"}, optim={"grad_clip": 0.5}))
+    assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (64, 4, 4)
+    assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
+    assert config["gradient_clipping"] == 0.5
+    assert config["zero_optimization"]["stage"] == 2
+    assert ds_opt is False and config["zero_force_ds_cpu_optimizer"] is False
+
+
+def test_fp16_block_carries_the_loss_scale_knobs():
+    config, _ = build(recipe(precision={"dtype": "fp16", "initial_scale_power": 12, "loss_scale_window": 500,
+                                        "hysteresis": 3, "min_loss_scale": 0.5}))
+    assert config["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
+                              "hysteresis": 3, "min_loss_scale": 0.5}
+    fixed, _ = build(recipe(precision={"dtype": "fp16", "loss_scale": 1024}))
+    assert fixed["fp16"]["loss_scale"] == 1024.0
+
+
+def test_user_json_auto_fields_are_filled_and_its_own_fields_kept():
+    user = {"train_batch_size": "auto", "gradient_accumulation_steps": "auto", "optimizer": {"type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "weight_decay": "auto"}},
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}, "activation_checkpointing": {"x": 1}}
+    config, ds_opt = build(recipe(optim={"args": {"betas": [0.9, 0.95]}}), launch(stage=None), user)
+    assert ds_opt is True  # the user's JSON asks for DeepSpeed's optimizer
+    assert config["optimizer"] == {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1, "betas": [0.9, 0.95]}}
+    assert config["zero_optimization"]["reduce_bucket_size"] == 1000 and config["zero_optimization"]["stage"] == 3
+    assert config["activation_checkpointing"] == {"x": 1}
+    assert config["train_batch_size"] == 64
+
+
+def test_user_json_conflicts_are_all_named():
+    user = {"gradient_accumulation_steps": 8, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+            "scheduler": {"type": "WarmupLR"}}
+    with pytest.raises(ConfigError) as info:
+        build(recipe(), launch(config_file="ds.json"), user)
+    text = str(info.value)
+    assert "ds.json has gradient_accumulation_steps=8 but the recipe gives 4" in text
+    assert "ds.json has optimizer.params.lr=0.1 but the recipe gives 0.0003" in text
+    assert "the recipe owns the LR schedule" in text
+
+
+def test_accelerate_config_gas_or_clipping_disagreeing():
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps=2 but the recipe's batch plan gives GAS 4"):
+        build(recipe(), launch(gas="2"))
+    with pytest.raises(ConfigError, match="gradient_clipping=2.0 but the recipe has optim.grad_clip=1.0"):
+        build(recipe(), launch(clip="2.0"))
+
+
+def test_offload_and_recipe_deepspeed_section():
+    config, _ = build(recipe(deepspeed={"communication_data_type": "bf16", "reduce_bucket_size": 123,
+                                        "wall_clock_breakdown": True}), launch(stage=3, opt="cpu", param="cpu"))
+    zero = config["zero_optimization"]
+    assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
+    assert zero["reduce_bucket_size"] == 123 and zero["stage3_gather_16bit_weights_on_model_save"] is True
+    assert config["communication_data_type"] == "bf16" and config["wall_clock_breakdown"] is True
+
+
+def test_deepspeed_optimizer_for_sgd_is_refused():
+    with pytest.raises(ConfigError, match="DeepSpeed's optimizers cover"):
+        build(recipe(optim={"name": "SGD", "weight_decay": 0.0}, deepspeed={"optimizer": "deepspeed"}))
