@@ -118,6 +118,7 @@ class Trainer:
 
         self.step = 0
         self.tokens_seen = 0
+        self.skipped_steps = 0  # fp16 overflow: the optimizer step (and the schedule) were skipped
         if resume_from is not None:
             state = self.checkpointer.load(resume_from, recipe.to_dict())
             self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
@@ -229,8 +230,11 @@ class Trainer:
                     clip = self.recipe.optim.grad_clip or float("inf")
                     grad_norm = acc.clip_grad_norm_(model.parameters(), clip)
                 self.optimizer.step()
-                if acc.sync_gradients and not acc.optimizer_step_was_skipped:
-                    self.scheduler.step()
+                if acc.sync_gradients:
+                    if acc.optimizer_step_was_skipped:
+                        self.skipped_steps += 1
+                    else:
+                        self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
         assert acc.sync_gradients, "the last micro-step of an optimizer step must synchronise gradients"
         return {"loss_sum": loss_sum, "grad_norm": grad_norm, "lr": lr}
@@ -261,11 +265,29 @@ class Trainer:
             "perf/data_wait_frac": meter.data_wait_s / elapsed,
             "memory/peak_gib": peak_memory_gib(self.device),
             **self.plan.as_metrics(),
+            **self.loss_scale_metrics(),
         }
         metrics = {k: v for k, v in metrics.items() if v is not None}
         self.accelerator.log(metrics, step=self.step)
         self.console.step_summary(self.step, self.num_steps, metrics)
         return metrics
+
+    def loss_scale_metrics(self) -> dict[str, float]:
+        """fp16 only: the current loss scale and the optimizer steps skipped on overflow so far."""
+        if self.recipe.precision.dtype != "fp16":
+            return {}
+        if self.runtime.deepspeed_config is not None:
+            engine = self.model  # DeepSpeedEngine: its fp16 optimizer owns the dynamic scaler
+            scale = getattr(engine.optimizer, "cur_scale", None) or getattr(engine.optimizer, "loss_scale", None)
+            skipped = int(getattr(engine, "skipped_steps", self.skipped_steps))
+        else:
+            scaler = self.accelerator.scaler
+            scale = scaler.get_scale() if scaler is not None else None
+            skipped = self.skipped_steps
+        out = {"train/skipped_steps": skipped}
+        if scale is not None:
+            out["train/loss_scale"] = float(scale)
+        return out
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -153,3 +153,11 @@ def test_every_field_is_documented():
 
     walk(Recipe, "")
     assert missing == []
+
+
+def test_readme_recipe_reference_is_up_to_date():
+    """README's key reference is generated from the schema; regenerate with tools/recipe_reference.py --write."""
+    from tools.recipe_reference import render_readme
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert render_readme(readme) == readme

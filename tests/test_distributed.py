@@ -100,3 +100,16 @@ def test_offload_configs_run_the_tiny_recipe(tmp_path, config):
                                         "logging.progress=plain", f"output_dir={out}"], extra=["--num_processes", "2"]))
     assert run_config(out)["dist/world_size"] == 2
     assert len(train_losses(out)) == 2
+
+
+def test_local_batch_size_with_linear_lr_scaling_logs_effective_gbs_and_lr(tmp_path):
+    out = tmp_path / "run"
+    args = [*FAST, "train.max_steps=2", "batch.global_batch_size=null", "batch.micro_batch_size=null",
+            "batch.local_batch_size=4", "optim.lr=1e-3", "optim.lr_scaling=linear",
+            "optim.reference_global_batch_size=4", f"output_dir={out}"]
+    proc = accelerate_launch("cpu_ddp.yaml", args)
+    check_ok(proc)
+    assert "GBS 8 = MBS 4 x GAS 1 x world 2" in proc.stdout
+    config = run_config(out)
+    assert config["plan/global_batch_size"] == 8
+    assert config["train/lr"] == pytest.approx(2e-3)  # 1e-3 x (8 / 4)
