@@ -310,6 +310,18 @@ class LoggingConfig(Section):
         return value
 
 
+class RuntimeConfig(Section):
+    peak_tflops: float | None = Field(
+        None,
+        gt=0,
+        description="Peak dense TFLOP/s of one device in the training dtype, for MFU; null = the built-in table "
+        "by GPU name (an unknown GPU gets no MFU), or measured at start-up on CPU.",
+    )
+    throughput_warmup_steps: int = Field(
+        1, ge=0, description="Optimizer steps after each start or resume left out of throughput and MFU (warm-up, compile)."
+    )
+
+
 class DeepSpeedSection(Section):
     """Used only when the accelerate config launches DeepSpeed; the ZeRO stage and offload come from there."""
 
@@ -351,6 +363,7 @@ class Recipe(Section):
     train: TrainConfig
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
     output_dir: str | None = Field(None, description="Where the run writes; null = runs/<name>.")
 

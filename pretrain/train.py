@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import shutil
 import sys
 import time
@@ -30,6 +29,7 @@ from pretrain.config import Recipe
 from pretrain.data import prepare_data
 from pretrain.errors import ConfigError
 from pretrain.loader import build_train_loader, build_val_loader
+from pretrain.metrics import CONVENTION, flops_per_token, memory_metrics, mfu, resolve_peak
 from pretrain.model import build_model, count_parameters, resolve_vocab_size
 from pretrain.optim import (
     build_optimizer,
@@ -62,12 +62,6 @@ def write_json(path: Path, value: Any) -> None:
     tmp.write_text(json.dumps(value, indent=2, sort_keys=True, default=str))
     os.replace(tmp, path)
 
-
-def peak_memory_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    # CPU: the process's peak resident set size (ru_maxrss is KiB on Linux).
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 class Trainer:
@@ -107,6 +101,7 @@ class Trainer:
         vocab = resolve_vocab_size(recipe.model, len(self.tokenizer))
         model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed)
         self.num_params = count_parameters(model)
+        self.flops, self.peak = self._throughput_reference(model.config)
         if self.runtime.deepspeed_optimizer:
             optimizer, scheduler = deepspeed_optimizer(model, recipe, self.lr, self.num_steps)
         else:
@@ -143,6 +138,21 @@ class Trainer:
             else:
                 print(message, flush=True)
 
+    def _throughput_reference(self, hf_config):
+        """FLOPs per token of this model and the device's peak, for tokens/s -> TFLOP/s -> MFU."""
+        recipe = self.recipe
+        try:
+            flops = flops_per_token(hf_config, recipe.data.seq_len,
+                                    activation_checkpointing=recipe.model.activation_checkpointing)
+        except ConfigError as exc:
+            self.log(f"warning: no FLOPs count, so no TFLOP/s or MFU: {exc}")
+            flops = None
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+        peak = resolve_peak(self.device.type, name, recipe.precision.dtype, recipe.runtime.peak_tflops)
+        if peak.tflops is None:
+            self.log(f"warning: perf/mfu is not logged: {peak.detail} (runtime.peak_tflops=<dense TFLOP/s>)")
+        return flops, peak
+
     def run_config(self) -> dict[str, Any]:
         return {
             "recipe": self.recipe.to_dict(),
@@ -157,6 +167,14 @@ class Trainer:
             "model": {"num_params": self.num_params, "vocab_size": len(self.tokenizer)},
             "data": self.data.stats,
             "train": {"num_steps": self.num_steps, "lr": self.lr},
+            "perf": {
+                "flops_per_token": self.flops.model_flops if self.flops else None,
+                "hardware_flops_per_token": self.flops.hardware_flops if self.flops else None,
+                "peak_tflops": self.peak.tflops,
+                "peak_source": self.peak.source,
+                "peak_detail": self.peak.detail,
+                "mfu_convention": CONVENTION,
+            },
         }
 
     def _start_run_record(self) -> None:
@@ -172,6 +190,9 @@ class Trainer:
             f"{p.grad_accum_steps} x world {p.world_size} | {p.tokens_per_step:,} tokens/step | "
             f"{self.num_steps} steps | lr {self.lr:.3g} | output {self.output_dir}"
         )
+        if self.flops is not None:
+            self.log(f"perf: {self.flops.model_flops / 1e9:.4g} GFLOP/token ({CONVENTION.split(';')[0]}); "
+                     f"peak {self.peak.detail}")
 
     # ---- the loop -----------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
@@ -187,6 +208,7 @@ class Trainer:
         self.model.train()
         batches = iter(self.train_loader)
         meter = _IntervalMeter()
+        warmup_until = self.step + self.recipe.runtime.throughput_warmup_steps
         self.console.start(self.num_steps, self.step)
         while self.step < self.num_steps:
             step_metrics = self.train_step(batches, meter)
@@ -194,10 +216,12 @@ class Trainer:
             self.tokens_seen += self.plan.tokens_per_step
             meter.steps += 1
             if self.should_log():
-                last_metrics = self.log_train(step_metrics, meter)
+                last_metrics = self.log_train(step_metrics, meter if self.step > warmup_until else None)
                 meter = _IntervalMeter()
             else:
                 self.console.advance(self.step)
+            if self.step == warmup_until:
+                meter = _IntervalMeter()  # throughput starts after the warm-up steps (compile, allocator)
             if self.should_eval():
                 meter.excluded_s += self.evaluate()
             if self.checkpointer.should_save(self.step) or self.step == self.num_steps:
@@ -247,11 +271,9 @@ class Trainer:
         every = self.recipe.train.eval_every_steps
         return self.step == self.num_steps or (every > 0 and self.step % every == 0)
 
-    def log_train(self, step_metrics: dict, meter: _IntervalMeter) -> dict[str, float]:
+    def log_train(self, step_metrics: dict, meter: _IntervalMeter | None) -> dict[str, float]:
         # Expensive device-to-host synchronization: only on logging steps.
         loss = self.accelerator.reduce(step_metrics["loss_sum"], reduction="mean").item() / self.plan.grad_accum_steps
-        elapsed = max(meter.elapsed(), 1e-9)
-        tokens = meter.steps * self.plan.tokens_per_step
         grad_norm = step_metrics["grad_norm"]
         metrics = {
             "train/loss": loss,
@@ -259,11 +281,8 @@ class Trainer:
             "train/lr": step_metrics["lr"],
             "train/grad_norm": float(grad_norm) if grad_norm is not None else None,
             "train/tokens_seen": self.tokens_seen,
-            "perf/tokens_per_s": tokens / elapsed,
-            "perf/tokens_per_s_per_device": tokens / elapsed / self.plan.world_size,
-            "perf/step_time_s": elapsed / meter.steps,
-            "perf/data_wait_frac": meter.data_wait_s / elapsed,
-            "memory/peak_gib": peak_memory_gib(self.device),
+            **self.throughput_metrics(meter),
+            **memory_metrics(self.device),
             **self.plan.as_metrics(),
             **self.loss_scale_metrics(),
         }
@@ -271,6 +290,30 @@ class Trainer:
         self.accelerator.log(metrics, step=self.step)
         self.console.step_summary(self.step, self.num_steps, metrics)
         return metrics
+
+    def throughput_metrics(self, meter: _IntervalMeter | None) -> dict[str, float]:
+        """tokens/s, TFLOP/s and MFU over the steps since the last log (no eval, checkpoint or warm-up time)."""
+        if meter is None or meter.steps == 0:
+            return {}  # a warm-up step: its time says nothing about throughput
+        elapsed = max(meter.elapsed(), 1e-9)
+        tokens = meter.steps * self.plan.tokens_per_step
+        per_device = tokens / elapsed / self.plan.world_size
+        out = {
+            "perf/tokens_per_s": tokens / elapsed,
+            "perf/tokens_per_s_per_device": per_device,
+            "perf/samples_per_s": meter.steps * self.plan.global_batch_size / elapsed,
+            "perf/step_time_s": elapsed / meter.steps,
+            "perf/data_wait_frac": meter.data_wait_s / elapsed,
+        }
+        if self.flops is not None:
+            out["perf/flops_per_token"] = self.flops.model_flops
+            out["perf/tflops_per_device"] = self.flops.model_flops * per_device / 1e12
+            if self.peak.tflops is not None:
+                out["perf/peak_tflops"] = self.peak.tflops
+                out["perf/mfu"] = mfu(self.flops.model_flops, per_device, self.peak.tflops)
+                if self.recipe.model.activation_checkpointing:
+                    out["perf/hfu"] = mfu(self.flops.hardware_flops, per_device, self.peak.tflops)
+        return out
 
     def loss_scale_metrics(self) -> dict[str, float]:
         """fp16 only: the current loss scale and the optimizer steps skipped on overflow so far."""
