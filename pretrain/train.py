@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -114,6 +115,10 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.skipped_steps = 0  # fp16 overflow: the optimizer step (and the schedule) were skipped
+        self.stop_signal: int | None = None
+        self.preempted = False
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._on_stop_signal)
         if resume_from is not None:
             state = self.checkpointer.load(resume_from, recipe.to_dict())
             self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
@@ -152,6 +157,20 @@ class Trainer:
         if peak.tflops is None:
             self.log(f"warning: perf/mfu is not logged: {peak.detail} (runtime.peak_tflops=<dense TFLOP/s>)")
         return flops, peak
+
+    def _on_stop_signal(self, signum, frame) -> None:
+        # Only a flag: the loop finishes the optimizer step in flight, then every rank stops at the same step.
+        self.stop_signal = signum
+
+    def should_stop(self) -> bool:
+        """Whether any rank was asked to stop (preemption). Every rank gets the same answer for this step."""
+        flag = 1.0 if self.stop_signal is not None else 0.0
+        if self.plan.world_size == 1:
+            return flag > 0
+        # Expensive device-to-host synchronization (one scalar per optimizer step), as in Megatron's
+        # exit-signal handler: ranks are signalled microseconds apart, possibly in different steps.
+        agreed = self.accelerator.reduce(torch.tensor([flag], device=self.device), reduction="sum")
+        return agreed.item() > 0
 
     def run_config(self) -> dict[str, Any]:
         return {
@@ -228,6 +247,14 @@ class Trainer:
                 start = time.perf_counter()
                 self.checkpointer.save(self.step, self.trainer_state())
                 meter.excluded_s += time.perf_counter() - start
+            elif self.should_stop():
+                self.checkpointer.save(self.step, self.trainer_state())
+                self.preempted = True
+                self.console.close()
+                self.log(f"preempted: stopped after step {self.step}/{self.num_steps} with a checkpoint; "
+                         "the same command resumes from it")
+                self.accelerator.end_training()
+                return last_metrics
         self.finish()
         return last_metrics
 

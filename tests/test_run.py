@@ -167,3 +167,32 @@ def test_print_config_and_dry_run_of_7b_without_allocating():
     assert "world 8: GBS 1024 = MBS 1 x GAS 128 x world 8" in proc.stdout
     assert "4,194,304" in proc.stdout  # tokens per step: 1024 x 4096
     assert time.perf_counter() - start < 60
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_stop_signal_checkpoints_the_step_in_flight_and_resume_continues(tmp_path, sig):
+    args = [*FAST, "train.max_steps=30", "checkpoint.every_steps=100", "checkpoint.keep_last=0"]
+    reference = tmp_path / "reference"
+    check_ok(train([*args, f"output_dir={reference}"]))
+
+    out = tmp_path / "preempted"
+    proc = subprocess.Popen([sys.executable, RUN, "--recipe", TINY, *args, f"output_dir={out}"], env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 300
+    while not ((out / "metrics.jsonl").exists() and '"step": 3,' in (out / "metrics.jsonl").read_text()):
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    assert "preempted: stopped after step" in output
+    (checkpoint,) = (out / "checkpoints").glob("step_*")
+    stopped_at = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
+    assert 3 <= stopped_at < 30
+    assert not (out / "final_model").exists()
+
+    check_ok(train([*args, f"output_dir={out}"]))
+    expected, resumed = train_losses(reference), train_losses(out)
+    assert sorted(resumed) == list(range(1, 31))
+    for step in range(stopped_at + 1, 31):
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-6), step
