@@ -28,21 +28,27 @@ FAST = [
 ]
 
 
-def env(**extra: str) -> dict[str, str]:
+def env(**extra: str | None) -> dict[str, str]:
+    """The test environment: offline hub, CPU DeepSpeed, a shared data cache. A None value removes a variable."""
     out = dict(os.environ)
     out.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline", "DS_ACCELERATOR": "cpu",
                 "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
     out.setdefault("PRETRAIN_CACHE_DIR", str(ROOT / ".cache" / "pretrain"))
-    out.update(extra)
+    for key, value in extra.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = value
     return out
 
 
-def run_cmd(cmd: list[str], timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout, **kwargs)
+def run_cmd(cmd: list[str], timeout: float = 600, extra_env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, env=env(**(extra_env or {})), capture_output=True, text=True,
+                          timeout=timeout, **kwargs)
 
 
-def train(args: list[str], recipe: str = TINY, timeout: float = 600) -> subprocess.CompletedProcess:
-    return run_cmd([sys.executable, RUN, "--recipe", recipe, *args], timeout=timeout)
+def train(args: list[str], recipe: str = TINY, timeout: float = 600, extra_env: dict | None = None):
+    return run_cmd([sys.executable, RUN, "--recipe", recipe, *args], timeout=timeout, extra_env=extra_env)
 
 
 def accelerate_launch(config: str, args: list[str], recipe: str = TINY, extra: list[str] = (), timeout: float = 900):

@@ -196,3 +196,21 @@ def test_stop_signal_checkpoints_the_step_in_flight_and_resume_continues(tmp_pat
     assert sorted(resumed) == list(range(1, 31))
     for step in range(stopped_at + 1, 31):
         assert resumed[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-6), step
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (None, "recipe file not found"),
+        ("batch: {global_batch_size: 8\n", "malformed YAML"),
+        ("base: me.yaml\n", "inheritance cycle"),
+        ("batch: {global_batch_size: 8, micro_batch_size: 2}\ntrain: {max_steps: ten}\n", "train.max_steps = 'ten'"),
+    ],
+)
+def test_recipe_file_errors_exit_2_without_traceback(tmp_path, text, message):
+    recipe = tmp_path / "me.yaml"
+    if text is not None:
+        recipe.write_text(text)
+    proc = subprocess.run([sys.executable, RUN, "--recipe", str(recipe)], env=env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

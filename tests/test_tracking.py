@@ -19,7 +19,11 @@ INTERNAL_WANDB = {"_runtime", "_step", "_timestamp"}
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("tracking") / "run"
-    check_ok(train([*FAST, "train.max_steps=4", "logging.backends=[jsonl, wandb, tensorboard]", f"output_dir={out}"]))
+    # No WANDB_MODE, no API key, no netrc: wandb must choose offline by itself.
+    no_wandb_login = {"WANDB_MODE": None, "WANDB_API_KEY": None, "HOME": str(out.parent), "NETRC": None}
+    proc = train([*FAST, "train.max_steps=4", "logging.backends=[jsonl, wandb, tensorboard]", f"output_dir={out}"],
+                 extra_env=no_wandb_login)
+    check_ok(proc)
     return out
 
 
@@ -49,6 +53,7 @@ def test_jsonl_wandb_and_tensorboard_have_the_same_metric_keys(run_dir):
 
     assert {"train/loss", "perf/mfu", "perf/tokens_per_s", "batch/gbs", "val/loss", "memory/peak_gib"} <= jsonl_keys
     assert jsonl_keys == wandb_keys == tensorboard_keys
+    assert list(run_dir.glob("wandb/offline-run-*")), "wandb chose offline mode by itself"
 
 
 def test_run_config_in_every_backend_names_the_mfu_convention(run_dir):
