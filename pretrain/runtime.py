@@ -78,6 +78,10 @@ def deepspeed_plugin(recipe: Recipe, plan: BatchPlan, lr: float) -> tuple[DeepSp
 
 def build_accelerator(recipe: Recipe, plan: BatchPlan, output_dir: Path, trackers: list, lr: float) -> Runtime:
     check_precision(recipe)
+    if not torch.cuda.is_available():
+        # DeepSpeed (imported by accelerate for ZeRO and state gathering) would otherwise probe for
+        # accelerators and warn on every CPU run.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     plugin, ds_config, ds_optimizer = deepspeed_plugin(recipe, plan, lr) if is_deepspeed_launch() else (None, None, False)
     handlers = []
     if not torch.cuda.is_available() and plan.world_size > 1:
