@@ -30,6 +30,7 @@ from pretrain.config import Recipe
 from pretrain.data import prepare_data
 from pretrain.errors import ConfigError
 from pretrain.loader import build_train_loader, build_val_loader
+from pretrain.memory import Layout, estimate, gpu_for_device
 from pretrain.metrics import CONVENTION, flops_per_token, memory_metrics, mfu, resolve_peak
 from pretrain.model import build_model, count_parameters, resolve_vocab_size
 from pretrain.optim import (
@@ -62,7 +63,6 @@ def write_json(path: Path, value: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(value, indent=2, sort_keys=True, default=str))
     os.replace(tmp, path)
-
 
 
 class Trainer:
@@ -103,6 +103,7 @@ class Trainer:
         model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed)
         self.num_params = count_parameters(model)
         self.flops, self.peak = self._throughput_reference(model.config)
+        self.memory_estimate_gib = self._memory_estimate()
         if self.runtime.deepspeed_optimizer:
             optimizer, scheduler = deepspeed_optimizer(model, recipe, self.lr, self.num_steps)
         else:
@@ -158,6 +159,22 @@ class Trainer:
             self.log(f"warning: perf/mfu is not logged: {peak.detail} (runtime.peak_tflops=<dense TFLOP/s>)")
         return flops, peak
 
+    def _memory_estimate(self) -> float | None:
+        """The estimator's per-device total for this very run, logged beside the measured peak."""
+        num_nodes = int(os.environ.get("ACCELERATE_NUM_MACHINES", os.environ.get("NUM_MACHINES", "1")) or 1)
+        layout = Layout.from_deepspeed_config(self.runtime.deepspeed_config, num_nodes,
+                                              self.plan.world_size // max(num_nodes, 1))
+        gpu = None
+        if self.device.type == "cuda":
+            props = torch.cuda.get_device_properties(self.device)
+            gpu = gpu_for_device(props.name, props.total_memory)
+        try:
+            result = estimate(self.recipe, self.plan, layout, gpu=gpu, device=self.device.type)
+        except ConfigError as exc:
+            self.log(f"warning: no memory estimate for this layout: {exc}")
+            return None
+        return result.total_gib
+
     def _on_stop_signal(self, signum, frame) -> None:
         # Only a flag: the loop finishes the optimizer step in flight, then every rank stops at the same step.
         self.stop_signal = signum
@@ -184,6 +201,7 @@ class Trainer:
                 "mixed_precision": self.accelerator.mixed_precision,
             },
             "model": {"num_params": self.num_params, "vocab_size": len(self.tokenizer)},
+            "memory": {"estimated_gib": self.memory_estimate_gib},
             "data": self.data.stats,
             "train": {"num_steps": self.num_steps, "lr": self.lr},
             "perf": {
@@ -310,6 +328,7 @@ class Trainer:
             "train/tokens_seen": self.tokens_seen,
             **self.throughput_metrics(meter),
             **memory_metrics(self.device),
+            **({"memory/estimated_gib": self.memory_estimate_gib} if self.memory_estimate_gib is not None else {}),
             **self.plan.as_metrics(),
             **self.loss_scale_metrics(),
         }

@@ -188,9 +188,8 @@ def measure(zero_stage: int, dtype: str, world_size: int) -> dict:
     }
     inner.step = real_step
     engine.allreduce_gradients = real_reduce
-    engine.destroy() if hasattr(engine, "destroy") else None
-    del engine, model, optimizer, inner, real_step
-    gc.collect()
+    if hasattr(engine, "destroy"):
+        engine.destroy()
     return result
 
 
@@ -208,6 +207,7 @@ def main() -> None:
     for case in args.cases.split(","):
         stage, dtype = case.split(":")
         results.append(measure(int(stage), dtype, world_size))
+        gc.collect()  # the previous engine's tensors must not count in the next case
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"rank{rank}.json").write_text(json.dumps({"world_size": world_size, "results": results}))
     sys.stdout.flush()

@@ -1,0 +1,378 @@
+"""The memory estimator's arithmetic, its CLI (pretrain-estimate), the planner (pretrain-plan) and bad input.
+
+The measurements that back the formulas are in test_memory_validation.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pretrain import memory
+from pretrain.batching import plan_batches
+from pretrain.config import ModelConfig, load_recipe
+from pretrain.errors import EXIT_USAGE, ConfigError
+from tools import estimate_memory, plan
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+CONFIGS = ROOT / "accelerate_configs"
+R7B = str(ROOT / "recipes" / "7b.yaml")
+R70B = str(ROOT / "recipes" / "70b.yaml")
+LLAMA2_7B = 6_738_415_616
+
+
+def shape_of(path) -> memory.ModelShape:
+    recipe = load_recipe(path)
+    return memory.ModelShape.from_model_config(recipe.model, memory.resolve_vocab(recipe.model, recipe.data),
+                                               recipe.data.seq_len)
+
+
+# --------------------------------------------------------------------------------------------------
+# Parameters
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_parameter_count_exact_for_every_recipe(path):
+    """The estimator's closed form (no transformers) equals the meta-built transformers model."""
+    from pretrain.model import build_model, count_parameters
+
+    recipe = load_recipe(path)
+    vocab = memory.resolve_vocab(recipe.model, recipe.data)
+    model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=0, meta=True)
+    assert shape_of(path).num_params == count_parameters(model)
+
+
+def test_llama2_7b_and_70b_counts():
+    assert shape_of(R7B).num_params == LLAMA2_7B
+    assert shape_of(R70B).num_params == 68_976_648_192
+
+
+def test_count_from_a_transformers_config_json(tmp_path):
+    llama = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 32, "intermediate_size": 11008, "vocab_size": 32000,
+             "max_position_embeddings": 4096, "tie_word_embeddings": False}
+    assert memory.ModelShape.from_hf_config(llama).num_params == LLAMA2_7B
+    gpt2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
+    assert memory.ModelShape.from_hf_config(gpt2).num_params == 124_439_808  # GPT-2 small, tied head
+    with pytest.raises(ConfigError, match="formulas for llama"):
+        memory.ModelShape.from_hf_config({"model_type": "t5"})
+
+
+def test_config_overrides_that_change_the_shape_are_followed():
+    from pretrain.model import build_model, count_parameters
+
+    cfg = ModelConfig(arch="llama", hidden_size=128, num_layers=2, num_heads=4, intermediate_size=256, vocab_size=512,
+                      config_overrides={"attention_bias": True, "mlp_bias": True, "head_dim": 64})
+    model = build_model(cfg, 512, 64, seed=0, meta=True)
+    assert memory.ModelShape.from_model_config(cfg, 512, 64).num_params == count_parameters(model)
+
+
+# --------------------------------------------------------------------------------------------------
+# Model states
+
+
+def states(stage, precision="bf16", n=8, offload="none", params_offload="none", params=None):
+    shape = shape_of(R7B) if params is None else params
+    w = memory.Workload(precision=precision, micro_batch_size=1, seq_len=4096)
+    return memory.estimate_shape(shape, w, memory.Layout("deepspeed", stage, offload, params_offload, 1, n))
+
+
+def test_zero_partitions_what_the_paper_says():
+    P = LLAMA2_7B
+    GiB = memory.GIB
+    s0, s1, s2, s3 = (states(k) for k in range(4))
+    # ZeRO-0: 2Ψ bf16 weights + 4Ψ fp32 master + 8Ψ Adam, replicated; gradients 2Ψ + DeepSpeed's fp32 copy 4Ψ
+    assert s0.terms["params"].bytes == 2 * P
+    assert s0.terms["optimizer"].bytes == 12 * P
+    assert s0.terms["grads"].bytes == 6 * P
+    # ZeRO-1: optimizer states (with the master) / N
+    assert s1.terms["optimizer"].bytes == pytest.approx(12 * P / 8, abs=16)
+    assert s1.terms["params"].bytes == 2 * P
+    # ZeRO-2: the bf16 gradient partition, or inside step() its fp32 copy
+    assert s2.terms["grads"].bytes == pytest.approx(4 * P / 8, abs=16)
+    # ZeRO-3: parameters / N too (plus the small persistent ones)
+    assert s3.terms["params"].bytes == pytest.approx(2 * P / 8, rel=1e-3)
+    assert s0.model_state_bytes > s1.model_state_bytes > s2.model_state_bytes > s3.model_state_bytes
+    assert s3.model_state_bytes / GiB < 20
+
+
+def test_fp32_keeps_a_master_copy_only_where_deepspeed_clones_one():
+    P = LLAMA2_7B
+    assert states(0, "fp32", n=1).terms["optimizer"].bytes == 8 * P  # the weights are the master
+    assert states(1, "fp32").terms["optimizer"].bytes == pytest.approx((4 + 8) * P / 8, abs=16)
+
+
+def test_offload_moves_optimizer_states_to_the_host():
+    on_gpu, off = states(2), states(2, offload="cpu")
+    assert off.terms["optimizer"].bytes == 0 and on_gpu.terms["optimizer"].bytes > 0
+    assert off.host_bytes_per_rank > on_gpu.terms["optimizer"].bytes
+    assert off.host_bytes_per_node == 8 * off.host_bytes_per_rank
+    both = states(3, offload="cpu", params_offload="cpu")
+    assert both.terms["params"].bytes < states(3).terms["params"].bytes / 100
+
+
+def test_classic_7b_example():
+    """'28 GB weights, 28 GB gradients, 84 GB optimizer states, 140 GB' counts 12 B/param of optimizer state."""
+    quoted = memory.classic_example_gb(7e9, "fp32", state_bytes=12)
+    assert (quoted["weights"], quoted["gradients"], quoted["optimizer"], quoted["total"]) == (28, 28, 84, 140)
+    fp32 = memory.classic_example_gb(7e9, "fp32", state_bytes=8)
+    assert (fp32["optimizer"], fp32["total"]) == (56, 112)
+    mixed = memory.classic_example_gb(7e9, "bf16", state_bytes=8)  # 2 + 2 + (4 master + 8) = 16 B/param
+    assert (mixed["weights"], mixed["optimizer"], mixed["total"]) == (14, 84, 112)
+    assert "12 B/param" in memory.CLASSIC_EXAMPLE
+    one_gpu = memory.estimate_shape(shape_of(R7B), memory.Workload(precision="fp32", seq_len=4096),
+                                    memory.Layout("ddp", 0))
+    assert one_gpu.model_state_bytes == 16 * LLAMA2_7B
+
+
+def test_optimizer_state_table():
+    assert memory.optimizer_state_bytes("AdamW")[0] == 8
+    assert memory.optimizer_state_bytes("SGD")[0] == 0
+    assert memory.optimizer_state_bytes("SGD", {"momentum": 0.9})[0] == 4
+    assert memory.optimizer_state_bytes("Adam", {"amsgrad": True})[0] == 12
+    k, why = memory.optimizer_state_bytes("Shampoo")
+    assert k == 8 and "counted like Adam" in why
+
+
+# --------------------------------------------------------------------------------------------------
+# Activations
+
+
+LLAMA_SMALL = ModelConfig(arch="llama", hidden_size=256, num_layers=4, num_heads=8, intermediate_size=688,
+                          vocab_size=1000)
+
+
+def acts(cfg=LLAMA_SMALL, seq=512, mbs=1, attention="sdpa", ckpt=False, precision="bf16"):
+    shape = memory.ModelShape.from_model_config(cfg, 1000, seq)
+    return memory.activation_memory(shape, mbs, seq, precision, attention, ckpt)
+
+
+def test_flash_and_sdpa_have_no_quadratic_term_eager_does():
+    assert acts(seq=1024).saved_bytes == 2 * acts(seq=512).saved_bytes - 2 * 0  # linear in tokens
+    assert acts(seq=1024, attention="flash_attention_2").saved_bytes == acts(seq=1024).saved_bytes
+    assert acts(seq=1024, attention="eager").saved_bytes > 2 * acts(seq=512, attention="eager").saved_bytes
+    assert acts(seq=512, mbs=2).saved_bytes == pytest.approx(2 * acts(seq=512).saved_bytes, rel=0.01)
+
+
+def test_gqa_checkpointing_and_precision_reduce_activations():
+    gqa = ModelConfig(**{**LLAMA_SMALL.model_dump(), "num_kv_heads": 2})
+    assert acts(gqa).per_layer_bytes < acts().per_layer_bytes
+    assert acts(ckpt=True).activation_bytes < acts().activation_bytes / 3
+    assert acts(precision="fp32").saved_bytes > acts().saved_bytes
+    assert acts().logits_saved_bytes == 4 * 512 * 1000  # MBS x seq x vocab in fp32
+
+
+# --------------------------------------------------------------------------------------------------
+# The API the trainer uses
+
+
+def test_estimate_from_recipe_and_plan():
+    recipe = load_recipe(R7B)
+    batch_plan = plan_batches(recipe.batch, 8, recipe.data.seq_len)
+    est = memory.estimate(recipe, batch_plan, memory.Layout("deepspeed", 3, gpus_per_node=8),
+                          gpu=memory.find_gpu("H100-80GB"))
+    assert est.num_params == LLAMA2_7B and est.fits
+    assert est.total_bytes == max(est.phases.values()) + est.allowance.bytes
+    with pytest.raises(ConfigError, match="batch plan is for 8 processes"):
+        memory.estimate(recipe, batch_plan, memory.Layout("deepspeed", 3, gpus_per_node=4))
+    cpu = memory.estimate(load_recipe(ROOT / "recipes" / "tiny.yaml"), plan_batches(
+        load_recipe(ROOT / "recipes" / "tiny.yaml").batch, 1, 128), memory.Layout("ddp", 0), device="cpu")
+    assert cpu.fits is None and cpu.allowance.bytes < memory.GIB
+
+
+def test_trainer_helpers_layout_and_device():
+    layout = memory.Layout.from_deepspeed_config(
+        {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}, 2, 8)
+    assert (layout.engine, layout.zero_stage, layout.offload_optimizer, layout.world_size) == ("deepspeed", 3, "cpu", 16)
+    assert memory.Layout.from_deepspeed_config(None, 1, 4).engine == "ddp"
+    h100 = memory.gpu_for_device("NVIDIA H100 80GB HBM3", 85_520_809_984)
+    assert h100.name == "NVIDIA H100 80GB HBM3" and h100.bf16_tflops == 989
+    assert h100.memory_gib == pytest.approx(79.65, abs=0.01)
+
+
+def test_deepspeed_buffers_from_config_and_overrides():
+    buf = memory.DeepSpeedBuffers.from_deepspeed_config(
+        {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": 1e6}})
+    assert buf.reduce_bucket_size == 500_000_000 and buf.stage3_prefetch_bucket_size == 1_000_000
+    assert buf.overrides(["reduce_bucket_size=2e8", "overlap_comm=true"]).reduce_bucket_size == 200_000_000
+    with pytest.raises(ConfigError, match="KEY one of"):
+        buf.overrides(["bucket=1"])
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "ddp", "cpu",
+                                  "multinode_zero3"])
+def test_shipped_accelerate_configs_give_a_layout(name):
+    path = CONFIGS / f"{name}.yaml"
+    if not path.exists():
+        pytest.skip(f"{path.name} is not shipped")
+    layout = memory.Layout.from_accelerate_config(yaml.safe_load(path.read_text()), str(path))
+    if name.startswith("zero"):
+        assert layout.engine == "deepspeed" and layout.zero_stage == int(name[4])
+        assert (layout.offload_optimizer == "cpu") == name.endswith("offload")
+    elif name == "multinode_zero3":
+        assert (layout.num_nodes, layout.world_size, layout.zero_stage) == (2, 16, 3)
+    else:
+        assert layout.engine == "ddp"
+
+
+# --------------------------------------------------------------------------------------------------
+# pretrain-estimate
+
+
+def run_cli(capsys, *argv):
+    code = estimate_memory.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_json_7b(capsys):
+    code, out, err = run_cli(capsys, "--recipe", R7B, "--num-gpus", "8", "--zero", "3", "--micro-batch-size", "1",
+                             "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["num_params"] == LLAMA2_7B
+    assert set(data["per_device"]) == {"params_gib", "grads_gib", "optimizer_gib", "activations_gib", "other_gib",
+                                       "total_gib"}
+    assert data["fits"] is True and data["gpu_memory_gib"] == pytest.approx(79.65, abs=0.01)
+
+
+def test_cli_70b_json_is_fast_and_allocates_nothing():
+    """A fresh interpreter: imports included, under 2 s; no torch, no transformers."""
+    code = (
+        "import sys, time; t = time.perf_counter(); from tools.estimate_memory import main; "
+        f"rc = main(['--recipe', {R70B!r}, '--num-gpus', '64', '--zero', '3', '--json']); "
+        "print('SECONDS', time.perf_counter() - t); "
+        "print('HEAVY', [m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules]); sys.exit(rc)"
+    )
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    wall = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr
+    assert "HEAVY []" in proc.stdout
+    assert json.loads(proc.stdout.split("SECONDS")[0])["num_params"] == 68_976_648_192
+    assert wall < 2.0, f"{wall:.2f} s"
+
+
+def test_cli_summary_explain_and_sweep(capsys):
+    code, out, _ = run_cli(capsys, "--recipe", R7B, "--num-gpus", "8", "--zero", "2", "--explain")
+    assert code == 0
+    assert "2 B x Ψ/N partition" in out and "fp32 copy of the partition" in out and "12 B/param" in out
+    assert "no s^2 term" in out
+    code, out, _ = run_cli(capsys, "--recipe", R7B, "--nodes", "2", "--gpus-per-node", "8", "--gpu", "A100-40GB",
+                           "--sweep")
+    assert code == 0
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("DDP", "ZeRO"))}
+    assert rows["ZeRO-3"].rstrip().endswith("8") and rows["ZeRO-0"].rstrip().endswith("none")
+    code, out, _ = run_cli(capsys, "--recipe", R7B, "--num-gpus", "8", "--sweep", "--json")
+    assert json.loads(out)["largest_mbs"]["ZeRO-3"] >= 8
+
+
+def test_cli_model_config_and_accelerate_config(capsys, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12,
+                                  "vocab_size": 50257, "n_positions": 1024}))
+    code, out, err = run_cli(capsys, "--model-config", str(tmp_path), "--seq-len", "1024", "--micro-batch-size", "8",
+                             "--gpu", "a100-40gb", "--json")
+    assert code == 0, err
+    assert json.loads(out)["num_params"] == 124_439_808
+    code, out, err = run_cli(capsys, "--recipe", R7B, "--accelerate-config", str(CONFIGS / "zero3.yaml"), "--json")
+    assert code == 0, err
+    layout = json.loads(out)["layout"]
+    assert (layout["zero_stage"], layout["world_size"]) == (3, 8)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--gpu", "H100-800GB"], "known GPUs: T4-16GB, V100-16GB"),
+        (["--zero", "2", "--offload-params"], "parameter offload needs ZeRO-3"),
+        (["--zero", "0", "--offload-optimizer"], "optimizer offload needs ZeRO-1, 2 or 3"),
+        (["--zero", "2", "--offload-optimizer", "nvme"], "NVMe offload needs ZeRO-3"),
+        (["--offload-optimizer"], "need DeepSpeed"),
+        (["--zero", "3", "--micro-batch-size", "3"], "valid for GBS 1024"),
+        (["--accelerate-config", str(CONFIGS / "fsdp.yaml")], "FSDP is not modelled"),
+        (["--zero", "3", "--ds", "bucket=1"], "KEY one of"),
+        (["--gpu-memory-gib", "-1"], "must be > 0"),
+        (["--zero", "3", "model.arch=t5"], "formulas for llama"),
+    ],
+)
+def test_cli_bad_input_exits_2_without_traceback(capsys, argv, message):
+    code, out, err = run_cli(capsys, "--recipe", R7B, "--num-gpus", "8", *argv)
+    assert code == EXIT_USAGE
+    assert message in err and "Traceback" not in err, err
+
+
+def test_cli_bad_sources(capsys, tmp_path):
+    assert run_cli(capsys, "--num-gpus", "8")[0] == EXIT_USAGE
+    code, _, err = run_cli(capsys, "--model-config", str(tmp_path / "nope.json"), "--seq-len", "8")
+    assert code == EXIT_USAGE and "no such file" in err
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    code, _, err = run_cli(capsys, "--model-config", str(tmp_path))
+    assert code == EXIT_USAGE and "--seq-len" in err
+    code, _, err = run_cli(capsys, "--model-config", str(tmp_path), "--seq-len", "8")
+    assert code == EXIT_USAGE and "missing num_attention_heads" in err
+    code, _, err = run_cli(capsys, "--recipe", str(tmp_path / "missing.yaml"))
+    assert code == EXIT_USAGE and "recipe file not found" in err
+
+
+def test_cli_script_entry_point_runs_and_fails_cleanly():
+    script = str(ROOT / "tools" / "estimate_memory.py")
+    ok = subprocess.run([sys.executable, script, "--recipe", R7B, "--num-gpus", "8", "--zero", "3", "--json"],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and json.loads(ok.stdout)["num_params"] == LLAMA2_7B
+    bad = subprocess.run([sys.executable, script, "--recipe", R7B, "--gpu", "B9000"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == EXIT_USAGE and "unknown GPU 'B9000'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# pretrain-plan
+
+
+def test_plan_7b_on_8_h100(capsys, tmp_path):
+    out_file = tmp_path / "plan.yaml"
+    code = plan.main(["--recipe", R7B, "--nodes", "1", "--gpus-per-node", "8", "--gpu", "H100-80GB",
+                      "--output", str(out_file)])
+    out = capsys.readouterr().out
+    assert code == 0
+    config = yaml.safe_load(out_file.read_text())
+    assert config["distributed_type"] == "DEEPSPEED" and config["num_processes"] == 8
+    assert config["mixed_precision"] == "no" and "deepspeed_multinode_launcher" not in config["deepspeed_config"]
+    ranked = [line for line in out.splitlines() if re.match(r"\s*\d+\. ", line)]
+    assert len(ranked) == 10 and "tok/s/GPU" in ranked[0]
+    assert f"accelerate launch --config_file {out_file} pretrain/run.py --recipe {R7B}" in out
+    first = ranked[0]
+    assert f"zero_stage: {config['deepspeed_config']['zero_stage']}" in out_file.read_text()
+    assert "offload" not in first.split(":")[0]  # no offload is needed on 80 GB
+
+
+def test_plan_7b_on_2x8_a100_40gb(capsys, tmp_path):
+    out_file = tmp_path / "plan.yaml"
+    code = plan.main(["--recipe", R7B, "--nodes", "2", "--gpus-per-node", "8", "--gpu", "A100-40GB",
+                      "--output", str(out_file), "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0
+    config = yaml.safe_load(out_file.read_text())
+    assert config["num_machines"] == 2 and config["num_processes"] == 16
+    assert config["deepspeed_config"]["deepspeed_multinode_launcher"] == "standard"
+    assert "--machine_rank $NODE_RANK" in data["launch"]
+    assert all(r["total_gib"] <= 40.0 for r in data["ranking"])
+    offloads = [r["offload_optimizer"] != "none" for r in data["ranking"] if not r["tight"]]
+    assert offloads == sorted(offloads)  # offload only after every layout without it
+
+
+def test_plan_nothing_fits(capsys):
+    code = plan.main(["--recipe", R70B, "--nodes", "1", "--gpus-per-node", "1", "--gpu", "T4-16GB",
+                      "--host-memory-gib", "512"])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and "no layout of 70b fits" in err
+    code = plan.main(["--recipe", R7B, "--gpus-per-node", "3"])
+    assert code == EXIT_USAGE and "not divisible by 3 GPUs" in capsys.readouterr().err

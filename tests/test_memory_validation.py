@@ -1,0 +1,190 @@
+"""The memory estimate against measurement, on CPU.
+
+- Activations: the bytes of the tensors autograd saves for backward (``saved_tensors_hooks``, one count
+  per storage, parameters excluded) for small Llama (GQA, SwiGLU) and GPT-2 models at several (seq, MBS),
+  fp32 and bf16, sdpa and eager, with and without activation checkpointing, against
+  ``memory.activation_memory`` (within 10%).
+- Model states: the bytes of every tensor DeepSpeed holds per rank (2 ranks, gloo) during a real training
+  step, ZeRO 0-3, fp32 and bf16, against ``MemoryEstimate.model_state_bytes`` (within 5%).
+
+Both print the measured and estimated numbers side by side (``pytest -s`` or the -rA summary shows them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pretrain import memory
+from pretrain.config import ModelConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = ROOT / "tests" / "ds_memory_probe.py"
+
+VOCAB = 1024
+LLAMA = dict(arch="llama", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=352,
+             vocab_size=VOCAB)
+GPT2 = dict(arch="gpt2", hidden_size=128, num_layers=2, num_heads=4, vocab_size=VOCAB, tie_embeddings=True,
+            config_overrides={"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0})
+GPT2_DROPOUT = {**GPT2, "config_overrides": {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}}
+
+
+def _saved_bytes(model_kwargs: dict, seq_len: int, micro_batch_size: int, precision: str) -> int:
+    """Bytes of the tensors saved for backward by one forward (deduplicated by storage, parameters excluded)."""
+    import torch
+
+    from pretrain.model import build_model
+
+    model = build_model(ModelConfig(**model_kwargs), VOCAB, seq_len, seed=0)
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)  # as DeepSpeed runs it: the whole model in the compute dtype
+    model.train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params and storage.nbytes():
+            saved.setdefault(storage.data_ptr(), storage.nbytes())
+        return tensor
+
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (micro_batch_size, seq_len), generator=generator)
+    targets = torch.randint(0, VOCAB, (micro_batch_size, seq_len), generator=generator)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = model(input_ids=ids, labels=targets, shift_labels=targets)  # as the trainer calls it
+    out.loss.backward()
+    return sum(saved.values())
+
+
+def _estimated(model_kwargs: dict, seq_len: int, micro_batch_size: int, precision: str) -> memory.ActivationEstimate:
+    cfg = ModelConfig(**model_kwargs)
+    shape = memory.ModelShape.from_model_config(cfg, VOCAB, seq_len)
+    return memory.activation_memory(shape, micro_batch_size, seq_len, precision, cfg.attention,
+                                    cfg.activation_checkpointing, device="cpu")
+
+
+def _print_table(title: str, header: list[str], rows: list[list]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+    lines = [title, "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
+    lines += ["  ".join(str(x).rjust(w) for x, w in zip(row, widths, strict=True)) for row in rows]
+    text = "\n".join(lines)
+    print("\n" + text)
+    return text
+
+
+def test_activation_bytes_match_saved_tensors():
+    cases = []
+    for name, model in (("llama", LLAMA), ("gpt2", GPT2)):
+        for attention in ("sdpa", "eager"):
+            for precision in ("fp32", "bf16"):
+                for ckpt in (False, True):
+                    sizes = ((32, 1), (64, 2), (128, 3)) if attention == "sdpa" else ((32, 1), (128, 3))
+                    for seq_len, mbs in sizes:
+                        cases.append((name, {**model, "attention": attention, "activation_checkpointing": ckpt},
+                                      seq_len, mbs, precision))
+    for ckpt in (False, True):  # dropout masks (1 byte on CUDA, the activation dtype on CPU) and attention dropout
+        cases.append(("gpt2+dropout", {**GPT2_DROPOUT, "attention": "eager", "activation_checkpointing": ckpt}, 64, 2,
+                      "fp32"))
+        cases.append(("gpt2+dropout", {**GPT2_DROPOUT, "attention": "eager", "activation_checkpointing": ckpt}, 64, 2,
+                      "bf16"))
+    rows, bad = [], []
+    for name, model, seq_len, mbs, precision in cases:
+        measured = _saved_bytes(model, seq_len, mbs, precision)
+        est = _estimated(model, seq_len, mbs, precision)
+        estimated = est.saved_bytes + est.logits_saved_bytes
+        error = estimated / measured - 1
+        row = [name, model["attention"], precision, "on" if model["activation_checkpointing"] else "off", seq_len, mbs,
+               f"{measured:,}", f"{estimated:,}", f"{error:+.2%}"]
+        rows.append(row)
+        if abs(error) > 0.10:
+            bad.append(row)
+    table = _print_table("saved-for-backward bytes: measured vs estimated",
+                         ["model", "attention", "dtype", "ckpt", "seq", "MBS", "measured B", "estimated B", "error"],
+                         rows)
+    assert not bad, f"more than 10% off:\n{table}"
+
+
+@pytest.mark.parametrize("model", [LLAMA, GPT2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_recomputed_block_matches_per_block_formula(model, precision):
+    """With activation checkpointing, backward rebuilds one block at a time: that block's saved tensors are
+    the difference between a 2-block and a 1-block model without checkpointing."""
+    seq_len, mbs = 64, 2
+    two = _saved_bytes({**model, "num_layers": 2}, seq_len, mbs, precision)
+    one = _saved_bytes({**model, "num_layers": 1}, seq_len, mbs, precision)
+    est = _estimated({**model, "activation_checkpointing": True}, seq_len, mbs, precision)
+    print(f"\none block ({model['arch']}, {precision}): measured {two - one:,} B, estimated {est.recompute_bytes:,} B")
+    assert est.recompute_bytes == pytest.approx(two - one, rel=0.10)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_deepspeed_model_states_match_estimate(tmp_path):
+    """Two gloo ranks on CPU run a real DeepSpeed step for ZeRO 0-3 in fp32 and bf16 (tests/ds_memory_probe.py);
+    what each rank holds at its peak is within 5% of the estimate's model states."""
+    pytest.importorskip("deepspeed")
+    sys.path.insert(0, str(ROOT / "tests"))
+    import ds_memory_probe as probe
+
+    env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               WORLD_SIZE="2", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    procs = [
+        subprocess.Popen([sys.executable, str(PROBE), "--out", str(tmp_path)], cwd=ROOT,
+                         env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in range(2)
+    ]
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=170)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+        assert proc.returncode == 0 and (tmp_path / f"rank{rank}.json").exists(), f"rank {rank} failed:\n{log[-5000:]}"
+    per_rank = [json.loads((tmp_path / f"rank{rank}.json").read_text())["results"] for rank in range(2)]
+
+    cfg = ModelConfig(**probe.MODEL)
+    shape = memory.ModelShape.from_model_config(cfg, probe.MODEL["vocab_size"], probe.SEQ_LEN)
+    buffers = memory.DeepSpeedBuffers(
+        reduce_bucket_size=probe.REDUCE_BUCKET_SIZE,
+        allgather_bucket_size=probe.ALLGATHER_BUCKET_SIZE,
+        stage3_prefetch_bucket_size=probe.STAGE3_PREFETCH_BUCKET_SIZE,
+        stage3_param_persistence_threshold=probe.STAGE3_PARAM_PERSISTENCE_THRESHOLD,
+        stage3_max_live_parameters=probe.STAGE3_MAX_LIVE_PARAMETERS,
+    )
+    rows, bad = [], []
+    for results in zip(*per_rank, strict=True):
+        stage, dtype = results[0]["zero_stage"], results[0]["dtype"]
+        assert results[0]["num_params"] == shape.num_params
+        measured = max(r["measured_bytes"] for r in results)
+        workload = memory.Workload(precision=dtype, optimizer="AdamW", micro_batch_size=probe.MICRO_BATCH_SIZE,
+                                   seq_len=probe.SEQ_LEN)
+        est = memory.estimate_shape(shape, workload, memory.Layout("deepspeed", stage, gpus_per_node=2),
+                                    buffers=buffers, device="cpu")
+        error = est.model_state_bytes / measured - 1
+        peak_at = max(results[0]["snapshots"], key=lambda k: results[0]["snapshots"][k]["bytes"])
+        row = [f"ZeRO-{stage}", dtype, f"{shape.num_params:,}", f"{measured:,}", f"{est.model_state_bytes:,}",
+               f"{error:+.2%}", peak_at]
+        rows.append(row)
+        if abs(error) > 0.05:
+            bad.append(row)
+    table = _print_table(
+        "DeepSpeed model states per rank (2 ranks): measured vs estimated",
+        ["layout", "dtype", "params", "measured B", "estimated B", "error", "measured peak at"], rows)
+    assert len(rows) == 8
+    assert not bad, f"more than 5% off:\n{table}"

@@ -1,0 +1,310 @@
+"""Will this recipe fit, with which ZeRO stage and micro batch? Per-device memory before a job is queued.
+
+    pretrain-estimate --recipe recipes/7b.yaml --num-gpus 8 --zero 3 --micro-batch-size 1
+    pretrain-estimate --recipe recipes/7b.yaml --nodes 2 --gpus-per-node 8 --zero 2 --gpu A100-40GB --explain
+    pretrain-estimate --recipe recipes/70b.yaml --num-gpus 64 --zero 3 --json
+    pretrain-estimate --recipe recipes/7b.yaml --num-gpus 8 --sweep          # ZeRO stages x MBS
+    pretrain-estimate --model-config path/to/config.json --seq-len 4096 --num-gpus 8 --zero 3
+
+Without --zero or --accelerate-config the layout is PyTorch DDP (accelerate's MULTI_GPU). Arithmetic
+only: no weights are allocated and transformers is not imported (pretrain/memory.py has the formulas).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `pretrain` importable from the repository root
+    _ROOT = str(Path(__file__).resolve().parents[1])
+    if _ROOT not in sys.path:
+        sys.path.insert(0, _ROOT)
+
+from pretrain import memory  # noqa: E402
+from pretrain.errors import EXIT_USAGE, ConfigError  # noqa: E402
+
+SWEEP_MAX_MBS = 128
+
+
+def build_parser(prog: str = "pretrain-estimate") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Per-device GPU memory of a training run: parameters, gradients, optimizer states, "
+        "activations, logits, buffers, and whether it fits.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    src = parser.add_argument_group("model (one of)")
+    src.add_argument("--recipe", help="recipe YAML, e.g. recipes/7b.yaml")
+    src.add_argument("--model-config", help="a transformers config.json (or its directory) instead of a recipe")
+    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="recipe overrides, e.g. data.seq_len=2048")
+    world = parser.add_argument_group("world")
+    world.add_argument("--num-gpus", type=int, help="GPUs in total on one node (= --nodes 1 --gpus-per-node N)")
+    world.add_argument("--nodes", type=int, help="nodes")
+    world.add_argument("--gpus-per-node", type=int, help="GPUs per node")
+    lay = parser.add_argument_group("layout")
+    lay.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="DeepSpeed ZeRO stage")
+    lay.add_argument("--accelerate-config", help="an accelerate config YAML (DeepSpeed, DDP); sets stage, offload, world")
+    lay.add_argument("--offload-optimizer", nargs="?", const="cpu", choices=("cpu", "nvme"),
+                     help="offload the optimizer partition (cpu unless nvme is given; ZeRO >= 1)")
+    lay.add_argument("--offload-params", nargs="?", const="cpu", choices=("cpu", "nvme"),
+                     help="offload the parameter partitions (ZeRO-3 only)")
+    lay.add_argument("--ds", action="append", default=[], metavar="KEY=VALUE",
+                     help="DeepSpeed buffer size, e.g. --ds reduce_bucket_size=2e8 (DeepSpeed's defaults otherwise)")
+    run = parser.add_argument_group("workload (override the recipe)")
+    run.add_argument("--precision", choices=("fp32", "bf16", "fp16"))
+    run.add_argument("--micro-batch-size", type=int, help="MBS: sequences per GPU per forward/backward")
+    run.add_argument("--seq-len", type=int, help="tokens per sequence")
+    run.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                     help="recompute each block in backward")
+    run.add_argument("--attention", choices=("sdpa", "eager", "flash_attention_2"))
+    run.add_argument("--optimizer", help="torch.optim name (with --model-config; default AdamW)")
+    dev = parser.add_argument_group("device")
+    dev.add_argument("--gpu", help=f"GPU name (capacity from a table; default {memory.DEFAULT_GPU}); --list-gpus shows it")
+    dev.add_argument("--gpu-memory-gib", type=float, help="device capacity in GiB instead of --gpu")
+    dev.add_argument("--list-gpus", action="store_true", help="print the GPU table and exit")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="one JSON object")
+    out.add_argument("--explain", action="store_true", help="each term's formula with the numbers put in")
+    out.add_argument("--sweep", action="store_true", help="table over ZeRO stages x MBS, largest MBS that fits per stage")
+    return parser
+
+
+# --------------------------------------------------------------------------------------------------
+# From arguments to (shape, workload, layout, buffers, gpu)
+
+
+def resolve_gpu(args) -> memory.GpuSpec:
+    if args.gpu_memory_gib is not None:
+        like = memory.find_gpu(args.gpu) if args.gpu else None
+        return memory.custom_gpu(args.gpu_memory_gib, like)
+    return memory.find_gpu(args.gpu or memory.DEFAULT_GPU)
+
+
+def read_accelerate_config(path: str) -> dict:
+    import yaml
+
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"--accelerate-config {path}: no such file")
+    try:
+        data = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--accelerate-config {path}: malformed YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--accelerate-config {path}: expected a mapping")
+    return data
+
+
+def resolve_world(args, accelerate: dict | None) -> tuple[int | None, int | None]:
+    if args.num_gpus is not None:
+        if args.num_gpus < 1:
+            raise ConfigError(f"--num-gpus must be >= 1, got {args.num_gpus}")
+        if args.nodes not in (None, 1) or (args.gpus_per_node not in (None, args.num_gpus)):
+            raise ConfigError("give --num-gpus N (one node) or --nodes N --gpus-per-node G, not both")
+        return 1, args.num_gpus
+    for name in ("nodes", "gpus_per_node"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if accelerate is not None:
+        return args.nodes, args.gpus_per_node
+    return args.nodes or 1, args.gpus_per_node or 1
+
+
+def resolve_layout(args) -> memory.Layout:
+    if args.zero is not None and args.accelerate_config:
+        raise ConfigError("give --zero or --accelerate-config, not both")
+    accelerate = read_accelerate_config(args.accelerate_config) if args.accelerate_config else None
+    nodes, gpus = resolve_world(args, accelerate)
+    if accelerate is not None:
+        layout = memory.Layout.from_accelerate_config(accelerate, args.accelerate_config, nodes, gpus)
+    elif args.zero is not None:
+        layout = memory.Layout("deepspeed", args.zero, num_nodes=nodes, gpus_per_node=gpus)
+    else:
+        layout = memory.Layout("ddp", 0, num_nodes=nodes, gpus_per_node=gpus)
+    if args.offload_optimizer or args.offload_params:
+        if layout.engine == "ddp":
+            raise ConfigError("--offload-optimizer / --offload-params need DeepSpeed: add --zero 1, 2 or 3")
+        layout = memory.Layout(
+            layout.engine, layout.zero_stage, args.offload_optimizer or layout.offload_optimizer,
+            args.offload_params or layout.offload_params, layout.num_nodes, layout.gpus_per_node,
+        )
+    return layout
+
+
+def recipe_overrides(args) -> list[str]:
+    extra = list(args.overrides)
+    if args.precision:
+        extra.append(f"precision.dtype={args.precision}")
+    if args.seq_len is not None:
+        extra.append(f"data.seq_len={args.seq_len}")
+    if args.activation_checkpointing is not None:
+        extra.append(f"model.activation_checkpointing={str(args.activation_checkpointing).lower()}")
+    if args.attention:
+        extra.append(f"model.attention={args.attention}")
+    return extra
+
+
+def plan_for(recipe, world_size: int, micro_batch_size: int | None):
+    """The recipe's batch plan on this world size, with MBS replaced when given (GBS kept)."""
+    from pretrain.batching import plan_batches
+    from pretrain.config import BatchConfig
+
+    batch = recipe.batch
+    if micro_batch_size is not None:
+        if micro_batch_size < 1:
+            raise ConfigError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
+        gbs = batch.global_batch_size
+        if gbs is None:  # local_batch_size: GBS = world x local
+            gbs = batch.local_batch_size * world_size
+        batch = BatchConfig(global_batch_size=gbs, micro_batch_size=micro_batch_size)
+    return plan_batches(batch, world_size, recipe.data.seq_len)
+
+
+class Problem:
+    """One estimate's inputs, from a recipe or a transformers config; ``at(...)`` varies stage and MBS."""
+
+    def __init__(self, args):
+        self.args = args
+        self.layout = resolve_layout(args)
+        self.gpu = resolve_gpu(args)
+        if bool(args.recipe) == bool(args.model_config):
+            raise ConfigError("give --recipe R or --model-config FILE (exactly one)")
+        if args.recipe:
+            from pretrain.config import load_recipe
+
+            if args.optimizer:
+                raise ConfigError("--optimizer is for --model-config; with a recipe override optim.name=NAME")
+            self.recipe = load_recipe(args.recipe, recipe_overrides(args))
+            self.buffers = memory.DeepSpeedBuffers.from_recipe(self.recipe).overrides(args.ds)
+            vocab = memory.resolve_vocab(self.recipe.model, self.recipe.data)
+            self.shape = memory.ModelShape.from_model_config(self.recipe.model, vocab, self.recipe.data.seq_len)
+        else:
+            if args.overrides:
+                raise ConfigError(f"key.path=value overrides ({args.overrides[0]}) need --recipe")
+            if args.seq_len is None:
+                raise ConfigError("--model-config needs --seq-len (tokens per sequence)")
+            self.recipe = None
+            self.buffers = memory.DeepSpeedBuffers().overrides(args.ds)
+            self.shape = memory.ModelShape.from_hf_config(*_read_hf_config(args.model_config))
+
+    def workload(self, micro_batch_size: int | None, world_size: int) -> memory.Workload:
+        args = self.args
+        if self.recipe is not None:
+            plan = plan_for(self.recipe, world_size, micro_batch_size)
+            return memory.Workload.from_recipe(self.recipe, plan)
+        return memory.Workload(
+            precision=args.precision or "bf16",
+            optimizer=args.optimizer or "AdamW",
+            micro_batch_size=micro_batch_size or 1,
+            seq_len=args.seq_len,
+            attention=args.attention or "sdpa",
+            activation_checkpointing=bool(args.activation_checkpointing),
+        )
+
+    def at(self, layout: memory.Layout | None = None, micro_batch_size: int | None = None) -> memory.MemoryEstimate:
+        layout = layout or self.layout
+        mbs = micro_batch_size if micro_batch_size is not None else self.args.micro_batch_size
+        return memory.estimate_shape(
+            self.shape, self.workload(mbs, layout.world_size), layout, buffers=self.buffers, gpu=self.gpu
+        )
+
+
+def _read_hf_config(path: str) -> tuple[dict, str]:
+    file = Path(path)
+    if file.is_dir():
+        file = file / "config.json"
+    if not file.is_file():
+        raise ConfigError(f"--model-config {path}: no such file (give a transformers config.json or its directory)")
+    try:
+        return json.loads(file.read_text()), str(file)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--model-config {file}: not valid JSON: {exc}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Sweep
+
+
+def sweep_mbs_values(problem: Problem) -> list[int]:
+    if problem.recipe is None:
+        return [2**i for i in range(8)]
+    batch = problem.recipe.batch
+    world = problem.layout.world_size
+    local = batch.local_batch_size or (batch.global_batch_size // world if batch.global_batch_size % world == 0 else 0)
+    if not local:
+        raise ConfigError(
+            f"batch.global_batch_size ({batch.global_batch_size}) is not divisible by {world} GPUs: nothing to sweep"
+        )
+    return [m for m in (2**i for i in range(SWEEP_MAX_MBS.bit_length())) if local % m == 0]
+
+
+def sweep(problem: Problem) -> tuple[list[dict], str]:
+    base = problem.layout
+    rows = [("DDP", memory.Layout("ddp", 0, num_nodes=base.num_nodes, gpus_per_node=base.gpus_per_node))]
+    for stage in range(4):
+        try:
+            layout = memory.Layout("deepspeed", stage, base.offload_optimizer, base.offload_params,
+                                   base.num_nodes, base.gpus_per_node)
+        except ConfigError:
+            continue  # the offload asked for is not possible at this stage
+        rows.append((f"ZeRO-{stage}", layout))
+    mbs_values = sweep_mbs_values(problem)
+    results, lines = [], []
+    gpu = problem.gpu
+    header = f"{'layout':<8}" + "".join(f"{'MBS ' + str(m):>11}" for m in mbs_values) + "   largest MBS that fits"
+    lines.append(f"GiB per device ({gpu.name}, {gpu.memory_gib:.1f} GiB); * = does not fit")
+    lines.append(header)
+    for name, layout in rows:
+        cells, best = [], None
+        for m in mbs_values:
+            est = problem.at(layout, m)
+            results.append({"layout": name, "zero_stage": None if layout.engine == "ddp" else layout.zero_stage,
+                            "micro_batch_size": m, "total_gib": round(est.total_gib, 4), "fits": est.fits})
+            cells.append(f"{est.total_gib:>10.1f}{' ' if est.fits else '*'}")
+            if est.fits:
+                best = m
+        lines.append(f"{name:<8}" + "".join(cells) + f"   {best if best else 'none'}")
+    return results, "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.list_gpus:
+            for spec in memory.GPUS.values():
+                print(f"{spec.name:<15}{spec.memory_gib:>8.1f} GiB   {spec.bf16_tflops:>5.0f} TFLOP/s bf16")
+            return 0
+        problem = Problem(args)
+        if args.sweep:
+            results, table = sweep(problem)
+            if args.json:
+                best = {}
+                for r in results:
+                    if r["fits"]:
+                        best[r["layout"]] = max(best.get(r["layout"], 0), r["micro_batch_size"])
+                print(json.dumps({"num_params": problem.shape.num_params, "gpu_memory_gib": problem.gpu.memory_gib,
+                                  "cells": results, "largest_mbs": best}, indent=2))
+            else:
+                print(table)
+            return 0
+        est = problem.at()
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        print(json.dumps(est.to_json(), indent=2))
+    elif args.explain:
+        print(est.explain())
+    else:
+        print(est.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

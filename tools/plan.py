@@ -1,0 +1,319 @@
+"""Which layout should this recipe run with? Feasible layouts ranked by expected throughput.
+
+    pretrain-plan --recipe recipes/7b.yaml --nodes 1 --gpus-per-node 8 --gpu H100-80GB
+    pretrain-plan --recipe recipes/7b.yaml --nodes 2 --gpus-per-node 8 --gpu A100-40GB --output my.yaml
+
+Every combination of DDP / ZeRO stage, offload, activation checkpointing and micro batch size that
+divides the recipe's global batch is estimated with pretrain/memory.py; those that fit the GPU are
+ranked by a simple step-time model (below), the best is written as an accelerate config, and the launch
+command is printed.
+
+Step time = compute + exposed communication + offload traffic, per optimizer step, per GPU:
+
+- compute: model FLOPs per token (6 x non-embedding parameters + 12 x layers x heads x head_dim x seq,
+  x 4/3 with recompute) x tokens per GPU / (peak bf16 FLOP/s x 0.5 x T / (T + 1024)), where T = MBS x seq
+  tokens: a small micro-batch leaves the GPU under-used (the heuristic halves the rate at 1,024 tokens).
+- communication per GPU, ring algorithms ((N-1)/N of each volume): DDP and ZeRO-0/1 reduce the gradients
+  once per optimizer step (2 x Ψ x bytes); ZeRO-2 reduce-scatters at every micro-step and all-gathers the
+  parameters once (GAS + 1); ZeRO-3 all-gathers the parameters twice and reduce-scatters once per
+  micro-step (3 x GAS). Bandwidth: NVLink inside a node, the network per GPU across nodes. DDP
+  overlaps half of it with backward, ZeRO-3 half (prefetch), ZeRO-0/1/2 none (DeepSpeed's defaults).
+- offload: the optimizer step on the CPU, 1e9 parameters/s per node shared by its GPUs' partitions
+  (the recipe's torch optimizer runs there; DeepSpeed's CPU Adam is faster), plus PCIe copies
+  (gradients down every micro-step, parameters up, 25 GB/s); parameter offload re-reads the partition
+  from the host twice per micro-step.
+
+Layouts with less than 5% of the GPU left over are listed after the others (marked "tight"): the
+estimate's error bars are a few GiB. Offload comes after every layout without it: its cost depends on
+the host (cores, memory bandwidth, NUMA) far more than this model knows, and it needs host memory.
+Within those groups layouts are ranked by the model's tokens/s; ties go to less communication, then to
+the larger micro-batch. The model ranks layouts; it does not predict absolute throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `pretrain` importable from the repository root
+    _ROOT = str(Path(__file__).resolve().parents[1])
+    if _ROOT not in sys.path:
+        sys.path.insert(0, _ROOT)
+
+from pretrain import memory  # noqa: E402
+from pretrain.errors import EXIT_USAGE, ConfigError  # noqa: E402
+
+BASE_MFU = 0.5
+MBS_HALF_RATE_TOKENS = 1024
+HOST_OPTIMIZER_PARAMS_PER_S = 1e9
+TIGHT_FRACTION = 0.05
+PCIE_GB_S = 25.0
+_EXPOSED = {"ddp": 0.5, 0: 1.0, 1: 1.0, 2: 1.0, 3: 0.5}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: memory.Layout
+    checkpointing: bool
+    micro_batch_size: int
+    grad_accum_steps: int
+    estimate: memory.MemoryEstimate
+    compute_s: float
+    comm_s: float
+    comm_volume: float
+    """Bytes each GPU sends per optimizer step, in units of Ψ x parameter bytes."""
+    offload_s: float
+    tokens_per_s: float
+
+    @property
+    def tight(self) -> bool:
+        return self.estimate.headroom_gib < TIGHT_FRACTION * self.estimate.gpu.memory_gib
+
+    @property
+    def name(self) -> str:
+        lay = self.layout
+        if lay.engine == "ddp":
+            base = "DDP"
+        else:
+            base = f"ZeRO-{lay.zero_stage}"
+            if lay.offload_params != "none":
+                base += " +offload opt+params"
+            elif lay.offload_optimizer != "none":
+                base += " +offload opt"
+        return base
+
+    def describe(self) -> str:
+        est = self.estimate
+        recompute = "recompute" if self.checkpointing else "no recompute"
+        tokens = self.micro_batch_size * est.workload.seq_len
+        eff = tokens / (tokens + MBS_HALF_RATE_TOKENS)
+        offload = f" + offload {self.offload_s:.2f} s (CPU optimizer step, PCIe copies)" if self.offload_s else ""
+        return (
+            f"{self.name}, MBS {self.micro_batch_size}, GAS {self.grad_accum_steps}, {recompute}: "
+            f"{est.total_gib:.1f} GiB ({est.headroom_gib:.1f} free{', tight' if self.tight else ''}); "
+            f"~{self.tokens_per_s:,.0f} tok/s/GPU: "
+            f"compute {self.compute_s:.2f} s ({tokens:,} tokens/micro-batch -> {eff:.0%} of the efficient rate"
+            f"{', +1/3 recompute' if self.checkpointing else ''}) + comm {self.comm_s:.2f} s exposed "
+            f"({self.comm_volume:g} x Ψ per step){offload}"
+        )
+
+
+def _mbs_values(recipe, world: int) -> list[int]:
+    batch = recipe.batch
+    if batch.local_batch_size is not None:
+        local = batch.local_batch_size
+    else:
+        if batch.global_batch_size % world:
+            raise ConfigError(
+                f"batch.global_batch_size ({batch.global_batch_size}) is not divisible by {world} GPUs; "
+                "change the GBS or the number of GPUs"
+            )
+        local = batch.global_batch_size // world
+    return [m for m in range(1, local + 1) if local % m == 0 and (m & (m - 1)) == 0]
+
+
+def layouts(nodes: int, gpus: int) -> list[memory.Layout]:
+    out = [memory.Layout("ddp", 0, num_nodes=nodes, gpus_per_node=gpus)]
+    for stage in range(4):
+        out.append(memory.Layout("deepspeed", stage, num_nodes=nodes, gpus_per_node=gpus))
+        if stage >= 1:
+            out.append(memory.Layout("deepspeed", stage, "cpu", num_nodes=nodes, gpus_per_node=gpus))
+        if stage == 3:
+            out.append(memory.Layout("deepspeed", 3, "cpu", "cpu", num_nodes=nodes, gpus_per_node=gpus))
+    return out
+
+
+def model_flops_per_token(shape: memory.ModelShape, seq_len: int) -> float:
+    """ARCHITECTURE.md's convention: 6 x non-embedding parameters (LM head included) + 12 L h head_dim s."""
+    embedding = shape.vocab_size * shape.hidden_size
+    positions = shape.max_positions * shape.hidden_size if shape.family == "gpt2" else 0
+    non_embedding = shape.num_params - embedding - positions + (embedding if shape.tie_embeddings else 0)
+    return 6 * non_embedding + 12 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len
+
+
+def throughput(est: memory.MemoryEstimate, gpu: memory.GpuSpec) -> tuple[float, float, float, float, float]:
+    """(compute s, exposed comm s, comm volume in Ψ units, offload s, tokens/s per GPU) per optimizer step."""
+    w, lay, shape = est.workload, est.layout, est.shape
+    gas = w.grad_accum_steps or 1
+    tokens = w.micro_batch_size * w.seq_len
+    tokens_per_step = tokens * gas
+    flops = model_flops_per_token(shape, w.seq_len) * tokens_per_step * (4 / 3 if w.activation_checkpointing else 1)
+    rate = gpu.bf16_tflops * 1e12 * BASE_MFU * tokens / (tokens + MBS_HALF_RATE_TOKENS)
+    compute = flops / rate
+    N = lay.world_size
+    P = est.num_params
+    b = 2 if w.precision != "fp32" else 4
+    if lay.engine == "ddp":
+        volume, key, b = 2.0, "ddp", 4
+    else:
+        key = lay.zero_stage
+        volume = {0: 2.0, 1: 2.0, 2: gas + 1.0, 3: 3.0 * gas}[lay.zero_stage]
+    bandwidth = (gpu.intra_node_gb_s if lay.num_nodes == 1 else gpu.inter_node_gb_s) * 1e9
+    comm = volume * P * b * (N - 1) / N / bandwidth * _EXPOSED[key] if N > 1 else 0.0
+    offload = 0.0
+    part = P / N
+    if lay.engine == "deepspeed" and lay.offload_optimizer != "none":
+        offload += part * lay.gpus_per_node / HOST_OPTIMIZER_PARAMS_PER_S + (4 + b) * part * gas / (PCIE_GB_S * 1e9)
+    if lay.engine == "deepspeed" and lay.offload_params != "none":
+        offload += 2 * b * part * gas / (PCIE_GB_S * 1e9)
+    return compute, comm, volume, offload, tokens_per_step / (compute + comm + offload)
+
+
+def plan(recipe, nodes: int, gpus: int, gpu: memory.GpuSpec, buffers: memory.DeepSpeedBuffers | None = None,
+         host_memory_gib: float = 1024.0):
+    """(feasible candidates best first, number considered). Offload must also fit the host's memory."""
+    shape = memory.ModelShape.from_model_config(
+        recipe.model, memory.resolve_vocab(recipe.model, recipe.data), recipe.data.seq_len
+    )
+    buffers = buffers or memory.DeepSpeedBuffers.from_recipe(recipe)
+    world = nodes * gpus
+    base = memory.Workload(
+        precision=recipe.precision.dtype, optimizer=recipe.optim.name, optimizer_args=dict(recipe.optim.args),
+        seq_len=recipe.data.seq_len, attention=recipe.model.attention,
+    )
+    gbs = recipe.batch.global_batch_size or recipe.batch.local_batch_size * world
+    feasible, considered = [], 0
+    for layout in layouts(nodes, gpus):
+        for ckpt in (False, True):
+            for mbs in _mbs_values(recipe, world):
+                considered += 1
+                gas = gbs // (mbs * world)
+                workload = memory.Workload(**{**base.__dict__, "micro_batch_size": mbs, "activation_checkpointing": ckpt,
+                                              "grad_accum_steps": gas, "global_batch_size": gbs})
+                est = memory.estimate_shape(shape, workload, layout, buffers=buffers, gpu=gpu)
+                if not est.fits or est.host_bytes_per_node > host_memory_gib * memory.GIB:
+                    continue
+                compute, comm, volume, offload, rate = throughput(est, gpu)
+                feasible.append(Candidate(layout, ckpt, mbs, gas, est, compute, comm, volume, offload, rate))
+    feasible.sort(key=lambda c: (c.tight, c.offload_s > 0, -round(c.tokens_per_s, 6), c.comm_volume, -c.micro_batch_size))
+    return feasible, considered
+
+
+def accelerate_config(c: Candidate, recipe_path: str) -> str:
+    lay = c.layout
+    lines = [
+        f"# Written by pretrain-plan for {recipe_path}: {c.name}, MBS {c.micro_batch_size}, GAS {c.grad_accum_steps}, "
+        f"activation checkpointing {'on' if c.checkpointing else 'off'}.",
+        f"# Estimated {c.estimate.total_gib:.1f} GiB per GPU of {c.estimate.gpu.memory_gib:.1f} ({c.estimate.gpu.name}).",
+        "# The recipe owns precision and batch sizes: keep mixed_precision 'no' here.",
+        "compute_environment: LOCAL_MACHINE",
+    ]
+    if lay.engine == "ddp":
+        lines.append("distributed_type: MULTI_GPU" if lay.world_size > 1 else "distributed_type: 'NO'")
+    else:
+        lines += ["distributed_type: DEEPSPEED", "deepspeed_config:"]
+        if lay.num_nodes > 1:
+            lines.append("  deepspeed_multinode_launcher: standard")
+        lines += [
+            f"  zero_stage: {lay.zero_stage}",
+            f"  offload_optimizer_device: {lay.offload_optimizer}",
+            f"  offload_param_device: {lay.offload_params}",
+            f"  zero3_init_flag: {'true' if lay.zero_stage == 3 else 'false'}",
+        ]
+        if lay.zero_stage == 3:
+            lines.append("  zero3_save_16bit_model: true")
+    lines += [f"num_machines: {lay.num_nodes}", f"num_processes: {lay.world_size}", "machine_rank: 0"]
+    if lay.num_nodes > 1:
+        lines += ["main_process_ip: 127.0.0.1   # the first node's address; or pass --main_process_ip",
+                  "main_process_port: 29500"]
+    lines += ["mixed_precision: 'no'", "main_training_function: main", "rdzv_backend: static", "same_network: true",
+              "use_cpu: false"]
+    return "\n".join(lines) + "\n"
+
+
+def recipe_overrides(recipe, c: Candidate) -> list[str]:
+    batch, out = recipe.batch, []
+    if batch.local_batch_size is not None:
+        if c.micro_batch_size != batch.local_batch_size:
+            out += ["batch.local_batch_size=null", f"batch.global_batch_size={c.estimate.workload.global_batch_size}",
+                    f"batch.micro_batch_size={c.micro_batch_size}"]
+    elif batch.micro_batch_size is not None:
+        if c.micro_batch_size != batch.micro_batch_size:
+            out.append(f"batch.micro_batch_size={c.micro_batch_size}")
+    elif c.grad_accum_steps != batch.gradient_accumulation_steps:
+        out.append(f"batch.gradient_accumulation_steps={c.grad_accum_steps}")
+    if c.checkpointing != recipe.model.activation_checkpointing:
+        out.append(f"model.activation_checkpointing={'true' if c.checkpointing else 'false'}")
+    return out
+
+
+def launch_command(c: Candidate, config_path: str, recipe_path: str, overrides: list[str]) -> str:
+    parts = ["accelerate launch", f"--config_file {config_path}"]
+    if c.layout.num_nodes > 1:
+        parts += ["--machine_rank $NODE_RANK", "--main_process_ip $MASTER_ADDR", "--main_process_port 29500"]
+    parts += ["pretrain/run.py", f"--recipe {recipe_path}", *overrides]
+    return " ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="pretrain-plan",
+        description="Feasible layouts (ZeRO stage, offload, activation checkpointing, MBS, GAS) for a recipe on a "
+        "cluster, ranked by expected throughput; writes the best as an accelerate config.",
+    )
+    parser.add_argument("--recipe", required=True, help="recipe YAML, e.g. recipes/7b.yaml")
+    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="recipe overrides")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    parser.add_argument("--gpu", default=memory.DEFAULT_GPU, help=f"GPU name (default {memory.DEFAULT_GPU})")
+    parser.add_argument("--gpu-memory-gib", type=float, help="device capacity in GiB instead of the table's")
+    parser.add_argument("--host-memory-gib", type=float, default=1024.0,
+                        help="CPU memory per node available to offload (GiB, default 1024)")
+    parser.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
+    parser.add_argument("--output", help="where to write the accelerate config (default runs/plan/<recipe>-<N>x<G>-<gpu>.yaml)")
+    parser.add_argument("--json", action="store_true", help="the ranking as JSON")
+    args = parser.parse_args(argv)
+    try:
+        from pretrain.config import load_recipe
+
+        if args.nodes < 1 or args.gpus_per_node < 1:
+            raise ConfigError(f"--nodes ({args.nodes}) and --gpus-per-node ({args.gpus_per_node}) must be >= 1")
+        gpu = memory.find_gpu(args.gpu)
+        if args.gpu_memory_gib is not None:
+            gpu = memory.custom_gpu(args.gpu_memory_gib, gpu)
+        recipe = load_recipe(args.recipe, args.overrides)
+        ranked, considered = plan(recipe, args.nodes, args.gpus_per_node, gpu, host_memory_gib=args.host_memory_gib)
+        if not ranked:
+            raise ConfigError(
+                f"no layout of {recipe.name} fits {args.nodes} x {args.gpus_per_node} {gpu.name} "
+                f"({considered} considered, offload with {args.host_memory_gib:g} GiB of host memory per node and "
+                "recompute included): add GPUs, use a larger GPU, or shorten data.seq_len"
+            )
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    best = ranked[0]
+    output = Path(args.output or Path("runs") / "plan" / f"{recipe.name}-{args.nodes}x{args.gpus_per_node}-{gpu.name}.yaml")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(accelerate_config(best, args.recipe))
+    overrides = [*args.overrides, *recipe_overrides(recipe, best)]
+    command = launch_command(best, str(output), args.recipe, overrides)
+    if args.json:
+        print(json.dumps({
+            "num_params": best.estimate.num_params, "considered": considered, "feasible": len(ranked),
+            "config": str(output), "launch": command,
+            "ranking": [{"rank": i + 1, "layout": c.name, "zero_stage": None if c.layout.engine == "ddp" else c.layout.zero_stage,
+                         "offload_optimizer": c.layout.offload_optimizer, "offload_params": c.layout.offload_params,
+                         "activation_checkpointing": c.checkpointing, "micro_batch_size": c.micro_batch_size,
+                         "grad_accum_steps": c.grad_accum_steps, "total_gib": round(c.estimate.total_gib, 3),
+                         "tight": c.tight, "host_gib_per_node": round(c.estimate.host_bytes_per_node / memory.GIB, 1),
+                         "tokens_per_s_per_gpu": round(c.tokens_per_s, 1), "why": c.describe()}
+                        for i, c in enumerate(ranked[: args.top])],
+        }, indent=2))
+        return 0
+    print(f"{recipe.name}: {best.estimate.num_params:,} parameters, GBS {best.estimate.workload.global_batch_size} x seq "
+          f"{recipe.data.seq_len:,}, {recipe.precision.dtype}, on {args.nodes} x {args.gpus_per_node} {gpu.name} "
+          f"({gpu.memory_gib:.1f} GiB)")
+    print(f"{len(ranked)} of {considered} layouts fit; best first (relative step-time model, see tools/plan.py):")
+    for i, c in enumerate(ranked[: args.top]):
+        print(f"{i + 1:>3}. {c.describe()}")
+    print(f"\nwrote {output}")
+    print(f"launch{' (on every node)' if args.nodes > 1 else ''}:\n  {command}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
