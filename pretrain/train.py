@@ -59,6 +59,11 @@ def check_output_dir(output_dir: Path) -> None:
         ) from None
 
 
+def num_machines() -> int:
+    """Nodes in this launch: torchrun (under accelerate launch) exports GROUP_WORLD_SIZE, one group per node."""
+    return int(os.environ.get("GROUP_WORLD_SIZE", "1") or 1)
+
+
 def write_json(path: Path, value: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(value, indent=2, sort_keys=True, default=str))
@@ -161,7 +166,7 @@ class Trainer:
 
     def _memory_estimate(self) -> float | None:
         """The estimator's per-device total for this very run, logged beside the measured peak."""
-        num_nodes = int(os.environ.get("ACCELERATE_NUM_MACHINES", os.environ.get("NUM_MACHINES", "1")) or 1)
+        num_nodes = num_machines()
         layout = Layout.from_deepspeed_config(self.runtime.deepspeed_config, num_nodes,
                                               self.plan.world_size // max(num_nodes, 1))
         gpu = None
@@ -195,7 +200,7 @@ class Trainer:
             "plan": self.plan.to_dict(),
             "dist": {
                 "world_size": self.accelerator.num_processes,
-                "num_machines": int(os.environ.get("ACCELERATE_NUM_MACHINES", os.environ.get("NUM_MACHINES", 1))),
+                "num_machines": num_machines(),
                 "distributed_type": str(self.accelerator.distributed_type).split(".")[-1],
                 "device": str(self.device),
                 "mixed_precision": self.accelerator.mixed_precision,

@@ -1,0 +1,457 @@
+"""`pretrain-slurm`: submit a recipe to a SLURM cluster as one multi-node job that survives preemption.
+
+    pretrain-slurm submit --recipe recipes/7b.yaml [key.path=value ...] \\
+        --accelerate-config accelerate_configs/zero3.yaml --nodes 4 --processes-per-node 8 \\
+        [--partition P --account A --qos Q --time 2-00:00:00 --constraint C --exclusive ...] [--dry-run]
+    pretrain-slurm status runs/7b
+
+`submit` checks the recipe and the launch for the job's world size (nodes x processes per node) first,
+exactly as `pretrain-launch` does, then writes `<output_dir>/slurm/job.sbatch` and hands it to `sbatch`.
+The script runs one `srun` task per node; each task `exec`s `accelerate launch` with its own
+`--machine_rank` (evaluated on the node) and the first node's address.
+
+Preemption: SLURM sends USR1 to the batch shell `--signal-lead-s` seconds before the time limit (or
+anyone sends it with `scancel --signal=USR1 --batch JOB`). The script forwards USR1 to every process of
+the training step; every trainer rank finishes the optimizer step in flight, all ranks agree on the step,
+a checkpoint is written, the ranks exit 0, and the script requeues the job (`scontrol requeue`). The
+requeued job runs the same command, which resumes from the latest checkpoint by itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `pretrain` importable from the repository root
+    _ROOT = str(Path(__file__).resolve().parents[1])
+    if _ROOT not in sys.path:
+        sys.path.insert(0, _ROOT)
+
+from pretrain.errors import EXIT_USAGE, ConfigError  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_PY = ROOT / "pretrain" / "run.py"
+SLURM_SUBDIR = "slurm"  # inside the run's output_dir: job.sbatch, jobs.jsonl, slurm-<jobid>.out
+# Environment variables copied into the script when set at submission, so that a requeued job (or
+# `sbatch job.sbatch` by hand) sees the same data, cache and offline settings.
+PASSTHROUGH_ENV = ("HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_DATASETS_CACHE", "TRANSFORMERS_OFFLINE",
+                   "PRETRAIN_CACHE_DIR", "WANDB_MODE", "WANDB_DIR", "DS_ACCELERATOR", "TOKENIZERS_PARALLELISM")
+DEFAULT_PORT_BASE = 20000  # --port auto: 20000 + job id mod 10000, below the Linux ephemeral range
+
+
+@dataclass
+class Job:
+    """Everything the batch script needs, resolved and checked."""
+
+    recipe_path: Path
+    overrides: list[str]
+    accelerate_config: Path
+    distributed_type: str
+    num_nodes: int
+    processes_per_node: int
+    gpus_per_node: int
+    cpus_per_node: int | None
+    job_name: str
+    output_dir: Path
+    workdir: Path
+    port: str  # "auto" or a number
+    signal_lead_s: int
+    stop_grace_s: int  # after forwarding USR1, seconds before ranks still running get TERM
+    sbatch_options: list[str]  # --partition=..., --account=..., raw --sbatch-arg values
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.processes_per_node
+
+    @property
+    def slurm_dir(self) -> Path:
+        return self.output_dir / SLURM_SUBDIR
+
+
+# ---- command line ---------------------------------------------------------------------------------
+def add_submit_arguments(submit: argparse.ArgumentParser) -> None:
+    submit.add_argument("--recipe", required=True, help="recipe YAML, e.g. recipes/7b.yaml")
+    submit.add_argument("overrides", nargs="*", metavar="key.path=value", help="recipe overrides")
+    submit.add_argument("--accelerate-config", required=True,
+                        help="accelerate config, e.g. accelerate_configs/zero3.yaml (its num_machines / "
+                        "num_processes / machine_rank / main_process_* are replaced for the job)")
+    submit.add_argument("--nodes", type=int, required=True, help="number of nodes (machines)")
+    submit.add_argument("--processes-per-node", type=int, required=True,
+                        help="training processes per node: the GPUs per node on a GPU cluster")
+    submit.add_argument("--gpus-per-node", type=int, default=None,
+                        help="GPUs to request per node (#SBATCH --gpus-per-node); default: --processes-per-node; "
+                        "0 = request none (CPU nodes)")
+    submit.add_argument("--cpus-per-node", type=int, default=None,
+                        help="CPU cores to request per node (#SBATCH --cpus-per-task); default: SLURM's default "
+                        "for the partition (often DefCpuPerGPU x GPUs)")
+    submit.add_argument("--partition", help="#SBATCH --partition")
+    submit.add_argument("--account", help="#SBATCH --account")
+    submit.add_argument("--qos", help="#SBATCH --qos")
+    submit.add_argument("--time", help="#SBATCH --time, e.g. 2-00:00:00 (the USR1 warning needs a time limit)")
+    submit.add_argument("--constraint", help="#SBATCH --constraint, e.g. h100")
+    submit.add_argument("--exclusive", action="store_true", help="#SBATCH --exclusive (whole nodes)")
+    submit.add_argument("--job-name", help="#SBATCH --job-name; default: the recipe name")
+    submit.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
+                        help="extra #SBATCH line, e.g. --sbatch-arg=--mem=0 (repeatable)")
+    submit.add_argument("--port", default="auto",
+                        help="rendezvous port on the first node; auto (default) = 20000 + job id mod 10000, "
+                        "so two jobs sharing a node do not collide")
+    submit.add_argument("--signal-lead-s", type=int, default=300,
+                        help="seconds before the time limit at which SLURM sends USR1 (checkpoint, requeue); "
+                        "default 300")
+    submit.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
+
+
+SUBMIT_EPILOG = ("Recipe overrides: trailing key.path=value pairs, e.g. train.max_steps=1000 optim.lr=1e-4. "
+                 "Pass options sbatch knows but this tool does not with --sbatch-arg=--mail-type=END (repeatable).")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pretrain-slurm", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_submit_arguments(sub.add_parser("submit", help="write the sbatch script into the run's output_dir and "
+                                        "submit it", epilog=SUBMIT_EPILOG))
+    status = sub.add_parser("status", help="show a run's SLURM jobs, their requeues and the latest checkpoint")
+    status.add_argument("run_dir", help="the run's output_dir, e.g. runs/7b")
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["submit"]:
+        # Overrides may come before, between or after the options.
+        submit = argparse.ArgumentParser(prog="pretrain-slurm submit", epilog=SUBMIT_EPILOG)
+        add_submit_arguments(submit)
+        args = submit.parse_intermixed_args(argv[1:])
+        args.command = "submit"
+        return args
+    return build_parser().parse_args(argv)
+
+
+# ---- checking a submission ------------------------------------------------------------------------
+def check_job(args: argparse.Namespace) -> Job:
+    """Validate the whole submission (options, accelerate config, recipe, launch); raise one ConfigError."""
+    from pretrain.launch import preflight, read_accelerate_config
+
+    problems = []
+    if args.nodes < 1:
+        problems.append(f"--nodes must be at least 1 (got {args.nodes})")
+    if args.processes_per_node < 1:
+        problems.append(f"--processes-per-node must be at least 1 (got {args.processes_per_node}); "
+                        "on a GPU cluster it is the GPUs per node")
+    if args.gpus_per_node is not None and args.gpus_per_node < 0:
+        problems.append(f"--gpus-per-node must be 0 or more (got {args.gpus_per_node})")
+    if args.cpus_per_node is not None and args.cpus_per_node < 1:
+        problems.append(f"--cpus-per-node must be at least 1 (got {args.cpus_per_node})")
+    if not 1 <= args.signal_lead_s <= 65535:
+        problems.append(f"--signal-lead-s must be between 1 and 65535 seconds (got {args.signal_lead_s})")
+    if args.port != "auto" and not (args.port.isdigit() and 1024 <= int(args.port) <= 65535):
+        problems.append(f"--port must be auto or a port number 1024-65535 (got {args.port!r})")
+    for name in ("job_name", "partition", "account", "qos", "time", "constraint"):
+        value = getattr(args, name)
+        if value is not None and (not value or any(c.isspace() for c in value)):
+            problems.append(f"--{name.replace('_', '-')} = {value!r} must be one word (sbatch reads #SBATCH lines "
+                            "word by word)")
+    if problems:
+        raise ConfigError(problems)
+
+    config_path = Path(args.accelerate_config).resolve()
+    config = read_accelerate_config(str(config_path))
+    distributed_type = str(config.get("distributed_type", "NO")).upper()
+    world_size = args.nodes * args.processes_per_node
+    if world_size > 1 and distributed_type == "NO":
+        raise ConfigError(
+            f"accelerate config {args.accelerate_config} runs one process (distributed_type: NO) but the job has "
+            f"{args.nodes} node(s) x {args.processes_per_node} process(es) = {world_size}; use a distributed one "
+            "such as accelerate_configs/ddp.yaml, fsdp.yaml or zero3.yaml (cpu_ddp.yaml on CPU nodes)"
+        )
+
+    recipe_path = Path(args.recipe).resolve()
+    accelerate_args = ["--config_file", str(config_path), "--num_processes", str(world_size)]
+    preflight(accelerate_args, ["--recipe", str(recipe_path), *args.overrides])  # the job's world size
+
+    from pretrain.config import load_recipe
+
+    recipe = load_recipe(recipe_path, args.overrides)
+    output_dir = Path(recipe.output_dir).resolve()
+    options = [f"--{name}={value}" for name, value in
+               (("partition", args.partition), ("account", args.account), ("qos", args.qos), ("time", args.time),
+                ("constraint", args.constraint)) if value]
+    if args.exclusive:
+        options.append("--exclusive")
+    options += args.sbatch_arg
+    return Job(
+        recipe_path=recipe_path,
+        # The run directory is pinned to an absolute path: the script and its log live there.
+        overrides=[*(o for o in args.overrides if not o.startswith("output_dir=")), f"output_dir={output_dir}"],
+        accelerate_config=config_path,
+        distributed_type=distributed_type,
+        num_nodes=args.nodes,
+        processes_per_node=args.processes_per_node,
+        gpus_per_node=args.processes_per_node if args.gpus_per_node is None else args.gpus_per_node,
+        cpus_per_node=args.cpus_per_node,
+        job_name=args.job_name or recipe.name,
+        output_dir=output_dir,
+        workdir=Path.cwd().resolve(),
+        port=args.port,
+        signal_lead_s=args.signal_lead_s,
+        # Ranks still starting up ignore USR1 and have nothing to save: TERM them well before the time limit.
+        stop_grace_s=max(60, args.signal_lead_s - 60),
+        sbatch_options=options,
+    )
+
+
+# ---- the batch script -----------------------------------------------------------------------------
+def _single_quote(text: str) -> str:
+    """Quote for bash so that nothing expands here: `$SLURM_NODEID` is expanded by the node's own shell."""
+    return "'" + text.replace("'", "'\"'\"'") + "'"
+
+
+def node_command(job: Job) -> str:
+    """What each node runs: its own accelerate launch. `$SLURM_NODEID` and friends expand on the node."""
+    per_process = job.processes_per_node
+    threads = f"$(( SLURM_CPUS_ON_NODE / {per_process} > 0 ? SLURM_CPUS_ON_NODE / {per_process} : 1 ))"
+    launch = [
+        '"$PRETRAIN_PYTHON" -m accelerate.commands.launch',
+        f"--config_file {shlex.quote(str(job.accelerate_config))}",
+        '--num_machines "$SLURM_NNODES" --machine_rank "$SLURM_NODEID"',
+        '--main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT"',
+        f"--num_processes {job.world_size}",
+    ]
+    if job.distributed_type == "DEEPSPEED":
+        # torchrun on every node: no hostfile, no passwordless ssh (whatever the config file says).
+        launch.append("--deepspeed_multinode_launcher standard")
+    launch.append(shlex.join([str(RUN_PY), "--recipe", str(job.recipe_path)]))
+    launch.append(shlex.join(job.overrides))
+    return "\n    ".join([
+        "",
+        # The launcher ignores USR1 (its default action would kill it); the trainer ranks catch it.
+        'trap "" USR1',
+        f'export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-{threads}}}"',
+        "exec " + " \\\n      ".join(launch),
+    ])
+
+
+def render_script(job: Job, python: str = sys.executable) -> str:
+    lines = [
+        "#!/bin/bash",
+        "# Written by pretrain-slurm submit (tools/slurm.py). Submit again with: sbatch <this file>",
+        f"#SBATCH --job-name={job.job_name}",
+        f"#SBATCH --nodes={job.num_nodes}",
+        "#SBATCH --ntasks-per-node=1",
+    ]
+    if job.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={job.gpus_per_node}")
+    if job.cpus_per_node:
+        lines.append(f"#SBATCH --cpus-per-task={job.cpus_per_node}")
+    lines += [f"#SBATCH {option}" for option in job.sbatch_options]
+    lines += [
+        f"#SBATCH --chdir={job.workdir}",
+        f"#SBATCH --output={job.slurm_dir}/slurm-%j.out",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --requeue",
+        f"#SBATCH --signal=B:USR1@{job.signal_lead_s}",
+        "",
+        "set -u",
+        f"export PRETRAIN_PYTHON={shlex.quote(python)}",
+        'export PATH="$(dirname "$PRETRAIN_PYTHON"):$PATH"',
+        f"RUN_DIR={shlex.quote(str(job.output_dir))}",
+    ]
+    passthrough = [(name, os.environ[name]) for name in PASSTHROUGH_ENV if name in os.environ]
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in passthrough]
+    port = (f"$(( {DEFAULT_PORT_BASE} + SLURM_JOB_ID % 10000 ))" if job.port == "auto" else job.port)
+    lines += [
+        "export PYTHONUNBUFFERED=1",
+        "",
+        "# Rendezvous: the first node of the allocation, at the address SLURM itself uses for it.",
+        'FIRST_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+        'MASTER_ADDR=$(scontrol show node "$FIRST_NODE" --oneliner 2>/dev/null | sed -n "s/.*NodeAddr=\\([^ ]*\\).*/\\1/p")',
+        'export MASTER_ADDR="${MASTER_ADDR:-$FIRST_NODE}"',
+        f"export MASTER_PORT={port}",
+        "",
+        "# NCCL (GPU clusters): fail fast on a lost peer instead of hanging; say which network to use.",
+        "export NCCL_ASYNC_ERROR_HANDLING=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
+        'export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"',
+        "# export NCCL_SOCKET_IFNAME=ib0    # the interface that reaches the other nodes (ip -br addr)",
+        "# export NCCL_IB_HCA=mlx5          # InfiniBand adapters NCCL may use",
+        "# export GLOO_SOCKET_IFNAME=ib0    # the same for gloo (CPU runs)",
+        "",
+        "# Preemption: USR1 (the time limit is near, or scancel --signal=USR1 --batch) or TERM. Every rank",
+        "# finishes its optimizer step and checkpoints; after USR1 the job is requeued and resumes from it.",
+        "# Ranks that are still starting (no checkpoint to lose) get TERM after a grace period.",
+        "STOP_SIGNAL='' SRUN_PID='' WATCHDOG_PID=''",
+        "escalate_later() {  # runs in the background; killed once srun has exited",
+        "  trap 'kill \"$SLEEP_PID\" 2>/dev/null; exit 0' TERM",
+        '  sleep "$1" & SLEEP_PID=$!',
+        '  wait "$SLEEP_PID" || return',
+        '  echo "pretrain-slurm: ranks still running $1 s after the stop signal: sending them TERM"',
+        '  scancel --signal=TERM "$SLURM_JOB_ID"  # every step of the job, not this batch shell',
+        "}",
+        "forward_stop() {",
+        '  kill -USR1 "$SRUN_PID"  # srun forwards USR1 to every process of the step',
+        f"  escalate_later {job.stop_grace_s} &",
+        "  WATCHDOG_PID=$!",
+        "}",
+        "stop_training() {",
+        '  [ -n "$STOP_SIGNAL" ] && return',
+        "  STOP_SIGNAL=$1",
+        '  echo "pretrain-slurm: $1 at $(date -Is): every rank checkpoints the step in flight and stops"',
+        '  [ -n "$SRUN_PID" ] && forward_stop',
+        "}",
+        "trap 'stop_training USR1' USR1",
+        "trap 'stop_training TERM' TERM",
+        "",
+        'echo "pretrain-slurm: job $SLURM_JOB_ID start $(( ${SLURM_RESTART_COUNT:-0} + 1 )) at $(date -Is) '
+        'on $SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR:$MASTER_PORT"',
+        'srun --nodes="$SLURM_NNODES" --ntasks="$SLURM_NNODES" --ntasks-per-node=1 '
+        '--cpus-per-task="$SLURM_CPUS_ON_NODE" --kill-on-bad-exit=1 \\',
+        f"  bash -c {_single_quote(node_command(job))} &",
+        "SRUN_PID=$!",
+        '[ -n "$STOP_SIGNAL" ] && forward_stop  # a signal that came before srun started',
+        "# A trapped signal interrupts wait; keep waiting until srun has really exited.",
+        'while kill -0 "$SRUN_PID" 2>/dev/null; do wait "$SRUN_PID"; done',
+        'wait "$SRUN_PID"; STATUS=$?',
+        '[ -n "$WATCHDOG_PID" ] && kill "$WATCHDOG_PID" 2>/dev/null',
+        'if [ "$STOP_SIGNAL" = USR1 ]; then',
+        '  echo "pretrain-slurm: training stopped (exit $STATUS); requeueing job $SLURM_JOB_ID at $(date -Is)"',
+        '  scontrol requeue "$SLURM_JOB_ID" && exit 0',
+        '  echo "pretrain-slurm: scontrol requeue failed; resubmit with: sbatch $RUN_DIR/slurm/job.sbatch"',
+        "fi",
+        'echo "pretrain-slurm: training exited with $STATUS at $(date -Is)"',
+        'exit "$STATUS"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# ---- submit / status --------------------------------------------------------------------------------
+def submit(job: Job, script: str) -> str:
+    """Write the script and the submission record into the run directory, sbatch it, return the job id."""
+    job.slurm_dir.mkdir(parents=True, exist_ok=True)
+    path = job.slurm_dir / "job.sbatch"
+    path.write_text(script)
+    path.chmod(0o755)
+    proc = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise ConfigError(f"sbatch refused {path} (exit {proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
+    job_id = proc.stdout.strip().split(";")[0]
+    record = {"job_id": job_id, "submitted": datetime.datetime.now().isoformat(timespec="seconds"),
+              "script": str(path), "nodes": job.num_nodes, "processes_per_node": job.processes_per_node,
+              "world_size": job.world_size, "argv": sys.argv[1:]}
+    with open(job.slurm_dir / "jobs.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    return job_id
+
+
+def scontrol_job(job_id: str) -> dict[str, str]:
+    """`scontrol show job` fields (JobState, Restarts, NodeList, ...); empty when SLURM no longer knows it."""
+    if shutil.which("scontrol") is None:
+        return {}
+    try:
+        proc = subprocess.run(["scontrol", "show", "job", "--oneliner", job_id], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    fields: dict[str, str] = {}
+    for token in proc.stdout.split() if proc.returncode == 0 else []:
+        key, sep, value = token.partition("=")
+        if sep and key not in fields:
+            fields[key] = value
+    return fields
+
+
+def run_status(run_dir: Path) -> str:
+    records_path = run_dir / SLURM_SUBDIR / "jobs.jsonl"
+    if not records_path.is_file():
+        raise ConfigError(f"{run_dir} has no SLURM submissions ({records_path} is missing); submit with "
+                          "pretrain-slurm submit --recipe R ... (the run directory is the recipe's output_dir)")
+    out = []
+    for record in (json.loads(line) for line in records_path.read_text().splitlines() if line.strip()):
+        job_id = record["job_id"]
+        fields = scontrol_job(job_id)
+        log = run_dir / SLURM_SUBDIR / f"slurm-{job_id}.out"
+        starts = preempted = 0
+        if log.is_file():
+            text = log.read_text(errors="replace")
+            starts = text.count(f"pretrain-slurm: job {job_id} start ")
+            preempted = text.count("preempted: stopped after step")
+        if fields:
+            state = (f"{fields.get('JobState', '?')} (restarts {fields.get('Restarts', '?')}, nodes "
+                     f"{fields.get('NodeList', '?')}, run time {fields.get('RunTime', '?')}, reason {fields.get('Reason', '?')})")
+        elif shutil.which("scontrol") is None:
+            state = "unknown: scontrol is not available here (run status on a node of the cluster)"
+        else:
+            state = f"no longer known to slurmctld (sacct -j {job_id} shows finished jobs where accounting is on)"
+        out.append(f"job {job_id}  submitted {record['submitted']}  {record['nodes']} node(s) x "
+                   f"{record['processes_per_node']} = world {record['world_size']}")
+        out.append(f"  state        {state}")
+        out.append(f"  starts       {starts} in the log ({max(starts - 1, 0)} requeue(s)); preemptions {preempted}")
+        out.append(f"  log          {log}")
+    out.append(f"checkpoint     {latest_checkpoint(run_dir)}")
+    out.append(f"last step      {last_logged_step(run_dir)}")
+    return "\n".join(out)
+
+
+def latest_checkpoint(run_dir: Path) -> str:
+    checkpoints = run_dir / "checkpoints"
+    pointer = checkpoints / "latest"
+    if not pointer.is_file():
+        return "none yet"
+    path = checkpoints / pointer.read_text().strip()
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return f"{path} (incomplete)"
+    return f"{path} (step {state['step']}/{state.get('num_steps', '?')}, {state.get('tokens_seen', 0):,} tokens)"
+
+
+def last_logged_step(run_dir: Path) -> str:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return "nothing logged yet"
+    last = None
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "train/loss" in record:
+            last = record
+    if last is None:
+        return "no training step logged yet"
+    return f"{last['step']} (train/loss {last['train/loss']:.4f})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.command == "status":
+            print(run_status(Path(args.run_dir)))
+            return 0
+        if not args.dry_run and shutil.which("sbatch") is None:
+            raise ConfigError("SLURM is not available here: `sbatch` is not on PATH. Submit from a login node of "
+                              "the cluster, or add --dry-run to print the batch script without submitting")
+        job = check_job(args)
+        script = render_script(job)
+        if args.dry_run:
+            print(script, end="")
+            return 0
+        job_id = submit(job, script)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"submitted job {job_id}: {job.num_nodes} node(s) x {job.processes_per_node} process(es), "
+          f"script {job.slurm_dir / 'job.sbatch'}")
+    print(f"log: {job.slurm_dir / f'slurm-{job_id}.out'}   status: pretrain-slurm status {job.output_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
