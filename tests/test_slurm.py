@@ -386,6 +386,7 @@ def test_two_node_job_trains_like_a_local_two_process_run(cluster, six_step_refe
     assert fields["NumNodes"] == "2"
     run_config = json.loads((out / "run_config.json").read_text())
     assert run_config["dist/world_size"] == 2 and run_config["dist/distributed_type"] == distributed_type
+    assert run_config["dist/num_machines"] == 2  # one process on each of the two SLURM nodes
     assert "world size 2" in read(log)
 
     losses = train_losses(out)
