@@ -281,6 +281,7 @@ class TrainConfig(Section):
 class CheckpointConfig(Section):
     every_steps: int = Field(0, ge=0, description="Save every N optimizer steps; 0 = only at the end.")
     keep_last: int = Field(2, ge=0, description="Keep the newest N checkpoints; 0 = keep all.")
+    save_last: bool = Field(True, description="Also save a checkpoint after the last step (false: e.g. for sweeps).")
     resume: str = Field(
         "auto",
         description="`auto` (continue from output_dir's latest checkpoint if any), `none`, or a checkpoint directory.",

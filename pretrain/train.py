@@ -249,7 +249,7 @@ class Trainer:
 
         self.model.train()
         batches = iter(self.train_loader)
-        meter = _IntervalMeter()
+        meter = IntervalMeter()
         warmup_until = self.step + self.recipe.runtime.throughput_warmup_steps
         self.console.start(self.num_steps, self.step)
         while self.step < self.num_steps:
@@ -259,14 +259,15 @@ class Trainer:
             meter.steps += 1
             if self.should_log():
                 last_metrics = self.log_train(step_metrics, meter if self.step > warmup_until else None)
-                meter = _IntervalMeter()
+                meter = IntervalMeter()
             else:
                 self.console.advance(self.step)
             if self.step == warmup_until:
-                meter = _IntervalMeter()  # throughput starts after the warm-up steps (compile, allocator)
+                meter = IntervalMeter()  # throughput starts after the warm-up steps (compile, allocator)
             if self.should_eval():
                 meter.excluded_s += self.evaluate()
-            if self.checkpointer.should_save(self.step) or self.step == self.num_steps:
+            last = self.step == self.num_steps and self.recipe.checkpoint.save_last
+            if self.checkpointer.should_save(self.step) or last:
                 start = time.perf_counter()
                 self.checkpointer.save(self.step, self.trainer_state())
                 meter.excluded_s += time.perf_counter() - start
@@ -281,7 +282,7 @@ class Trainer:
         self.finish()
         return last_metrics
 
-    def train_step(self, batches, meter: _IntervalMeter) -> dict[str, torch.Tensor]:
+    def train_step(self, batches, meter: IntervalMeter) -> dict[str, torch.Tensor]:
         """One optimizer step: GAS micro-steps, clipping, update, schedule."""
         acc, model = self.accelerator, self.model
         loss_sum = torch.zeros((), device=self.device)
@@ -321,7 +322,7 @@ class Trainer:
         every = self.recipe.train.eval_every_steps
         return self.step == self.num_steps or (every > 0 and self.step % every == 0)
 
-    def log_train(self, step_metrics: dict, meter: _IntervalMeter | None) -> dict[str, float]:
+    def log_train(self, step_metrics: dict, meter: IntervalMeter | None) -> dict[str, float]:
         # Expensive device-to-host synchronization: only on logging steps.
         loss = self.accelerator.reduce(step_metrics["loss_sum"], reduction="mean").item() / self.plan.grad_accum_steps
         grad_norm = step_metrics["grad_norm"]
@@ -342,7 +343,7 @@ class Trainer:
         self.console.step_summary(self.step, self.num_steps, metrics)
         return metrics
 
-    def throughput_metrics(self, meter: _IntervalMeter | None) -> dict[str, float]:
+    def throughput_metrics(self, meter: IntervalMeter | None) -> dict[str, float]:
         """tokens/s, TFLOP/s and MFU over the steps since the last log (no eval, checkpoint or warm-up time)."""
         if meter is None or meter.steps == 0:
             return {}  # a warm-up step: its time says nothing about throughput
@@ -441,7 +442,7 @@ class Trainer:
         acc.wait_for_everyone()
 
 
-class _IntervalMeter:
+class IntervalMeter:
     """Wall time between logging steps, minus evaluation and checkpoint time."""
 
     def __init__(self):

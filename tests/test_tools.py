@@ -1,0 +1,273 @@
+"""tools/sweep_batch_size.py and tools/bench_loop.py: real launches on tiny settings, the sweep's stops and
+its analysis on made-up numbers, and bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import matplotlib.image
+import pytest
+
+from tests.helpers import ROOT, TINY, check_ok, run_cmd
+from tools import sweep_batch_size
+from tools.sweep_batch_size import MBSResult, analyse, nearest_multiples
+
+SWEEP = str(ROOT / "tools" / "sweep_batch_size.py")
+BENCH = str(ROOT / "tools" / "bench_loop.py")
+# A 2-layer, 64-wide model on 64-token sequences; a given peak skips the CPU peak measurement (2 s a run).
+SMALL = ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128", "data.seq_len=64",
+         "runtime.peak_tflops=1"]
+TINY_GBS = 32  # recipes/tiny.yaml
+
+
+def check_png(path) -> None:
+    assert path.stat().st_size > 10_000
+    height, width, _ = matplotlib.image.imread(path).shape
+    assert height >= 400 and width >= 1000
+
+
+# --------------------------------------------------------------------------------------------------
+# The sweep, launched for real
+
+
+@pytest.mark.slow
+def test_sweep_measures_each_mbs_and_recommends(tmp_path):
+    out = tmp_path / "sweep"
+    proc = run_cmd([sys.executable, SWEEP, "--recipe", TINY, "--max-mbs", "4", "--steps", "2", "--warmup-steps", "1",
+                    "--out", str(out), *SMALL], timeout=180)
+    check_ok(proc)
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["MBS", "tokens/s"])
+    assert lines[header].split() == ["MBS", "tokens/s", "step", "time", "(s)", "peak", "GiB", "scaling", "status"]
+    rows = [line.split() for line in lines[header + 2 : header + 5]]
+    assert [row[0] for row in rows] == ["1", "2", "4"]
+    assert all(row[-1] == "ok" for row in rows)
+    assert rows[0][4] == "-" and all(row[4].endswith("x") for row in rows[1:])
+    assert "stopped: reached --max-mbs 4" in proc.stdout
+    assert "gradient accumulation adds no throughput" in proc.stdout
+
+    report = json.loads((out / "sweep.json").read_text())
+    assert [r["mbs"] for r in report["results"]] == [1, 2, 4]
+    for r in report["results"]:
+        assert r["status"] == "ok" and r["num_measured_steps"] == 2
+        assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0 and r["peak_gib"] > 0
+        assert not (out / f"mbs_{r['mbs']}" / "checkpoints").exists()  # the end-of-run checkpoint is cleaned up
+    assert report["results"][0]["scaling"] is None
+    assert report["results"][1]["scaling"] == pytest.approx(
+        report["results"][1]["tokens_per_s"] / report["results"][0]["tokens_per_s"])
+    assert report["world_size"] == 1 and report["global_batch_size"] == TINY_GBS
+    rec = report["recommendation"]
+    assert rec["micro_batch_size"] in (1, 2, 4)
+    assert rec["micro_batch_size"] * rec["gradient_accumulation_steps"] == TINY_GBS
+    assert rec["fraction_of_best"] >= 0.95
+    assert f"recommended: MBS {rec['micro_batch_size']}" in proc.stdout
+    assert report["stopped"]["reason"] == "max_mbs"
+    check_png(out / "sweep.png")
+
+    # Each run really trained at that MBS and GAS 1.
+    for mbs in (1, 2, 4):
+        steps = [json.loads(x) for x in (out / f"mbs_{mbs}" / "metrics.jsonl").read_text().splitlines()]
+        assert {(s["batch/mbs"], s["batch/gas"]) for s in steps if "train/loss" in s} == {(mbs, 1)}
+
+
+# --------------------------------------------------------------------------------------------------
+# The sweep with a stand-in for the entry point: out-of-memory and other failures, deterministically
+
+FAKE_RUN = r"""
+import json, os, sys
+mbs, run_dir = int(sys.argv[1]), sys.argv[2]
+if mbs == int(os.environ["FAKE_OOM_AT"]):
+    sys.exit("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+if mbs == int(os.environ["FAKE_FAIL_AT"]):
+    print("Traceback (most recent call last):\nValueError: boom in the data loader", file=sys.stderr)
+    sys.exit(1)
+os.makedirs(run_dir)
+tps = {1: 1000.0, 2: 1900.0, 4: 2000.0}[mbs]
+with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+    for step in (1, 2, 3):
+        line = {"step": step, "train/loss": 8.0, "batch/mbs": mbs, "batch/gas": 1, "batch/gbs": mbs,
+                "memory/peak_gib": 0.5 * mbs}
+        if step > 1:
+            line.update({"perf/tokens_per_s": tps + step, "perf/tokens_per_s_per_device": tps + step,
+                         "perf/step_time_s": mbs * 64 / tps})
+        f.write(json.dumps(line) + "\n")
+"""
+
+
+@pytest.fixture
+def fake_entry_point(monkeypatch):
+    def command(accelerate_config, num_processes, recipe, overrides):
+        values = dict(o.split("=", 1) for o in overrides)
+        return [sys.executable, "-c", FAKE_RUN, values["batch.micro_batch_size"], values["output_dir"]]
+
+    monkeypatch.setattr(sweep_batch_size, "launch_command", command)
+    monkeypatch.setenv("FAKE_OOM_AT", "0")
+    monkeypatch.setenv("FAKE_FAIL_AT", "0")
+    return monkeypatch
+
+
+def test_sweep_survives_out_of_memory(tmp_path, fake_entry_point, capsys):
+    fake_entry_point.setenv("FAKE_OOM_AT", "4")
+    out = tmp_path / "sweep"
+    assert sweep_batch_size.main(["--recipe", TINY, "--out", str(out), "--repeats", "2", *SMALL]) == 0
+    stdout = capsys.readouterr().out
+    assert "stopped at MBS 4: out of memory (torch.OutOfMemoryError: CUDA out of memory. Tried to allocate" in stdout
+    assert re.search(r"^\s+4\s+-\s+-\s+-\s+-\s+oom$", stdout, re.MULTILINE)
+    # MBS 2 reaches 95% of the best; GAS 16 reaches the tiny recipe's GBS 32 on one process.
+    assert "recommended: MBS 2" in stdout and "with GAS 16" in stdout
+    report = json.loads((out / "sweep.json").read_text())
+    assert [(r["mbs"], r["status"]) for r in report["results"]] == [(1, "ok"), (2, "ok"), (4, "oom")]
+    assert report["stopped"]["mbs"] == 4 and report["stopped"]["reason"] == "oom"
+    assert report["recommendation"]["micro_batch_size"] == 2
+    assert report["recommendation"]["gradient_accumulation_steps"] == 16
+    assert report["results"][1]["tokens_per_s"] == pytest.approx(1902.5)  # median of the measured steps
+    assert report["results"][1]["scaling"] == pytest.approx(1902.5 / 1002.5)
+    assert [len(r["runs"]) for r in report["results"]] == [2, 2, 0]  # --repeats re-runs only what fit
+    check_png(out / "sweep.png")
+    assert "OutOfMemoryError" in (out / "mbs_4.stderr.log").read_text()
+
+
+def test_sweep_stops_above_the_memory_limit_and_still_reports(tmp_path, fake_entry_point, capsys):
+    out = tmp_path / "sweep"
+    # The stand-in peaks at 0.5 GiB x MBS: MBS 1 fits, MBS 2 does not, MBS 4 is never tried.
+    assert sweep_batch_size.main(["--recipe", TINY, "--out", str(out), "--max-memory-gib", "0.8", *SMALL]) == 0
+    stdout = capsys.readouterr().out
+    assert "stopped at MBS 2: peak 1.00 GiB > --max-memory-gib 0.8" in stdout
+    assert "recommended: MBS 1" in stdout and "with GAS 32" in stdout
+    assert not (out / "mbs_4.log").exists()
+    report = json.loads((out / "sweep.json").read_text())
+    assert [(r["mbs"], r["status"]) for r in report["results"]] == [(1, "ok"), (2, "over_memory_limit")]
+    assert report["stopped"]["reason"] == "over_memory_limit"
+    assert report["recommendation"]["micro_batch_size"] == 1  # the faster MBS 2 does not fit
+    check_png(out / "sweep.png")
+
+
+def test_sweep_reports_another_failure_with_its_stderr(tmp_path, fake_entry_point, capsys):
+    fake_entry_point.setenv("FAKE_FAIL_AT", "2")
+    out = tmp_path / "sweep"
+    assert sweep_batch_size.main(["--recipe", TINY, "--out", str(out), *SMALL]) == 1
+    captured = capsys.readouterr()
+    assert "stopped at MBS 2: the run failed" in captured.err
+    assert "ValueError: boom in the data loader" in captured.err
+    report = json.loads((out / "sweep.json").read_text())
+    assert [(r["mbs"], r["status"]) for r in report["results"]] == [(1, "ok"), (2, "failed")]
+    assert report["recommendation"]["micro_batch_size"] == 1
+    check_png(out / "sweep.png")
+
+
+# --------------------------------------------------------------------------------------------------
+# The analysis
+
+
+def results(tokens_per_s: dict[int, float], status: dict[int, str] | None = None) -> list[MBSResult]:
+    status = status or {}
+    return [MBSResult(m, status.get(m, "ok"), tokens_per_s=t, step_time_s=m / t, peak_gib=1.0)
+            for m, t in tokens_per_s.items()]
+
+
+CURVE = {1: 100.0, 2: 200.0, 4: 390.0, 8: 420.0, 16: 430.0}
+
+
+def test_analysis_finds_where_scaling_stops_and_the_smallest_near_best_mbs():
+    rs = results(CURVE)
+    analysis = analyse(rs, global_batch_size=32, world=1)
+    assert [r.scaling for r in rs] == pytest.approx([None, 2.0, 1.95, 420 / 390, 430 / 420])
+    assert analysis["scaling_stops_at_mbs"] == 4  # doubling 4 -> 8 gains only 1.08x
+    rec = analysis["recommendation"]
+    assert (rec["micro_batch_size"], rec["gradient_accumulation_steps"]) == (8, 4)  # 420 >= 0.95 x 430
+    assert rec["fraction_of_best"] == pytest.approx(420 / 430)
+
+
+def test_analysis_divides_per_process_and_skips_runs_over_the_limit():
+    rs = results(CURVE, status={16: "over_memory_limit"})
+    rec = analyse(rs, global_batch_size=32, world=2)["recommendation"]
+    # Without MBS 16 the best is 420 (MBS 8): MBS 8 x GAS 2 x world 2 = 32.
+    assert (rec["micro_batch_size"], rec["gradient_accumulation_steps"]) == (8, 2)
+
+
+def test_analysis_suggests_the_nearest_gbs_when_no_good_mbs_divides():
+    analysis = analyse(results(CURVE), global_batch_size=20, world=1)
+    rec = analysis["recommendation"]
+    assert rec["micro_batch_size"] == 8 and rec["gradient_accumulation_steps"] is None
+    assert rec["divides_global_batch_size"] is False and rec["suggested_global_batch_sizes"] == [16, 24]
+    assert "no MBS reaching 95%" in analysis["message"]
+    assert "16 (GAS 2) or 24 (GAS 3)" in analysis["message"]
+    assert "keep GBS 20 with MBS 4 (GAS 5" in analysis["message"]
+
+
+def test_analysis_without_scaling_stop_or_usable_runs():
+    analysis = analyse(results({1: 100.0, 2: 250.0}), global_batch_size=8, world=1)
+    assert analysis["scaling_stops_at_mbs"] is None
+    assert analysis["recommendation"]["micro_batch_size"] == 2
+    empty = analyse([MBSResult(1, "oom")], global_batch_size=8, world=1)
+    assert empty["recommendation"] is None and "nothing to recommend" in empty["message"]
+
+
+def test_repeated_runs_report_the_fastest_run_and_the_largest_peak():
+    first = MBSResult(4, "ok", tokens_per_s=100.0, tokens_per_s_per_device=100.0, step_time_s=1.0, peak_gib=2.0)
+    first.runs = [{"tokens_per_s": 100.0, "tokens_per_s_per_device": 100.0, "step_time_s": 1.0, "peak_gib": 2.0}]
+    for tps, peak in ((50.0, 2.5), (120.0, 1.9)):
+        again = MBSResult(4, "ok", tokens_per_s=tps)
+        again.runs = [{"tokens_per_s": tps, "tokens_per_s_per_device": tps, "step_time_s": 100 / tps, "peak_gib": peak}]
+        sweep_batch_size.add_run(first, again)
+    assert (first.tokens_per_s, first.step_time_s, first.peak_gib) == (120.0, 100 / 120, 2.5)
+    sweep_batch_size.add_run(first, MBSResult(4, "oom", detail="out of memory"))
+    assert len(first.runs) == 3 and first.status == "ok" and "a repeat run oom" in first.detail
+
+
+def test_nearest_multiples():
+    assert nearest_multiples(20, 8) == [16, 24]
+    assert nearest_multiples(30, 8) == [32]
+    assert nearest_multiples(3, 8) == [8]
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input
+
+
+@pytest.mark.slow
+def test_sweep_missing_recipe_is_one_error_line(tmp_path):
+    proc = run_cmd([sys.executable, SWEEP, "--recipe", str(tmp_path / "nope.yaml"), "--out", str(tmp_path / "o")],
+                   timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: recipe file not found") and "Traceback" not in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--accelerate-config", "accelerate_configs/nope.yaml"], "accelerate config file not found"),
+        (["--num-processes", "2"], "--num-processes needs --accelerate-config"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["model.hiden_size=64"], "unknown key 'model.hiden_size'"),
+    ],
+)
+def test_sweep_bad_input_exits_2(tmp_path, capsys, args, message):
+    assert sweep_batch_size.main(["--recipe", TINY, "--out", str(tmp_path / "o"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_bench_missing_recipe_exits_2(tmp_path, capsys):
+    from tools.bench_loop import main
+
+    assert main(["--recipe", str(tmp_path / "nope.yaml")]) == 2
+    assert capsys.readouterr().err.startswith("error: recipe file not found")
+
+
+# --------------------------------------------------------------------------------------------------
+# The loop benchmark
+
+
+@pytest.mark.slow
+def test_bench_loop_prints_a_ratio():
+    proc = run_cmd([sys.executable, BENCH, "--recipe", TINY, "--steps", "1", "--repeats", "2", *SMALL,
+                    "batch.global_batch_size=8", "batch.micro_batch_size=4"], timeout=180)
+    check_ok(proc)
+    assert re.search(r"repeat\s+toolkit tokens/s\s+minimal tokens/s\s+ratio", proc.stdout)
+    ratio = re.search(r"median ratio toolkit/minimal: ([0-9.]+)", proc.stdout)
+    assert ratio and float(ratio.group(1)) > 0
