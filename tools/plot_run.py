@@ -28,7 +28,8 @@ PANELS = (
     ("Throughput", "tokens/s", [("perf/tokens_per_s", "all devices"), ("perf/tokens_per_s_per_device", "per device")],
      1.0),
     ("MFU", "MFU (%)", [("perf/mfu", "model FLOPs utilisation")], 100.0),
-    ("Memory", "GiB", [("memory/peak_gib", "peak"), ("memory/reserved_gib", "reserved"), ("memory/rss_gib", "host RSS")],
+    ("Memory", "GiB", [("memory/peak_gib", "peak"), ("memory/reserved_gib", "reserved"), ("memory/rss_gib", "host RSS"),
+                       ("memory/estimated_gib", "estimate (pretrain-estimate)")],
      1.0),
 )  # fmt: skip
 
