@@ -60,11 +60,14 @@ def _valid_pairs(gbs: int, world: int) -> str:
     return ", ".join(pairs[:8])
 
 
-def _nearest_multiples(value: int, unit: int) -> str:
+def neighbouring_multiples(value: int, unit: int) -> list[int]:
+    """The positive multiples of ``unit`` just below (or at) and just above ``value``."""
     lower = (value // unit) * unit
-    upper = lower + unit
-    options = [str(v) for v in (lower, upper) if v > 0]
-    return " or ".join(options)
+    return [v for v in (lower, lower + unit) if v > 0]
+
+
+def _nearest_multiples(value: int, unit: int) -> str:
+    return " or ".join(str(v) for v in neighbouring_multiples(value, unit))
 
 
 def plan_batches(batch: BatchConfig, world_size: int, seq_len: int) -> BatchPlan:

@@ -39,6 +39,7 @@ if __package__ in (None, ""):  # run as a script: make `pretrain` importable fro
     if _ROOT not in sys.path:
         sys.path.insert(0, _ROOT)
 
+from pretrain.batching import neighbouring_multiples  # noqa: E402
 from pretrain.errors import EXIT_USAGE, ConfigError  # noqa: E402
 
 RUN_PY = Path(__file__).resolve().parents[1] / "pretrain" / "run.py"
@@ -240,13 +241,9 @@ def repeat_rounds(results: list[MBSResult], args: argparse.Namespace, world: int
 
 def nearest_multiples(value: int, unit: int) -> list[int]:
     """The multiples of unit closest to value (one, or two when value lies exactly between them)."""
-    lower = (value // unit) * unit
-    upper = lower + unit
-    if lower <= 0:
-        return [upper]
-    if value - lower == upper - value:
-        return [lower, upper]
-    return [lower if value - lower < upper - value else upper]
+    options = neighbouring_multiples(value, unit)
+    closest = min(abs(value - v) for v in options)
+    return [v for v in options if abs(value - v) == closest]
 
 
 def analyse(results: list[MBSResult], global_batch_size: int, world: int) -> dict:
