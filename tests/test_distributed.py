@@ -6,14 +6,14 @@ import json
 
 import pytest
 
+from tests import golden_losses
 from tests.helpers import FAST, accelerate_launch, check_ok, train, train_losses
 
 pytestmark = pytest.mark.slow
 
-STEPS = 6
+STEPS = golden_losses.DIST_STEPS
 # GBS 8 everywhere; MBS 2: one process accumulates 4 micro-batches, two processes 2 each.
-CURVE = [*FAST, "batch.micro_batch_size=2", f"train.max_steps={STEPS}", "checkpoint.every_steps=3",
-         "checkpoint.keep_last=0"]
+CURVE = golden_losses.DIST_ARGS
 
 
 def run_config(run_dir) -> dict:
@@ -69,6 +69,15 @@ def test_one_curve_on_every_layout(curves):
             assert loss == pytest.approx(reference[step], rel=1e-4), (name, step, loss, reference[step])
         expected_steps = range(4, STEPS + 1) if "resumed" in name else range(1, STEPS + 1)
         assert sorted(curve) == list(expected_steps), name
+
+
+def test_ddp_and_zero2_curves_match_the_golden_curves(curves):
+    """Recorded before the redesign (tests/golden/losses.json); any later change must reproduce them."""
+    golden = golden_losses.load()
+    problems = []
+    for name, run in [("cpu_ddp", "cpu_ddp, GAS 2"), ("zero2", "ZeRO-2")]:
+        problems += golden_losses.mismatches(name, train_losses(curves[run]), golden[name])
+    assert problems == []
 
 
 def test_zero2_deepspeed_config_has_the_batch_triple(curves):
