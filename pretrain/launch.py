@@ -1,51 +1,278 @@
-"""`pretrain-launch`: check a launch before any process starts, then hand it to `accelerate launch`.
+"""The launch, read once: how many processes on how many machines, which engine, ZeRO stage, offload.
 
-    pretrain-launch --config_file accelerate_configs/zero2.yaml [--num_processes 2 ...] \\
-        --recipe recipes/tiny.yaml [key.path=value ...]
+A ``Launch`` is built in exactly one of two ways and then passed around as a value:
 
-Everything `accelerate launch` would only discover inside N processes (a missing accelerate config, a
-batch size that does not divide for its world size, a DeepSpeed JSON that contradicts the recipe, fp16
-without a GPU) is reported here as one message with exit code 2. Then the command is exactly
-`accelerate launch <accelerate args> pretrain/run.py --recipe ... [overrides]`.
+- ``Launch.from_env()`` inside a training process, from what ``accelerate launch`` / torchrun exported
+  (``WORLD_SIZE``, ``RANK``, ``GROUP_WORLD_SIZE``, ``ACCELERATE_*``);
+- ``Launch.from_accelerate_config(path, args)`` before any process exists (``pretrain-launch``,
+  ``pretrain-slurm``, ``pretrain-estimate``), from the accelerate config file and the command-line
+  options that override it: the same value the processes will build from their environment.
+
+The batch plan, the pre-launch checks, the Accelerator builder, the DeepSpeed config and the memory
+estimator all read this value; no other module reads the launch environment or parses an accelerate
+config. ``accelerate_command`` is the one place that writes an ``accelerate launch`` command line.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
-if __package__ in (None, ""):
-    _here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
-    sys.path.insert(0, str(_here.parent))
+import yaml
 
-import yaml  # noqa: E402
-
-from pretrain.errors import EXIT_USAGE, ConfigError  # noqa: E402
+from pretrain.errors import ConfigError
 
 RUN_PY = Path(__file__).resolve().parent / "run.py"
+"""The training entry point every launch command starts."""
+
+ENGINES = ("ddp", "fsdp", "deepspeed")
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+# accelerate's distributed types that are plain data parallelism (or one process).
+_DDP_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU", "MULTI_NPU", "MULTI_XPU", "MULTI_MLU", "MULTI_HPU")
+# accelerate config keys (and their `accelerate launch --<key>` options) under deepspeed_config, and the
+# environment variables accelerate launch turns them into.
+_DEEPSPEED_ENV = {
+    "zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+    "offload_optimizer_device": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+    "offload_param_device": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+    "zero3_init_flag": "ACCELERATE_DEEPSPEED_ZERO3_INIT",
+    "deepspeed_config_file": "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+    "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+    "gradient_clipping": "ACCELERATE_GRADIENT_CLIPPING",
+}
 
 
-def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(accelerate launch arguments, run.py arguments starting at --recipe)."""
-    if "--recipe" not in argv:
-        raise ConfigError("usage: pretrain-launch --config_file FILE [accelerate launch options] --recipe R [key=value ...]")
-    cut = argv.index("--recipe")
-    return argv[:cut], argv[cut:]
+@dataclass(frozen=True)
+class Launch:
+    """How a run is (or will be) distributed. The first six fields are what memory depends on."""
+
+    engine: str = "ddp"
+    """ddp (PyTorch DDP, or one process), fsdp (accelerate's FSDP) or deepspeed."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage 0-3 (0 unless engine is deepspeed)."""
+    offload_optimizer: str = "none"
+    """DeepSpeed optimizer-state offload device: none, cpu or nvme."""
+    offload_params: str = "none"
+    """DeepSpeed (ZeRO-3) or FSDP parameter offload device: none, cpu or nvme."""
+    num_nodes: int = 1
+    gpus_per_node: int = 1
+    """Processes per node (one per GPU on a GPU cluster)."""
+    rank: int = 0
+    """This process's global rank (0 outside a launched process)."""
+    mixed_precision: str = "no"
+    """What the accelerate config says about precision; the recipe owns it, so this must agree or be 'no'."""
+    fsdp_sharding: str | None = None
+    """FSDP's sharding strategy (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, ...)."""
+    zero3_init: bool | None = None
+    """accelerate's zero3_init_flag (None: not set, pretrain decides)."""
+    deepspeed_config_file: str | None = None
+    """A user's DeepSpeed JSON named by the accelerate config, merged with the recipe's fields."""
+    deepspeed_fields: Mapping[str, str] = field(default_factory=dict)
+    """gradient_accumulation_steps / gradient_clipping as the accelerate config gave them (checked, not used)."""
+
+    def __post_init__(self):
+        check_launch(self)
+
+    # ---- derived ------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        return self.engine == "deepspeed"
+
+    def describe(self) -> str:
+        if self.engine == "ddp":
+            what = "PyTorch DDP" if self.world_size > 1 else "one process (no data parallelism)"
+        elif self.engine == "fsdp":
+            what = f"FSDP {self.fsdp_sharding or 'FULL_SHARD'}"
+            if self.offload_params != "none":
+                what += f" (offload params -> {self.offload_params})"
+        else:
+            what = f"DeepSpeed ZeRO-{self.zero_stage}"
+            offload = [f"optimizer -> {self.offload_optimizer}"] * (self.offload_optimizer != "none")
+            offload += [f"params -> {self.offload_params}"] * (self.offload_params != "none")
+            if offload:
+                what += f" (offload {', '.join(offload)})"
+        gpus = f"{self.num_nodes} x {self.gpus_per_node}" if self.num_nodes > 1 else f"{self.gpus_per_node}"
+        return f"{what} on {gpus} GPU{'s' if self.world_size > 1 else ''}"
+
+    def with_world(self, num_nodes: int, gpus_per_node: int) -> Launch:
+        return replace(self, num_nodes=num_nodes, gpus_per_node=gpus_per_node)
+
+    def to_dict(self) -> dict[str, Any]:
+        """What the run config records about the launch."""
+        return {
+            "engine": self.engine, "zero_stage": self.zero_stage if self.uses_deepspeed else None,
+            "fsdp_sharding": self.fsdp_sharding, "offload_optimizer": self.offload_optimizer,
+            "offload_params": self.offload_params, "world_size": self.world_size, "num_machines": self.num_nodes,
+        }  # fmt: skip
+
+    # ---- built from the environment of a launched process ---------------------------------------
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> Launch:
+        """This process's launch, from the variables accelerate launch / torchrun export.
+
+        ``python pretrain/run.py`` exports none of them: one process, engine ddp.
+        """
+        world_size = int(environ.get("WORLD_SIZE", "1") or 1)
+        # torchrun exports GROUP_WORLD_SIZE: one rendezvous group per node.
+        num_nodes = int(environ.get("GROUP_WORLD_SIZE", "1") or 1)
+        if world_size % num_nodes:
+            num_nodes = 1  # an unusual torchrun set-up: count processes, not nodes
+        common = dict(num_nodes=num_nodes, gpus_per_node=world_size // num_nodes,
+                      rank=int(environ.get("RANK", "0") or 0),
+                      mixed_precision=environ.get("ACCELERATE_MIXED_PRECISION", "no").lower())
+        if environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+            ds = {key: environ.get(var) for key, var in _DEEPSPEED_ENV.items()}
+            return cls._deepspeed(ds, "the accelerate launch environment", **common)
+        if environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+            offload = environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"
+            strategy = _fsdp_strategy(environ.get("FSDP_SHARDING_STRATEGY"), environ.get("FSDP_RESHARD_AFTER_FORWARD"))
+            return cls("fsdp", offload_params="cpu" if offload else "none", fsdp_sharding=strategy, **common)
+        return cls("ddp", **common)
+
+    # ---- built from an accelerate config file, before any process exists -------------------------
+    @classmethod
+    def from_accelerate_config(cls, path: str | os.PathLike | None, accelerate_args: Sequence[str] = (), *,
+                               num_nodes: int | None = None, gpus_per_node: int | None = None) -> Launch:
+        """The launch ``accelerate launch --config_file path <accelerate_args>`` would start.
+
+        Command-line options (``--num_processes``, ``--num_machines``, ``--mixed_precision``,
+        ``--zero_stage``, ...) override the file, as they do for accelerate; ``num_nodes`` /
+        ``gpus_per_node`` override both (a planner asking "what if").
+        """
+        config = read_accelerate_config(path) if path is not None else {}
+        source = f"accelerate config {path}" if path is not None else "the accelerate launch options"
+        kind = str(option_value(accelerate_args, "--distributed_type") or config.get("distributed_type", "NO")).upper()
+        if "--use_deepspeed" in accelerate_args:
+            kind = "DEEPSPEED"
+        elif "--use_fsdp" in accelerate_args:
+            kind = "FSDP"
+        nodes = num_nodes or int(option_value(accelerate_args, "--num_machines") or config.get("num_machines", 1) or 1)
+        processes = int(option_value(accelerate_args, "--num_processes") or config.get("num_processes", 1) or 1)
+        if gpus_per_node is None:
+            if processes % nodes:
+                raise ConfigError(f"{source}: num_processes ({processes}) is not divisible by num_machines ({nodes})")
+            gpus_per_node = processes // nodes
+        precision = str(option_value(accelerate_args, "--mixed_precision") or config.get("mixed_precision", "no")).lower()
+        common = dict(num_nodes=nodes, gpus_per_node=gpus_per_node, mixed_precision=precision)
+        if kind in _DDP_TYPES:
+            return cls("ddp", **common)
+        if kind == "FSDP":
+            fsdp = config.get("fsdp_config") or {}
+            offload = str(fsdp.get("fsdp_offload_params", False)).lower() == "true"
+            strategy = _fsdp_strategy(
+                option_value(accelerate_args, "--fsdp_sharding_strategy") or fsdp.get("fsdp_sharding_strategy"),
+                option_value(accelerate_args, "--fsdp_reshard_after_forward") or fsdp.get("fsdp_reshard_after_forward"))
+            return cls("fsdp", offload_params="cpu" if offload else "none", fsdp_sharding=strategy, **common)
+        if kind != "DEEPSPEED":
+            raise ConfigError(f"{source}: distributed_type {kind} is not supported; use DEEPSPEED, FSDP, "
+                              "MULTI_GPU, MULTI_CPU or NO")
+        ds = dict(config.get("deepspeed_config") or {})
+        for key in _DEEPSPEED_ENV:
+            value = option_value(accelerate_args, f"--{key}")
+            if value is not None:
+                ds[key] = value
+        return cls._deepspeed({k: None if v is None else str(v) for k, v in ds.items()}, source, **common)
+
+    @classmethod
+    def _deepspeed(cls, ds: Mapping[str, str | None], source: str, **common) -> Launch:
+        """DeepSpeed fields from accelerate's names (file keys and environment agree on them)."""
+        config_file = ds.get("deepspeed_config_file")
+        config_file = config_file if config_file not in (None, "", "none") else None
+        zero: dict[str, Any] = {}
+        if config_file is not None and Path(config_file).is_file():
+            try:  # a missing or broken file is reported by the DeepSpeed config builder, with its fix
+                zero = json.loads(Path(config_file).read_text()).get("zero_optimization") or {}
+            except (OSError, json.JSONDecodeError, AttributeError):
+                zero = {}
+        stage = ds.get("zero_stage")
+        stage = stage if stage not in (None, "") else zero.get("stage", 2)
+        try:
+            stage = int(stage)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{source}: deepspeed_config.zero_stage = {stage!r}; use 0, 1, 2 or 3") from None
+        off_opt = ds.get("offload_optimizer_device") or (zero.get("offload_optimizer") or {}).get("device") or "none"
+        off_par = ds.get("offload_param_device") or (zero.get("offload_param") or {}).get("device") or "none"
+        init = ds.get("zero3_init_flag")
+        fields = {k: str(ds[k]) for k in ("gradient_accumulation_steps", "gradient_clipping") if ds.get(k) is not None}
+        return cls("deepspeed", stage, str(off_opt).lower(), str(off_par).lower(),
+                   zero3_init=None if init in (None, "") else str(init).lower() == "true",
+                   deepspeed_config_file=config_file, deepspeed_fields=fields, **common)
 
 
-def _option(args: list[str], name: str) -> str | None:
-    for i, arg in enumerate(args):
-        if arg == name and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith(name + "="):
-            return arg.split("=", 1)[1]
-    return None
+def _fsdp_strategy(strategy: str | int | None, reshard_after_forward: str | bool | None) -> str:
+    """FSDP1's sharding strategy (a name or torch's 1-based enum number), or FSDP2's
+    reshard_after_forward (true: FULL_SHARD, false: SHARD_GRAD_OP; accelerate also accepts a name there)."""
+    names = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+    for value in (strategy, reshard_after_forward):
+        text = str(value).upper() if value not in (None, "") else ""
+        if text in ("TRUE", "FALSE"):
+            return "FULL_SHARD" if text == "TRUE" else "SHARD_GRAD_OP"
+        if text.isdigit() and 1 <= int(text) <= len(names):
+            return names[int(text) - 1]
+        if text in names:
+            return text
+    return "FULL_SHARD"
 
 
-def read_accelerate_config(path: str) -> dict:
+def check_launch(launch: Launch) -> None:
+    """Reject what DeepSpeed, FSDP or DDP cannot run, with the fix."""
+    problems = []
+    if launch.engine not in ENGINES:
+        problems.append(f"engine {launch.engine!r}: use one of {', '.join(ENGINES)}")
+    if launch.num_nodes < 1 or launch.gpus_per_node < 1:
+        problems.append(f"nodes ({launch.num_nodes}) and GPUs per node ({launch.gpus_per_node}) must be >= 1")
+    if launch.zero_stage not in (0, 1, 2, 3):
+        problems.append(f"ZeRO stage {launch.zero_stage!r}: DeepSpeed has stages 0, 1, 2 and 3")
+    for what, device in (("offload_optimizer", launch.offload_optimizer), ("offload_params", launch.offload_params)):
+        if device not in OFFLOAD_DEVICES:
+            problems.append(f"{what} device {device!r}: use none, cpu or nvme")
+    if problems:
+        raise ConfigError(problems)
+
+
+def check_offload(launch: Launch) -> None:
+    """Offload combinations the engine cannot run, worded for the estimator's and planner's options.
+    (A training launch gets the same verdicts from the DeepSpeed config builder, worded for the
+    accelerate config.)"""
+    problems = []
+    if launch.engine == "ddp":
+        if launch.offload_optimizer != "none" or launch.offload_params != "none":
+            problems.append("offload needs DeepSpeed ZeRO (DDP keeps everything on the GPU); pass --zero 1, 2 or 3")
+    elif launch.engine == "deepspeed":
+        if launch.offload_params != "none" and launch.zero_stage != 3:
+            problems.append(
+                f"parameter offload needs ZeRO-3 (got ZeRO-{launch.zero_stage}): DeepSpeed offloads parameters only "
+                "when it partitions them; use --zero 3 or drop --offload-params"
+            )
+        if launch.offload_optimizer != "none" and launch.zero_stage == 0:
+            problems.append(
+                "optimizer offload needs ZeRO-1, 2 or 3 (got ZeRO-0): DeepSpeed offloads the optimizer partition that "
+                "ZeRO creates; use --zero 1 or higher or drop --offload-optimizer"
+            )
+        if "nvme" in (launch.offload_optimizer, launch.offload_params) and launch.zero_stage != 3:
+            problems.append(
+                f"NVMe offload needs ZeRO-3 (ZeRO-Infinity), got ZeRO-{launch.zero_stage}; use cpu or --zero 3"
+            )
+    if problems:
+        raise ConfigError(problems)
+
+
+def read_accelerate_config(path: str | os.PathLike) -> dict[str, Any]:
+    """An accelerate config file as a mapping; a missing or malformed file is a ConfigError with the fix."""
     file = Path(path)
     if not file.is_file():
         near = sorted(p.name for p in file.parent.glob("*.yaml")) if file.parent.is_dir() else []
@@ -60,71 +287,39 @@ def read_accelerate_config(path: str) -> dict:
     return config
 
 
-def launch_environment(config: dict, accelerate_args: list[str]) -> dict[str, str]:
-    """The environment variables `accelerate launch` will give the processes (the parts pretrain reads)."""
-    num_processes = _option(accelerate_args, "--num_processes") or config.get("num_processes", 1)
-    env = {"WORLD_SIZE": str(num_processes),
-           "ACCELERATE_MIXED_PRECISION": str(_option(accelerate_args, "--mixed_precision") or config.get("mixed_precision", "no"))}
-    if str(config.get("distributed_type", "")).upper() == "DEEPSPEED" or "--use_deepspeed" in accelerate_args:
-        ds = config.get("deepspeed_config") or {}
-        env["ACCELERATE_USE_DEEPSPEED"] = "true"
-        mapping = {
-            "zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE",
-            "offload_optimizer_device": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
-            "offload_param_device": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
-            "zero3_init_flag": "ACCELERATE_DEEPSPEED_ZERO3_INIT",
-            "deepspeed_config_file": "ACCELERATE_DEEPSPEED_CONFIG_FILE",
-            "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
-            "gradient_clipping": "ACCELERATE_GRADIENT_CLIPPING",
-        }
-        for key, var in mapping.items():
-            value = _option(accelerate_args, f"--{key}")
-            value = value if value is not None else ds.get(key)
-            if value is not None:
-                env[var] = str(value).lower() if isinstance(value, bool) else str(value)
-    return env
+def option_value(args: Sequence[str], name: str) -> str | None:
+    """The value of ``--name value`` or ``--name=value`` in a command line (the last one wins)."""
+    found = None
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith(name + "="):
+            found = arg.split("=", 1)[1]
+    return found
 
 
-def preflight(accelerate_args: list[str], run_args: list[str]) -> None:
-    """Raise ConfigError for anything that would fail inside the launched processes."""
-    from unittest import mock
+def accelerate_command(recipe: str | os.PathLike, overrides: Sequence[str] = (), *,
+                       accelerate_args: Sequence[str] = (), config_file: str | os.PathLike | None = None,
+                       num_processes: int | str | None = None,
+                       launcher: Sequence[str] = (sys.executable, "-m", "accelerate.commands.launch"),
+                       run_py: str | os.PathLike = RUN_PY) -> list[str]:
+    """The argv that starts training: ``<launcher> [--config_file F] [--num_processes N] <accelerate_args>
+    <run_py> --recipe R <overrides>``. Every tool that starts or prints a launch builds it here.
 
-    config_file = _option(accelerate_args, "--config_file")
-    config = read_accelerate_config(config_file) if config_file else {}
-    env = launch_environment(config, accelerate_args)
-    recipe_path, overrides = run_args[1] if len(run_args) > 1 else "", run_args[2:]
-
-    from pretrain.batching import plan_batches
-    from pretrain.config import load_recipe
-    from pretrain.optim import check_optimizer_args, scaled_lr
-
-    recipe = load_recipe(recipe_path, [o for o in overrides if not o.startswith("--")])
-    with mock.patch.dict(os.environ, env):
-        from pretrain.deepspeed import DeepSpeedLaunch, build_deepspeed_config, is_deepspeed_launch, read_user_config
-        from pretrain.runtime import check_precision
-
-        plan = plan_batches(recipe.batch, int(env["WORLD_SIZE"]), recipe.data.seq_len)
-        check_optimizer_args(recipe.optim)
-        check_precision(recipe)
-        if is_deepspeed_launch():
-            launch = DeepSpeedLaunch.from_env()
-            user = read_user_config(launch.config_file) if launch.config_file else None
-            build_deepspeed_config(recipe, plan, launch, scaled_lr(recipe.optim, plan.global_batch_size), user)
+    ``launcher=()`` with no config file means one process without accelerate (``python run.py``): pass
+    ``launcher=(sys.executable,)``. Shell variables in ``accelerate_args`` (``"$SLURM_NODEID"``) are left
+    for the caller's shell rendering (see ``shell_join``).
+    """
+    command = list(launcher)
+    if config_file is not None:
+        command += ["--config_file", str(config_file)]
+    if num_processes is not None:
+        command += ["--num_processes", str(num_processes)]
+    return [*command, *accelerate_args, str(run_py), "--recipe", str(recipe), *overrides]
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        accelerate_args, run_args = split_args(argv)
-        preflight(accelerate_args, run_args)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    command = [sys.executable, "-m", "accelerate.commands.launch", *accelerate_args, str(RUN_PY), *run_args]
-    print("launch: " + " ".join(shlex.quote(c) for c in command), flush=True)
-    os.execv(sys.executable, command)
-    return 0  # not reached
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def shell_join(argv: Sequence[str]) -> str:
+    """A command line for a shell script: quoted, except tokens that are a shell variable ("$NAME"),
+    which are double-quoted so that the node's own shell expands them."""
+    return " ".join(f'"{a}"' if a.startswith("$") and a[1:].replace("_", "").isalnum() else shlex.quote(a)
+                    for a in argv)

@@ -31,12 +31,11 @@ The estimate is for one data-parallel rank (no tensor or pipeline parallelism).
 from __future__ import annotations
 
 import difflib
-import json
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from pretrain.errors import ConfigError
+from pretrain.launch import Launch, check_offload
 
 GIB = 2**30
 MIB = 2**20
@@ -407,129 +406,6 @@ class Workload:
         )
 
 
-_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How the run is distributed: ``ddp`` (PyTorch DDP, or one process) or ``deepspeed`` with a ZeRO stage."""
-
-    engine: str = "deepspeed"
-    zero_stage: int = 0
-    offload_optimizer: str = "none"
-    offload_params: str = "none"
-    num_nodes: int = 1
-    gpus_per_node: int = 1
-
-    def __post_init__(self):
-        check_layout(self)
-
-    @property
-    def world_size(self) -> int:
-        return self.num_nodes * self.gpus_per_node
-
-    def describe(self) -> str:
-        if self.engine == "ddp":
-            what = "PyTorch DDP" if self.world_size > 1 else "one process (no data parallelism)"
-        else:
-            what = f"DeepSpeed ZeRO-{self.zero_stage}"
-            offload = [f"optimizer -> {self.offload_optimizer}"] * (self.offload_optimizer != "none")
-            offload += [f"params -> {self.offload_params}"] * (self.offload_params != "none")
-            if offload:
-                what += f" (offload {', '.join(offload)})"
-        gpus = f"{self.num_nodes} x {self.gpus_per_node}" if self.num_nodes > 1 else f"{self.gpus_per_node}"
-        return f"{what} on {gpus} GPU{'s' if self.world_size > 1 else ''}"
-
-    @classmethod
-    def from_accelerate_config(cls, config: dict[str, Any], source: str = "the accelerate config",
-                               num_nodes: int | None = None, gpus_per_node: int | None = None) -> Layout:
-        """From an accelerate config (a parsed YAML). Its machine / process counts are used unless given."""
-        kind = str(config.get("distributed_type", "NO")).upper()
-        nodes = num_nodes or int(config.get("num_machines", 1) or 1)
-        processes = int(config.get("num_processes", 1) or 1)
-        if gpus_per_node is None:
-            if processes % nodes:
-                raise ConfigError(f"{source}: num_processes ({processes}) is not divisible by num_machines ({nodes})")
-            gpus_per_node = processes // nodes
-        if kind in ("NO", "MULTI_GPU", "MULTI_CPU", "MULTI_NPU", "MULTI_XPU"):
-            return cls("ddp", 0, num_nodes=nodes, gpus_per_node=gpus_per_node)
-        if kind == "FSDP":
-            raise ConfigError(
-                f"{source}: distributed_type FSDP is not modelled by the estimator (it models DDP and DeepSpeed); "
-                "FULL_SHARD keeps about what ZeRO-3 keeps: estimate with --zero 3 instead"
-            )
-        if kind != "DEEPSPEED":
-            raise ConfigError(f"{source}: distributed_type {kind} is not modelled; use DEEPSPEED, MULTI_GPU or NO")
-        ds = config.get("deepspeed_config") or {}
-        zero = {}
-        if ds.get("deepspeed_config_file") not in (None, "", "none"):
-            path = Path(ds["deepspeed_config_file"])
-            try:
-                zero = json.loads(path.read_text()).get("zero_optimization") or {}
-            except (OSError, json.JSONDecodeError) as exc:
-                raise ConfigError(f"{source}: cannot read deepspeed_config_file {path}: {exc}") from None
-        stage = ds.get("zero_stage", zero.get("stage", 2))
-        off_opt = ds.get("offload_optimizer_device") or (zero.get("offload_optimizer") or {}).get("device") or "none"
-        off_par = ds.get("offload_param_device") or (zero.get("offload_param") or {}).get("device") or "none"
-        try:
-            stage = int(stage)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{source}: deepspeed_config.zero_stage = {stage!r}; use 0, 1, 2 or 3") from None
-        return cls("deepspeed", stage, str(off_opt).lower(), str(off_par).lower(), nodes, gpus_per_node)
-
-
-    @classmethod
-    def from_deepspeed_config(cls, config: dict[str, Any] | None, num_nodes: int, gpus_per_node: int) -> Layout:
-        """From the DeepSpeed config a run uses (``None``: DDP or a single process)."""
-        if config is None:
-            return cls("ddp", 0, num_nodes=num_nodes, gpus_per_node=gpus_per_node)
-        zero = config.get("zero_optimization") or {}
-        return cls(
-            "deepspeed",
-            int(zero.get("stage", 0)),
-            str((zero.get("offload_optimizer") or {}).get("device", "none")).lower(),
-            str((zero.get("offload_param") or {}).get("device", "none")).lower(),
-            num_nodes,
-            gpus_per_node,
-        )
-
-
-def check_layout(layout: Layout) -> None:
-    """Reject what DeepSpeed (or DDP) cannot run, with the fix."""
-    problems = []
-    if layout.engine not in ("ddp", "deepspeed"):
-        problems.append(f"engine {layout.engine!r}: use ddp or deepspeed")
-    if layout.num_nodes < 1 or layout.gpus_per_node < 1:
-        problems.append(f"nodes ({layout.num_nodes}) and GPUs per node ({layout.gpus_per_node}) must be >= 1")
-    if layout.zero_stage not in (0, 1, 2, 3):
-        problems.append(f"ZeRO stage {layout.zero_stage!r}: DeepSpeed has stages 0, 1, 2 and 3")
-    for what, device in (("offload_optimizer", layout.offload_optimizer), ("offload_params", layout.offload_params)):
-        if device not in _OFFLOAD_DEVICES:
-            problems.append(f"{what} device {device!r}: use none, cpu or nvme")
-    if problems:
-        raise ConfigError(problems)
-    if layout.engine == "ddp":
-        if layout.offload_optimizer != "none" or layout.offload_params != "none":
-            problems.append("offload needs DeepSpeed ZeRO (DDP keeps everything on the GPU); pass --zero 1, 2 or 3")
-    else:
-        if layout.offload_params != "none" and layout.zero_stage != 3:
-            problems.append(
-                f"parameter offload needs ZeRO-3 (got ZeRO-{layout.zero_stage}): DeepSpeed offloads parameters only "
-                "when it partitions them; use --zero 3 or drop --offload-params"
-            )
-        if layout.offload_optimizer != "none" and layout.zero_stage == 0:
-            problems.append(
-                "optimizer offload needs ZeRO-1, 2 or 3 (got ZeRO-0): DeepSpeed offloads the optimizer partition that "
-                "ZeRO creates; use --zero 1 or higher or drop --offload-optimizer"
-            )
-        if "nvme" in (layout.offload_optimizer, layout.offload_params) and layout.zero_stage != 3:
-            problems.append(
-                f"NVMe offload needs ZeRO-3 (ZeRO-Infinity), got ZeRO-{layout.zero_stage}; use cpu or --zero 3"
-            )
-    if problems:
-        raise ConfigError(problems)
-
-
 @dataclass(frozen=True)
 class DeepSpeedBuffers:
     """DeepSpeed's buffer sizes (elements); the defaults are DeepSpeed's own (``zero/config.py``)."""
@@ -730,7 +606,7 @@ class MemoryEstimate:
     num_params: int
     shape: ModelShape
     workload: Workload
-    layout: Layout
+    layout: Launch
     buffers: DeepSpeedBuffers
     terms: dict[str, Term]
     phases: dict[str, int]
@@ -904,10 +780,16 @@ ALLOCATOR_FRACTION = 0.05
 """PyTorch's caching allocator rounds blocks up and fragments: 5% of the tensor peak."""
 
 
-def estimate_shape(shape: ModelShape, workload: Workload, layout: Layout, *,
+def estimate_shape(shape: ModelShape, workload: Workload, layout: Launch, *,
                    buffers: DeepSpeedBuffers | None = None, gpu: GpuSpec | None = None,
                    device: str = "cuda") -> MemoryEstimate:
     """The per-device estimate for a model shape (the core; ``estimate`` wraps it for a recipe)."""
+    check_offload(layout)
+    if layout.engine == "fsdp":
+        raise ConfigError(
+            "distributed_type FSDP is not modelled by the estimator (it models DDP and DeepSpeed); "
+            "FULL_SHARD keeps about what ZeRO-3 keeps: estimate with --zero 3 instead"
+        )
     buffers = buffers or DeepSpeedBuffers()
     w = workload
     P = shape.num_params
@@ -1114,7 +996,7 @@ def estimate_shape(shape: ModelShape, workload: Workload, layout: Layout, *,
     return est
 
 
-def estimate(recipe, plan, layout: Layout, *, gpu: GpuSpec | None = None, buffers: DeepSpeedBuffers | None = None,
+def estimate(recipe, plan, layout: Launch, *, gpu: GpuSpec | None = None, buffers: DeepSpeedBuffers | None = None,
              device: str = "cuda") -> MemoryEstimate:
     """Per-device memory of ``recipe`` run with ``plan`` (its MBS and seq_len) on ``layout``.
 

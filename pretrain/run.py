@@ -1,25 +1,17 @@
 """Entry point: parse, load the recipe, build, train, close.
 
     accelerate launch --config_file accelerate_configs/cpu.yaml pretrain/run.py --recipe recipes/tiny.yaml [key=value ...]
+    accelerate launch --config_file accelerate_configs/cpu.yaml -m pretrain.run --recipe recipes/tiny.yaml
     python pretrain/run.py --recipe recipes/tiny.yaml [--print-config | --dry-run] [key.path=value ...]
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):
-    # Run as a script: put the repository root first, and drop pretrain/ itself from the path so
-    # that its module names (data, config, ...) cannot shadow other packages.
-    _here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
-    sys.path.insert(0, str(_here.parent))
-
-import argparse  # noqa: E402
-import os  # noqa: E402
-
-from pretrain.errors import EXIT_USAGE, ConfigError  # noqa: E402
+from pretrain.errors import EXIT_USAGE, ConfigError
+from pretrain.launch import Launch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,13 +32,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def dry_run(recipe) -> None:
-    from pretrain.batching import num_training_steps, plan_batches
+def dry_run(recipe, launch: Launch) -> None:
     from pretrain.model import build_model, count_parameters, resolve_vocab_size
-    from pretrain.runtime import launch_world_size
+    from pretrain.preflight import check_run
 
-    plan = plan_batches(recipe.batch, launch_world_size(), recipe.data.seq_len)
-    steps = num_training_steps(recipe.train.max_steps, recipe.train.max_tokens, plan)
+    run_plan = check_run(recipe, launch)
+    plan, steps = run_plan.batch, run_plan.num_steps
     if recipe.model.vocab_size is not None:
         tokenizer_vocab = None
     elif recipe.data.tokenizer == "bpe":
@@ -71,23 +62,25 @@ def dry_run(recipe) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
+    is_main = True
     try:
         from pretrain.config import load_recipe
 
+        launch = Launch.from_env()
+        is_main = launch.is_main
         recipe = load_recipe(args.recipe, args.overrides)
         if args.print_config:
             print(recipe.to_yaml(), end="")
             return 0
         if args.dry_run:
-            dry_run(recipe)
+            dry_run(recipe, launch)
             return 0
         from pretrain.train import Trainer
 
-        Trainer(recipe).train()
+        Trainer(recipe, launch).train()
         return 0
     except ConfigError as exc:
-        if rank == 0:
+        if is_main:
             print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -23,20 +23,16 @@ from accelerate.utils import (
 
 from pretrain.batching import BatchPlan
 from pretrain.config import Recipe
-from pretrain.deepspeed import DeepSpeedLaunch, build_deepspeed_config, is_deepspeed_launch, read_user_config
+from pretrain.deepspeed_config import build_deepspeed_config, read_user_config
 from pretrain.errors import ConfigError
+from pretrain.launch import Launch
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 
-def launch_world_size() -> int:
-    """Processes in this launch, as set by `accelerate launch` / torchrun (1 for `python run.py`)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def check_precision(recipe: Recipe) -> None:
+def check_precision(recipe: Recipe, launch: Launch) -> None:
     dtype = recipe.precision.dtype
-    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    launched = launch.mixed_precision
     if launched not in ("no", MIXED_PRECISION[dtype]):
         raise ConfigError(
             f"the accelerate config says mixed_precision={launched} but the recipe says precision.dtype={dtype}; "
@@ -57,10 +53,15 @@ class Runtime:
     deepspeed_optimizer: bool  # DeepSpeed builds the optimizer (DummyOptim) instead of the torch client one
 
 
-def deepspeed_plugin(recipe: Recipe, plan: BatchPlan, lr: float) -> tuple[DeepSpeedPlugin, dict, bool]:
-    launch = DeepSpeedLaunch.from_env()
-    user = read_user_config(launch.config_file) if launch.config_file else None
-    config, ds_optimizer = build_deepspeed_config(recipe, plan, launch, lr, user)
+def deepspeed_config(recipe: Recipe, plan: BatchPlan, launch: Launch, lr: float) -> tuple[dict, bool]:
+    """The run's DeepSpeed config (recipe + launch + the user's JSON, conflicts refused) and whether
+    DeepSpeed builds the optimizer."""
+    user = read_user_config(launch.deepspeed_config_file) if launch.deepspeed_config_file else None
+    return build_deepspeed_config(recipe, plan, launch, lr, user)
+
+
+def deepspeed_plugin(recipe: Recipe, plan: BatchPlan, launch: Launch, lr: float) -> tuple[DeepSpeedPlugin, dict, bool]:
+    config, ds_optimizer = deepspeed_config(recipe, plan, launch, lr)
     stage = config["zero_optimization"]["stage"]
     zero3_init = launch.zero3_init if launch.zero3_init is not None else stage == 3
     # accelerate refuses a config dict next to accelerate-config DeepSpeed fields, assuming the dict is a
@@ -76,13 +77,15 @@ def deepspeed_plugin(recipe: Recipe, plan: BatchPlan, lr: float) -> tuple[DeepSp
     return plugin, plugin.deepspeed_config, ds_optimizer
 
 
-def build_accelerator(recipe: Recipe, plan: BatchPlan, output_dir: Path, trackers: list, lr: float) -> Runtime:
-    check_precision(recipe)
+def build_accelerator(recipe: Recipe, plan: BatchPlan, launch: Launch, output_dir: Path, trackers: list,
+                      lr: float) -> Runtime:
+    check_precision(recipe, launch)
     if not torch.cuda.is_available():
         # DeepSpeed (imported by accelerate for ZeRO and state gathering) would otherwise probe for
         # accelerators and warn on every CPU run.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    plugin, ds_config, ds_optimizer = deepspeed_plugin(recipe, plan, lr) if is_deepspeed_launch() else (None, None, False)
+    plugin, ds_config, ds_optimizer = (deepspeed_plugin(recipe, plan, launch, lr) if launch.uses_deepspeed
+                                       else (None, None, False))
     handlers = []
     if not torch.cuda.is_available() and plan.world_size > 1:
         # A multi-process CPU launch needs an explicit gloo group; without it DeepSpeed and accelerate

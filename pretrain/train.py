@@ -24,24 +24,19 @@ from typing import Any
 import torch
 from accelerate.utils import set_seed
 
-from pretrain.batching import BatchPlan, num_training_steps, plan_batches
+from pretrain.batching import BatchPlan
 from pretrain.checkpoint import Checkpointer, read_state
 from pretrain.config import Recipe
 from pretrain.data import prepare_data
 from pretrain.errors import ConfigError
+from pretrain.launch import Launch
 from pretrain.loader import build_train_loader, build_val_loader
-from pretrain.memory import Layout, estimate, gpu_for_device
+from pretrain.memory import estimate, gpu_for_device
 from pretrain.metrics import CONVENTION, flops_per_token, memory_metrics, mfu, resolve_peak
 from pretrain.model import build_model, count_parameters, resolve_vocab_size
-from pretrain.optim import (
-    build_optimizer,
-    build_scheduler,
-    check_optimizer_args,
-    check_schedule,
-    deepspeed_optimizer,
-    scaled_lr,
-)
-from pretrain.runtime import build_accelerator, check_precision, launch_world_size
+from pretrain.optim import build_optimizer, build_scheduler, deepspeed_optimizer
+from pretrain.preflight import check_run
+from pretrain.runtime import build_accelerator
 from pretrain.tracking import Console, build_trackers, flatten
 
 
@@ -59,11 +54,6 @@ def check_output_dir(output_dir: Path) -> None:
         ) from None
 
 
-def num_machines() -> int:
-    """Nodes in this launch: torchrun (under accelerate launch) exports GROUP_WORLD_SIZE, one group per node."""
-    return int(os.environ.get("GROUP_WORLD_SIZE", "1") or 1)
-
-
 def write_json(path: Path, value: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(value, indent=2, sort_keys=True, default=str))
@@ -71,19 +61,17 @@ def write_json(path: Path, value: Any) -> None:
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe):
+    def __init__(self, recipe: Recipe, launch: Launch | None = None):
         self.recipe = recipe
         self.output_dir = Path(recipe.output_dir)
-        self.world_size = launch_world_size()
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.is_main = self.rank == 0
+        self.launch = launch or Launch.from_env()
+        self.is_main = self.launch.is_main
 
         # Everything that can be checked without compute is checked before any process group exists.
-        self.plan: BatchPlan = plan_batches(recipe.batch, self.world_size, recipe.data.seq_len)
-        self.num_steps = num_training_steps(recipe.train.max_steps, recipe.train.max_tokens, self.plan)
-        check_optimizer_args(recipe.optim)
-        check_schedule(recipe.lr_schedule, self.num_steps)
-        check_precision(recipe)
+        run_plan = check_run(recipe, self.launch)
+        self.plan: BatchPlan = run_plan.batch
+        self.num_steps = run_plan.num_steps
+        self.lr = run_plan.lr
         check_output_dir(self.output_dir)
 
         self.console = Console(recipe.logging.progress, enabled=self.is_main)
@@ -92,9 +80,8 @@ class Trainer:
         resume_from = self.checkpointer.resume_path()
         resume_step = int(read_state(resume_from)["step"]) if resume_from is not None else None
 
-        self.lr = scaled_lr(recipe.optim, self.plan.global_batch_size)
         trackers = build_trackers(recipe, self.output_dir, resume_step, self.is_main)
-        self.runtime = build_accelerator(recipe, self.plan, self.output_dir, trackers, self.lr)
+        self.runtime = build_accelerator(recipe, self.plan, self.launch, self.output_dir, trackers, self.lr)
         self.accelerator = self.runtime.accelerator
         self.checkpointer.accelerator = self.accelerator
         self.device = self.accelerator.device
@@ -166,15 +153,12 @@ class Trainer:
 
     def _memory_estimate(self) -> float | None:
         """The estimator's per-device total for this very run, logged beside the measured peak."""
-        num_nodes = num_machines()
-        layout = Layout.from_deepspeed_config(self.runtime.deepspeed_config, num_nodes,
-                                              self.plan.world_size // max(num_nodes, 1))
         gpu = None
         if self.device.type == "cuda":
             props = torch.cuda.get_device_properties(self.device)
             gpu = gpu_for_device(props.name, props.total_memory)
         try:
-            result = estimate(self.recipe, self.plan, layout, gpu=gpu, device=self.device.type)
+            result = estimate(self.recipe, self.plan, self.launch, gpu=gpu, device=self.device.type)
         except ConfigError as exc:
             self.log(f"warning: no memory estimate for this layout: {exc}")
             return None
@@ -200,7 +184,8 @@ class Trainer:
             "plan": self.plan.to_dict(),
             "dist": {
                 "world_size": self.accelerator.num_processes,
-                "num_machines": num_machines(),
+                "num_machines": self.launch.num_nodes,
+                "engine": self.launch.engine,
                 "distributed_type": str(self.accelerator.distributed_type).split(".")[-1],
                 "device": str(self.device),
                 "mixed_precision": self.accelerator.mixed_precision,

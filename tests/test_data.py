@@ -348,7 +348,7 @@ def test_unreachable_hub_dataset_suggests_local_files(tmp_path):
 
 
 def test_prepare_data_cli(tmp_path, capsys):
-    from tools.prepare_data import main
+    from pretrain.cli.prepare_data import main
 
     corpus = write_corpus(tmp_path / "corpus", make_docs(40, seed=9))
     recipe = tmp_path / "r.yaml"

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pretrain.batching import plan_batches
 from pretrain.config import build_recipe
-from pretrain.deepspeed import DeepSpeedLaunch, build_deepspeed_config
+from pretrain.deepspeed_config import build_deepspeed_config
 from pretrain.errors import ConfigError
+from pretrain.launch import Launch
 
 
 def recipe(**sections):
@@ -16,7 +19,8 @@ def recipe(**sections):
 
 
 def launch(stage=2, opt="none", param="none", config_file=None, gas=None, clip=None):
-    return DeepSpeedLaunch(stage, opt, param, None, config_file, gas, clip)
+    fields = {k: v for k, v in (("gradient_accumulation_steps", gas), ("gradient_clipping", clip)) if v is not None}
+    return Launch("deepspeed", stage, opt, param, deepspeed_config_file=config_file, deepspeed_fields=fields)
 
 
 def build(r, lau=None, user=None, world=4):
@@ -42,11 +46,16 @@ def test_fp16_block_carries_the_loss_scale_knobs():
     assert fixed["fp16"]["loss_scale"] == 1024.0
 
 
-def test_user_json_auto_fields_are_filled_and_its_own_fields_kept():
+def test_user_json_auto_fields_are_filled_and_its_own_fields_kept(tmp_path):
     user = {"train_batch_size": "auto", "gradient_accumulation_steps": "auto", "optimizer": {"type": "AdamW",
             "params": {"lr": "auto", "betas": "auto", "weight_decay": "auto"}},
             "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}, "activation_checkpointing": {"x": 1}}
-    config, ds_opt = build(recipe(optim={"args": {"betas": [0.9, 0.95]}}), launch(stage=None), user)
+    # The accelerate config names the JSON and no stage: the launch takes the JSON's.
+    (tmp_path / "ds.json").write_text(json.dumps(user))
+    (tmp_path / "acc.yaml").write_text(f"distributed_type: DEEPSPEED\nnum_processes: 4\ndeepspeed_config:\n"
+                                       f"  deepspeed_config_file: {tmp_path / 'ds.json'}\n")
+    config, ds_opt = build(recipe(optim={"args": {"betas": [0.9, 0.95]}}),
+                           Launch.from_accelerate_config(tmp_path / "acc.yaml"), user)
     assert ds_opt is True  # the user's JSON asks for DeepSpeed's optimizer
     assert config["optimizer"] == {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1, "betas": [0.9, 0.95]}}
     assert config["zero_optimization"]["reduce_bucket_size"] == 1000 and config["zero_optimization"]["stage"] == 3

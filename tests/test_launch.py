@@ -9,12 +9,12 @@ import pytest
 
 from tests.helpers import FAST, ROOT, TINY, check_ok, run_cmd, train_losses
 
-LAUNCH = str(ROOT / "pretrain" / "launch.py")
+LAUNCH = ["-m", "pretrain.cli.launch"]
 CONFIGS = ROOT / "accelerate_configs"
 
 
 def launch(*args: str):
-    return run_cmd([sys.executable, LAUNCH, *args], timeout=600)
+    return run_cmd([sys.executable, *LAUNCH, *args], timeout=600)
 
 
 def write_accelerate_config(path, deepspeed_config: dict, num_processes: int = 2):

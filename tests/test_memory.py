@@ -17,9 +17,11 @@ import yaml
 
 from pretrain import memory
 from pretrain.batching import plan_batches
+from pretrain.cli import estimate as estimate_memory
+from pretrain.cli import plan
 from pretrain.config import ModelConfig, load_recipe
 from pretrain.errors import EXIT_USAGE, ConfigError
-from tools import estimate_memory, plan
+from pretrain.launch import Launch
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -82,7 +84,7 @@ def test_config_overrides_that_change_the_shape_are_followed():
 def states(stage, precision="bf16", n=8, offload="none", params_offload="none", params=None):
     shape = shape_of(R7B) if params is None else params
     w = memory.Workload(precision=precision, micro_batch_size=1, seq_len=4096)
-    return memory.estimate_shape(shape, w, memory.Layout("deepspeed", stage, offload, params_offload, 1, n))
+    return memory.estimate_shape(shape, w, Launch("deepspeed", stage, offload, params_offload, 1, n))
 
 
 def test_zero_partitions_what_the_paper_says():
@@ -129,7 +131,7 @@ def test_classic_7b_example():
     assert (mixed["weights"], mixed["optimizer"], mixed["total"]) == (14, 84, 112)
     assert "12 B/param" in memory.CLASSIC_EXAMPLE
     one_gpu = memory.estimate_shape(shape_of(R7B), memory.Workload(precision="fp32", seq_len=4096),
-                                    memory.Layout("ddp", 0))
+                                    Launch("ddp", 0))
     assert one_gpu.model_state_bytes == 16 * LLAMA2_7B
 
 
@@ -177,22 +179,27 @@ def test_gqa_checkpointing_and_precision_reduce_activations():
 def test_estimate_from_recipe_and_plan():
     recipe = load_recipe(R7B)
     batch_plan = plan_batches(recipe.batch, 8, recipe.data.seq_len)
-    est = memory.estimate(recipe, batch_plan, memory.Layout("deepspeed", 3, gpus_per_node=8),
+    est = memory.estimate(recipe, batch_plan, Launch("deepspeed", 3, gpus_per_node=8),
                           gpu=memory.find_gpu("H100-80GB"))
     assert est.num_params == LLAMA2_7B and est.fits
     assert est.total_bytes == max(est.phases.values()) + est.allowance.bytes
     with pytest.raises(ConfigError, match="batch plan is for 8 processes"):
-        memory.estimate(recipe, batch_plan, memory.Layout("deepspeed", 3, gpus_per_node=4))
+        memory.estimate(recipe, batch_plan, Launch("deepspeed", 3, gpus_per_node=4))
     cpu = memory.estimate(load_recipe(ROOT / "recipes" / "tiny.yaml"), plan_batches(
-        load_recipe(ROOT / "recipes" / "tiny.yaml").batch, 1, 128), memory.Layout("ddp", 0), device="cpu")
+        load_recipe(ROOT / "recipes" / "tiny.yaml").batch, 1, 128), Launch("ddp", 0), device="cpu")
     assert cpu.fits is None and cpu.allowance.bytes < memory.GIB
 
 
 def test_trainer_helpers_layout_and_device():
-    layout = memory.Layout.from_deepspeed_config(
-        {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}, 2, 8)
+    # The launch a training process reads from its environment (accelerate launch's variables).
+    layout = Launch.from_env({"WORLD_SIZE": "16", "GROUP_WORLD_SIZE": "2", "RANK": "9", "ACCELERATE_USE_DEEPSPEED": "true",
+                              "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+                              "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"})
     assert (layout.engine, layout.zero_stage, layout.offload_optimizer, layout.world_size) == ("deepspeed", 3, "cpu", 16)
-    assert memory.Layout.from_deepspeed_config(None, 1, 4).engine == "ddp"
+    assert (layout.num_nodes, layout.gpus_per_node, layout.rank) == (2, 8, 9)
+    assert Launch.from_env({"WORLD_SIZE": "4"}).engine == "ddp"
+    fsdp = Launch.from_env({"WORLD_SIZE": "2", "ACCELERATE_USE_FSDP": "true", "FSDP_RESHARD_AFTER_FORWARD": "false"})
+    assert (fsdp.engine, fsdp.fsdp_sharding) == ("fsdp", "SHARD_GRAD_OP")
     h100 = memory.gpu_for_device("NVIDIA H100 80GB HBM3", 85_520_809_984)
     assert h100.name == "NVIDIA H100 80GB HBM3" and h100.bf16_tflops == 989
     assert h100.memory_gib == pytest.approx(79.65, abs=0.01)
@@ -213,7 +220,7 @@ def test_shipped_accelerate_configs_give_a_layout(name):
     path = CONFIGS / f"{name}.yaml"
     if not path.exists():
         pytest.skip(f"{path.name} is not shipped")
-    layout = memory.Layout.from_accelerate_config(yaml.safe_load(path.read_text()), str(path))
+    layout = Launch.from_accelerate_config(path)
     if name.startswith("zero"):
         assert layout.engine == "deepspeed" and layout.zero_stage == int(name[4])
         assert (layout.offload_optimizer == "cpu") == name.endswith("offload")
@@ -247,7 +254,7 @@ def test_cli_json_7b(capsys):
 def test_cli_70b_json_is_fast_and_allocates_nothing():
     """A fresh interpreter: imports included, under 2 s; no torch, no transformers."""
     code = (
-        "import sys, time; t = time.perf_counter(); from tools.estimate_memory import main; "
+        "import sys, time; t = time.perf_counter(); from pretrain.cli.estimate import main; "
         f"rc = main(['--recipe', {R70B!r}, '--num-gpus', '64', '--zero', '3', '--json']); "
         "print('SECONDS', time.perf_counter() - t); "
         "print('HEAVY', [m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules]); sys.exit(rc)"
@@ -324,11 +331,11 @@ def test_cli_bad_sources(capsys, tmp_path):
 
 
 def test_cli_script_entry_point_runs_and_fails_cleanly():
-    script = str(ROOT / "tools" / "estimate_memory.py")
-    ok = subprocess.run([sys.executable, script, "--recipe", R7B, "--num-gpus", "8", "--zero", "3", "--json"],
+    script = "pretrain.cli.estimate"
+    ok = subprocess.run([sys.executable, "-m", script, "--recipe", R7B, "--num-gpus", "8", "--zero", "3", "--json"],
                         capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and json.loads(ok.stdout)["num_params"] == LLAMA2_7B
-    bad = subprocess.run([sys.executable, script, "--recipe", R7B, "--gpu", "B9000"], capture_output=True, text=True,
+    bad = subprocess.run([sys.executable, "-m", script, "--recipe", R7B, "--gpu", "B9000"], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == EXIT_USAGE and "unknown GPU 'B9000'" in bad.stderr and "Traceback" not in bad.stderr
 
@@ -363,7 +370,7 @@ def test_plan_7b_on_2x8_a100_40gb(capsys, tmp_path):
     config = yaml.safe_load(out_file.read_text())
     assert config["num_machines"] == 2 and config["num_processes"] == 16
     assert config["deepspeed_config"]["deepspeed_multinode_launcher"] == "standard"
-    assert "--machine_rank $NODE_RANK" in data["launch"]
+    assert '--machine_rank "$NODE_RANK"' in data["launch"]
     assert all(r["total_gib"] <= 40.0 for r in data["ranking"])
     offloads = [r["offload_optimizer"] != "none" for r in data["ranking"] if not r["tight"]]
     assert offloads == sorted(offloads)  # offload only after every layout without it

@@ -23,6 +23,7 @@ import pytest
 
 from pretrain import memory
 from pretrain.config import ModelConfig
+from pretrain.launch import Launch
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "tests" / "ds_memory_probe.py"
@@ -174,7 +175,7 @@ def test_deepspeed_model_states_match_estimate(tmp_path):
         measured = max(r["measured_bytes"] for r in results)
         workload = memory.Workload(precision=dtype, optimizer="AdamW", micro_batch_size=probe.MICRO_BATCH_SIZE,
                                    seq_len=probe.SEQ_LEN)
-        est = memory.estimate_shape(shape, workload, memory.Layout("deepspeed", stage, gpus_per_node=2),
+        est = memory.estimate_shape(shape, workload, Launch("deepspeed", stage, gpus_per_node=2),
                                     buffers=buffers, device="cpu")
         error = est.model_state_bytes / measured - 1
         peak_at = max(results[0]["snapshots"], key=lambda k: results[0]["snapshots"][k]["bytes"])

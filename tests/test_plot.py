@@ -1,4 +1,4 @@
-"""tools/plot_run.py: a PNG from a metrics.jsonl, and clear errors when there is nothing to plot."""
+"""pretrain-plot: a PNG from a metrics.jsonl, and clear errors when there is nothing to plot."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import sys
 
 import matplotlib.image
 
-from tests.helpers import ROOT
-from tools.plot_run import main, read_metrics
+from pretrain.cli.plot import main, read_metrics
 
 
 def write_metrics(run_dir, num_steps: int = 60, mfu: bool = True) -> None:
@@ -81,7 +80,7 @@ def test_missing_and_empty_files_are_clear_errors(tmp_path, capsys):
 
 
 def test_runs_as_a_script(tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_run.py"), str(tmp_path)],
+    result = subprocess.run([sys.executable, "-m", "pretrain.cli.plot", str(tmp_path)],
                             capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
+from pretrain.cli import slurm
 from tests.helpers import FAST, ROOT, TINY, accelerate_launch, check_ok, env, metrics, train_losses
 from tests.slurm_cluster import SlurmCluster, SlurmUnavailable, ensure_installed
-from tools import slurm
 
-SLURM_TOOL = str(ROOT / "tools" / "slurm.py")
+SLURM_TOOL = ["-m", "pretrain.cli.slurm"]
 CONFIGS = ROOT / "accelerate_configs"
 SEVEN_B = str(ROOT / "recipes" / "7b.yaml")
 # GBS 8 = MBS 2 x GAS 2 x world 2: the layout of tests/test_distributed.py's cpu_ddp run.
@@ -296,7 +296,7 @@ def test_no_slurm_here_is_one_clear_message_without_traceback(tmp_path):
     """The real CLI, on a PATH without sbatch: exit 2, one line, and no run directory."""
     out = tmp_path / "run"
     no_slurm = {**env(), "PATH": os.path.dirname(sys.executable)}
-    cmd = [sys.executable, SLURM_TOOL, "submit", "--recipe", TINY, "--accelerate-config",
+    cmd = [sys.executable, *SLURM_TOOL, "submit", "--recipe", TINY, "--accelerate-config",
            str(CONFIGS / "cpu_ddp.yaml"), *TWO_NODES, f"output_dir={out}"]
     proc = subprocess.run(cmd, env=no_slurm, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
@@ -340,7 +340,7 @@ def cluster():
 
 
 def submit(cluster: SlurmCluster, config: str, overrides: list[str]) -> str:
-    cmd = [sys.executable, SLURM_TOOL, "submit", "--recipe", TINY, "--accelerate-config", str(CONFIGS / config),
+    cmd = [sys.executable, *SLURM_TOOL, "submit", "--recipe", TINY, "--accelerate-config", str(CONFIGS / config),
            *TWO_NODES, *overrides]
     proc = subprocess.run(cmd, env=cluster.env(env()), cwd=ROOT, capture_output=True, text=True, timeout=120)
     check_ok(proc)
@@ -444,7 +444,7 @@ def test_usr1_checkpoints_requeues_and_the_job_continues_the_same_curve(cluster,
     for step in range(1, steps + 1):
         assert losses[step] == pytest.approx(reference[step], rel=1e-4), (step, losses[step], reference[step])
 
-    status = subprocess.run([sys.executable, SLURM_TOOL, "status", str(out)], env=cluster.env(env()), cwd=ROOT,
+    status = subprocess.run([sys.executable, *SLURM_TOOL, "status", str(out)], env=cluster.env(env()), cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     check_ok(status)
     assert "COMPLETED (restarts 1" in status.stdout and "(1 requeue(s)); preemptions 1" in status.stdout

@@ -1,4 +1,4 @@
-"""tools/sweep_batch_size.py and tools/bench_loop.py: real launches on tiny settings, the sweep's stops and
+"""pretrain-sweep and pretrain-bench: real launches on tiny settings, the sweep's stops and
 its analysis on made-up numbers, and bad input."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import sys
 import matplotlib.image
 import pytest
 
-from tests.helpers import ROOT, TINY, check_ok, run_cmd
-from tools import sweep_batch_size
-from tools.sweep_batch_size import MBSResult, analyse, nearest_multiples
+from pretrain.cli import sweep as sweep_batch_size
+from pretrain.cli.sweep import MBSResult, analyse, nearest_multiples
+from tests.helpers import TINY, check_ok, run_cmd
 
-SWEEP = str(ROOT / "tools" / "sweep_batch_size.py")
-BENCH = str(ROOT / "tools" / "bench_loop.py")
+SWEEP = ["-m", "pretrain.cli.sweep"]
+BENCH = ["-m", "pretrain.cli.bench"]
 # A 2-layer, 64-wide model on 64-token sequences; a given peak skips the CPU peak measurement (2 s a run).
 SMALL = ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128", "data.seq_len=64",
          "runtime.peak_tflops=1"]
@@ -35,7 +35,7 @@ def check_png(path) -> None:
 @pytest.mark.slow
 def test_sweep_measures_each_mbs_and_recommends(tmp_path):
     out = tmp_path / "sweep"
-    proc = run_cmd([sys.executable, SWEEP, "--recipe", TINY, "--max-mbs", "4", "--steps", "2", "--warmup-steps", "1",
+    proc = run_cmd([sys.executable, *SWEEP, "--recipe", TINY, "--max-mbs", "4", "--steps", "2", "--warmup-steps", "1",
                     "--out", str(out), *SMALL], timeout=180)
     check_ok(proc)
     lines = proc.stdout.splitlines()
@@ -229,7 +229,7 @@ def test_nearest_multiples():
 
 @pytest.mark.slow
 def test_sweep_missing_recipe_is_one_error_line(tmp_path):
-    proc = run_cmd([sys.executable, SWEEP, "--recipe", str(tmp_path / "nope.yaml"), "--out", str(tmp_path / "o")],
+    proc = run_cmd([sys.executable, *SWEEP, "--recipe", str(tmp_path / "nope.yaml"), "--out", str(tmp_path / "o")],
                    timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: recipe file not found") and "Traceback" not in proc.stderr
@@ -253,7 +253,7 @@ def test_sweep_bad_input_exits_2(tmp_path, capsys, args, message):
 
 
 def test_bench_missing_recipe_exits_2(tmp_path, capsys):
-    from tools.bench_loop import main
+    from pretrain.cli.bench import main
 
     assert main(["--recipe", str(tmp_path / "nope.yaml")]) == 2
     assert capsys.readouterr().err.startswith("error: recipe file not found")
@@ -265,7 +265,7 @@ def test_bench_missing_recipe_exits_2(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_bench_loop_prints_a_ratio():
-    proc = run_cmd([sys.executable, BENCH, "--recipe", TINY, "--steps", "1", "--repeats", "2", *SMALL,
+    proc = run_cmd([sys.executable, *BENCH, "--recipe", TINY, "--steps", "1", "--repeats", "2", *SMALL,
                     "batch.global_batch_size=8", "batch.micro_batch_size=4"], timeout=180)
     check_ok(proc)
     assert re.search(r"repeat\s+toolkit tokens/s\s+minimal tokens/s\s+ratio", proc.stdout)

@@ -9,48 +9,15 @@ clipping; the accelerate config owns the ZeRO stage and offload. A user's own De
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pretrain.batching import BatchPlan
 from pretrain.config import Recipe
 from pretrain.errors import ConfigError
+from pretrain.launch import Launch
 
 _DS_OPTIMIZERS = {"AdamW": "AdamW", "Adam": "Adam"}
-
-
-@dataclass(frozen=True)
-class DeepSpeedLaunch:
-    """What `accelerate launch` says about DeepSpeed (from its environment variables)."""
-
-    zero_stage: int | None
-    offload_optimizer_device: str
-    offload_param_device: str
-    zero3_init: bool | None
-    config_file: str | None
-    gradient_accumulation_steps: str | None
-    gradient_clipping: str | None
-
-    @classmethod
-    def from_env(cls, environ=os.environ) -> DeepSpeedLaunch:
-        stage = environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
-        config_file = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-        init = environ.get("ACCELERATE_DEEPSPEED_ZERO3_INIT")
-        return cls(
-            zero_stage=int(stage) if stage not in (None, "") else None,
-            offload_optimizer_device=environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none").lower(),
-            offload_param_device=environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none").lower(),
-            zero3_init=None if init is None else init.lower() == "true",
-            config_file=config_file if config_file not in (None, "", "none") else None,
-            gradient_accumulation_steps=environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"),
-            gradient_clipping=environ.get("ACCELERATE_GRADIENT_CLIPPING"),
-        )
-
-
-def is_deepspeed_launch(environ=os.environ) -> bool:
-    return environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
 def read_user_config(path: str) -> dict[str, Any]:
@@ -117,15 +84,15 @@ def recipe_fields(recipe: Recipe, plan: BatchPlan, lr: float, ds_optimizer: bool
     return fields
 
 
-def _zero_block(recipe: Recipe, launch: DeepSpeedLaunch, user_zero: dict[str, Any]) -> dict[str, Any]:
+def _zero_block(recipe: Recipe, launch: Launch, user_zero: dict[str, Any]) -> dict[str, Any]:
     ds = recipe.deepspeed
-    stage = launch.zero_stage if launch.zero_stage is not None else user_zero.get("stage", 2)
+    stage = launch.zero_stage  # the accelerate config's, else the user JSON's, else 2 (see Launch)
     zero = dict(user_zero)
     zero["stage"] = stage
-    if launch.offload_optimizer_device != "none":
-        zero["offload_optimizer"] = {"device": launch.offload_optimizer_device, "pin_memory": True}
-    if launch.offload_param_device != "none":
-        zero["offload_param"] = {"device": launch.offload_param_device, "pin_memory": True}
+    # The launch's offload device, unless the user's JSON already has that device (and maybe more settings).
+    for key, device in (("offload_optimizer", launch.offload_optimizer), ("offload_param", launch.offload_params)):
+        if device != "none" and (user_zero.get(key) or {}).get("device") != device:
+            zero[key] = {"device": device, "pin_memory": True}
     optional = {
         "reduce_bucket_size": ds.reduce_bucket_size,
         "allgather_bucket_size": ds.allgather_bucket_size,
@@ -166,11 +133,11 @@ def check_zero(recipe: Recipe, zero: dict[str, Any]) -> None:
 
 
 def build_deepspeed_config(
-    recipe: Recipe, plan: BatchPlan, launch: DeepSpeedLaunch, lr: float, user: dict[str, Any] | None = None
+    recipe: Recipe, plan: BatchPlan, launch: Launch, lr: float, user: dict[str, Any] | None = None
 ) -> tuple[dict[str, Any], bool]:
     """(DeepSpeed config dict, whether DeepSpeed builds the optimizer). Raises ConfigError on conflicts."""
     user = dict(user or {})
-    source = launch.config_file or "the DeepSpeed config"
+    source = launch.deepspeed_config_file or "the DeepSpeed config"
     ds_optimizer = uses_deepspeed_optimizer(recipe, user)
     ours = recipe_fields(recipe, plan, lr, ds_optimizer)
     conflicts = []
@@ -183,16 +150,17 @@ def build_deepspeed_config(
         conflicts.append(
             f"{source} has a `scheduler` block; the recipe owns the LR schedule (lr_schedule), remove the block"
         )
-    if launch.gradient_accumulation_steps not in (None, "auto") and int(launch.gradient_accumulation_steps) != plan.grad_accum_steps:
+    gas, clip_given = (launch.deepspeed_fields.get(k) for k in ("gradient_accumulation_steps", "gradient_clipping"))
+    if gas not in (None, "auto") and int(gas) != plan.grad_accum_steps:
         conflicts.append(
-            f"the accelerate config has gradient_accumulation_steps={launch.gradient_accumulation_steps} but the recipe's "
+            f"the accelerate config has gradient_accumulation_steps={gas} but the recipe's "
             f"batch plan gives GAS {plan.grad_accum_steps} (GBS {plan.global_batch_size} / (MBS {plan.micro_batch_size} "
             f"x world {plan.world_size})); remove it from the accelerate config"
         )
     clip = float(recipe.optim.grad_clip or 0.0)
-    if launch.gradient_clipping not in (None, "auto", "none") and float(launch.gradient_clipping) != clip:
+    if clip_given not in (None, "auto", "none") and float(clip_given) != clip:
         conflicts.append(
-            f"the accelerate config has gradient_clipping={launch.gradient_clipping} but the recipe has "
+            f"the accelerate config has gradient_clipping={clip_given} but the recipe has "
             f"optim.grad_clip={recipe.optim.grad_clip}; remove it from the accelerate config"
         )
     if conflicts:

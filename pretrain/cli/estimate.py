@@ -17,13 +17,9 @@ import json
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make `pretrain` importable from the repository root
-    _ROOT = str(Path(__file__).resolve().parents[1])
-    if _ROOT not in sys.path:
-        sys.path.insert(0, _ROOT)
-
-from pretrain import memory  # noqa: E402
-from pretrain.errors import EXIT_USAGE, ConfigError  # noqa: E402
+from pretrain import memory
+from pretrain.errors import EXIT_USAGE, ConfigError
+from pretrain.launch import Launch
 
 SWEEP_MAX_MBS = 128
 
@@ -82,22 +78,7 @@ def resolve_gpu(args) -> memory.GpuSpec:
     return memory.find_gpu(args.gpu or memory.DEFAULT_GPU)
 
 
-def read_accelerate_config(path: str) -> dict:
-    import yaml
-
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"--accelerate-config {path}: no such file")
-    try:
-        data = yaml.safe_load(file.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--accelerate-config {path}: malformed YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--accelerate-config {path}: expected a mapping")
-    return data
-
-
-def resolve_world(args, accelerate: dict | None) -> tuple[int | None, int | None]:
+def resolve_world(args, accelerate_config: str | None) -> tuple[int | None, int | None]:
     if args.num_gpus is not None:
         if args.num_gpus < 1:
             raise ConfigError(f"--num-gpus must be >= 1, got {args.num_gpus}")
@@ -108,26 +89,25 @@ def resolve_world(args, accelerate: dict | None) -> tuple[int | None, int | None
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if accelerate is not None:
+    if accelerate_config:
         return args.nodes, args.gpus_per_node
     return args.nodes or 1, args.gpus_per_node or 1
 
 
-def resolve_layout(args) -> memory.Layout:
+def resolve_layout(args) -> Launch:
     if args.zero is not None and args.accelerate_config:
         raise ConfigError("give --zero or --accelerate-config, not both")
-    accelerate = read_accelerate_config(args.accelerate_config) if args.accelerate_config else None
-    nodes, gpus = resolve_world(args, accelerate)
-    if accelerate is not None:
-        layout = memory.Layout.from_accelerate_config(accelerate, args.accelerate_config, nodes, gpus)
+    nodes, gpus = resolve_world(args, args.accelerate_config)
+    if args.accelerate_config:
+        layout = Launch.from_accelerate_config(args.accelerate_config, num_nodes=nodes, gpus_per_node=gpus)
     elif args.zero is not None:
-        layout = memory.Layout("deepspeed", args.zero, num_nodes=nodes, gpus_per_node=gpus)
+        layout = Launch("deepspeed", args.zero, num_nodes=nodes, gpus_per_node=gpus)
     else:
-        layout = memory.Layout("ddp", 0, num_nodes=nodes, gpus_per_node=gpus)
+        layout = Launch("ddp", 0, num_nodes=nodes, gpus_per_node=gpus)
     if args.offload_optimizer or args.offload_params:
         if layout.engine == "ddp":
             raise ConfigError("--offload-optimizer / --offload-params need DeepSpeed: add --zero 1, 2 or 3")
-        layout = memory.Layout(
+        layout = Launch(
             layout.engine, layout.zero_stage, args.offload_optimizer or layout.offload_optimizer,
             args.offload_params or layout.offload_params, layout.num_nodes, layout.gpus_per_node,
         )
@@ -204,7 +184,7 @@ class Problem:
             activation_checkpointing=bool(args.activation_checkpointing),
         )
 
-    def at(self, layout: memory.Layout | None = None, micro_batch_size: int | None = None) -> memory.MemoryEstimate:
+    def at(self, layout: Launch | None = None, micro_batch_size: int | None = None) -> memory.MemoryEstimate:
         layout = layout or self.layout
         mbs = micro_batch_size if micro_batch_size is not None else self.args.micro_batch_size
         return memory.estimate_shape(
@@ -243,10 +223,10 @@ def sweep_mbs_values(problem: Problem) -> list[int]:
 
 def sweep(problem: Problem) -> tuple[list[dict], str]:
     base = problem.layout
-    rows = [("DDP", memory.Layout("ddp", 0, num_nodes=base.num_nodes, gpus_per_node=base.gpus_per_node))]
+    rows = [("DDP", Launch("ddp", 0, num_nodes=base.num_nodes, gpus_per_node=base.gpus_per_node))]
     for stage in range(4):
         try:
-            layout = memory.Layout("deepspeed", stage, base.offload_optimizer, base.offload_params,
+            layout = Launch("deepspeed", stage, base.offload_optimizer, base.offload_params,
                                    base.num_nodes, base.gpus_per_node)
         except ConfigError:
             continue  # the offload asked for is not possible at this stage

@@ -10,15 +10,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make `pretrain` importable from the repository root
-    _ROOT = str(Path(__file__).resolve().parents[1])
-    if _ROOT not in sys.path:
-        sys.path.insert(0, _ROOT)
-
-from pretrain.config import load_recipe  # noqa: E402
-from pretrain.errors import EXIT_USAGE, ConfigError  # noqa: E402
+from pretrain.config import load_recipe
+from pretrain.errors import EXIT_USAGE, ConfigError
 
 
 def format_stats(stats: dict) -> str:

@@ -27,14 +27,8 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make `pretrain` importable from the repository root
-    _ROOT = str(Path(__file__).resolve().parents[1])
-    if _ROOT not in sys.path:
-        sys.path.insert(0, _ROOT)
-
-from pretrain.errors import EXIT_USAGE, ConfigError  # noqa: E402
+from pretrain.errors import EXIT_USAGE, ConfigError
 
 GOAL_RATIO = 0.97
 

@@ -38,13 +38,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make `pretrain` importable from the repository root
-    _ROOT = str(Path(__file__).resolve().parents[1])
-    if _ROOT not in sys.path:
-        sys.path.insert(0, _ROOT)
-
-from pretrain import memory  # noqa: E402
-from pretrain.errors import EXIT_USAGE, ConfigError  # noqa: E402
+from pretrain import memory
+from pretrain.errors import EXIT_USAGE, ConfigError
+from pretrain.launch import Launch, accelerate_command, shell_join
 
 BASE_MFU = 0.5
 MBS_HALF_RATE_TOKENS = 1024
@@ -56,7 +52,7 @@ _EXPOSED = {"ddp": 0.5, 0: 1.0, 1: 1.0, 2: 1.0, 3: 0.5}
 
 @dataclass(frozen=True)
 class Candidate:
-    layout: memory.Layout
+    layout: Launch
     checkpointing: bool
     micro_batch_size: int
     grad_accum_steps: int
@@ -115,14 +111,14 @@ def _mbs_values(recipe, world: int) -> list[int]:
     return [m for m in range(1, local + 1) if local % m == 0 and (m & (m - 1)) == 0]
 
 
-def layouts(nodes: int, gpus: int) -> list[memory.Layout]:
-    out = [memory.Layout("ddp", 0, num_nodes=nodes, gpus_per_node=gpus)]
+def layouts(nodes: int, gpus: int) -> list[Launch]:
+    out = [Launch("ddp", 0, num_nodes=nodes, gpus_per_node=gpus)]
     for stage in range(4):
-        out.append(memory.Layout("deepspeed", stage, num_nodes=nodes, gpus_per_node=gpus))
+        out.append(Launch("deepspeed", stage, num_nodes=nodes, gpus_per_node=gpus))
         if stage >= 1:
-            out.append(memory.Layout("deepspeed", stage, "cpu", num_nodes=nodes, gpus_per_node=gpus))
+            out.append(Launch("deepspeed", stage, "cpu", num_nodes=nodes, gpus_per_node=gpus))
         if stage == 3:
-            out.append(memory.Layout("deepspeed", 3, "cpu", "cpu", num_nodes=nodes, gpus_per_node=gpus))
+            out.append(Launch("deepspeed", 3, "cpu", "cpu", num_nodes=nodes, gpus_per_node=gpus))
     return out
 
 
@@ -241,11 +237,11 @@ def recipe_overrides(recipe, c: Candidate) -> list[str]:
 
 
 def launch_command(c: Candidate, config_path: str, recipe_path: str, overrides: list[str]) -> str:
-    parts = ["accelerate launch", f"--config_file {config_path}"]
+    node_args = []
     if c.layout.num_nodes > 1:
-        parts += ["--machine_rank $NODE_RANK", "--main_process_ip $MASTER_ADDR", "--main_process_port 29500"]
-    parts += ["pretrain/run.py", f"--recipe {recipe_path}", *overrides]
-    return " ".join(parts)
+        node_args = ["--machine_rank", "$NODE_RANK", "--main_process_ip", "$MASTER_ADDR", "--main_process_port", "29500"]
+    return shell_join(accelerate_command(recipe_path, overrides, config_file=config_path, accelerate_args=node_args,
+                                         launcher=["accelerate", "launch"], run_py="pretrain/run.py"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,15 +30,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make `pretrain` importable from the repository root
-    _ROOT = str(Path(__file__).resolve().parents[1])
-    if _ROOT not in sys.path:
-        sys.path.insert(0, _ROOT)
+from pretrain.errors import EXIT_USAGE, ConfigError
+from pretrain.launch import RUN_PY, accelerate_command, read_accelerate_config, shell_join
 
-from pretrain.errors import EXIT_USAGE, ConfigError  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-RUN_PY = ROOT / "pretrain" / "run.py"
 SLURM_SUBDIR = "slurm"  # inside the run's output_dir: job.sbatch, jobs.jsonl, slurm-<jobid>.out
 # Environment variables copied into the script when set at submission, so that a requeued job (or
 # `sbatch job.sbatch` by hand) sees the same data, cache and offline settings.
@@ -139,7 +133,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # ---- checking a submission ------------------------------------------------------------------------
 def check_job(args: argparse.Namespace) -> Job:
     """Validate the whole submission (options, accelerate config, recipe, launch); raise one ConfigError."""
-    from pretrain.launch import preflight, read_accelerate_config
+    from pretrain.config import load_recipe
+    from pretrain.launch import Launch
+    from pretrain.preflight import check_run
 
     problems = []
     if args.nodes < 1:
@@ -164,9 +160,9 @@ def check_job(args: argparse.Namespace) -> Job:
         raise ConfigError(problems)
 
     config_path = Path(args.accelerate_config).resolve()
-    config = read_accelerate_config(str(config_path))
-    distributed_type = str(config.get("distributed_type", "NO")).upper()
     world_size = args.nodes * args.processes_per_node
+    launch = Launch.from_accelerate_config(config_path, num_nodes=args.nodes, gpus_per_node=args.processes_per_node)
+    distributed_type = str(read_accelerate_config(config_path).get("distributed_type", "NO")).upper()
     if world_size > 1 and distributed_type == "NO":
         raise ConfigError(
             f"accelerate config {args.accelerate_config} runs one process (distributed_type: NO) but the job has "
@@ -175,12 +171,8 @@ def check_job(args: argparse.Namespace) -> Job:
         )
 
     recipe_path = Path(args.recipe).resolve()
-    accelerate_args = ["--config_file", str(config_path), "--num_processes", str(world_size)]
-    preflight(accelerate_args, ["--recipe", str(recipe_path), *args.overrides])  # the job's world size
-
-    from pretrain.config import load_recipe
-
     recipe = load_recipe(recipe_path, args.overrides)
+    check_run(recipe, launch)  # on the job's world size, before anything is written
     output_dir = Path(recipe.output_dir).resolve()
     options = [f"--{name}={value}" for name, value in
                (("partition", args.partition), ("account", args.account), ("qos", args.qos), ("time", args.time),
@@ -219,24 +211,27 @@ def node_command(job: Job) -> str:
     """What each node runs: its own accelerate launch. `$SLURM_NODEID` and friends expand on the node."""
     per_process = job.processes_per_node
     threads = f"$(( SLURM_CPUS_ON_NODE / {per_process} > 0 ? SLURM_CPUS_ON_NODE / {per_process} : 1 ))"
-    launch = [
-        '"$PRETRAIN_PYTHON" -m accelerate.commands.launch',
-        f"--config_file {shlex.quote(str(job.accelerate_config))}",
-        '--num_machines "$SLURM_NNODES" --machine_rank "$SLURM_NODEID"',
-        '--main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT"',
-        f"--num_processes {job.world_size}",
-    ]
+    node_args = ["--num_machines", "$SLURM_NNODES", "--machine_rank", "$SLURM_NODEID",
+                 "--main_process_ip", "$MASTER_ADDR", "--main_process_port", "$MASTER_PORT"]
     if job.distributed_type == "DEEPSPEED":
         # torchrun on every node: no hostfile, no passwordless ssh (whatever the config file says).
-        launch.append("--deepspeed_multinode_launcher standard")
-    launch.append(shlex.join([str(RUN_PY), "--recipe", str(job.recipe_path)]))
-    launch.append(shlex.join(job.overrides))
+        node_args += ["--deepspeed_multinode_launcher", "standard"]
+    argv = accelerate_command(job.recipe_path, job.overrides, accelerate_args=node_args,
+                              config_file=job.accelerate_config, num_processes=job.world_size,
+                              launcher=["$PRETRAIN_PYTHON", "-m", "accelerate.commands.launch"])
+    # One option (and its value) a line; the entry point, recipe and overrides on the last.
+    cut = argv.index(str(RUN_PY))
+    lines, i = [argv[:3]], 3
+    while i < cut:
+        lines.append(argv[i:i + 2])
+        i += 2
+    lines.append(argv[cut:])
     return "\n    ".join([
         "",
         # The launcher ignores USR1 (its default action would kill it); the trainer ranks catch it.
         'trap "" USR1',
         f'export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-{threads}}}"',
-        "exec " + " \\\n      ".join(launch),
+        "exec " + " \\\n      ".join(shell_join(line) for line in lines),
     ])
 
 

@@ -34,15 +34,10 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make `pretrain` importable from the repository root
-    _ROOT = str(Path(__file__).resolve().parents[1])
-    if _ROOT not in sys.path:
-        sys.path.insert(0, _ROOT)
+from pretrain.batching import neighbouring_multiples
+from pretrain.errors import EXIT_USAGE, ConfigError
+from pretrain.launch import accelerate_command
 
-from pretrain.batching import neighbouring_multiples  # noqa: E402
-from pretrain.errors import EXIT_USAGE, ConfigError  # noqa: E402
-
-RUN_PY = Path(__file__).resolve().parents[1] / "pretrain" / "run.py"
 SCALING_THRESHOLD = 1.2  # tokens/s gain from doubling MBS below which throughput has stopped scaling
 NEAR_BEST = 0.95  # an MBS within this fraction of the best tokens/s is as good as the best
 OOM_PATTERN = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
@@ -108,11 +103,9 @@ def accelerate_args(accelerate_config: str | None, num_processes: int | None) ->
 
 def launch_command(accelerate_config: str | None, num_processes: int | None, recipe: str,
                    overrides: list[str]) -> list[str]:
-    run = [str(RUN_PY), "--recipe", recipe, *overrides]
     if accelerate_config is None:
-        return [sys.executable, *run]
-    return [sys.executable, "-m", "accelerate.commands.launch", *accelerate_args(accelerate_config, num_processes),
-            *run]
+        return accelerate_command(recipe, overrides, launcher=[sys.executable])  # one process, no accelerate
+    return accelerate_command(recipe, overrides, accelerate_args=accelerate_args(accelerate_config, num_processes))
 
 
 def run_process(command: list[str], log_prefix: Path, timeout_s: float | None) -> tuple[int, str, str]:
@@ -408,10 +401,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def check_inputs(args: argparse.Namespace) -> tuple[object, int, int, Path]:
     """Validate everything before the first launch: (recipe, world size, the recipe's GBS, output dir)."""
-    from pretrain.batching import plan_batches
     from pretrain.config import load_recipe
-    from pretrain.launch import preflight, read_accelerate_config
-    from pretrain.optim import check_schedule
+    from pretrain.launch import Launch
+    from pretrain.preflight import check_run
 
     problems = [f"--{name.replace('_', '-')} must be >= {low}, got {value}"
                 for name, value, low in (("steps", args.steps, 1), ("warmup_steps", args.warmup_steps, 0),
@@ -425,20 +417,17 @@ def check_inputs(args: argparse.Namespace) -> tuple[object, int, int, Path]:
     if problems:
         raise ConfigError(problems)
     recipe = load_recipe(args.recipe, args.overrides)
-    world = 1
-    if args.accelerate_config is not None:
-        config = read_accelerate_config(args.accelerate_config)
-        world = args.num_processes or int(config.get("num_processes", 1))
+    launch = (Launch.from_accelerate_config(args.accelerate_config,
+                                            accelerate_args(args.accelerate_config, args.num_processes))
+              if args.accelerate_config is not None else Launch())
+    world = launch.world_size
     # The recipe's own GBS on this world size is the target the recommendation must reach.
     batch = recipe.batch
     gbs = batch.local_batch_size * world if batch.local_batch_size is not None else batch.global_batch_size
     out = Path(args.out or Path(recipe.output_dir) / "sweep").resolve()
-    # The first launch, checked as pretrain-launch checks it: batch math, precision, DeepSpeed JSON.
+    # The first launch, checked as pretrain-launch checks it: batch math, schedule, precision, DeepSpeed JSON.
     first = [*args.overrides, *sweep_overrides(1, world, args.steps, args.warmup_steps, out / "mbs_1")]
-    preflight(accelerate_args(args.accelerate_config, args.num_processes), ["--recipe", args.recipe, *first])
-    sweep_recipe = load_recipe(args.recipe, first)
-    plan_batches(sweep_recipe.batch, world, sweep_recipe.data.seq_len)
-    check_schedule(sweep_recipe.lr_schedule, args.warmup_steps + args.steps)
+    check_run(load_recipe(args.recipe, first), launch)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
