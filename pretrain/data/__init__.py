@@ -29,16 +29,12 @@ and load the winner's. ``train_subset`` / ``val_subset`` are applied when the ar
 from __future__ import annotations
 
 import contextlib
-import glob
 import hashlib
 import json
 import os
 import shutil
-import sys
-import sysconfig
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,21 +42,22 @@ from typing import Any
 import numpy as np
 
 from pretrain.config import DataConfig
+from pretrain.data.cache import (
+    PACKED_VERSION,
+    TOKENIZER_VERSION,
+    _hash,
+    _make_tmp_dir,
+    _publish,
+    cache_root,
+)
+from pretrain.data.documents import Log, _default_num_proc, _Documents, load_documents
+from pretrain.data.sources import _Corpus, _resolve_corpus
 from pretrain.errors import DataError
 
-# Bump a version when the code that produces the corresponding cache changes its output.
-DOCUMENTS_VERSION = 1
-TOKENIZER_VERSION = 1
-PACKED_VERSION = 1
-
 EOS_TOKEN = "<|endoftext|>"
-TEXT_SUFFIXES = (".txt", ".md")
-JSONL_SUFFIXES = (".jsonl", ".json")
-PARQUET_SUFFIXES = (".parquet",)
-STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 TOKENS_DTYPE = np.int32
 
-Log = Callable[[str], Any]
+__all__ = ["PackedData", "build_tokenizer", "cache_root", "load_documents", "prepare_data"]
 
 
 @dataclass
@@ -73,34 +70,12 @@ class PackedData:
     stats: dict[str, Any]  # JSON-serialisable counts and provenance, see prepare_data
 
 
-# --------------------------------------------------------------------------------------------------
-# Small helpers
-
-
-def cache_root(data_cfg: DataConfig) -> Path:
-    """Where tokenizers and packed data are cached: data.cache_dir, $PRETRAIN_CACHE_DIR or ~/.cache/pretrain."""
-    root = data_cfg.cache_dir or os.environ.get("PRETRAIN_CACHE_DIR") or "~/.cache/pretrain"
-    return Path(root).expanduser().absolute()
-
-
-def _hash(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
-
-
 def _count(n: float) -> str:
     """Human-readable count: 734, 12.3k, 3.19M."""
     for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= scale:
             return f"{n / scale:.3g}{unit}"
     return f"{int(n)}"
-
-
-def _default_num_proc() -> int:
-    try:
-        cpus = len(os.sched_getaffinity(0))  # respects taskset / slurm cpu binding, unlike cpu_count
-    except AttributeError:
-        cpus = os.cpu_count() or 1
-    return max(1, min(cpus, 8))
 
 
 @contextlib.contextmanager
@@ -115,428 +90,6 @@ def _tokenizers_fork_safe():
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = previous
-
-
-def _publish(tmp_dir: Path, target: Path) -> bool:
-    """Rename a finished temporary directory into place. False if another process got there first."""
-    try:
-        os.rename(tmp_dir, target)
-        return True
-    except OSError:
-        if not target.is_dir():
-            raise
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        return False
-
-
-def _make_tmp_dir(parent: Path, name: str) -> Path:
-    parent.mkdir(parents=True, exist_ok=True)
-    path = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=parent))
-    path.chmod(0o755)  # mkdtemp makes it private; a cache may be shared by the users of a machine
-    return path
-
-
-def _find_data_error(exc: BaseException) -> DataError | None:
-    """datasets wraps exceptions raised inside a generator; find ours to report it as it was raised."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, DataError):
-            return exc
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-
-# --------------------------------------------------------------------------------------------------
-# Corpus: which files, their fingerprint, and the documents in them
-
-
-@dataclass(frozen=True)
-class _Corpus:
-    kind: str  # "stdlib", "local" or "hf"
-    files: tuple[tuple[str, str], ...]  # (path, format) in sorted path order; empty for hf
-    key: str  # hash of everything that determines the documents
-    description: str
-
-
-def _stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in STDLIB_EXCLUDED_DIRS]
-        files += [Path(dirpath) / f for f in filenames if f.endswith(".py")]
-    return sorted(files)
-
-
-def _suffixes_for(fmt: str) -> tuple[str, ...]:
-    return {
-        "auto": TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES,
-        "text": TEXT_SUFFIXES,
-        "jsonl": JSONL_SUFFIXES,
-        "parquet": PARQUET_SUFFIXES,
-    }[fmt]
-
-
-def _file_format(path: Path, fmt: str) -> str:
-    if fmt != "auto":
-        return fmt
-    suffix = path.suffix.lower()
-    if suffix in JSONL_SUFFIXES:
-        return "jsonl"
-    if suffix in PARQUET_SUFFIXES:
-        return "parquet"
-    return "text"
-
-
-def _local_files(data_cfg: DataConfig) -> list[Path]:
-    source = data_cfg.source
-    path = Path(source).expanduser()
-    suffixes = _suffixes_for(data_cfg.format)
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        files = sorted(
-            p
-            for p in path.rglob("*")
-            if p.is_file()
-            and p.suffix.lower() in suffixes
-            and not any(part.startswith(".") for part in p.relative_to(path).parts)
-        )
-        if not files:
-            raise DataError(
-                f"data.source = {source!r}: the directory has no {' / '.join(suffixes)} files "
-                f"(data.format = {data_cfg.format}); point data.source at a directory, file or glob of text, "
-                "jsonl or parquet files"
-            )
-        return files
-    if glob.has_magic(source):
-        files = sorted(Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True) if Path(p).is_file())
-        if not files:
-            raise DataError(
-                f"data.source = {source!r}: the glob matches no files; check the pattern (use ** for "
-                "subdirectories) or give a file or directory"
-            )
-        return files
-    raise DataError(
-        f"data.source = {source!r}: no such file or directory (looked in {Path.cwd()}); give an existing file, "
-        "directory or glob of .txt / .md / .jsonl / .parquet files, `stdlib` for the built-in corpus, "
-        "or `hf:NAME` for a Hugging Face dataset"
-    )
-
-
-def _resolve_corpus(data_cfg: DataConfig) -> _Corpus:
-    """Find the corpus and fingerprint it without reading it (stat only)."""
-    source = data_cfg.source
-    common = {
-        "version": DOCUMENTS_VERSION,
-        "text_field": data_cfg.text_field,
-        "on_decode_error": data_cfg.on_decode_error,
-    }
-    if source.startswith("hf:"):
-        name = source[3:]
-        if not name:
-            raise DataError("data.source = 'hf:' names no dataset; write it like hf:roneneldan/TinyStories")
-        key = _hash({**common, "hf": name, "config": data_cfg.hf_config, "split": data_cfg.hf_split})
-        return _Corpus("hf", (), key, f"hf:{name} (config {data_cfg.hf_config}, split {data_cfg.hf_split})")
-    if source == "stdlib":
-        kind, paths, fmt = "stdlib", _stdlib_files(), "text"
-        description = f"Python {sys.version_info.major}.{sys.version_info.minor} standard library"
-    else:
-        kind, paths, fmt = "local", _local_files(data_cfg), data_cfg.format
-        description = source
-    files = tuple((str(p.absolute()), _file_format(p, fmt)) for p in paths)
-    stats = []
-    for path, file_fmt in files:
-        st = os.stat(path)
-        stats.append((path, file_fmt, st.st_size, st.st_mtime_ns))
-    return _Corpus(kind, files, _hash({**common, "files": stats}), description)
-
-
-def _decode(raw: bytes, policy: str) -> tuple[str | None, bool]:
-    """(text, had_bad_bytes); text is None when the document is to be skipped."""
-    try:
-        return raw.decode("utf-8"), False
-    except UnicodeDecodeError:
-        if policy == "skip":
-            return None, True
-        return raw.decode("utf-8", errors="replace"), True
-
-
-def _clean_surrogates(text: str, policy: str) -> tuple[str | None, bool]:
-    """JSON escapes can produce lone surrogates, which are not valid UTF-8 for Arrow or tokenizers."""
-    try:
-        text.encode("utf-8")
-        return text, False
-    except UnicodeEncodeError:
-        if policy == "skip":
-            return None, True
-        return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text), True
-
-
-def _json_text(obj: Any, field: str, where: str) -> str | None:
-    if not isinstance(obj, dict):
-        raise DataError(f"{where}: expected a JSON object with a {field!r} field, got {type(obj).__name__}")
-    if field not in obj:
-        fields = ", ".join(map(str, list(obj)[:20])) or "none"
-        raise DataError(
-            f"{where}: no field {field!r} (data.text_field); this record has fields: {fields}. "
-            "Set data.text_field to the field that holds the text"
-        )
-    value = obj[field]
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise DataError(f"{where}: field {field!r} is a {type(value).__name__}, not text")
-    return value
-
-
-def _json_records(path: str, field: str, policy: str) -> Iterator[tuple[str | None, bool]] | None:
-    """Documents of a .json file holding one JSON value (a list of records or one record); None if the
-    file is JSON lines instead. Non-UTF-8 bytes count once for the whole file; `skip` skips the file."""
-    text, bad = _decode(_read_bytes(path), "replace")
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        if exc.msg == "Extra data":
-            return None
-        raise DataError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
-
-    def records():
-        if bad and policy == "skip":
-            yield None, True
-            return
-        for i, obj in enumerate(value if isinstance(value, list) else [value]):
-            doc = _json_text(obj, field, f"{path}[{i}]")
-            if doc is not None:
-                doc, bad_doc = _clean_surrogates(doc, policy)
-                yield doc, bad_doc or (bad and i == 0)
-
-    return records()
-
-
-def _jsonl_documents(path: str, field: str, policy: str) -> Iterator[tuple[str | None, bool]]:
-    if path.lower().endswith(".json"):
-        records = _json_records(path, field, policy)
-        if records is not None:
-            yield from records
-            return
-    try:
-        f = open(path, "rb")  # streamed, not read whole: a .jsonl file may be larger than memory
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read the file ({exc.strerror}); fix its permissions or remove it") from None
-    with f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            text, bad = _decode(line, policy)
-            if text is None:
-                yield None, True
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise DataError(
-                    f"{path}:{lineno}: invalid JSON ({exc.msg}); each line of a .jsonl file must be one JSON object"
-                ) from None
-            doc = _json_text(obj, field, f"{path}:{lineno}")
-            if doc is not None:
-                doc, bad_doc = _clean_surrogates(doc, policy)
-                yield doc, bad or bad_doc
-
-
-def _read_bytes(path: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read the file ({exc.strerror}); fix its permissions or remove it") from None
-
-
-def _parquet_documents(path: str, field: str, policy: str) -> Iterator[tuple[str | None, bool]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        parquet = pq.ParquetFile(path)
-    except (OSError, pa.ArrowException) as exc:
-        raise DataError(f"{path}: not a readable parquet file ({exc})") from None
-    columns = parquet.schema_arrow.names
-    if field not in columns:
-        raise DataError(
-            f"{path}: no column {field!r} (data.text_field); the columns are: {', '.join(columns)}. "
-            "Set data.text_field to the column that holds the text"
-        )
-    for batch in parquet.iter_batches(columns=[field], batch_size=1024):
-        for value in batch.column(0).to_pylist():
-            if value is None:
-                continue
-            if isinstance(value, bytes):
-                yield _decode(value, policy)
-            elif isinstance(value, str):
-                yield value, False
-            else:
-                raise DataError(f"{path}: column {field!r} holds {type(value).__name__}, not text")
-
-
-def _generate_documents(files: list[tuple[str, str]], text_field: str, on_decode_error: str):
-    """Rows of the documents dataset; a skipped document is kept as "" so that it can be counted."""
-    num_rows = 0
-    for path, fmt in files:
-        if fmt == "text":
-            text, bad = _decode(_read_bytes(path), on_decode_error)
-            if text is not None and text.startswith("\ufeff"):
-                text = text[1:]
-            docs: Iterator[tuple[str | None, bool]] = iter([(text, bad)])
-        elif fmt == "jsonl":
-            docs = _jsonl_documents(path, text_field, on_decode_error)
-        else:
-            docs = _parquet_documents(path, text_field, on_decode_error)
-        for text, bad in docs:
-            usable = text is not None and bool(text.strip())
-            if bad:  # kept (as "" when unusable) so that load_documents can count it
-                num_rows += 1
-                yield {"text": text if usable else "", "decode_error": True}
-            elif usable:
-                num_rows += 1
-                yield {"text": text, "decode_error": False}
-    if num_rows == 0:  # datasets cannot build an empty split; one "" row is dropped like any empty one
-        yield {"text": "", "decode_error": False}
-
-
-def _load_files(data_cfg: DataConfig, corpus: _Corpus):
-    import datasets
-
-    features = datasets.Features({"text": datasets.Value("string"), "decode_error": datasets.Value("bool")})
-    try:
-        with _quiet_datasets():
-            return datasets.Dataset.from_generator(
-                _generate_documents,
-                features=features,
-                cache_dir=str(cache_root(data_cfg) / "datasets"),
-                gen_kwargs={
-                    "files": list(corpus.files),
-                    "text_field": data_cfg.text_field,
-                    "on_decode_error": data_cfg.on_decode_error,
-                },
-                fingerprint=corpus.key,
-            )
-    except Exception as exc:
-        ours = _find_data_error(exc)
-        if ours is not None:
-            raise ours from None
-        raise
-
-
-def _load_hf(data_cfg: DataConfig, num_proc: int):
-    import datasets
-
-    name = data_cfg.source[3:]
-    try:
-        ds = datasets.load_dataset(name, data_cfg.hf_config, split=data_cfg.hf_split)
-    except Exception as exc:
-        raise DataError(
-            f"data.source = {data_cfg.source!r}: the dataset could not be loaded ({type(exc).__name__}: {exc}). "
-            "Check the name, data.hf_config and data.hf_split and the network connection, or download the "
-            "data and point data.source at the local files"
-        ) from None
-    if not isinstance(ds, datasets.Dataset):
-        raise DataError(f"data.source = {data_cfg.source!r}: expected one split, got {type(ds).__name__}")
-    field = data_cfg.text_field
-    if field not in ds.column_names:
-        raise DataError(
-            f"data.source = {data_cfg.source!r} has no column {field!r} (data.text_field); its columns are: "
-            f"{', '.join(ds.column_names)}. Set data.text_field to the column that holds the text"
-        )
-    dtype = getattr(ds.features[field], "dtype", None)
-    if dtype not in ("string", "large_string"):
-        raise DataError(
-            f"data.source = {data_cfg.source!r}: column {field!r} (data.text_field) holds {ds.features[field]}, "
-            "not text; set data.text_field to the column that holds the text"
-        )
-    ds = ds.select_columns([field])
-    if field != "text":
-        ds = ds.rename_column(field, "text")
-    return ds.filter(
-        _non_empty, batched=True, num_proc=num_proc if len(ds) >= 10_000 else None, desc="drop empty documents"
-    )
-
-
-def _non_empty(batch: dict[str, list]) -> list[bool]:
-    return [isinstance(t, str) and bool(t.strip()) for t in batch["text"]]
-
-
-@contextlib.contextmanager
-def _quiet_datasets():
-    """datasets logs a line per cache hit/miss at WARNING on some paths; our own log says what happened."""
-    import datasets
-
-    verbosity = datasets.logging.get_verbosity()
-    datasets.logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        datasets.logging.set_verbosity(verbosity)
-
-
-def _load_documents(data_cfg: DataConfig, corpus: _Corpus, log: Log):
-    """(documents dataset with one column "text", number of documents with non-UTF-8 bytes)."""
-    import pyarrow.compute as pc
-
-    if corpus.kind == "hf":
-        ds, num_bad = _load_hf(data_cfg, data_cfg.num_proc or _default_num_proc()), 0
-    else:
-        ds = _load_files(data_cfg, corpus)
-        num_bad = int(pc.sum(ds.data.column("decode_error")).as_py() or 0)
-        if num_bad:
-            action = "skipped" if data_cfg.on_decode_error == "skip" else "replaced with U+FFFD"
-            log(f"data: {num_bad} documents had non-UTF-8 bytes: {action}")
-        keep = pc.greater(pc.utf8_length(ds.data.column("text")), 0).to_numpy(zero_copy_only=False)
-        if not keep.all():
-            ds = ds.select(np.flatnonzero(keep))
-        ds = ds.remove_columns("decode_error")
-    if len(ds) == 0:
-        raise DataError(
-            f"data.source = {data_cfg.source!r} has no text: every document is empty"
-            + (" or was skipped for non-UTF-8 bytes (data.on_decode_error=skip)" if num_bad else "")
-            + "; point data.source at files with text"
-        )
-    return ds, num_bad
-
-
-def load_documents(data_cfg: DataConfig, log: Log = print):
-    """The corpus as a ``datasets.Dataset`` with one column "text": one row per document, in a fixed order.
-
-    ``stdlib``: one document per standard-library .py file. A local text file is one document, a jsonl
-    line or parquet row is one document. Empty (whitespace-only) documents are dropped.
-    """
-    return _load_documents(data_cfg, _resolve_corpus(data_cfg), log)[0]
-
-
-# --------------------------------------------------------------------------------------------------
-# Train / val split by document
-
-
-def _split_hashes(docs) -> np.ndarray:
-    """uint64 per document: the first 8 bytes of sha1(text)."""
-    hashes = np.empty(len(docs), dtype=np.uint64)
-    i = 0
-    for batch in docs.iter(batch_size=1000):
-        for text in batch["text"]:
-            hashes[i] = int.from_bytes(hashlib.sha1(text.encode("utf-8")).digest()[:8], "big")
-            i += 1
-    return hashes
-
-
-def _val_mask(hashes: np.ndarray, val_fraction: float) -> np.ndarray:
-    """True for validation documents; see the module docstring for the rules."""
-    is_val = hashes < np.uint64(min(int(val_fraction * 2**64), 2**64 - 1))
-    if len(hashes) >= 2:
-        if not is_val.any():
-            is_val[np.argmin(hashes)] = True
-        if is_val.all():
-            is_val[np.argmax(hashes)] = False
-    else:
-        is_val[:] = False  # a single document is split inside its token stream
-    return is_val
 
 
 # --------------------------------------------------------------------------------------------------
@@ -662,22 +215,6 @@ def _load_saved_tokenizer(path: Path):
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(str(path))
-
-
-class _Documents:
-    """The documents and their split, loaded on first use (a cache hit never needs them)."""
-
-    def __init__(self, data_cfg: DataConfig, corpus: _Corpus, log: Log):
-        self.data_cfg, self.corpus, self.log = data_cfg, corpus, log
-        self._loaded = None
-
-    def get(self):
-        """(docs, is_val, num_decode_errors)."""
-        if self._loaded is None:
-            docs, num_bad = _load_documents(self.data_cfg, self.corpus, self.log)
-            is_val = _val_mask(_split_hashes(docs), self.data_cfg.val_fraction)
-            self._loaded = (docs, is_val, num_bad)
-        return self._loaded
 
 
 def _get_tokenizer(data_cfg: DataConfig, corpus: _Corpus, documents: _Documents, log: Log):
