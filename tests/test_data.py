@@ -16,9 +16,11 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import pytest  # noqa: E402
 
-from pretrain import data as data_mod  # noqa: E402
 from pretrain.config import DataConfig  # noqa: E402
+from pretrain.data import cache as data_cache  # noqa: E402
 from pretrain.data import load_documents, prepare_data  # noqa: E402
+from pretrain.data import sources as data_sources  # noqa: E402
+from pretrain.data import split as data_split  # noqa: E402
 from pretrain.errors import DataError  # noqa: E402
 
 WORDS = (
@@ -100,7 +102,7 @@ def test_val_split_is_by_document_disjoint_and_independent_of_file_names_and_ord
 
     def val_texts(cfg):
         documents = load_documents(cfg, log=lambda _: None)
-        mask = data_mod._val_mask(data_mod._split_hashes(documents), cfg.val_fraction)
+        mask = data_split._val_mask(data_split._split_hashes(documents), cfg.val_fraction)
         pairs = list(zip(documents["text"], mask, strict=True))
         return {t for t, v in pairs if v}, {t for t, v in pairs if not v}
 
@@ -189,9 +191,9 @@ def test_publish_tolerates_losing_the_race(tmp_path):
     target = tmp_path / "packed" / "key"
     target.mkdir(parents=True)
     (target / "train.npy").write_text("winner")
-    mine = data_mod._make_tmp_dir(target.parent, "key")
+    mine = data_cache._make_tmp_dir(target.parent, "key")
     (mine / "train.npy").write_text("loser")
-    assert data_mod._publish(mine, target) is False
+    assert data_cache._publish(mine, target) is False
     assert not mine.exists() and (target / "train.npy").read_text() == "winner"
 
 
@@ -269,7 +271,7 @@ def test_non_utf8_documents_are_replaced_or_skipped_and_counted(tmp_path, policy
 
 
 def test_stdlib_corpus_is_the_standard_library_without_tests(tmp_path):
-    files = data_mod._stdlib_files()
+    files = data_sources._stdlib_files()
     assert files == sorted(files) and len(files) > 300
     assert all(f.suffix == ".py" for f in files)
     assert not any(set(f.parts) & {"site-packages", "dist-packages", "test", "tests", "idle_test"} for f in files)

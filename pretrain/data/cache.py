@@ -1,0 +1,51 @@
+"""The cache: where it is, the keys of its entries, and entries published atomically.
+
+Each entry is a directory named by a hash of everything that determines its content, written under a
+temporary name and renamed into place (see ``_publish``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pretrain.config import DataConfig
+
+# Bump a version when the code that produces the corresponding cache changes its output.
+DOCUMENTS_VERSION = 1
+TOKENIZER_VERSION = 1
+PACKED_VERSION = 1
+
+
+def cache_root(data_cfg: DataConfig) -> Path:
+    """Where tokenizers and packed data are cached: data.cache_dir, $PRETRAIN_CACHE_DIR or ~/.cache/pretrain."""
+    root = data_cfg.cache_dir or os.environ.get("PRETRAIN_CACHE_DIR") or "~/.cache/pretrain"
+    return Path(root).expanduser().absolute()
+
+
+def _hash(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _publish(tmp_dir: Path, target: Path) -> bool:
+    """Rename a finished temporary directory into place. False if another process got there first."""
+    try:
+        os.rename(tmp_dir, target)
+        return True
+    except OSError:
+        if not target.is_dir():
+            raise
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        return False
+
+
+def _make_tmp_dir(parent: Path, name: str) -> Path:
+    parent.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=parent))
+    path.chmod(0o755)  # mkdtemp makes it private; a cache may be shared by the users of a machine
+    return path

@@ -1,0 +1,121 @@
+"""Which corpus ``data.source`` names (local files, the ``stdlib`` corpus or an ``hf:`` dataset) and its
+fingerprint, taken from (path, size, mtime_ns) without reading the files."""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+from pretrain.config import DataConfig
+from pretrain.data.cache import DOCUMENTS_VERSION, _hash
+from pretrain.errors import DataError
+
+TEXT_SUFFIXES = (".txt", ".md")
+JSONL_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet",)
+STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+
+
+@dataclass(frozen=True)
+class _Corpus:
+    kind: str  # "stdlib", "local" or "hf"
+    files: tuple[tuple[str, str], ...]  # (path, format) in sorted path order; empty for hf
+    key: str  # hash of everything that determines the documents
+    description: str
+
+
+def _stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in STDLIB_EXCLUDED_DIRS]
+        files += [Path(dirpath) / f for f in filenames if f.endswith(".py")]
+    return sorted(files)
+
+
+def _suffixes_for(fmt: str) -> tuple[str, ...]:
+    return {
+        "auto": TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES,
+        "text": TEXT_SUFFIXES,
+        "jsonl": JSONL_SUFFIXES,
+        "parquet": PARQUET_SUFFIXES,
+    }[fmt]
+
+
+def _file_format(path: Path, fmt: str) -> str:
+    if fmt != "auto":
+        return fmt
+    suffix = path.suffix.lower()
+    if suffix in JSONL_SUFFIXES:
+        return "jsonl"
+    if suffix in PARQUET_SUFFIXES:
+        return "parquet"
+    return "text"
+
+
+def _local_files(data_cfg: DataConfig) -> list[Path]:
+    source = data_cfg.source
+    path = Path(source).expanduser()
+    suffixes = _suffixes_for(data_cfg.format)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(
+            p
+            for p in path.rglob("*")
+            if p.is_file()
+            and p.suffix.lower() in suffixes
+            and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )
+        if not files:
+            raise DataError(
+                f"data.source = {source!r}: the directory has no {' / '.join(suffixes)} files "
+                f"(data.format = {data_cfg.format}); point data.source at a directory, file or glob of text, "
+                "jsonl or parquet files"
+            )
+        return files
+    if glob.has_magic(source):
+        files = sorted(Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True) if Path(p).is_file())
+        if not files:
+            raise DataError(
+                f"data.source = {source!r}: the glob matches no files; check the pattern (use ** for "
+                "subdirectories) or give a file or directory"
+            )
+        return files
+    raise DataError(
+        f"data.source = {source!r}: no such file or directory (looked in {Path.cwd()}); give an existing file, "
+        "directory or glob of .txt / .md / .jsonl / .parquet files, `stdlib` for the built-in corpus, "
+        "or `hf:NAME` for a Hugging Face dataset"
+    )
+
+
+def _resolve_corpus(data_cfg: DataConfig) -> _Corpus:
+    """Find the corpus and fingerprint it without reading it (stat only)."""
+    source = data_cfg.source
+    common = {
+        "version": DOCUMENTS_VERSION,
+        "text_field": data_cfg.text_field,
+        "on_decode_error": data_cfg.on_decode_error,
+    }
+    if source.startswith("hf:"):
+        name = source[3:]
+        if not name:
+            raise DataError("data.source = 'hf:' names no dataset; write it like hf:roneneldan/TinyStories")
+        key = _hash({**common, "hf": name, "config": data_cfg.hf_config, "split": data_cfg.hf_split})
+        return _Corpus("hf", (), key, f"hf:{name} (config {data_cfg.hf_config}, split {data_cfg.hf_split})")
+    if source == "stdlib":
+        kind, paths, fmt = "stdlib", _stdlib_files(), "text"
+        description = f"Python {sys.version_info.major}.{sys.version_info.minor} standard library"
+    else:
+        kind, paths, fmt = "local", _local_files(data_cfg), data_cfg.format
+        description = source
+    files = tuple((str(p.absolute()), _file_format(p, fmt)) for p in paths)
+    stats = []
+    for path, file_fmt in files:
+        st = os.stat(path)
+        stats.append((path, file_fmt, st.st_size, st.st_mtime_ns))
+    return _Corpus(kind, files, _hash({**common, "files": stats}), description)
