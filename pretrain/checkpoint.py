@@ -21,9 +21,14 @@ from accelerate import Accelerator
 
 from pretrain.config import CheckpointConfig
 from pretrain.errors import ConfigError
-
-STATE_FILE = "trainer_state.json"
-LATEST_FILE = "latest"
+from pretrain.rundir import (
+    CHECKPOINTS_DIR,
+    LATEST_FILE,
+    STATE_FILE,
+    complete_checkpoints,
+    latest_checkpoint,
+    read_state,
+)
 
 # Recipe keys whose change makes a checkpoint unusable: the weights' shapes or the sample stream differ.
 # Anything else (horizon, lr, precision, kernels, logging) may change on resume, with a logged warning.
@@ -54,17 +59,10 @@ def _diff(old: Any, new: Any, prefix: str = "") -> list[str]:
     return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
 
 
-def read_state(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads((path / STATE_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
 class Checkpointer:
     def __init__(self, accelerator: Accelerator, output_dir: Path, cfg: CheckpointConfig, log=print):
         self.accelerator = accelerator
-        self.dir = Path(output_dir) / "checkpoints"
+        self.dir = Path(output_dir) / CHECKPOINTS_DIR
         self.cfg = cfg
         self.log = log
 
@@ -74,23 +72,10 @@ class Checkpointer:
 
     # ---- finding a checkpoint -------------------------------------------------------------------
     def complete_checkpoints(self) -> list[tuple[int, Path]]:
-        """(step, path) of every complete checkpoint, oldest first, by the step recorded inside."""
-        found = []
-        if self.dir.is_dir():
-            for path in self.dir.iterdir():
-                state = read_state(path) if path.is_dir() and not path.name.startswith(".") else None
-                if state is not None:
-                    found.append((int(state["step"]), path))
-        return sorted(found)
+        return complete_checkpoints(self.dir.parent)
 
     def latest(self) -> Path | None:
-        pointer = self.dir / LATEST_FILE
-        if pointer.is_file():
-            path = self.dir / pointer.read_text().strip()
-            if read_state(path) is not None:
-                return path
-        complete = self.complete_checkpoints()
-        return complete[-1][1] if complete else None
+        return latest_checkpoint(self.dir.parent)
 
     def resume_path(self) -> Path | None:
         """The checkpoint to resume from according to checkpoint.resume, or None to start fresh."""

@@ -18,6 +18,7 @@ from typing import Any
 from accelerate.tracking import GeneralTracker, TensorBoardTracker, WandBTracker, on_main_process
 
 from pretrain.config import Recipe
+from pretrain.rundir import METRICS_FILE, RUN_CONFIG_FILE, read_metrics
 
 
 def flatten(values: dict[str, Any], prefix: str = "", sep: str = "/") -> dict[str, Any]:
@@ -47,8 +48,8 @@ class JSONLTracker(GeneralTracker):
 
     def __init__(self, output_dir: str | os.PathLike, resume_step: int | None = None):
         super().__init__()
-        self.path = Path(output_dir) / "metrics.jsonl"
-        self.config_path = Path(output_dir) / "run_config.json"
+        self.path = Path(output_dir) / METRICS_FILE
+        self.config_path = Path(output_dir) / RUN_CONFIG_FILE
         self.resume_step = resume_step
         self._file = None
 
@@ -57,9 +58,9 @@ class JSONLTracker(GeneralTracker):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
             keep_until = self.resume_step if self.resume_step is not None else -1
-            kept = [line for line in self.path.read_text().splitlines() if _line_step(line) <= keep_until]
+            kept = [r for r in read_metrics(self.path.parent) if r["step"] <= keep_until]
             tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
             os.replace(tmp, self.path)
         # Line-buffered: a killed run keeps every line it logged.
         self._file = open(self.path, "a", buffering=1, encoding="utf-8")
@@ -84,13 +85,6 @@ class JSONLTracker(GeneralTracker):
         if self._file is not None:
             self._file.close()
             self._file = None
-
-
-def _line_step(line: str) -> float:
-    try:
-        return json.loads(line).get("step", float("inf"))
-    except (json.JSONDecodeError, AttributeError):
-        return float("inf")  # a torn last line from a killed run is dropped
 
 
 def wandb_key_configured() -> bool:

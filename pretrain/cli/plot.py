@@ -10,10 +10,10 @@ out (MFU on a device with no known peak, for instance).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
+from pretrain import rundir
 from pretrain.errors import EXIT_USAGE, ConfigError
 
 # (panel title, y label, [(metric key, legend label)], scale applied to values)
@@ -30,28 +30,14 @@ PANELS = (
 
 
 def read_metrics(path: Path) -> dict[str, tuple[list[int], list[float]]]:
-    """metric key -> (steps, values), in file order, from a metrics.jsonl.
+    """metric key -> (steps, values), in file order, from a metrics.jsonl (read by ``pretrain.rundir``).
 
-    A last line cut off mid-write (a run killed while logging) is skipped; any other line that is not a
-    JSON object is an error. Where steps go backwards (a resumed run that re-logged steps), the later
-    values replace the earlier ones.
+    Where steps go backwards (a resumed run that re-logged steps), the later values replace the earlier ones.
     """
     if not path.is_file():
         raise ConfigError(f"{path} does not exist; pass a run directory that holds metrics.jsonl")
-    lines = path.read_text(encoding="utf-8").splitlines()
     series: dict[str, tuple[list[int], list[float]]] = {}
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if number == len(lines):
-                print(f"warning: {path}:{number}: skipping a partly written last line", file=sys.stderr)
-                continue
-            raise ConfigError(f"{path}:{number} is not JSON ({exc.msg}); the file is damaged") from None
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise ConfigError(f"{path}:{number}: expected a JSON object with an integer 'step'")
+    for record in rundir.read_metrics(path.parent):
         step = record["step"]
         for key, value in record.items():
             if key in ("step", "time") or not isinstance(value, (int, float)) or isinstance(value, bool):

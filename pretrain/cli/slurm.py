@@ -30,6 +30,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from pretrain import rundir
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import RUN_PY, accelerate_command, read_accelerate_config, shell_join
 
@@ -395,33 +396,20 @@ def run_status(run_dir: Path) -> str:
 
 
 def latest_checkpoint(run_dir: Path) -> str:
-    checkpoints = run_dir / "checkpoints"
-    pointer = checkpoints / "latest"
-    if not pointer.is_file():
+    path = rundir.latest_checkpoint(run_dir)
+    if path is None:
         return "none yet"
-    path = checkpoints / pointer.read_text().strip()
-    try:
-        state = json.loads((path / "trainer_state.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return f"{path} (incomplete)"
+    state = rundir.read_state(path)
     return f"{path} (step {state['step']}/{state.get('num_steps', '?')}, {state.get('tokens_seen', 0):,} tokens)"
 
 
 def last_logged_step(run_dir: Path) -> str:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
+    if not (run_dir / rundir.METRICS_FILE).is_file():
         return "nothing logged yet"
-    last = None
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if "train/loss" in record:
-            last = record
-    if last is None:
+    train = [record for record in rundir.read_metrics(run_dir) if "train/loss" in record]
+    if not train:
         return "no training step logged yet"
-    return f"{last['step']} (train/loss {last['train/loss']:.4f})"
+    return f"{train[-1]['step']} (train/loss {train[-1]['train/loss']:.4f})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pretrain import rundir
 from pretrain.batching import neighbouring_multiples
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import accelerate_command
@@ -136,10 +137,10 @@ def run_process(command: list[str], log_prefix: Path, timeout_s: float | None) -
 
 def read_run(run_dir: Path, mbs: int, world: int) -> dict[str, float | int]:
     """Medians of the measured steps and the peak memory of one finished run. Raises ValueError."""
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / rundir.METRICS_FILE
     if not path.is_file():
         raise ValueError(f"{path} was not written")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = rundir.read_metrics(run_dir)
     train = [r for r in records if "train/loss" in r]
     perf = [r for r in train if "perf/tokens_per_s" in r]
     if not perf:
