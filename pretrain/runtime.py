@@ -80,6 +80,13 @@ def deepspeed_plugin(recipe: Recipe, plan: BatchPlan, launch: Launch, lr: float)
 def build_accelerator(recipe: Recipe, plan: BatchPlan, launch: Launch, output_dir: Path, trackers: list,
                       lr: float) -> Runtime:
     check_precision(recipe, launch)
+    if launch.engine == "fsdp" and not torch.cuda.is_available():
+        # accelerate turns an FSDP launch without GPUs into plain data parallelism (MULTI_CPU), which would
+        # then be logged and estimated as FSDP.
+        raise ConfigError(
+            "the accelerate config asks for FSDP, which accelerate runs on GPUs only (on CPU it would silently "
+            "become plain DDP); on this machine use accelerate_configs/cpu_ddp.yaml or a DeepSpeed ZeRO config"
+        )
     if not torch.cuda.is_available():
         # DeepSpeed (imported by accelerate for ZeRO and state gathering) would otherwise probe for
         # accelerators and warn on every CPU run.

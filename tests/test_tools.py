@@ -11,7 +11,8 @@ import matplotlib.image
 import pytest
 
 from pretrain.cli import sweep as sweep_batch_size
-from pretrain.cli.sweep import MBSResult, analyse, nearest_multiples
+from pretrain.sweep import MBSResult, analyse, nearest_multiples
+from pretrain.sweep import runner as sweep_runner
 from tests.helpers import TINY, check_ok, run_cmd
 
 SWEEP = ["-m", "pretrain.cli.sweep"]
@@ -102,7 +103,7 @@ def fake_entry_point(monkeypatch):
         values = dict(o.split("=", 1) for o in overrides)
         return [sys.executable, "-c", FAKE_RUN, values["batch.micro_batch_size"], values["output_dir"]]
 
-    monkeypatch.setattr(sweep_batch_size, "launch_command", command)
+    monkeypatch.setattr(sweep_runner, "launch_command", command)
     monkeypatch.setenv("FAKE_OOM_AT", "0")
     monkeypatch.setenv("FAKE_FAIL_AT", "0")
     return monkeypatch
@@ -211,9 +212,9 @@ def test_repeated_runs_report_the_fastest_run_and_the_largest_peak():
     for tps, peak in ((50.0, 2.5), (120.0, 1.9)):
         again = MBSResult(4, "ok", tokens_per_s=tps)
         again.runs = [{"tokens_per_s": tps, "tokens_per_s_per_device": tps, "step_time_s": 100 / tps, "peak_gib": peak}]
-        sweep_batch_size.add_run(first, again)
+        sweep_runner.add_run(first, again)
     assert (first.tokens_per_s, first.step_time_s, first.peak_gib) == (120.0, 100 / 120, 2.5)
-    sweep_batch_size.add_run(first, MBSResult(4, "oom", detail="out of memory"))
+    sweep_runner.add_run(first, MBSResult(4, "oom", detail="out of memory"))
     assert len(first.runs) == 3 and first.status == "ok" and "a repeat run oom" in first.detail
 
 

@@ -1,0 +1,42 @@
+"""The command line: ``pretrain <command> ...`` (also ``python -m pretrain``), one module per command.
+
+Each command is also installed as its own script (``pretrain-launch``, ``pretrain-estimate``, ...).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command -> (module with a main(argv) function, one line of help)
+COMMANDS = {
+    "train": ("pretrain.run", "train in this process (under accelerate launch: in each process)"),
+    "launch": ("pretrain.cli.launch", "check a launch, then start accelerate launch"),
+    "prepare-data": ("pretrain.cli.prepare_data", "tokenize and pack a recipe's data into the cache"),
+    "estimate": ("pretrain.cli.estimate", "estimate memory per device for a recipe and a layout"),
+    "plan": ("pretrain.cli.plan", "rank the layouts that fit a recipe on N GPUs"),
+    "sweep": ("pretrain.cli.sweep", "measure tokens/s and memory over micro batch sizes"),
+    "plot": ("pretrain.cli.plot", "plot a run's metrics.jsonl"),
+    "slurm": ("pretrain.cli.slurm", "submit to SLURM with preemption-safe auto-resume; show a run's jobs"),
+    "bench": ("pretrain.cli.bench", "time the training loop against a minimal accelerate loop"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "usage: pretrain <command> [options]\n\ncommands:\n" + "\n".join(lines) + (
+        "\n\n`pretrain <command> --help` describes each command.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"error: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    sys.argv[0] = f"pretrain {name}"
+    return importlib.import_module(COMMANDS[name][0]).main(rest)
