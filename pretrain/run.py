@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pretrain.cli import add_recipe_arguments
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import Launch
 
@@ -20,7 +21,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Pretrain a language model from a recipe YAML.",
         epilog="Overrides: trailing key.path=value pairs, e.g. train.max_steps=40 optim.lr=1e-3 output_dir=/tmp/run1",
     )
-    parser.add_argument("--recipe", required=True, help="recipe YAML, e.g. recipes/tiny.yaml")
+    add_recipe_arguments(parser, "recipes/tiny.yaml")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
     mode.add_argument(
@@ -28,7 +29,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="resolve recipe and batch plan, build the model on the meta device, print the plan and exit",
     )
-    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="recipe overrides")
     return parser.parse_args(argv)
 
 

@@ -5,6 +5,7 @@ Each command is also installed as its own script (``pretrain-launch``, ``pretrai
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 
@@ -40,3 +41,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sys.argv[0] = f"pretrain {name}"
     return importlib.import_module(COMMANDS[name][0]).main(rest)
+
+
+def add_recipe_arguments(parser, example: str = "recipes/tiny.yaml", overrides_example: str = "train.max_steps=40"):
+    """--recipe R and the trailing key.path=value overrides, as every command that reads a recipe takes them."""
+    parser.add_argument("--recipe", required=True, help=f"recipe YAML, e.g. {example}")
+    parser.add_argument("overrides", nargs="*", metavar="key.path=value",
+                        help=f"recipe overrides (values are YAML), e.g. {overrides_example}")
+
+
+def recipe_parser(prog: str, description: str, example: str = "recipes/tiny.yaml",
+                  overrides_example: str = "train.max_steps=40") -> argparse.ArgumentParser:
+    """A command's parser that starts with --recipe and the overrides."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     epilog=f"Overrides: trailing key.path=value pairs applied to the recipe, "
+                                     f"e.g. {overrides_example}")
+    add_recipe_arguments(parser, example, overrides_example)
+    return parser

@@ -1,6 +1,6 @@
 """How much does the toolkit's training step cost over a hand-written accelerate loop?
 
-    python tools/bench_loop.py --recipe recipes/tiny.yaml [--steps 10] [--repeats 5] [key.path=value ...]
+    pretrain-bench --recipe recipes/tiny.yaml [--steps 10] [--repeats 5] [key.path=value ...]
 
 One process builds ``Trainer(recipe)`` and then times, on the same prepared model, optimizer, scheduler,
 DataLoader and device, blocks of N optimizer steps of
@@ -21,13 +21,13 @@ DataLoader, so data loading is inside both timings. Logging, evaluation and chec
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import tempfile
 import time
 
+from pretrain.cli import recipe_parser
 from pretrain.errors import EXIT_USAGE, ConfigError
 
 GOAL_RATIO = 0.97
@@ -131,22 +131,16 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="bench_loop",
-        description="Time Trainer.train_step against a minimal accelerate loop on the same model and data "
-        "(one process).",
-        epilog="Overrides: trailing key.path=value pairs applied to the recipe, e.g. batch.micro_batch_size=8",
-    )
-    parser.add_argument("--recipe", required=True, help="recipe YAML, e.g. recipes/tiny.yaml")
+    parser = recipe_parser("pretrain-bench", "Time Trainer.train_step against a minimal accelerate loop on the same "
+                           "model and data (one process).", overrides_example="batch.micro_batch_size=8")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per timed block (default 10)")
     parser.add_argument("--repeats", type=int, default=5, help="timed block pairs (default 5)")
-    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="recipe overrides")
     args = parser.parse_intermixed_args(argv)
     try:
         if args.steps < 1 or args.repeats < 1:
             raise ConfigError(f"--steps and --repeats must be >= 1, got {args.steps} and {args.repeats}")
         if int(os.environ.get("WORLD_SIZE", "1")) != 1:
-            raise ConfigError("bench_loop runs in one process: start it with python, not accelerate launch")
+            raise ConfigError("pretrain-bench runs in one process: start it with python, not accelerate launch")
         with tempfile.TemporaryDirectory(prefix="bench_loop-") as output_dir:
             rows = run(args.recipe, args.overrides, args.steps, args.repeats, output_dir)
     except ConfigError as exc:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pretrain import memory
+from pretrain.cli import add_recipe_arguments
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import Launch, accelerate_command, shell_join
 
@@ -250,8 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Feasible layouts (ZeRO stage, offload, activation checkpointing, MBS, GAS) for a recipe on a "
         "cluster, ranked by expected throughput; writes the best as an accelerate config.",
     )
-    parser.add_argument("--recipe", required=True, help="recipe YAML, e.g. recipes/7b.yaml")
-    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="recipe overrides")
+    add_recipe_arguments(parser, "recipes/7b.yaml")
     parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     parser.add_argument("--gpu", default=memory.DEFAULT_GPU, help=f"GPU name (default {memory.DEFAULT_GPU})")
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{recipe.name}: {best.estimate.num_params:,} parameters, GBS {best.estimate.workload.global_batch_size} x seq "
           f"{recipe.data.seq_len:,}, {recipe.precision.dtype}, on {args.nodes} x {args.gpus_per_node} {gpu.name} "
           f"({gpu.memory_gib:.1f} GiB)")
-    print(f"{len(ranked)} of {considered} layouts fit; best first (relative step-time model, see tools/plan.py):")
+    print(f"{len(ranked)} of {considered} layouts fit; best first (relative step-time model, see pretrain/cli/plan.py):")
     for i, c in enumerate(ranked[: args.top]):
         print(f"{i + 1:>3}. {c.describe()}")
     print(f"\nwrote {output}")

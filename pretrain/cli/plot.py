@@ -1,6 +1,6 @@
 """Plot a run's metrics.jsonl: loss (train and validation), learning rate, throughput, MFU and memory.
 
-    python tools/plot_run.py runs/tiny [--out runs/tiny/metrics.png]
+    pretrain-plot runs/tiny [--out runs/tiny/metrics.png]
 
 Each line of metrics.jsonl is one logged step: {"step": 10, "train/loss": 3.2, ...}; validation is logged
 on lines of its own and any key may be missing from a line. A panel whose metrics never appear is left

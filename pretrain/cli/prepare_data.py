@@ -1,6 +1,6 @@
 """Tokenize and pack a recipe's data ahead of training, and show what it holds.
 
-    python tools/prepare_data.py --recipe recipes/tiny.yaml [key.path=value ...]
+    pretrain-prepare-data --recipe recipes/tiny.yaml [key.path=value ...]
 
 The result is cached exactly where training looks for it (see pretrain/data.py), so a run started
 afterwards loads it in well under a second.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pretrain.cli import add_recipe_arguments
 from pretrain.config import load_recipe
 from pretrain.errors import EXIT_USAGE, ConfigError
 
@@ -45,10 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="prepare_data",
         description="Tokenize and pack a recipe's data into the cache that training reads.",
     )
-    parser.add_argument("--recipe", required=True, help="recipe YAML, e.g. recipes/tiny.yaml")
-    parser.add_argument(
-        "overrides", nargs="*", metavar="key.path=value", help="recipe overrides, e.g. data.seq_len=128"
-    )
+    add_recipe_arguments(parser, "recipes/tiny.yaml")
     args = parser.parse_args(argv)
     try:
         recipe = load_recipe(args.recipe, args.overrides)

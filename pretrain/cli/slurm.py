@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pretrain import rundir
+from pretrain.cli import add_recipe_arguments
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import RUN_PY, accelerate_command, read_accelerate_config, shell_join
 
@@ -73,8 +74,7 @@ class Job:
 
 # ---- command line ---------------------------------------------------------------------------------
 def add_submit_arguments(submit: argparse.ArgumentParser) -> None:
-    submit.add_argument("--recipe", required=True, help="recipe YAML, e.g. recipes/7b.yaml")
-    submit.add_argument("overrides", nargs="*", metavar="key.path=value", help="recipe overrides")
+    add_recipe_arguments(submit, "recipes/7b.yaml")
     submit.add_argument("--accelerate-config", required=True,
                         help="accelerate config, e.g. accelerate_configs/zero3.yaml (its num_machines / "
                         "num_processes / machine_rank / main_process_* are replaced for the job)")
@@ -239,7 +239,7 @@ def node_command(job: Job) -> str:
 def render_script(job: Job, python: str = sys.executable) -> str:
     lines = [
         "#!/bin/bash",
-        "# Written by pretrain-slurm submit (tools/slurm.py). Submit again with: sbatch <this file>",
+        "# Written by pretrain-slurm submit (pretrain/cli/slurm.py). Submit again with: sbatch <this file>",
         f"#SBATCH --job-name={job.job_name}",
         f"#SBATCH --nodes={job.num_nodes}",
         "#SBATCH --ntasks-per-node=1",

@@ -27,6 +27,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from pretrain.cli import recipe_parser
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.sweep import SCALING_THRESHOLD, MBSResult, analyse, format_table, measure, plot, repeat_rounds
 from pretrain.sweep.analysis import fmt
@@ -34,13 +35,9 @@ from pretrain.sweep.runner import accelerate_args, sweep_overrides
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="sweep_batch_size",
-        description="Measure tokens/s, time per step and peak memory for MBS = 1, 2, 4, ... at GAS 1, "
-        "and recommend an MBS (the tuning playbook's batch-size sweep).",
-        epilog="Overrides: trailing key.path=value pairs applied to the recipe, e.g. model.num_layers=2",
-    )
-    parser.add_argument("--recipe", required=True, help="recipe YAML, e.g. recipes/tiny.yaml")
+    parser = recipe_parser("pretrain-sweep", "Measure tokens/s, time per step and peak memory for MBS = 1, 2, 4, "
+                           "... at GAS 1, and recommend an MBS (the tuning playbook's batch-size sweep).",
+                           overrides_example="model.num_layers=2")
     parser.add_argument("--accelerate-config",
                         help="accelerate config YAML; none = one process (python pretrain/run.py)")
     parser.add_argument("--num-processes", type=int, help="override the accelerate config's num_processes")
@@ -54,7 +51,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "fit, interleaved, and each MBS reports its fastest run (default 1)")
     parser.add_argument("--timeout-s", type=float, help="kill a run that takes longer than this (default: no limit)")
     parser.add_argument("--out", help="output directory (default <recipe output_dir>/sweep)")
-    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="recipe overrides")
     return parser.parse_intermixed_args(argv)
 
 

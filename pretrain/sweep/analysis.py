@@ -44,14 +44,7 @@ def analyse(results: list[MBSResult], global_batch_size: int, world: int) -> dic
     if dividing:
         pick = dividing[0]
         gas = per_rank // pick.mbs
-        analysis["recommendation"] = {
-            "micro_batch_size": pick.mbs,
-            "gradient_accumulation_steps": gas,
-            "global_batch_size": global_batch_size,
-            "tokens_per_s": pick.tokens_per_s,
-            "fraction_of_best": pick.tokens_per_s / best,
-            "divides_global_batch_size": True,
-        }
+        analysis["recommendation"] = _recommendation(pick, best, global_batch_size, gas)
         analysis["message"] = (
             f"recommended: MBS {pick.mbs} ({pick.tokens_per_s:,.0f} tokens/s, {pick.tokens_per_s / best:.0%} of the "
             f"best) with GAS {gas} for the recipe's GBS {global_batch_size} = {pick.mbs} x {gas} x world {world}: "
@@ -61,15 +54,8 @@ def analyse(results: list[MBSResult], global_batch_size: int, world: int) -> dic
     pick = near_best[0]
     suggested = nearest_multiples(global_batch_size, pick.mbs * world)
     fallback = [r for r in usable if per_rank is not None and per_rank % r.mbs == 0]
-    analysis["recommendation"] = {
-        "micro_batch_size": pick.mbs,
-        "gradient_accumulation_steps": None,
-        "global_batch_size": global_batch_size,
-        "tokens_per_s": pick.tokens_per_s,
-        "fraction_of_best": pick.tokens_per_s / best,
-        "divides_global_batch_size": False,
-        "suggested_global_batch_sizes": suggested,
-    }
+    analysis["recommendation"] = {**_recommendation(pick, best, global_batch_size, None),
+                                  "suggested_global_batch_sizes": suggested}
     gbs_options = " or ".join(f"{g} (GAS {g // (pick.mbs * world)})" for g in suggested)
     message = (
         f"no MBS reaching {NEAR_BEST:.0%} of the best tokens/s divides the recipe's GBS {global_batch_size} / world "
@@ -82,6 +68,18 @@ def analyse(results: list[MBSResult], global_batch_size: int, world: int) -> dic
                     f"{alt.tokens_per_s / best:.0%} of the best)")
     analysis["message"] = message
     return analysis
+
+
+def _recommendation(pick: MBSResult, best: float, global_batch_size: int, gas: int | None) -> dict:
+    """The recommended MBS; ``gas`` None when no near-best MBS divides the recipe's GBS on this world."""
+    return {
+        "micro_batch_size": pick.mbs,
+        "gradient_accumulation_steps": gas,
+        "global_batch_size": global_batch_size,
+        "tokens_per_s": pick.tokens_per_s,
+        "fraction_of_best": pick.tokens_per_s / best,
+        "divides_global_batch_size": gas is not None,
+    }
 
 
 def fmt(value: float | None, spec: str) -> str:
