@@ -21,6 +21,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pretrain.errors import ConfigError
 
 
+def positive_or_null(description: str):
+    """A field that is null (meaning: a default stated in the description) or a positive number."""
+    return Field(None, gt=0, description=description)
+
+
 class Section(BaseModel):
     """Base of every recipe section: unknown keys are errors and a loaded recipe is immutable."""
 
@@ -36,22 +41,20 @@ class ModelConfig(Section):
     hidden_size: int = Field(256, gt=0, description="Model width d_model (features).")
     num_layers: int = Field(4, gt=0, description="Number of transformer blocks.")
     num_heads: int = Field(4, gt=0, description="Number of attention (query) heads.")
-    num_kv_heads: int | None = Field(
-        None, gt=0, description="Number of key/value heads (GQA); null = num_heads (multi-head attention)."
+    num_kv_heads: int | None = positive_or_null(
+        "Number of key/value heads (GQA); null = num_heads (multi-head attention)."
     )
-    intermediate_size: int | None = Field(
-        None, gt=0, description="MLP hidden width (features); null = the architecture's default (gpt2: 4 x hidden)."
+    intermediate_size: int | None = positive_or_null(
+        "MLP hidden width (features); null = the architecture's default (gpt2: 4 x hidden)."
     )
-    vocab_size: int | None = Field(
-        None,
-        gt=0,
-        description="Embedding rows (tokens); null = the tokenizer's vocabulary rounded up to a multiple of 64.",
+    vocab_size: int | None = positive_or_null(
+        "Embedding rows (tokens); null = the tokenizer's vocabulary rounded up to a multiple of 64."
     )
-    max_position_embeddings: int | None = Field(
-        None, gt=0, description="Longest sequence the positions support (tokens); null = data.seq_len."
+    max_position_embeddings: int | None = positive_or_null(
+        "Longest sequence the positions support (tokens); null = data.seq_len."
     )
-    rope_theta: float | None = Field(None, gt=0, description="RoPE base; null = the architecture's default.")
-    norm_eps: float | None = Field(None, gt=0, description="Epsilon of the normalisation layers; null = default.")
+    rope_theta: float | None = positive_or_null("RoPE base; null = the architecture's default.")
+    norm_eps: float | None = positive_or_null("Epsilon of the normalisation layers; null = default.")
     init_std: float = Field(0.02, gt=0, description="Standard deviation of the normal weight init.")
     tie_embeddings: bool = Field(False, description="Share the input embedding and LM-head weights.")
     activation_checkpointing: bool = Field(
@@ -116,12 +119,8 @@ class DataConfig(Section):
         "false carries them into the next epoch's first batch.",
     )
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
-    prefetch_factor: int | None = Field(
-        None, gt=0, description="Batches prefetched per DataLoader worker (needs num_workers > 0)."
-    )
-    num_proc: int | None = Field(
-        None, gt=0, description="Processes for tokenization (`datasets.map`); null = min(CPU cores, 8)."
-    )
+    prefetch_factor: int | None = positive_or_null("Batches prefetched per DataLoader worker (needs num_workers > 0).")
+    num_proc: int | None = positive_or_null("Processes for tokenization (`datasets.map`); null = min(CPU cores, 8).")
     cache_dir: str | None = Field(
         None,
         description="Where tokenizers and tokenized data are cached; null = $PRETRAIN_CACHE_DIR or "
@@ -144,17 +143,13 @@ class DataConfig(Section):
 
 
 class BatchConfig(Section):
-    global_batch_size: int | None = Field(
-        None, gt=0, description="GBS: sequences per optimizer step across all processes."
+    global_batch_size: int | None = positive_or_null("GBS: sequences per optimizer step across all processes.")
+    micro_batch_size: int | None = positive_or_null("MBS: sequences per process per forward/backward.")
+    gradient_accumulation_steps: int | None = positive_or_null(
+        "GAS: micro-batches per optimizer step; GBS = MBS x GAS x world."
     )
-    micro_batch_size: int | None = Field(
-        None, gt=0, description="MBS: sequences per process per forward/backward."
-    )
-    gradient_accumulation_steps: int | None = Field(
-        None, gt=0, description="GAS: micro-batches per optimizer step; GBS = MBS x GAS x world."
-    )
-    local_batch_size: int | None = Field(
-        None, gt=0, description="Sequences per process per optimizer step with GAS = 1; GBS = world x local."
+    local_batch_size: int | None = positive_or_null(
+        "Sequences per process per optimizer step with GAS = 1; GBS = world x local."
     )
 
     @model_validator(mode="after")
@@ -203,8 +198,8 @@ class OptimConfig(Section):
         "none",
         description="Rescale lr when GBS differs from reference_global_batch_size: lr x (GBS/ref) or x sqrt(GBS/ref).",
     )
-    reference_global_batch_size: int | None = Field(
-        None, gt=0, description="The GBS that `lr` was tuned for (needed by lr_scaling)."
+    reference_global_batch_size: int | None = positive_or_null(
+        "The GBS that `lr` was tuned for (needed by lr_scaling)."
     )
 
     @model_validator(mode="after")
@@ -256,10 +251,8 @@ class PrecisionConfig(Section):
 
 
 class TrainConfig(Section):
-    max_steps: int | None = Field(None, gt=0, description="Training horizon in optimizer steps.")
-    max_tokens: int | None = Field(
-        None, gt=0, description="Training horizon in tokens; steps = ceil(max_tokens / tokens per step)."
-    )
+    max_steps: int | None = positive_or_null("Training horizon in optimizer steps.")
+    max_tokens: int | None = positive_or_null("Training horizon in tokens; steps = ceil(max_tokens / tokens per step).")
     eval_every_steps: int = Field(0, ge=0, description="Evaluate every N optimizer steps; 0 = only at start and end.")
     eval_batches: int = Field(
         0, ge=0, description="Validation global batches (GBS sequences each) per evaluation; 0 = the whole split."
@@ -312,11 +305,9 @@ class LoggingConfig(Section):
 
 
 class RuntimeConfig(Section):
-    peak_tflops: float | None = Field(
-        None,
-        gt=0,
-        description="Peak dense TFLOP/s of one device in the training dtype, for MFU; null = the built-in table "
-        "by GPU name (an unknown GPU gets no MFU), or measured at start-up on CPU.",
+    peak_tflops: float | None = positive_or_null(
+        "Peak dense TFLOP/s of one device in the training dtype, for MFU; null = the built-in table "
+        "by GPU name (an unknown GPU gets no MFU), or measured at start-up on CPU."
     )
     throughput_warmup_steps: int = Field(
         1, ge=0, description="Optimizer steps after each start or resume left out of throughput and MFU (warm-up, compile)."
@@ -336,17 +327,17 @@ class DeepSpeedSection(Section):
         None, description="dtype of gradient all-reduce / reduce-scatter; null = DeepSpeed's default (the compute dtype)."
     )
     prescale_gradients: bool = Field(False, description="Divide gradients by the world size before the all-reduce.")
-    reduce_bucket_size: int | None = Field(None, gt=0, description="ZeRO reduce bucket (elements); null = DeepSpeed's 5e8.")
-    allgather_bucket_size: int | None = Field(
-        None, gt=0, description="ZeRO-1/2 all-gather bucket (elements); null = DeepSpeed's 5e8."
+    reduce_bucket_size: int | None = positive_or_null("ZeRO reduce bucket (elements); null = DeepSpeed's 5e8.")
+    allgather_bucket_size: int | None = positive_or_null(
+        "ZeRO-1/2 all-gather bucket (elements); null = DeepSpeed's 5e8."
     )
     overlap_comm: bool | None = Field(None, description="Overlap gradient reduction with backward; null = default.")
     contiguous_gradients: bool | None = Field(None, description="Copy gradients into a contiguous buffer; null = default.")
-    stage3_prefetch_bucket_size: int | None = Field(None, gt=0, description="ZeRO-3 parameter prefetch (elements).")
+    stage3_prefetch_bucket_size: int | None = positive_or_null("ZeRO-3 parameter prefetch (elements).")
     stage3_param_persistence_threshold: int | None = Field(
         None, ge=0, description="ZeRO-3: parameters smaller than this (elements) stay unpartitioned."
     )
-    stage3_max_live_parameters: int | None = Field(None, gt=0, description="ZeRO-3: parameters resident at once (elements).")
+    stage3_max_live_parameters: int | None = positive_or_null("ZeRO-3: parameters resident at once (elements).")
     steps_per_print: int = Field(0, ge=0, description="DeepSpeed's own progress print every N steps; 0 = never.")
     wall_clock_breakdown: bool = Field(False, description="DeepSpeed's forward/backward/step timing breakdown.")
     dump_state: bool = Field(False, description="Print DeepSpeed's state after initialisation.")
