@@ -84,3 +84,40 @@ def test_a_good_launch_runs_through_accelerate(tmp_path):
     check_ok(proc)
     assert "launch: " in proc.stdout and "world size 2" in proc.stdout
     assert sorted(train_losses(out)) == [1, 2]
+
+
+# ---- the Launch value: the same whether read from the accelerate config or from the processes' environment
+
+
+def accelerate_environment(config_file, *options: str) -> dict[str, str]:
+    """What `accelerate launch --config_file F <options> run.py` exports to each process (rank 0), built by
+    accelerate's own launcher code, plus what torchrun adds (WORLD_SIZE, GROUP_WORLD_SIZE, RANK)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(config_file), *options, "run.py"])
+    args, defaults, mp_from_config = _validate_launch_command(args)
+    if args.use_deepspeed:
+        fields = list(defaults.deepspeed_config) if defaults else []  # as accelerate's launch_command sets it
+        args.deepspeed_fields_from_accelerate_config = ",".join(fields + ["mixed_precision"] * mp_from_config)
+        environment = prepare_deepspeed_cmd_env(args)[1]
+    elif args.num_processes > 1 or args.use_fsdp:
+        environment = prepare_multi_gpu_env(args)
+    else:
+        environment = {"ACCELERATE_MIXED_PRECISION": str(args.mixed_precision)}
+    environment = {k: v for k, v in environment.items() if k.startswith(("ACCELERATE_", "FSDP_"))}
+    return {**environment, "WORLD_SIZE": str(args.num_processes), "GROUP_WORLD_SIZE": str(args.num_machines),
+            "RANK": "0"}
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_launch_read_from_the_config_equals_the_launch_the_processes_read(config, monkeypatch):
+    from pretrain.launch import Launch
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    path = CONFIGS / config
+    before = Launch.from_accelerate_config(path)
+    assert Launch.from_env(accelerate_environment(path)) == before
+    assert before.engine == {"fsdp.yaml": "fsdp"}.get(config, "deepspeed" if "zero" in config else "ddp")
+    options = ["--num_processes", "4", "--num_machines", "2"]
+    assert Launch.from_env(accelerate_environment(path, *options)) == Launch.from_accelerate_config(path, options)

@@ -21,7 +21,6 @@ DataLoader, so data loading is inside both timings. Logging, evaluation and chec
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import time
 
 from pretrain.cli import recipe_parser
 from pretrain.errors import EXIT_USAGE, ConfigError
+from pretrain.launch import Launch
 
 GOAL_RATIO = 0.97
 
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.steps < 1 or args.repeats < 1:
             raise ConfigError(f"--steps and --repeats must be >= 1, got {args.steps} and {args.repeats}")
-        if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        if Launch.from_env().world_size != 1:
             raise ConfigError("pretrain-bench runs in one process: start it with python, not accelerate launch")
         with tempfile.TemporaryDirectory(prefix="bench_loop-") as output_dir:
             rows = run(args.recipe, args.overrides, args.steps, args.repeats, output_dir)
