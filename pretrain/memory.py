@@ -36,6 +36,7 @@ from typing import Any
 
 from pretrain.errors import ConfigError
 from pretrain.launch import Launch, check_offload
+from pretrain.shape import COUNTED_ARCHS, ModelShape
 
 GIB = 2**30
 MIB = 2**20
@@ -121,217 +122,13 @@ def custom_gpu(memory_gib: float, like: GpuSpec | None = None) -> GpuSpec:
 
 
 # --------------------------------------------------------------------------------------------------
-# The model's shape
+# The model's shape (pretrain.shape) as the activation formulas see it
 
 
-_LLAMA_FAMILY = ("llama", "mistral", "qwen2")
-_KNOWN_ARCHS = (*_LLAMA_FAMILY, "gpt2")
 _TANH_GELU_EAGER = {"gelu_new", "gelu_fast", "gelu_python_tanh"}
 """Activations that transformers computes op by op (tanh approximation): they save 3 more tensors."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """Everything the arithmetic needs about the architecture (transformers' defaults filled in)."""
-
-    arch: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    max_positions: int
-    tie_embeddings: bool
-    hidden_act: str
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    resid_dropout: float = 0.0
-    embd_dropout: float = 0.0
-    attn_dropout: float = 0.0
-
-    @property
-    def family(self) -> str:
-        return "gpt2" if self.arch == "gpt2" else "llama"
-
-    # ---- construction
-
-    @classmethod
-    def from_model_config(cls, model, vocab_size: int, seq_len: int) -> ModelShape:
-        """From the recipe's ``model`` section, with transformers' defaults for what it leaves null.
-
-        Mirrors ``pretrain.model.hf_config`` without importing transformers (seconds of import time):
-        the test suite checks the two agree on every shipped recipe.
-        """
-        arch = model.arch
-        if arch not in _KNOWN_ARCHS:
-            raise ConfigError(
-                f"model.arch = {arch!r}: the memory estimator has formulas for {', '.join(_KNOWN_ARCHS)}"
-            )
-        over = dict(model.config_overrides)
-        heads = over.get("num_attention_heads", model.num_heads)
-        d = over.get("hidden_size", model.hidden_size)
-        if arch == "gpt2":
-            return cls(
-                arch=arch,
-                vocab_size=vocab_size,
-                hidden_size=over.get("n_embd", d),
-                num_layers=over.get("n_layer", model.num_layers),
-                num_heads=over.get("n_head", heads),
-                num_kv_heads=over.get("n_head", heads),
-                head_dim=over.get("n_embd", d) // over.get("n_head", heads),
-                intermediate_size=over.get("n_inner", model.intermediate_size) or 4 * over.get("n_embd", d),
-                max_positions=over.get("n_positions", model.max_position_embeddings or seq_len),
-                tie_embeddings=over.get("tie_word_embeddings", model.tie_embeddings),
-                hidden_act=over.get("activation_function", "gelu_new"),
-                qkv_bias=True,
-                o_bias=True,
-                mlp_bias=True,
-                resid_dropout=over.get("resid_pdrop", 0.1),
-                embd_dropout=over.get("embd_pdrop", 0.1),
-                attn_dropout=over.get("attn_pdrop", 0.1),
-            )
-        if model.intermediate_size is None and "intermediate_size" not in over:
-            raise ConfigError(f"model.intermediate_size is required for arch {arch} (the SwiGLU MLP width)")
-        attention_bias = over.get("attention_bias", False)
-        return cls(
-            arch=arch,
-            vocab_size=vocab_size,
-            hidden_size=d,
-            num_layers=over.get("num_hidden_layers", model.num_layers),
-            num_heads=heads,
-            num_kv_heads=over.get("num_key_value_heads", model.num_kv_heads or heads),
-            head_dim=over.get("head_dim") or d // heads,
-            intermediate_size=over.get("intermediate_size", model.intermediate_size),
-            max_positions=over.get("max_position_embeddings", model.max_position_embeddings or seq_len),
-            tie_embeddings=over.get("tie_word_embeddings", model.tie_embeddings),
-            hidden_act=over.get("hidden_act", "silu"),
-            qkv_bias=attention_bias or arch == "qwen2",
-            o_bias=attention_bias,
-            mlp_bias=over.get("mlp_bias", False),
-            attn_dropout=over.get("attention_dropout", 0.0),
-        )
-
-    @classmethod
-    def from_hf_config(cls, config: dict[str, Any], source: str = "the model config") -> ModelShape:
-        """From a transformers ``config.json`` (a dict), without transformers."""
-        arch = config.get("model_type")
-        if arch not in _KNOWN_ARCHS:
-            raise ConfigError(
-                f"{source}: model_type = {arch!r}; the memory estimator has formulas for {', '.join(_KNOWN_ARCHS)}"
-            )
-
-        def need(*names):
-            for name in names:
-                if config.get(name) is not None:
-                    return config[name]
-            raise ConfigError(f"{source}: missing {' / '.join(names)}")
-
-        if arch == "gpt2":
-            d, heads = need("n_embd", "hidden_size"), need("n_head", "num_attention_heads")
-            return cls(
-                arch=arch,
-                vocab_size=need("vocab_size"),
-                hidden_size=d,
-                num_layers=need("n_layer", "num_hidden_layers"),
-                num_heads=heads,
-                num_kv_heads=heads,
-                head_dim=d // heads,
-                intermediate_size=config.get("n_inner") or 4 * d,
-                max_positions=need("n_positions", "max_position_embeddings"),
-                tie_embeddings=config.get("tie_word_embeddings", True),
-                hidden_act=config.get("activation_function", "gelu_new"),
-                qkv_bias=True,
-                o_bias=True,
-                mlp_bias=True,
-                resid_dropout=config.get("resid_pdrop", 0.1),
-                embd_dropout=config.get("embd_pdrop", 0.1),
-                attn_dropout=config.get("attn_pdrop", 0.1),
-            )
-        d, heads = need("hidden_size"), need("num_attention_heads")
-        attention_bias = config.get("attention_bias", False)
-        return cls(
-            arch=arch,
-            vocab_size=need("vocab_size"),
-            hidden_size=d,
-            num_layers=need("num_hidden_layers"),
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or d // heads,
-            intermediate_size=need("intermediate_size"),
-            max_positions=config.get("max_position_embeddings") or 0,
-            tie_embeddings=config.get("tie_word_embeddings", False),
-            hidden_act=config.get("hidden_act", "silu"),
-            qkv_bias=attention_bias or arch == "qwen2",
-            o_bias=attention_bias,
-            mlp_bias=config.get("mlp_bias", False),
-            attn_dropout=config.get("attention_dropout", 0.0),
-        )
-
-    # ---- parameters
-
-    def block_param_sizes(self) -> list[int]:
-        """Element counts of one transformer block's parameter tensors."""
-        d, f = self.hidden_size, self.intermediate_size
-        if self.family == "gpt2":
-            return [d, d, 3 * d * d, 3 * d, d * d, d, d, d, d * f, f, f * d, d]
-        q, k = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        sizes = [d, d * q, d * k, d * k, q * d, d, d * f, d * f, f * d]
-        if self.qkv_bias:
-            sizes += [q, k, k]
-        if self.o_bias:
-            sizes.append(d)
-        if self.mlp_bias:
-            sizes += [f, f, d]
-        return sizes
-
-    def param_sizes(self) -> list[int]:
-        """Element counts of every parameter tensor (a tied LM head counts once)."""
-        V, d = self.vocab_size, self.hidden_size
-        sizes = [V * d]
-        if self.family == "gpt2":
-            sizes.append(self.max_positions * d)
-        sizes += self.block_param_sizes() * self.num_layers
-        sizes += [d, d] if self.family == "gpt2" else [d]
-        if not self.tie_embeddings:
-            sizes.append(V * d)
-        return sizes
-
-    @property
-    def num_params(self) -> int:
-        return sum(self.param_sizes())
-
-    @property
-    def block_params(self) -> int:
-        return sum(self.block_param_sizes())
-
-    def formula(self) -> str:
-        V, d, L, f = self.vocab_size, self.hidden_size, self.num_layers, self.intermediate_size
-        head = "" if self.tie_embeddings else f" + LM head {V:,} x {d:,}"
-        if self.family == "gpt2":
-            return (
-                f"embeddings {V:,} x {d:,} + positions {self.max_positions:,} x {d:,} + {L} blocks x "
-                f"{self.block_params:,} (qkv, proj, MLP {d:,} -> {f:,}, 2 LayerNorms, biases) + final LayerNorm{head}"
-            )
-        return (
-            f"embeddings {V:,} x {d:,} + {L} blocks x {self.block_params:,} (q {d:,} x {self.num_heads * self.head_dim:,}, "
-            f"k/v {d:,} x {self.num_kv_heads * self.head_dim:,}, o, SwiGLU 3 x {d:,} x {f:,}, 2 RMSNorms) + final "
-            f"RMSNorm{head}"
-        )
-
-
-def resolve_vocab(model, data) -> int:
-    """Embedding rows: ``model.vocab_size``, or a trained ``bpe`` tokenizer's size rounded up to 64."""
-    if model.vocab_size is not None:
-        return model.vocab_size
-    if data.tokenizer == "bpe":
-        return -(-data.tokenizer_vocab_size // 64) * 64
-    raise ConfigError(
-        f"model.vocab_size is null and the tokenizer ({data.tokenizer}) is not loaded by the estimator; "
-        "pass model.vocab_size=N (the embedding rows) as an override"
-    )
+ESTIMATED_ARCHS = COUNTED_ARCHS
+"""Block layouts the activation formulas follow (Llama-style and GPT-2)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -785,6 +582,10 @@ def estimate_shape(shape: ModelShape, workload: Workload, layout: Launch, *,
                    device: str = "cuda") -> MemoryEstimate:
     """The per-device estimate for a model shape (the core; ``estimate`` wraps it for a recipe)."""
     check_offload(layout)
+    if shape.arch not in ESTIMATED_ARCHS:
+        raise ConfigError(
+            f"model type {shape.arch!r}: the memory estimator has formulas for {', '.join(ESTIMATED_ARCHS)}"
+        )
     if layout.engine == "fsdp":
         raise ConfigError(
             "distributed_type FSDP is not modelled by the estimator (it models DDP and DeepSpeed); "
@@ -1009,7 +810,7 @@ def estimate(recipe, plan, layout: Launch, *, gpu: GpuSpec | None = None, buffer
             f"the batch plan is for {plan.world_size} processes but the layout has {layout.world_size} "
             f"({layout.num_nodes} x {layout.gpus_per_node})"
         )
-    shape = ModelShape.from_model_config(recipe.model, resolve_vocab(recipe.model, recipe.data), plan.seq_len)
+    shape = ModelShape.from_recipe(recipe, plan.seq_len)
     return estimate_shape(
         shape, Workload.from_recipe(recipe, plan), layout,
         buffers=buffers or DeepSpeedBuffers.from_recipe(recipe), gpu=gpu, device=device,

@@ -1,27 +1,10 @@
 """What a run's throughput means: FLOPs per token, the device's peak FLOP/s, MFU, and memory.
 
-Pure arithmetic on a transformers config plus two small probes of the running process (a CPU matmul
-benchmark and memory counters). Nothing here touches torch.distributed: each process reports its own
-device and the caller reduces.
-
-FLOPs convention (the one ARCHITECTURE.md documents and every run logs as ``FlopsPerToken.convention``):
-
-    model FLOPs per token = 6 x N + 12 x L x H x head_dim x seq_len
-
-N is the number of weights that take part in a matmul: attention q/k/v/o, the MLP matrices and the LM
-head (counted whether or not it is tied to the input embedding, because it is a real V x d matmul per
-token). The input embedding and position tables are lookups, not matmuls, and are excluded. Biases and
-norm weights are excluded too: they cost ~2 FLOPs per parameter per token instead of 6, are well under
-1% of the total, and ``torch.utils.flop_counter.FlopCounterMode`` (the test's reference) does not count
-them either. The 12 L H hd s term is QK^T and AV over the full s x s score matrix (forward 4 L H hd s,
-backward twice that), as in PaLM's MFU definition; causal kernels that skip the masked half do not
-lower it. ``model_flops`` is what MFU uses. ``hardware_flops`` adds what activation checkpointing
-recomputes: a measure of how busy the device is, not of useful work. That is one more forward of every
-decoder block (not of the LM head), less the block's last matmul, the MLP down projection, whose output
-backward never needs: PyTorch's non-reentrant checkpoint stops recomputing once it has every tensor
-backward saved (``torch.utils.checkpoint.set_checkpoint_early_stop``, on by default). A dropout or a
-norm after the down projection (GPT-2's resid_pdrop, GPT-NeoX's hidden_dropout, OLMo-2's post-norm)
-saves that output, and then it is recomputed too.
+FLOPs per token are the shape's (``pretrain.shape``, which documents the convention every run logs as
+``FlopsPerToken.convention``); they are re-exported here for the trainer. The rest is the device side: the
+peak FLOP/s from the hardware table or a CPU benchmark, MFU, and two small probes of the running process
+(memory counters). Nothing here touches torch.distributed: each process reports its own device and the
+caller reduces.
 """
 
 from __future__ import annotations
@@ -35,98 +18,13 @@ from typing import Literal
 
 import torch
 
-from pretrain.errors import ConfigError
+from pretrain.shape import CONVENTION, FlopsPerToken, flops_per_token
+
+__all__ = ["CONVENTION", "FlopsPerToken", "PEAK_TFLOPS", "Peak", "flops_per_token", "match_device",
+           "measure_cpu_peak_tflops", "memory_metrics", "mfu", "normalize_dtype", "peak_rss_gib", "resolve_peak",
+           "rss_gib"]
 
 GIB = 2**30
-
-# ---- FLOPs per token ------------------------------------------------------------------------------
-
-CONVENTION = (
-    "model FLOPs/token = 6 x N + 12 x L x H x head_dim x seq_len; N = matmul weights (attention, MLP, "
-    "LM head whether tied or not; no embedding lookup, position table, bias or norm); attention counted "
-    "over the full seq_len x seq_len scores; training = forward + backward = 3 x forward"
-)
-
-# The model_types whose matmul shapes _shape knows, each checked against FlopCounterMode in
-# tests/test_metrics.py (phi3 by hand: its tiny test configs need a 32k vocabulary). Gated MLPs (SwiGLU /
-# GeGLU) have three d x f matrices (phi3 fuses gate and up into one d x 2f, the same count), with
-# separate q/k/v projections that grouped-query attention narrows; plain MLPs have two, and a fused
-# d x 3d qkv projection (no GQA).
-_GATED_MLP_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo", "olmo2", "phi3")
-_PLAIN_MLP_ARCHS = ("gpt2", "gpt_neox")
-
-
-@dataclass(frozen=True)
-class FlopsPerToken:
-    """Training FLOPs (forward + backward) per token of one sequence of ``seq_len`` tokens."""
-
-    model_flops: float
-    """6 N + 12 L H hd s: the work the model needs; MFU's numerator."""
-    hardware_flops: float
-    """model_flops plus the forward that activation checkpointing recomputes (equal without it)."""
-    num_params_non_embedding: int
-    """N: weights of every matmul, LM head included (tied or not); no embeddings, biases or norms."""
-    convention: str = CONVENTION
-
-
-@dataclass(frozen=True)
-class _Shape:
-    num_layers: int
-    num_heads: int
-    head_dim: int
-    block_matmul_params: int  # per decoder block
-    down_proj_params: int  # the block's last matmul (MLP f x d)
-    down_proj_recomputed: bool  # does checkpointing's recompute reach it (see the module docstring)
-    lm_head_params: int
-
-
-def _shape(hf_cfg) -> _Shape:
-    """The matmul shapes of a transformers config (GPT-2's n_embd/n_layer/n_head resolve through its
-    attribute_map to hidden_size/num_hidden_layers/num_attention_heads)."""
-    arch = hf_cfg.model_type
-    d, L, H = hf_cfg.hidden_size, hf_cfg.num_hidden_layers, hf_cfg.num_attention_heads
-    V = hf_cfg.vocab_size
-    if arch in _GATED_MLP_ARCHS:
-        head_dim = getattr(hf_cfg, "head_dim", None) or d // H
-        kv_heads = getattr(hf_cfg, "num_key_value_heads", None) or H
-        q, kv = H * head_dim, kv_heads * head_dim
-        attention = d * q + 2 * d * kv + q * d  # q, k, v, o: GQA shrinks k and v only
-        f = hf_cfg.intermediate_size
-        mlp = 3 * d * f
-        # OLMo-2's post-feedforward norm, or phi3's MLP dropout, saves the output
-        down_proj_recomputed = arch == "olmo2" or getattr(hf_cfg, "resid_pdrop", 0.0) > 0
-    elif arch in _PLAIN_MLP_ARCHS:
-        head_dim = d // H
-        f = (hf_cfg.n_inner if arch == "gpt2" else hf_cfg.intermediate_size) or 4 * d
-        attention = 4 * d * d  # fused qkv (d x 3d) and output (d x d)
-        mlp = 2 * d * f
-        dropout = hf_cfg.resid_pdrop if arch == "gpt2" else hf_cfg.hidden_dropout
-        down_proj_recomputed = dropout > 0  # a dropout after it saves the output
-    else:
-        known = ", ".join((*_GATED_MLP_ARCHS, *_PLAIN_MLP_ARCHS))
-        raise ConfigError(
-            f"no FLOPs formula for model.arch = {arch} (so no MFU); formulas exist for {known}. "
-            "Train without MFU or add the architecture's matmul shapes to pretrain/metrics.py"
-        )
-    return _Shape(L, H, head_dim, attention + mlp, f * d, down_proj_recomputed, V * d)
-
-
-def flops_per_token(hf_cfg, seq_len: int, *, activation_checkpointing: bool = False) -> FlopsPerToken:
-    """Training FLOPs per token from a transformers config alone (no weights needed).
-
-    ``activation_checkpointing``: every decoder block is checkpointed (transformers'
-    ``activation_checkpointing_enable()`` with ``use_reentrant=False``); only ``hardware_flops`` changes.
-    """
-    s = _shape(hf_cfg)
-    num_params = s.num_layers * s.block_matmul_params + s.lm_head_params
-    attention_forward = 4 * s.num_layers * s.num_heads * s.head_dim * seq_len  # QK^T and AV, per token
-    model = 6 * num_params + 3 * attention_forward
-    recomputed = 0
-    if activation_checkpointing:
-        recomputed_params = s.block_matmul_params - (0 if s.down_proj_recomputed else s.down_proj_params)
-        recomputed = 2 * s.num_layers * recomputed_params + attention_forward
-    return FlopsPerToken(float(model), float(model + recomputed), num_params)
-
 
 # ---- Peak FLOP/s --------------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from pretrain.cli import plan
 from pretrain.config import ModelConfig, load_recipe
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import Launch
+from pretrain.shape import ModelShape, recipe_vocab_size
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -31,10 +32,8 @@ R70B = str(ROOT / "recipes" / "70b.yaml")
 LLAMA2_7B = 6_738_415_616
 
 
-def shape_of(path) -> memory.ModelShape:
-    recipe = load_recipe(path)
-    return memory.ModelShape.from_model_config(recipe.model, memory.resolve_vocab(recipe.model, recipe.data),
-                                               recipe.data.seq_len)
+def shape_of(path) -> ModelShape:
+    return ModelShape.from_recipe(load_recipe(path))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -47,7 +46,7 @@ def test_parameter_count_exact_for_every_recipe(path):
     from pretrain.model import build_model, count_parameters
 
     recipe = load_recipe(path)
-    vocab = memory.resolve_vocab(recipe.model, recipe.data)
+    vocab = recipe_vocab_size(recipe.model, recipe.data)
     model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=0, meta=True)
     assert shape_of(path).num_params == count_parameters(model)
 
@@ -61,11 +60,11 @@ def test_count_from_a_transformers_config_json(tmp_path):
     llama = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
              "num_key_value_heads": 32, "intermediate_size": 11008, "vocab_size": 32000,
              "max_position_embeddings": 4096, "tie_word_embeddings": False}
-    assert memory.ModelShape.from_hf_config(llama).num_params == LLAMA2_7B
+    assert ModelShape.from_hf_config(llama).num_params == LLAMA2_7B
     gpt2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
-    assert memory.ModelShape.from_hf_config(gpt2).num_params == 124_439_808  # GPT-2 small, tied head
+    assert ModelShape.from_hf_config(gpt2).num_params == 124_439_808  # GPT-2 small, tied head
     with pytest.raises(ConfigError, match="formulas for llama"):
-        memory.ModelShape.from_hf_config({"model_type": "t5"})
+        ModelShape.from_hf_config({"model_type": "t5"})
 
 
 def test_config_overrides_that_change_the_shape_are_followed():
@@ -74,7 +73,7 @@ def test_config_overrides_that_change_the_shape_are_followed():
     cfg = ModelConfig(arch="llama", hidden_size=128, num_layers=2, num_heads=4, intermediate_size=256, vocab_size=512,
                       config_overrides={"attention_bias": True, "mlp_bias": True, "head_dim": 64})
     model = build_model(cfg, 512, 64, seed=0, meta=True)
-    assert memory.ModelShape.from_model_config(cfg, 512, 64).num_params == count_parameters(model)
+    assert ModelShape.from_model_config(cfg, 512, 64).num_params == count_parameters(model)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -153,7 +152,7 @@ LLAMA_SMALL = ModelConfig(arch="llama", hidden_size=256, num_layers=4, num_heads
 
 
 def acts(cfg=LLAMA_SMALL, seq=512, mbs=1, attention="sdpa", ckpt=False, precision="bf16"):
-    shape = memory.ModelShape.from_model_config(cfg, 1000, seq)
+    shape = ModelShape.from_model_config(cfg, 1000, seq)
     return memory.activation_memory(shape, mbs, seq, precision, attention, ckpt)
 
 

@@ -7,7 +7,8 @@
     pretrain-estimate --model-config path/to/config.json --seq-len 4096 --num-gpus 8 --zero 3
 
 Without --zero or --accelerate-config the layout is PyTorch DDP (accelerate's MULTI_GPU). Arithmetic
-only: no weights are allocated and transformers is not imported (pretrain/memory.py has the formulas).
+only: no weights are allocated and transformers is not imported (pretrain/memory has the formulas,
+pretrain/shape.py the model's shape, pretrain/hardware.py the GPU table).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from pretrain import memory
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import Launch
+from pretrain.shape import ModelShape
 
 SWEEP_MAX_MBS = 128
 
@@ -159,8 +161,7 @@ class Problem:
                 raise ConfigError("--optimizer is for --model-config; with a recipe override optim.name=NAME")
             self.recipe = load_recipe(args.recipe, recipe_overrides(args))
             self.buffers = memory.DeepSpeedBuffers.from_recipe(self.recipe).overrides(args.ds)
-            vocab = memory.resolve_vocab(self.recipe.model, self.recipe.data)
-            self.shape = memory.ModelShape.from_model_config(self.recipe.model, vocab, self.recipe.data.seq_len)
+            self.shape = ModelShape.from_recipe(self.recipe)
         else:
             if args.overrides:
                 raise ConfigError(f"key.path=value overrides ({args.overrides[0]}) need --recipe")
@@ -168,7 +169,7 @@ class Problem:
                 raise ConfigError("--model-config needs --seq-len (tokens per sequence)")
             self.recipe = None
             self.buffers = memory.DeepSpeedBuffers().overrides(args.ds)
-            self.shape = memory.ModelShape.from_hf_config(*_read_hf_config(args.model_config))
+            self.shape = ModelShape.from_hf_config(*_read_hf_config(args.model_config))
 
     def workload(self, micro_batch_size: int | None, world_size: int) -> memory.Workload:
         args = self.args

@@ -41,6 +41,7 @@ from pathlib import Path
 from pretrain import memory
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import Launch, accelerate_command, shell_join
+from pretrain.shape import ModelShape
 
 BASE_MFU = 0.5
 MBS_HALF_RATE_TOKENS = 1024
@@ -122,7 +123,7 @@ def layouts(nodes: int, gpus: int) -> list[Launch]:
     return out
 
 
-def model_flops_per_token(shape: memory.ModelShape, seq_len: int) -> float:
+def model_flops_per_token(shape: ModelShape, seq_len: int) -> float:
     """ARCHITECTURE.md's convention: 6 x non-embedding parameters (LM head included) + 12 L h head_dim s."""
     embedding = shape.vocab_size * shape.hidden_size
     positions = shape.max_positions * shape.hidden_size if shape.family == "gpt2" else 0
@@ -161,9 +162,7 @@ def throughput(est: memory.MemoryEstimate, gpu: memory.GpuSpec) -> tuple[float, 
 def plan(recipe, nodes: int, gpus: int, gpu: memory.GpuSpec, buffers: memory.DeepSpeedBuffers | None = None,
          host_memory_gib: float = 1024.0):
     """(feasible candidates best first, number considered). Offload must also fit the host's memory."""
-    shape = memory.ModelShape.from_model_config(
-        recipe.model, memory.resolve_vocab(recipe.model, recipe.data), recipe.data.seq_len
-    )
+    shape = ModelShape.from_recipe(recipe)
     buffers = buffers or memory.DeepSpeedBuffers.from_recipe(recipe)
     world = nodes * gpus
     base = memory.Workload(
