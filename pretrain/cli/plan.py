@@ -10,9 +10,10 @@ command is printed.
 
 Step time = compute + exposed communication + offload traffic, per optimizer step, per GPU:
 
-- compute: model FLOPs per token (6 x non-embedding parameters + 12 x layers x heads x head_dim x seq,
-  x 4/3 with recompute) x tokens per GPU / (peak bf16 FLOP/s x 0.5 x T / (T + 1024)), where T = MBS x seq
-  tokens: a small micro-batch leaves the GPU under-used (the heuristic halves the rate at 1,024 tokens).
+- compute: FLOPs per token (pretrain/shape.py's convention, 6 x matmul weights + 12 x layers x heads x
+  head_dim x seq; with recompute its hardware FLOPs, which add the forward activation checkpointing
+  repeats) x tokens per GPU / (peak bf16 FLOP/s x 0.5 x T / (T + 1024)), where T = MBS x seq tokens: a
+  small micro-batch leaves the GPU under-used (the heuristic halves the rate at 1,024 tokens).
 - communication per GPU, ring algorithms ((N-1)/N of each volume): DDP and ZeRO-0/1 reduce the gradients
   once per optimizer step (2 x Ψ x bytes); ZeRO-2 reduce-scatters at every micro-step and all-gathers the
   parameters once (GAS + 1); ZeRO-3 all-gathers the parameters twice and reduce-scatters once per
@@ -93,7 +94,7 @@ class Candidate:
             f"{est.total_gib:.1f} GiB ({est.headroom_gib:.1f} free{', tight' if self.tight else ''}); "
             f"~{self.tokens_per_s:,.0f} tok/s/GPU: "
             f"compute {self.compute_s:.2f} s ({tokens:,} tokens/micro-batch -> {eff:.0%} of the efficient rate"
-            f"{', +1/3 recompute' if self.checkpointing else ''}) + comm {self.comm_s:.2f} s exposed "
+            f"{', + recompute' if self.checkpointing else ''}) + comm {self.comm_s:.2f} s exposed "
             f"({self.comm_volume:g} x Ψ per step){offload}"
         )
 
@@ -123,21 +124,13 @@ def layouts(nodes: int, gpus: int) -> list[Launch]:
     return out
 
 
-def model_flops_per_token(shape: ModelShape, seq_len: int) -> float:
-    """ARCHITECTURE.md's convention: 6 x non-embedding parameters (LM head included) + 12 L h head_dim s."""
-    embedding = shape.vocab_size * shape.hidden_size
-    positions = shape.max_positions * shape.hidden_size if shape.family == "gpt2" else 0
-    non_embedding = shape.num_params - embedding - positions + (embedding if shape.tie_embeddings else 0)
-    return 6 * non_embedding + 12 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len
-
-
 def throughput(est: memory.MemoryEstimate, gpu: memory.GpuSpec) -> tuple[float, float, float, float, float]:
     """(compute s, exposed comm s, comm volume in Ψ units, offload s, tokens/s per GPU) per optimizer step."""
     w, lay, shape = est.workload, est.layout, est.shape
     gas = w.grad_accum_steps or 1
     tokens = w.micro_batch_size * w.seq_len
     tokens_per_step = tokens * gas
-    flops = model_flops_per_token(shape, w.seq_len) * tokens_per_step * (4 / 3 if w.activation_checkpointing else 1)
+    flops = shape.flops_per_token(w.seq_len, w.activation_checkpointing).hardware_flops * tokens_per_step
     rate = gpu.bf16_tflops * 1e12 * BASE_MFU * tokens / (tokens + MBS_HALF_RATE_TOKENS)
     compute = flops / rate
     N = lay.world_size
@@ -302,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{recipe.name}: {best.estimate.num_params:,} parameters, GBS {best.estimate.workload.global_batch_size} x seq "
           f"{recipe.data.seq_len:,}, {recipe.precision.dtype}, on {args.nodes} x {args.gpus_per_node} {gpu.name} "
           f"({gpu.memory_gib:.1f} GiB)")
-    print(f"{len(ranked)} of {considered} layouts fit; best first (relative step-time model, see tools/plan.py):")
+    print(f"{len(ranked)} of {considered} layouts fit; best first (relative step-time model, see pretrain/cli/plan.py):")
     for i, c in enumerate(ranked[: args.top]):
         print(f"{i + 1:>3}. {c.describe()}")
     print(f"\nwrote {output}")
