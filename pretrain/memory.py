@@ -30,96 +30,21 @@ The estimate is for one data-parallel rank (no tensor or pipeline parallelism).
 
 from __future__ import annotations
 
-import difflib
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pretrain.errors import ConfigError
+from pretrain.hardware import GpuSpec, custom_gpu, find_gpu, gpu_for_device
 from pretrain.launch import Launch, check_offload
 from pretrain.shape import COUNTED_ARCHS, ModelShape
 
+__all__ = [
+    "CLASSIC_EXAMPLE", "GIB", "ActivationEstimate", "DeepSpeedBuffers", "GpuSpec", "MemoryEstimate", "Term", "Workload",
+    "activation_memory", "classic_example_gb", "custom_gpu", "estimate", "estimate_shape", "find_gpu",
+    "gpu_for_device", "optimizer_state_bytes",
+]
+
 GIB = 2**30
-MIB = 2**20
-
-# --------------------------------------------------------------------------------------------------
-# Devices
-
-
-@dataclass(frozen=True)
-class GpuSpec:
-    name: str
-    memory_mib: int
-    """Total memory as ``nvidia-smi`` reports it (MiB)."""
-    bf16_tflops: float
-    """Dense bf16/fp16 tensor-core peak (TFLOP/s); the planner's compute-time model only."""
-    intra_node_gb_s: float
-    """GPU-to-GPU bandwidth inside a node, one direction (GB/s): NVLink, or PCIe for PCIe cards."""
-    inter_node_gb_s: float = 25.0
-    """Network bandwidth per GPU between nodes (GB/s): 200 Gb/s InfiniBand per GPU unless stated."""
-
-    @property
-    def memory_gib(self) -> float:
-        return self.memory_mib / 1024
-
-
-GPUS: dict[str, GpuSpec] = {
-    g.name: g
-    for g in (
-        GpuSpec("T4-16GB", 15360, 65, 16),
-        GpuSpec("V100-16GB", 16160, 125, 150),
-        GpuSpec("V100-32GB", 32510, 125, 150),
-        GpuSpec("A10G-24GB", 23028, 70, 16),
-        GpuSpec("L4-24GB", 23034, 121, 16),
-        GpuSpec("RTX4090-24GB", 24564, 165, 16),
-        GpuSpec("RTXA6000-48GB", 49140, 155, 25),
-        GpuSpec("L40S-48GB", 46068, 362, 25),
-        GpuSpec("A100-40GB", 40960, 312, 300),
-        GpuSpec("A100-80GB", 81920, 312, 300),
-        GpuSpec("H100-80GB", 81559, 989, 450, 50),
-        GpuSpec("H100-94GB", 95830, 835, 300, 50),
-        GpuSpec("H200-141GB", 143771, 989, 450, 50),
-    )
-}
-DEFAULT_GPU = "H100-80GB"
-
-
-def _norm_name(name: str) -> str:
-    return "".join(ch for ch in name.lower() if ch.isalnum())
-
-
-def find_gpu(name: str) -> GpuSpec:
-    """The GPU called ``name`` (case, dashes and spaces ignored). Raises ConfigError listing the known ones."""
-    wanted = _norm_name(name)
-    for spec in GPUS.values():
-        if _norm_name(spec.name) == wanted:
-            return spec
-    near = difflib.get_close_matches(wanted, [_norm_name(n) for n in GPUS], n=1, cutoff=0.6)
-    hint = ""
-    if near:
-        hint = " (did you mean " + next(n for n in GPUS if _norm_name(n) == near[0]) + "?)"
-    raise ConfigError(
-        f"unknown GPU {name!r}{hint}; known GPUs: {', '.join(GPUS)}; or give the capacity with --gpu-memory-gib"
-    )
-
-
-def gpu_for_device(device_name: str, total_memory_bytes: int) -> GpuSpec:
-    """The capacity torch reports for the device in use (``torch.cuda.get_device_properties``), named after it;
-    throughput figures from the table's entry when the name matches one (for the trainer's log line)."""
-    like = None
-    wanted = _norm_name(device_name)
-    for spec in GPUS.values():
-        family = _norm_name(spec.name.split("-")[0])
-        if family in wanted and abs(spec.memory_mib * MIB - total_memory_bytes) < 0.1 * total_memory_bytes:
-            like = spec
-    return replace(like or GPUS[DEFAULT_GPU], name=device_name, memory_mib=total_memory_bytes // MIB)
-
-
-def custom_gpu(memory_gib: float, like: GpuSpec | None = None) -> GpuSpec:
-    if memory_gib <= 0:
-        raise ConfigError(f"--gpu-memory-gib must be > 0, got {memory_gib}")
-    base = like or GPUS[DEFAULT_GPU]
-    return replace(base, name=f"{memory_gib:g} GiB device", memory_mib=round(memory_gib * 1024))
-
 
 # --------------------------------------------------------------------------------------------------
 # The model's shape (pretrain.shape) as the activation formulas see it

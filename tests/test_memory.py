@@ -200,7 +200,7 @@ def test_trainer_helpers_layout_and_device():
     fsdp = Launch.from_env({"WORLD_SIZE": "2", "ACCELERATE_USE_FSDP": "true", "FSDP_RESHARD_AFTER_FORWARD": "false"})
     assert (fsdp.engine, fsdp.fsdp_sharding) == ("fsdp", "SHARD_GRAD_OP")
     h100 = memory.gpu_for_device("NVIDIA H100 80GB HBM3", 85_520_809_984)
-    assert h100.name == "NVIDIA H100 80GB HBM3" and h100.bf16_tflops == 989
+    assert h100.name == "NVIDIA H100 80GB HBM3" and h100.bf16_tflops == 989.5
     assert h100.memory_gib == pytest.approx(79.65, abs=0.01)
 
 

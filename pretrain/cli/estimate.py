@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from pretrain import memory
+from pretrain import hardware, memory
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import Launch
 from pretrain.shape import ModelShape
@@ -59,7 +59,7 @@ def build_parser(prog: str = "pretrain-estimate") -> argparse.ArgumentParser:
     run.add_argument("--attention", choices=("sdpa", "eager", "flash_attention_2"))
     run.add_argument("--optimizer", help="torch.optim name (with --model-config; default AdamW)")
     dev = parser.add_argument_group("device")
-    dev.add_argument("--gpu", help=f"GPU name (capacity from a table; default {memory.DEFAULT_GPU}); --list-gpus shows it")
+    dev.add_argument("--gpu", help=f"GPU name (capacity from a table; default {hardware.DEFAULT_GPU}); --list-gpus shows it")
     dev.add_argument("--gpu-memory-gib", type=float, help="device capacity in GiB instead of --gpu")
     dev.add_argument("--list-gpus", action="store_true", help="print the GPU table and exit")
     out = parser.add_argument_group("output")
@@ -73,11 +73,11 @@ def build_parser(prog: str = "pretrain-estimate") -> argparse.ArgumentParser:
 # From arguments to (shape, workload, layout, buffers, gpu)
 
 
-def resolve_gpu(args) -> memory.GpuSpec:
+def resolve_gpu(args) -> hardware.GpuSpec:
     if args.gpu_memory_gib is not None:
-        like = memory.find_gpu(args.gpu) if args.gpu else None
-        return memory.custom_gpu(args.gpu_memory_gib, like)
-    return memory.find_gpu(args.gpu or memory.DEFAULT_GPU)
+        like = hardware.find_gpu(args.gpu) if args.gpu else None
+        return hardware.custom_gpu(args.gpu_memory_gib, like)
+    return hardware.find_gpu(args.gpu or hardware.DEFAULT_GPU)
 
 
 def resolve_world(args, accelerate_config: str | None) -> tuple[int | None, int | None]:
@@ -258,8 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.list_gpus:
-            for spec in memory.GPUS.values():
-                print(f"{spec.name:<15}{spec.memory_gib:>8.1f} GiB   {spec.bf16_tflops:>5.0f} TFLOP/s bf16")
+            for spec in hardware.GPUS.values():
+                print(f"{spec.name:<15}{spec.memory_gib:>8.1f} GiB   {spec.bf16_tflops:>7.1f} TFLOP/s bf16 dense   "
+                      f"({spec.card})")
             return 0
         problem = Problem(args)
         if args.sweep:

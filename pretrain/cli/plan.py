@@ -39,7 +39,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretrain import memory
+from pretrain import hardware, memory
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import Launch, accelerate_command, shell_join
 from pretrain.shape import ModelShape
@@ -124,7 +124,7 @@ def layouts(nodes: int, gpus: int) -> list[Launch]:
     return out
 
 
-def throughput(est: memory.MemoryEstimate, gpu: memory.GpuSpec) -> tuple[float, float, float, float, float]:
+def throughput(est: memory.MemoryEstimate, gpu: hardware.GpuSpec) -> tuple[float, float, float, float, float]:
     """(compute s, exposed comm s, comm volume in Ψ units, offload s, tokens/s per GPU) per optimizer step."""
     w, lay, shape = est.workload, est.layout, est.shape
     gas = w.grad_accum_steps or 1
@@ -152,7 +152,7 @@ def throughput(est: memory.MemoryEstimate, gpu: memory.GpuSpec) -> tuple[float, 
     return compute, comm, volume, offload, tokens_per_step / (compute + comm + offload)
 
 
-def plan(recipe, nodes: int, gpus: int, gpu: memory.GpuSpec, buffers: memory.DeepSpeedBuffers | None = None,
+def plan(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: memory.DeepSpeedBuffers | None = None,
          host_memory_gib: float = 1024.0):
     """(feasible candidates best first, number considered). Offload must also fit the host's memory."""
     shape = ModelShape.from_recipe(recipe)
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="recipe overrides")
     parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    parser.add_argument("--gpu", default=memory.DEFAULT_GPU, help=f"GPU name (default {memory.DEFAULT_GPU})")
+    parser.add_argument("--gpu", default=hardware.DEFAULT_GPU, help=f"GPU name (default {hardware.DEFAULT_GPU})")
     parser.add_argument("--gpu-memory-gib", type=float, help="device capacity in GiB instead of the table's")
     parser.add_argument("--host-memory-gib", type=float, default=1024.0,
                         help="CPU memory per node available to offload (GiB, default 1024)")
@@ -259,9 +259,9 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.nodes < 1 or args.gpus_per_node < 1:
             raise ConfigError(f"--nodes ({args.nodes}) and --gpus-per-node ({args.gpus_per_node}) must be >= 1")
-        gpu = memory.find_gpu(args.gpu)
+        gpu = hardware.find_gpu(args.gpu)
         if args.gpu_memory_gib is not None:
-            gpu = memory.custom_gpu(args.gpu_memory_gib, gpu)
+            gpu = hardware.custom_gpu(args.gpu_memory_gib, gpu)
         recipe = load_recipe(args.recipe, args.overrides)
         ranked, considered = plan(recipe, args.nodes, args.gpus_per_node, gpu, host_memory_gib=args.host_memory_gib)
         if not ranked:
