@@ -120,6 +120,42 @@ def test_offload_moves_optimizer_states_to_the_host():
     assert both.terms["params"].bytes < states(3).terms["params"].bytes / 100
 
 
+def fsdp(sharding="FULL_SHARD", nodes=1, gas=1, offload="none"):
+    w = memory.Workload(precision="bf16", micro_batch_size=1, seq_len=4096, grad_accum_steps=gas)
+    return memory.estimate_shape(shape_of(R7B), w, Launch("fsdp", offload_params=offload, num_nodes=nodes,
+                                                          gpus_per_node=8, fsdp_sharding=sharding))
+
+
+def test_fsdp_shards_what_its_strategy_says():
+    P = LLAMA2_7B
+    full, grad_op, no_shard = fsdp(), fsdp("SHARD_GRAD_OP"), fsdp("NO_SHARD")
+    ddp = memory.estimate_shape(shape_of(R7B), memory.Workload(precision="bf16", seq_len=4096),
+                                Launch("ddp", gpus_per_node=8))
+    # FULL_SHARD: fp32 parameters, gradients and AdamW states / N, like ZeRO-3 (the shards are the master)
+    assert (full.terms["params"].bytes, full.terms["grads"].bytes, full.terms["optimizer"].bytes) == (
+        4 * P // 8, 4 * P // 8, 8 * P // 8)
+    # SHARD_GRAD_OP shards the same but keeps every unit gathered (bf16) from its forward to its backward
+    assert grad_op.terms["params"].bytes == full.terms["params"].bytes
+    assert grad_op.terms["comm"].bytes - full.terms["comm"].bytes > 1.8 * P
+    # NO_SHARD: DDP's fp32 states without the reducer's bucket copy or autocast's cache
+    assert no_shard.terms["params"].bytes == 4 * P and no_shard.terms["optimizer"].bytes == 8 * P
+    assert full.model_state_bytes < grad_op.model_state_bytes < no_shard.model_state_bytes < ddp.model_state_bytes
+    # HYBRID_SHARD on 2 nodes shards within a node: what FULL_SHARD keeps on 8 GPUs
+    assert fsdp("HYBRID_SHARD", nodes=2).model_state_bytes == full.model_state_bytes
+    assert fsdp(nodes=2).model_state_bytes < full.model_state_bytes
+
+
+def test_fsdp_accumulation_and_offload():
+    P = LLAMA2_7B
+    # accelerate's no_sync skips the reduce-scatter before the last micro-step: full bf16 gradients
+    accumulating = fsdp(gas=4)
+    assert accumulating.terms["grads"].bytes == 2 * P and "no_sync" in accumulating.terms["grads"].formula
+    offloaded = fsdp(offload="cpu")
+    assert offloaded.terms["params"].bytes == offloaded.terms["optimizer"].bytes == offloaded.terms["grads"].bytes == 0
+    assert offloaded.host_bytes_per_rank == (4 + 8 + 4) * P // 8
+    assert offloaded.terms["comm"].bytes == fsdp().terms["comm"].bytes  # the units are still gathered on the GPU
+
+
 def test_classic_7b_example():
     """'28 GB weights, 28 GB gradients, 84 GB optimizer states, 140 GB' counts 12 B/param of optimizer state."""
     quoted = memory.classic_example_gb(7e9, "fp32", state_bytes=12)
@@ -295,6 +331,19 @@ def test_cli_model_config_and_accelerate_config(capsys, tmp_path):
     assert (layout["zero_stage"], layout["world_size"]) == (3, 8)
 
 
+def test_cli_fsdp_from_the_shipped_accelerate_config(capsys):
+    code, out, err = run_cli(capsys, "--recipe", R7B, "--accelerate-config", str(CONFIGS / "fsdp.yaml"), "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert (data["layout"]["engine"], data["layout"]["fsdp_sharding"], data["layout"]["world_size"]) == (
+        "fsdp", "FULL_SHARD", 8)
+    assert data["fits"] is True
+    code, out, _ = run_cli(capsys, "--recipe", R7B, "--num-gpus", "8", "--fsdp", "SHARD_GRAD_OP", "--json")
+    assert json.loads(out)["per_device"]["total_gib"] > data["per_device"]["total_gib"]
+    code, out, _ = run_cli(capsys, "--recipe", R7B, "--accelerate-config", str(CONFIGS / "fsdp.yaml"), "--explain")
+    assert code == 0 and "FSDP FULL_SHARD on 8 GPUs" in out and "4 B x Ψ/N" in out and "prefetched" in out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -304,7 +353,9 @@ def test_cli_model_config_and_accelerate_config(capsys, tmp_path):
         (["--zero", "2", "--offload-optimizer", "nvme"], "NVMe offload needs ZeRO-3"),
         (["--offload-optimizer"], "need DeepSpeed"),
         (["--zero", "3", "--micro-batch-size", "3"], "valid for GBS 1024"),
-        (["--accelerate-config", str(CONFIGS / "fsdp.yaml")], "FSDP is not modelled"),
+        (["--fsdp", "--offload-optimizer"], "FSDP has no separate optimizer offload"),
+        (["--fsdp", "--offload-params", "nvme"], "FSDP offloads parameters to the CPU only"),
+        (["--fsdp", "--zero", "3"], "give one of --zero, --fsdp or --accelerate-config"),
         (["--zero", "3", "--ds", "bucket=1"], "KEY one of"),
         (["--gpu-memory-gib", "-1"], "must be > 0"),
         (["--zero", "3", "model.arch=t5"], "formulas for llama"),

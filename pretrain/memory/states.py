@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from pretrain.errors import ConfigError
 from pretrain.launch import Launch
-from pretrain.memory.terms import Phases, Term, gib, num
+from pretrain.memory.terms import PHASES, Phases, Term, gib, num
 from pretrain.memory.workload import PRECISION_BYTES, DeepSpeedBuffers, Workload, optimizer_state_bytes
 from pretrain.shape import ModelShape
 
@@ -80,10 +80,7 @@ def model_states(shape: ModelShape, workload: Workload, layout: Launch, buffers:
     if layout.engine == "ddp":
         return ddp_states(run)
     if layout.engine == "fsdp":
-        raise ConfigError(
-            "distributed_type FSDP is not modelled by the estimator (it models DDP and DeepSpeed); "
-            "FULL_SHARD keeps about what ZeRO-3 keeps: estimate with --zero 3 instead"
-        )
+        return fsdp_states(run)
     return (zero0_states, zero12_states, zero12_states, zero3_states)[layout.zero_stage](run, buffers)
 
 
@@ -237,6 +234,84 @@ def zero3_states(run: _Run, buffers: DeepSpeedBuffers) -> ModelStates:
                  f"{num(buffers.stage3_prefetch_bucket_size)}) x {b} B")
     peak = params.bytes + optimizer.bytes + max(backward + bucket, step + bucket)
     return ModelStates(params, grads, optimizer, comm, peak, host=host, notes=notes)
+
+
+# ---- PyTorch FSDP -------------------------------------------------------------------------------
+# As accelerate applies FSDP2 to a transformers model: every transformer block is a unit, the input
+# embedding another (when untied), and the final norm with the LM head (and a tied embedding) a group it
+# never reshards between forward and backward, as the root keeps what is left (GPT-2's position table).
+# The shards stay fp32: they are what the optimizer steps. In mixed precision a unit is all-gathered in the
+# recipe's dtype (param_dtype) and its gradient reduce-scattered in it (reduce_dtype). No DeepSpeed
+# buckets: the buffers are the gathered units and the gradient on its way to the reduce-scatter.
+
+_GATHERS_EVERY_UNIT = ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2")
+"""Strategies that keep each unit gathered from its forward to its backward (like ZeRO-2: full params)."""
+
+
+def _fsdp_ranks(layout: Launch, strategy: str) -> tuple[int, str]:
+    """Ranks the states are sharded over, and how the formulas say it."""
+    if strategy == "NO_SHARD":
+        return 1, "NO_SHARD: replicated, N = 1"
+    if strategy.startswith("HYBRID_SHARD"):
+        return layout.gpus_per_node, f"{strategy}: sharded within a node, N = {layout.gpus_per_node}, replicated across nodes"
+    return layout.world_size, f"{strategy}: sharded over all N = {layout.world_size} ranks"
+
+
+def fsdp_states(run: _Run) -> ModelStates:
+    P, b, w, layout, shape = run.P, run.b, run.workload, run.layout, run.shape
+    k, opt_text = run.optimizer
+    if layout.offload_optimizer != "none":
+        raise ConfigError("FSDP has no separate optimizer offload: fsdp_offload_params moves the parameter shards, "
+                          "their gradients and the optimizer step to the CPU; use --offload-params instead")
+    if layout.offload_params not in ("none", "cpu"):
+        raise ConfigError(f"FSDP offloads parameters to the CPU only (fsdp_offload_params), not to "
+                          f"{layout.offload_params}; use --offload-params cpu")
+    strategy = layout.fsdp_sharding or "FULL_SHARD"
+    ranks, sharding = _fsdp_ranks(layout, strategy)
+    offload, part = layout.offload_params == "cpu", run.part(P, ranks)
+    block, embed = shape.block_params, 0 if shape.tie_embeddings else shape.vocab_size * shape.hidden_size
+    kept = P - shape.num_layers * block - embed  # the LM-head group and the root's leftovers
+    unit = max(block, kept, embed)
+    gas = w.grad_accum_steps or 1
+
+    # NO_SHARD keeps whole copies and all-reduces gradients: the same terms with N = 1
+    shards, frac, reduce = (("shards", "Ψ/N", "reduce-scatter") if strategy != "NO_SHARD" else
+                            ("copy", "Ψ", "all-reduce"))
+    host = {}
+    if offload:
+        params = _term("params", 0, f"0 on the GPU: the fp32 {shards} offloaded to cpu ({sharding})")
+        optimizer = _term("optimizer", 0, f"0 on the GPU: the optimizer steps on the CPU, on the offloaded {shards}")
+        host = {"params": Term("params", f"fp32 parameter {shards}", 4 * part, f"4 B x {frac}"),
+                "optimizer_states": Term("optimizer_states", "optimizer states", k * part, f"{k} B x {frac} ({opt_text})"),
+                "grads": Term("grads", f"fp32 gradient {shards}", 4 * part, f"4 B x {frac}")}
+    else:
+        params = _term("params", 4 * part, f"4 B x {frac} = 4 x {num(P)}{f' / {ranks}' if ranks > 1 else ''} "
+                                           f"(fp32 {shards}; {sharding})")
+        optimizer = _term("optimizer", k * part, f"{k} B x {frac} ({opt_text}); no master copy: the fp32 {shards} "
+                                                 "are the master")
+
+    backward, reduced = b * P if gas > 1 else 0, 0 if offload else 4 * part
+    grads = _term("grads", Phases(backward, reduced, reduced),
+                  f"backward: {b} B x Ψ unsharded (accelerate skips the {reduce} on the {gas - 1} micro-steps "
+                  "before the last: no_sync keeps every gradient full size until then)" if gas > 1 else
+                  f"backward: none yet (each unit's gradient goes to the {reduce} when its backward ends)",
+                  f"after the {reduce}: on the host" if offload else
+                  f"after the {reduce}: fp32 {shards} 4 B x {frac} = {gib(reduced)}")
+
+    if strategy in _GATHERS_EVERY_UNIT:
+        gathered, gathered_text = b * P, f"every unit gathered from its forward to its backward {b} B x Ψ"
+    elif strategy == "NO_SHARD" and not run.mixed:
+        gathered, gathered_text = 0, "nothing gathered (NO_SHARD computes on its fp32 copy)"
+    else:
+        gathered = b * (kept + 2 * block)
+        gathered_text = (f"gathered {w.precision} units: LM head, final norm and the root's own parameters, kept "
+                         f"from forward to backward, {num(kept)} + the block in backward and the next one "
+                         f"prefetched 2 x {num(block)}, x {b} B")
+    buffers = gathered + b * unit
+    comm = _term("comm", Phases(buffers, buffers, 0),
+                 f"{gathered_text} + one unit's unsharded gradient before its {reduce} {num(unit)} x {b} B")
+    peak = params.bytes + optimizer.bytes + max(grads.at(p) + comm.at(p) for p in PHASES)
+    return ModelStates(params, grads, optimizer, comm, peak, host=host)
 
 
 # ---- The classic example ---------------------------------------------------------------------------
