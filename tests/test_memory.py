@@ -419,11 +419,36 @@ def test_plan_7b_on_2x8_a100_40gb(capsys, tmp_path):
     assert code == 0
     config = yaml.safe_load(out_file.read_text())
     assert config["num_machines"] == 2 and config["num_processes"] == 16
-    assert config["deepspeed_config"]["deepspeed_multinode_launcher"] == "standard"
+    if config["distributed_type"] == "DEEPSPEED":
+        assert config["deepspeed_config"]["deepspeed_multinode_launcher"] == "standard"
+    else:  # FSDP FULL_SHARD ranks first here: it overlaps half its traffic, ZeRO-2 none of it
+        assert config["distributed_type"] == "FSDP" and data["ranking"][0]["engine"] == "fsdp"
     assert '--machine_rank "$NODE_RANK"' in data["launch"]
     assert all(r["total_gib"] <= 40.0 for r in data["ranking"])
     offloads = [r["offload_optimizer"] != "none" for r in data["ranking"] if not r["tight"]]
     assert offloads == sorted(offloads)  # offload only after every layout without it
+
+
+def test_plan_considers_fsdp_and_writes_a_valid_fsdp_config(tmp_path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    ranked, _ = plan.plan(load_recipe(R7B), 2, 8, memory.find_gpu("H100-80GB"))
+    shipped = yaml.safe_load((CONFIGS / "fsdp.yaml").read_text())
+    seen = set()
+    for c in ranked:
+        if c.layout.engine != "fsdp" or (c.layout.fsdp_sharding, c.layout.offload_params) in seen:
+            continue
+        seen.add((c.layout.fsdp_sharding, c.layout.offload_params))
+        path = tmp_path / f"{c.layout.fsdp_sharding}-{c.layout.offload_params}.yaml"
+        path.write_text(plan.accelerate_config(c, R7B))
+        written = yaml.safe_load(path.read_text())
+        assert written["distributed_type"] == "FSDP" and set(written["fsdp_config"]) == set(shipped["fsdp_config"])
+        assert load_config_from_file(str(path)).num_processes == 16
+        launch = Launch.from_accelerate_config(path)
+        assert (launch.engine, launch.fsdp_sharding, launch.offload_params, launch.num_nodes) == (
+            "fsdp", c.layout.fsdp_sharding, c.layout.offload_params, 2)
+        assert c.name.startswith(f"FSDP {c.layout.fsdp_sharding}")
+    assert {sharding for sharding, _ in seen} == {"FULL_SHARD", "SHARD_GRAD_OP"}
 
 
 def test_plan_nothing_fits(capsys):

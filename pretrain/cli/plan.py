@@ -3,8 +3,9 @@
     pretrain-plan --recipe recipes/7b.yaml --nodes 1 --gpus-per-node 8 --gpu H100-80GB
     pretrain-plan --recipe recipes/7b.yaml --nodes 2 --gpus-per-node 8 --gpu A100-40GB --output my.yaml
 
-Every combination of DDP / ZeRO stage, offload, activation checkpointing and micro batch size that
-divides the recipe's global batch is estimated with pretrain/memory.py; those that fit the GPU are
+Every combination of DDP / ZeRO stage / FSDP (FULL_SHARD, SHARD_GRAD_OP), offload, activation
+checkpointing and micro batch size that divides the recipe's global batch is estimated with
+pretrain/memory; those that fit the GPU are
 ranked by a simple step-time model (below), the best is written as an accelerate config, and the launch
 command is printed.
 
@@ -17,12 +18,15 @@ Step time = compute + exposed communication + offload traffic, per optimizer ste
 - communication per GPU, ring algorithms ((N-1)/N of each volume): DDP and ZeRO-0/1 reduce the gradients
   once per optimizer step (2 x Ψ x bytes); ZeRO-2 reduce-scatters at every micro-step and all-gathers the
   parameters once (GAS + 1); ZeRO-3 all-gathers the parameters twice and reduce-scatters once per
-  micro-step (3 x GAS). Bandwidth: NVLink inside a node, the network per GPU across nodes. DDP
-  overlaps half of it with backward, ZeRO-3 half (prefetch), ZeRO-0/1/2 none (DeepSpeed's defaults).
+  micro-step (3 x GAS); FSDP all-gathers the parameters at every micro-step (FULL_SHARD twice,
+  SHARD_GRAD_OP once) and reduce-scatters once per optimizer step (accelerate's no_sync): 2 x GAS + 1
+  or GAS + 1. Bandwidth: NVLink inside a node, the network per GPU across nodes. DDP overlaps half of it
+  with backward, ZeRO-3 and FSDP half (prefetch), ZeRO-0/1/2 none (DeepSpeed's defaults).
 - offload: the optimizer step on the CPU, 1e9 parameters/s per node shared by its GPUs' partitions
   (the recipe's torch optimizer runs there; DeepSpeed's CPU Adam is faster), plus PCIe copies
   (gradients down every micro-step, parameters up, 25 GB/s); parameter offload re-reads the partition
-  from the host twice per micro-step.
+  from the host twice per micro-step. FSDP's parameter offload does both: its optimizer steps on the
+  CPU too.
 
 Layouts with less than 5% of the GPU left over are listed after the others (marked "tight"): the
 estimate's error bars are a few GiB. Offload comes after every layout without it: its cost depends on
@@ -49,7 +53,16 @@ MBS_HALF_RATE_TOKENS = 1024
 HOST_OPTIMIZER_PARAMS_PER_S = 1e9
 TIGHT_FRACTION = 0.05
 PCIE_GB_S = 25.0
-_EXPOSED = {"ddp": 0.5, 0: 1.0, 1: 1.0, 2: 1.0, 3: 0.5}
+_EXPOSED = {"ddp": 0.5, "fsdp": 0.5, 0: 1.0, 1: 1.0, 2: 1.0, 3: 0.5}
+FSDP_CONFIG = """fsdp_config:
+  fsdp_version: 2
+  fsdp_reshard_after_forward: {reshard}
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_offload_params: {offload}
+  fsdp_state_dict_type: SHARDED_STATE_DICT"""
+"""accelerate_configs/fsdp.yaml's block: FSDP2, a unit per transformer block; reshard_after_forward true is
+FULL_SHARD, false SHARD_GRAD_OP."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +88,8 @@ class Candidate:
         lay = self.layout
         if lay.engine == "ddp":
             base = "DDP"
+        elif lay.engine == "fsdp":
+            base = f"FSDP {lay.fsdp_sharding}" + (" +offload params" if lay.offload_params != "none" else "")
         else:
             base = f"ZeRO-{lay.zero_stage}"
             if lay.offload_params != "none":
@@ -121,6 +136,8 @@ def layouts(nodes: int, gpus: int) -> list[Launch]:
             out.append(Launch("deepspeed", stage, "cpu", num_nodes=nodes, gpus_per_node=gpus))
         if stage == 3:
             out.append(Launch("deepspeed", 3, "cpu", "cpu", num_nodes=nodes, gpus_per_node=gpus))
+    for sharding, offload in (("FULL_SHARD", "none"), ("SHARD_GRAD_OP", "none"), ("FULL_SHARD", "cpu")):
+        out.append(Launch("fsdp", offload_params=offload, num_nodes=nodes, gpus_per_node=gpus, fsdp_sharding=sharding))
     return out
 
 
@@ -138,6 +155,9 @@ def throughput(est: memory.MemoryEstimate, gpu: hardware.GpuSpec) -> tuple[float
     b = 2 if w.precision != "fp32" else 4
     if lay.engine == "ddp":
         volume, key, b = 2.0, "ddp", 4
+    elif lay.engine == "fsdp":
+        key = "fsdp"
+        volume = (2.0 * gas if lay.fsdp_sharding == "FULL_SHARD" else float(gas)) + 1.0
     else:
         key = lay.zero_stage
         volume = {0: 2.0, 1: 2.0, 2: gas + 1.0, 3: 3.0 * gas}[lay.zero_stage]
@@ -145,9 +165,10 @@ def throughput(est: memory.MemoryEstimate, gpu: hardware.GpuSpec) -> tuple[float
     comm = volume * P * b * (N - 1) / N / bandwidth * _EXPOSED[key] if N > 1 else 0.0
     offload = 0.0
     part = P / N
-    if lay.engine == "deepspeed" and lay.offload_optimizer != "none":
+    params_on_host = lay.offload_params != "none"
+    if lay.offload_optimizer != "none" or (lay.engine == "fsdp" and params_on_host):
         offload += part * lay.gpus_per_node / HOST_OPTIMIZER_PARAMS_PER_S + (4 + b) * part * gas / (PCIE_GB_S * 1e9)
-    if lay.engine == "deepspeed" and lay.offload_params != "none":
+    if params_on_host:
         offload += 2 * b * part * gas / (PCIE_GB_S * 1e9)
     return compute, comm, volume, offload, tokens_per_step / (compute + comm + offload)
 
@@ -191,6 +212,10 @@ def accelerate_config(c: Candidate, recipe_path: str) -> str:
     ]
     if lay.engine == "ddp":
         lines.append("distributed_type: MULTI_GPU" if lay.world_size > 1 else "distributed_type: 'NO'")
+    elif lay.engine == "fsdp":
+        lines += ["distributed_type: FSDP", FSDP_CONFIG.format(
+            reshard="true" if lay.fsdp_sharding == "FULL_SHARD" else "false",
+            offload="true" if lay.offload_params != "none" else "false")]
     else:
         lines += ["distributed_type: DEEPSPEED", "deepspeed_config:"]
         if lay.num_nodes > 1:
@@ -239,7 +264,7 @@ def launch_command(c: Candidate, config_path: str, recipe_path: str, overrides: 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="pretrain-plan",
-        description="Feasible layouts (ZeRO stage, offload, activation checkpointing, MBS, GAS) for a recipe on a "
+        description="Feasible layouts (DDP, ZeRO stage, FSDP, offload, activation checkpointing, MBS, GAS) for a recipe on a "
         "cluster, ranked by expected throughput; writes the best as an accelerate config.",
     )
     parser.add_argument("--recipe", required=True, help="recipe YAML, e.g. recipes/7b.yaml")
@@ -283,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({
             "num_params": best.estimate.num_params, "considered": considered, "feasible": len(ranked),
             "config": str(output), "launch": command,
-            "ranking": [{"rank": i + 1, "layout": c.name, "zero_stage": None if c.layout.engine == "ddp" else c.layout.zero_stage,
+            "ranking": [{"rank": i + 1, "layout": c.name, "engine": c.layout.engine,
+                         "zero_stage": c.layout.zero_stage if c.layout.uses_deepspeed else None,
+                         "fsdp_sharding": c.layout.fsdp_sharding,
                          "offload_optimizer": c.layout.offload_optimizer, "offload_params": c.layout.offload_params,
                          "activation_checkpointing": c.checkpointing, "micro_batch_size": c.micro_batch_size,
                          "grad_accum_steps": c.grad_accum_steps, "total_gib": round(c.estimate.total_gib, 3),
