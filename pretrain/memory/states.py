@@ -9,6 +9,7 @@ the tensors DeepSpeed really holds). Ψ is the parameter count, N the ranks the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from pretrain.errors import ConfigError
 from pretrain.launch import Launch
@@ -49,7 +50,7 @@ class _Run:
     workload: Workload
     layout: Launch
 
-    @property
+    @cached_property
     def P(self) -> int:
         return self.shape.num_params
 
@@ -98,14 +99,14 @@ def ddp_states(run: _Run) -> ModelStates:
     comm = _term("comm", Phases.constant(4 * P if N > 1 else 0),
                  "DDP reducer buckets 4 B x Ψ (gradient_as_bucket_view off: a flat copy of every gradient)" if N > 1
                  else "one process: no DDP buckets")
+    peak = params.bytes + optimizer.bytes + grads.bytes + comm.bytes
     if not mixed:
-        return ModelStates(params, grads, optimizer, comm, params.bytes + optimizer.bytes + grads.bytes + comm.bytes)
+        return ModelStates(params, grads, optimizer, comm, peak)
     autocast = Term("autocast", "autocast weight cache", 2 * P,
                     f"2 B x Ψ: autocast's {w.precision} copies of the weights, cached during forward")
     note = ("DDP with autocast: activations counted with the bf16/fp16 formula (autocast keeps the residual "
             "stream and norms in fp32: expect somewhat more)")
-    return ModelStates(params, grads, optimizer, comm, params.bytes + optimizer.bytes + grads.bytes + comm.bytes,
-                       autocast, notes=(note,))
+    return ModelStates(params, grads, optimizer, comm, peak, autocast, notes=(note,))
 
 
 # ---- DeepSpeed ZeRO ------------------------------------------------------------------------------
@@ -239,7 +240,8 @@ def zero3_states(run: _Run, buffers: DeepSpeedBuffers) -> ModelStates:
 # ---- PyTorch FSDP -------------------------------------------------------------------------------
 # As accelerate applies FSDP2 to a transformers model: every transformer block is a unit, the input
 # embedding another (when untied), and the final norm with the LM head (and a tied embedding) a group it
-# never reshards between forward and backward, as the root keeps what is left (GPT-2's position table).
+# never reshards between forward and backward; the root keeps what is left (GPT-2's position table), also
+# unsharded from forward to backward.
 # The shards stay fp32: they are what the optimizer steps. In mixed precision a unit is all-gathered in the
 # recipe's dtype (param_dtype) and its gradient reduce-scattered in it (reduce_dtype). No DeepSpeed
 # buckets: the buffers are the gathered units and the gradient on its way to the reduce-scatter.
@@ -276,7 +278,7 @@ def fsdp_states(run: _Run) -> ModelStates:
 
     # NO_SHARD keeps whole copies and all-reduces gradients: the same terms with N = 1
     shards, frac, reduce = (("shards", "Ψ/N", "reduce-scatter") if strategy != "NO_SHARD" else
-                            ("copy", "Ψ", "all-reduce"))
+                            ("copies", "Ψ", "all-reduce"))
     host = {}
     if offload:
         params = _term("params", 0, f"0 on the GPU: the fp32 {shards} offloaded to cpu ({sharding})")
