@@ -1,5 +1,8 @@
 """The model a recipe describes: a transformers config, a layout-independent init, parameter counts.
 
+Vocabulary rounding and the closed-form parameter count are the shape's (``pretrain.shape``), read here
+from the very config transformers builds.
+
 Nothing is downloaded: ``AutoModelForCausalLM.from_config`` builds the architecture with random weights,
 which ``init_weights`` then re-draws so that every module's values depend only on the seed, the
 module's name and the config.
@@ -20,9 +23,10 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from pretrain.config import ModelConfig
 from pretrain.errors import ConfigError
+from pretrain.shape import ModelShape, require_counted, resolve_vocab_size
 
-VOCAB_MULTIPLE = 64
-"""A tokenizer's vocabulary is padded to a multiple of this (tensor-core friendly matmul shapes)."""
+__all__ = ["build_model", "closed_form_num_params", "count_parameters", "hf_config", "init_weights",
+           "resolve_vocab_size"]
 
 # Our field -> the config attributes that can hold it, first match wins. GPT-2's config maps hidden_size,
 # num_hidden_layers, num_attention_heads and max_position_embeddings to n_embd, n_layer, n_head and
@@ -43,30 +47,6 @@ _CONFIG_NAMES = {
 _NULLABLE = {"num_kv_heads", "intermediate_size", "rope_theta", "norm_eps"}  # null = the architecture's default
 _MEANING = {"num_kv_heads": "grouped-query attention", "rope_theta": "rotary position embeddings"}
 _COMMON_ARCHS = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox")
-_LLAMA_FAMILY = ("llama", "mistral", "qwen2")
-
-
-def resolve_vocab_size(model_cfg: ModelConfig, tokenizer_vocab_size: int | None) -> int:
-    """Embedding rows: ``model.vocab_size`` if set, else the tokenizer's vocabulary rounded up to a
-    multiple of 64 (GPT-2's 50257 -> 50304); the padding rows are never targets."""
-    if model_cfg.vocab_size is not None:
-        if tokenizer_vocab_size is not None and model_cfg.vocab_size < tokenizer_vocab_size:
-            raise ConfigError(
-                f"model.vocab_size ({model_cfg.vocab_size}) is smaller than the tokenizer's vocabulary "
-                f"({tokenizer_vocab_size}): token ids past the embedding would crash; set model.vocab_size to "
-                f"at least {tokenizer_vocab_size}, or null to use {_round_up(tokenizer_vocab_size)}"
-            )
-        return model_cfg.vocab_size
-    if tokenizer_vocab_size is None:
-        raise ConfigError(
-            "model.vocab_size is null and there is no tokenizer to take the vocabulary size from; "
-            "set model.vocab_size (embedding rows)"
-        )
-    return _round_up(tokenizer_vocab_size)
-
-
-def _round_up(num_tokens: int) -> int:
-    return -(-num_tokens // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
 def hf_config(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> PreTrainedConfig:
@@ -226,34 +206,8 @@ def count_parameters(model: torch.nn.Module) -> int:
 
 
 def closed_form_num_params(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> int:
-    """Parameter count from the architecture's formula, without building the model.
-
-    V vocab, d hidden, L layers, f MLP width, P positions, q = heads x head_dim, k = kv_heads x head_dim;
-    the LM head adds V d unless tied.
-
-    llama, mistral, qwen2 (SwiGLU MLP, RMSNorm, no position table):
-        V d + L (d q + 2 d k + q d + 3 d f + 2 d) + d
-        + biases: q/k/v (q + 2 k: qwen2, llama with attention_bias), o_proj (d: llama attention_bias),
-          MLP (2 f + d: llama mlp_bias)
-    gpt2 (f = 4 d unless set; every matrix has a bias, LayerNorms have weight and bias):
-        V d + P d + L (2 x 2 d + (3 d^2 + 3 d) + (d^2 + d) + (d f + f) + (f d + d)) + 2 d
-    """
-    cfg = hf_config(model_cfg, vocab_size, seq_len)
-    arch = cfg.model_type
-    V, d, L = cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers
-    lm_head = 0 if cfg.tie_word_embeddings else V * d
-    if arch == "gpt2":
-        f = cfg.n_inner or 4 * d
-        block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
-        return V * d + cfg.n_positions * d + L * block + 2 * d + lm_head
-    if arch in _LLAMA_FAMILY:
-        head_dim = getattr(cfg, "head_dim", None) or d // cfg.num_attention_heads
-        q, k, f = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim, cfg.intermediate_size
-        attention_bias = getattr(cfg, "attention_bias", False)
-        qkv_bias = attention_bias or arch == "qwen2"  # qwen2's q/k/v projections always have biases
-        biases = (q + 2 * k if qkv_bias else 0) + (d if attention_bias else 0)
-        biases += 2 * f + d if getattr(cfg, "mlp_bias", False) else 0
-        block = d * q + 2 * d * k + q * d + 3 * d * f + 2 * d + biases
-        return V * d + L * block + d + lm_head
-    known = ", ".join((*_LLAMA_FAMILY, "gpt2"))
-    raise ConfigError(f"no parameter-count formula for model.arch = {arch}; formulas exist for {known}")
+    """Parameter count from the architecture's formula (``ModelShape.param_sizes``), without building the
+    model: the shape of the config transformers would build for this recipe section."""
+    config = hf_config(model_cfg, vocab_size, seq_len)
+    require_counted(config.model_type)
+    return ModelShape.from_hf_config(config, source="model").num_params

@@ -20,7 +20,7 @@ def test_this_gpu_is_in_the_peak_table():
     from pretrain.metrics import match_device, resolve_peak
 
     name = torch.cuda.get_device_name(0)
-    assert match_device(name) is not None, f"add {name!r} to PEAK_TFLOPS"
+    assert match_device(name) is not None, f"add {name!r} to pretrain/hardware.py (CARDS)"
     peak = resolve_peak("cuda", name, "bf16")
     assert peak.source == "table" and peak.tflops > 50
 

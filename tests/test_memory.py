@@ -22,6 +22,7 @@ from pretrain.cli import plan
 from pretrain.config import ModelConfig, load_recipe
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import Launch
+from pretrain.shape import ModelShape, recipe_vocab_size
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -31,10 +32,8 @@ R70B = str(ROOT / "recipes" / "70b.yaml")
 LLAMA2_7B = 6_738_415_616
 
 
-def shape_of(path) -> memory.ModelShape:
-    recipe = load_recipe(path)
-    return memory.ModelShape.from_model_config(recipe.model, memory.resolve_vocab(recipe.model, recipe.data),
-                                               recipe.data.seq_len)
+def shape_of(path) -> ModelShape:
+    return ModelShape.from_recipe(load_recipe(path))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -47,7 +46,7 @@ def test_parameter_count_exact_for_every_recipe(path):
     from pretrain.model import build_model, count_parameters
 
     recipe = load_recipe(path)
-    vocab = memory.resolve_vocab(recipe.model, recipe.data)
+    vocab = recipe_vocab_size(recipe.model, recipe.data)
     model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=0, meta=True)
     assert shape_of(path).num_params == count_parameters(model)
 
@@ -61,11 +60,11 @@ def test_count_from_a_transformers_config_json(tmp_path):
     llama = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
              "num_key_value_heads": 32, "intermediate_size": 11008, "vocab_size": 32000,
              "max_position_embeddings": 4096, "tie_word_embeddings": False}
-    assert memory.ModelShape.from_hf_config(llama).num_params == LLAMA2_7B
+    assert ModelShape.from_hf_config(llama).num_params == LLAMA2_7B
     gpt2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
-    assert memory.ModelShape.from_hf_config(gpt2).num_params == 124_439_808  # GPT-2 small, tied head
+    assert ModelShape.from_hf_config(gpt2).num_params == 124_439_808  # GPT-2 small, tied head
     with pytest.raises(ConfigError, match="formulas for llama"):
-        memory.ModelShape.from_hf_config({"model_type": "t5"})
+        ModelShape.from_hf_config({"model_type": "t5"})
 
 
 def test_config_overrides_that_change_the_shape_are_followed():
@@ -74,7 +73,7 @@ def test_config_overrides_that_change_the_shape_are_followed():
     cfg = ModelConfig(arch="llama", hidden_size=128, num_layers=2, num_heads=4, intermediate_size=256, vocab_size=512,
                       config_overrides={"attention_bias": True, "mlp_bias": True, "head_dim": 64})
     model = build_model(cfg, 512, 64, seed=0, meta=True)
-    assert memory.ModelShape.from_model_config(cfg, 512, 64).num_params == count_parameters(model)
+    assert ModelShape.from_model_config(cfg, 512, 64).num_params == count_parameters(model)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -121,6 +120,42 @@ def test_offload_moves_optimizer_states_to_the_host():
     assert both.terms["params"].bytes < states(3).terms["params"].bytes / 100
 
 
+def fsdp(sharding="FULL_SHARD", nodes=1, gas=1, offload="none"):
+    w = memory.Workload(precision="bf16", micro_batch_size=1, seq_len=4096, grad_accum_steps=gas)
+    return memory.estimate_shape(shape_of(R7B), w, Launch("fsdp", offload_params=offload, num_nodes=nodes,
+                                                          gpus_per_node=8, fsdp_sharding=sharding))
+
+
+def test_fsdp_shards_what_its_strategy_says():
+    P = LLAMA2_7B
+    full, grad_op, no_shard = fsdp(), fsdp("SHARD_GRAD_OP"), fsdp("NO_SHARD")
+    ddp = memory.estimate_shape(shape_of(R7B), memory.Workload(precision="bf16", seq_len=4096),
+                                Launch("ddp", gpus_per_node=8))
+    # FULL_SHARD: fp32 parameters, gradients and AdamW states / N, like ZeRO-3 (the shards are the master)
+    assert (full.terms["params"].bytes, full.terms["grads"].bytes, full.terms["optimizer"].bytes) == (
+        4 * P // 8, 4 * P // 8, 8 * P // 8)
+    # SHARD_GRAD_OP shards the same but keeps every unit gathered (bf16) from its forward to its backward
+    assert grad_op.terms["params"].bytes == full.terms["params"].bytes
+    assert grad_op.terms["comm"].bytes - full.terms["comm"].bytes > 1.8 * P
+    # NO_SHARD: DDP's fp32 states without the reducer's bucket copy or autocast's cache
+    assert no_shard.terms["params"].bytes == 4 * P and no_shard.terms["optimizer"].bytes == 8 * P
+    assert full.model_state_bytes < grad_op.model_state_bytes < no_shard.model_state_bytes < ddp.model_state_bytes
+    # HYBRID_SHARD on 2 nodes shards within a node: what FULL_SHARD keeps on 8 GPUs
+    assert fsdp("HYBRID_SHARD", nodes=2).model_state_bytes == full.model_state_bytes
+    assert fsdp(nodes=2).model_state_bytes < full.model_state_bytes
+
+
+def test_fsdp_accumulation_and_offload():
+    P = LLAMA2_7B
+    # accelerate's no_sync skips the reduce-scatter before the last micro-step: full bf16 gradients
+    accumulating = fsdp(gas=4)
+    assert accumulating.terms["grads"].bytes == 2 * P and "no_sync" in accumulating.terms["grads"].formula
+    offloaded = fsdp(offload="cpu")
+    assert offloaded.terms["params"].bytes == offloaded.terms["optimizer"].bytes == offloaded.terms["grads"].bytes == 0
+    assert offloaded.host_bytes_per_rank == (4 + 8 + 4) * P // 8
+    assert offloaded.terms["comm"].bytes == fsdp().terms["comm"].bytes  # the units are still gathered on the GPU
+
+
 def test_classic_7b_example():
     """'28 GB weights, 28 GB gradients, 84 GB optimizer states, 140 GB' counts 12 B/param of optimizer state."""
     quoted = memory.classic_example_gb(7e9, "fp32", state_bytes=12)
@@ -153,7 +188,7 @@ LLAMA_SMALL = ModelConfig(arch="llama", hidden_size=256, num_layers=4, num_heads
 
 
 def acts(cfg=LLAMA_SMALL, seq=512, mbs=1, attention="sdpa", ckpt=False, precision="bf16"):
-    shape = memory.ModelShape.from_model_config(cfg, 1000, seq)
+    shape = ModelShape.from_model_config(cfg, 1000, seq)
     return memory.activation_memory(shape, mbs, seq, precision, attention, ckpt)
 
 
@@ -201,7 +236,7 @@ def test_trainer_helpers_layout_and_device():
     fsdp = Launch.from_env({"WORLD_SIZE": "2", "ACCELERATE_USE_FSDP": "true", "FSDP_RESHARD_AFTER_FORWARD": "false"})
     assert (fsdp.engine, fsdp.fsdp_sharding) == ("fsdp", "SHARD_GRAD_OP")
     h100 = memory.gpu_for_device("NVIDIA H100 80GB HBM3", 85_520_809_984)
-    assert h100.name == "NVIDIA H100 80GB HBM3" and h100.bf16_tflops == 989
+    assert h100.name == "NVIDIA H100 80GB HBM3" and h100.bf16_tflops == 989.5
     assert h100.memory_gib == pytest.approx(79.65, abs=0.01)
 
 
@@ -296,6 +331,19 @@ def test_cli_model_config_and_accelerate_config(capsys, tmp_path):
     assert (layout["zero_stage"], layout["world_size"]) == (3, 8)
 
 
+def test_cli_fsdp_from_the_shipped_accelerate_config(capsys):
+    code, out, err = run_cli(capsys, "--recipe", R7B, "--accelerate-config", str(CONFIGS / "fsdp.yaml"), "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert (data["layout"]["engine"], data["layout"]["fsdp_sharding"], data["layout"]["world_size"]) == (
+        "fsdp", "FULL_SHARD", 8)
+    assert data["fits"] is True
+    code, out, _ = run_cli(capsys, "--recipe", R7B, "--num-gpus", "8", "--fsdp", "SHARD_GRAD_OP", "--json")
+    assert json.loads(out)["per_device"]["total_gib"] > data["per_device"]["total_gib"]
+    code, out, _ = run_cli(capsys, "--recipe", R7B, "--accelerate-config", str(CONFIGS / "fsdp.yaml"), "--explain")
+    assert code == 0 and "FSDP FULL_SHARD on 8 GPUs" in out and "4 B x Ψ/N" in out and "prefetched" in out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -305,7 +353,9 @@ def test_cli_model_config_and_accelerate_config(capsys, tmp_path):
         (["--zero", "2", "--offload-optimizer", "nvme"], "NVMe offload needs ZeRO-3"),
         (["--offload-optimizer"], "need DeepSpeed"),
         (["--zero", "3", "--micro-batch-size", "3"], "valid for GBS 1024"),
-        (["--accelerate-config", str(CONFIGS / "fsdp.yaml")], "FSDP is not modelled"),
+        (["--fsdp", "--offload-optimizer"], "FSDP has no separate optimizer offload"),
+        (["--fsdp", "--offload-params", "nvme"], "FSDP offloads parameters to the CPU only"),
+        (["--fsdp", "--zero", "3"], "give one of --zero, --fsdp or --accelerate-config"),
         (["--zero", "3", "--ds", "bucket=1"], "KEY one of"),
         (["--gpu-memory-gib", "-1"], "must be > 0"),
         (["--zero", "3", "model.arch=t5"], "formulas for llama"),
@@ -369,11 +419,36 @@ def test_plan_7b_on_2x8_a100_40gb(capsys, tmp_path):
     assert code == 0
     config = yaml.safe_load(out_file.read_text())
     assert config["num_machines"] == 2 and config["num_processes"] == 16
-    assert config["deepspeed_config"]["deepspeed_multinode_launcher"] == "standard"
+    if config["distributed_type"] == "DEEPSPEED":
+        assert config["deepspeed_config"]["deepspeed_multinode_launcher"] == "standard"
+    else:  # FSDP FULL_SHARD ranks first here: it overlaps half its traffic, ZeRO-2 none of it
+        assert config["distributed_type"] == "FSDP" and data["ranking"][0]["engine"] == "fsdp"
     assert '--machine_rank "$NODE_RANK"' in data["launch"]
     assert all(r["total_gib"] <= 40.0 for r in data["ranking"])
     offloads = [r["offload_optimizer"] != "none" for r in data["ranking"] if not r["tight"]]
     assert offloads == sorted(offloads)  # offload only after every layout without it
+
+
+def test_plan_considers_fsdp_and_writes_a_valid_fsdp_config(tmp_path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    ranked, _ = plan.plan(load_recipe(R7B), 2, 8, memory.find_gpu("H100-80GB"))
+    shipped = yaml.safe_load((CONFIGS / "fsdp.yaml").read_text())
+    seen = set()
+    for c in ranked:
+        if c.layout.engine != "fsdp" or (c.layout.fsdp_sharding, c.layout.offload_params) in seen:
+            continue
+        seen.add((c.layout.fsdp_sharding, c.layout.offload_params))
+        path = tmp_path / f"{c.layout.fsdp_sharding}-{c.layout.offload_params}.yaml"
+        path.write_text(plan.accelerate_config(c, R7B))
+        written = yaml.safe_load(path.read_text())
+        assert written["distributed_type"] == "FSDP" and set(written["fsdp_config"]) == set(shipped["fsdp_config"])
+        assert load_config_from_file(str(path)).num_processes == 16
+        launch = Launch.from_accelerate_config(path)
+        assert (launch.engine, launch.fsdp_sharding, launch.offload_params, launch.num_nodes) == (
+            "fsdp", c.layout.fsdp_sharding, c.layout.offload_params, 2)
+        assert c.name.startswith(f"FSDP {c.layout.fsdp_sharding}")
+    assert {sharding for sharding, _ in seen} == {"FULL_SHARD", "SHARD_GRAD_OP"}
 
 
 def test_plan_nothing_fits(capsys):

@@ -24,6 +24,7 @@ import pytest
 from pretrain import memory
 from pretrain.config import ModelConfig
 from pretrain.launch import Launch
+from pretrain.shape import ModelShape
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "tests" / "ds_memory_probe.py"
@@ -66,7 +67,7 @@ def _saved_bytes(model_kwargs: dict, seq_len: int, micro_batch_size: int, precis
 
 def _estimated(model_kwargs: dict, seq_len: int, micro_batch_size: int, precision: str) -> memory.ActivationEstimate:
     cfg = ModelConfig(**model_kwargs)
-    shape = memory.ModelShape.from_model_config(cfg, VOCAB, seq_len)
+    shape = ModelShape.from_model_config(cfg, VOCAB, seq_len)
     return memory.activation_memory(shape, micro_batch_size, seq_len, precision, cfg.attention,
                                     cfg.activation_checkpointing, device="cpu")
 
@@ -160,7 +161,7 @@ def test_deepspeed_model_states_match_estimate(tmp_path):
     per_rank = [json.loads((tmp_path / f"rank{rank}.json").read_text())["results"] for rank in range(2)]
 
     cfg = ModelConfig(**probe.MODEL)
-    shape = memory.ModelShape.from_model_config(cfg, probe.MODEL["vocab_size"], probe.SEQ_LEN)
+    shape = ModelShape.from_model_config(cfg, probe.MODEL["vocab_size"], probe.SEQ_LEN)
     buffers = memory.DeepSpeedBuffers(
         reduce_bucket_size=probe.REDUCE_BUCKET_SIZE,
         allgather_bucket_size=probe.ALLGATHER_BUCKET_SIZE,

@@ -174,6 +174,8 @@ REAL_NAMES = {
     "AMD Instinct MI300X": "MI300X",
     "AMD Instinct MI250X/MI250": "MI250X",
     "AMD Instinct MI250X": "MI250X",
+    "NVIDIA GeForce RTX 4090": "RTX 4090",
+    "NVIDIA RTX A6000": "RTX A6000",
 }
 
 
@@ -183,7 +185,8 @@ def test_match_device_real_names(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["AMD Instinct MI350X", "NVIDIA GeForce RTX 4090", "NVIDIA A100-SXM4-40GB MIG 3g.20gb", "NVIDIA H100", ""]
+    "name", ["AMD Instinct MI350X", "NVIDIA GeForce RTX 3090", "NVIDIA RTX 6000 Ada Generation",
+             "NVIDIA A100-SXM4-40GB MIG 3g.20gb", "NVIDIA H100", ""]
 )
 def test_match_device_unknown(name):
     assert match_device(name) is None

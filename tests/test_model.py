@@ -244,6 +244,19 @@ def test_closed_form_matches_the_built_model(model_cfg):
     assert count_parameters(model) == closed_form_num_params(model_cfg, VOCAB, SEQ)
 
 
+@pytest.mark.parametrize("path", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.stem)
+def test_recipe_shape_without_transformers_equals_the_built_configs(path):
+    """The estimator's and planner's shape (the recipe section, no transformers) is the shape of the config
+    transformers builds: one constructor, two inputs."""
+    from pretrain.config import load_recipe
+    from pretrain.shape import ModelShape, recipe_vocab_size
+
+    recipe = load_recipe(path)
+    vocab = recipe_vocab_size(recipe.model, recipe.data)
+    built = ModelShape.from_hf_config(hf_config(recipe.model, vocab, recipe.data.seq_len), source="model")
+    assert ModelShape.from_recipe(recipe) == built
+
+
 def test_closed_form_refuses_archs_without_a_formula():
     with pytest.raises(ConfigError, match="no parameter-count formula for model.arch = gpt_neox"):
         closed_form_num_params(small(arch="gpt_neox", num_kv_heads=None), VOCAB, SEQ)

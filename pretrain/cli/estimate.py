@@ -5,9 +5,11 @@
     pretrain-estimate --recipe recipes/70b.yaml --num-gpus 64 --zero 3 --json
     pretrain-estimate --recipe recipes/7b.yaml --num-gpus 8 --sweep          # ZeRO stages x MBS
     pretrain-estimate --model-config path/to/config.json --seq-len 4096 --num-gpus 8 --zero 3
+    pretrain-estimate --recipe recipes/7b.yaml --accelerate-config accelerate_configs/fsdp.yaml --explain
 
-Without --zero or --accelerate-config the layout is PyTorch DDP (accelerate's MULTI_GPU). Arithmetic
-only: no weights are allocated and transformers is not imported (pretrain/memory.py has the formulas).
+Without --zero, --fsdp or --accelerate-config the layout is PyTorch DDP (accelerate's MULTI_GPU). Arithmetic
+only: no weights are allocated and transformers is not imported (pretrain/memory has the formulas,
+pretrain/shape.py the model's shape, pretrain/hardware.py the GPU table).
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from pretrain import memory
+from pretrain import hardware, memory
 from pretrain.errors import EXIT_USAGE, ConfigError
-from pretrain.launch import Launch
+from pretrain.launch import Launch, check_offload
+from pretrain.shape import ModelShape
 
 SWEEP_MAX_MBS = 128
+FSDP_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 
 
 def build_parser(prog: str = "pretrain-estimate") -> argparse.ArgumentParser:
@@ -41,11 +46,14 @@ def build_parser(prog: str = "pretrain-estimate") -> argparse.ArgumentParser:
     world.add_argument("--gpus-per-node", type=int, help="GPUs per node")
     lay = parser.add_argument_group("layout")
     lay.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="DeepSpeed ZeRO stage")
-    lay.add_argument("--accelerate-config", help="an accelerate config YAML (DeepSpeed, DDP); sets stage, offload, world")
+    lay.add_argument("--fsdp", nargs="?", const="FULL_SHARD", choices=FSDP_SHARDING,
+                     help="PyTorch FSDP with this sharding strategy (FULL_SHARD unless given)")
+    lay.add_argument("--accelerate-config", help="an accelerate config YAML (DeepSpeed, FSDP, DDP); sets stage, offload, "
+                     "world")
     lay.add_argument("--offload-optimizer", nargs="?", const="cpu", choices=("cpu", "nvme"),
                      help="offload the optimizer partition (cpu unless nvme is given; ZeRO >= 1)")
     lay.add_argument("--offload-params", nargs="?", const="cpu", choices=("cpu", "nvme"),
-                     help="offload the parameter partitions (ZeRO-3 only)")
+                     help="offload the parameter partitions (ZeRO-3, or FSDP's shards with its optimizer step: cpu)")
     lay.add_argument("--ds", action="append", default=[], metavar="KEY=VALUE",
                      help="DeepSpeed buffer size, e.g. --ds reduce_bucket_size=2e8 (DeepSpeed's defaults otherwise)")
     run = parser.add_argument_group("workload (override the recipe)")
@@ -57,13 +65,14 @@ def build_parser(prog: str = "pretrain-estimate") -> argparse.ArgumentParser:
     run.add_argument("--attention", choices=("sdpa", "eager", "flash_attention_2"))
     run.add_argument("--optimizer", help="torch.optim name (with --model-config; default AdamW)")
     dev = parser.add_argument_group("device")
-    dev.add_argument("--gpu", help=f"GPU name (capacity from a table; default {memory.DEFAULT_GPU}); --list-gpus shows it")
+    dev.add_argument("--gpu", help=f"GPU name (capacity from a table; default {hardware.DEFAULT_GPU}); --list-gpus shows it")
     dev.add_argument("--gpu-memory-gib", type=float, help="device capacity in GiB instead of --gpu")
     dev.add_argument("--list-gpus", action="store_true", help="print the GPU table and exit")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="one JSON object")
     out.add_argument("--explain", action="store_true", help="each term's formula with the numbers put in")
-    out.add_argument("--sweep", action="store_true", help="table over ZeRO stages x MBS, largest MBS that fits per stage")
+    out.add_argument("--sweep", action="store_true",
+                     help="table over DDP, ZeRO stages and FSDP x MBS, largest MBS that fits per layout")
     return parser
 
 
@@ -71,11 +80,11 @@ def build_parser(prog: str = "pretrain-estimate") -> argparse.ArgumentParser:
 # From arguments to (shape, workload, layout, buffers, gpu)
 
 
-def resolve_gpu(args) -> memory.GpuSpec:
+def resolve_gpu(args) -> hardware.GpuSpec:
     if args.gpu_memory_gib is not None:
-        like = memory.find_gpu(args.gpu) if args.gpu else None
-        return memory.custom_gpu(args.gpu_memory_gib, like)
-    return memory.find_gpu(args.gpu or memory.DEFAULT_GPU)
+        like = hardware.find_gpu(args.gpu) if args.gpu else None
+        return hardware.custom_gpu(args.gpu_memory_gib, like)
+    return hardware.find_gpu(args.gpu or hardware.DEFAULT_GPU)
 
 
 def resolve_world(args, accelerate_config: str | None) -> tuple[int | None, int | None]:
@@ -95,22 +104,23 @@ def resolve_world(args, accelerate_config: str | None) -> tuple[int | None, int 
 
 
 def resolve_layout(args) -> Launch:
-    if args.zero is not None and args.accelerate_config:
-        raise ConfigError("give --zero or --accelerate-config, not both")
+    if sum(x is not None for x in (args.zero, args.fsdp, args.accelerate_config)) > 1:
+        raise ConfigError("give one of --zero, --fsdp or --accelerate-config")
     nodes, gpus = resolve_world(args, args.accelerate_config)
     if args.accelerate_config:
         layout = Launch.from_accelerate_config(args.accelerate_config, num_nodes=nodes, gpus_per_node=gpus)
     elif args.zero is not None:
         layout = Launch("deepspeed", args.zero, num_nodes=nodes, gpus_per_node=gpus)
+    elif args.fsdp is not None:
+        layout = Launch("fsdp", num_nodes=nodes, gpus_per_node=gpus, fsdp_sharding=args.fsdp)
     else:
         layout = Launch("ddp", 0, num_nodes=nodes, gpus_per_node=gpus)
     if args.offload_optimizer or args.offload_params:
         if layout.engine == "ddp":
-            raise ConfigError("--offload-optimizer / --offload-params need DeepSpeed: add --zero 1, 2 or 3")
-        layout = Launch(
-            layout.engine, layout.zero_stage, args.offload_optimizer or layout.offload_optimizer,
-            args.offload_params or layout.offload_params, layout.num_nodes, layout.gpus_per_node,
-        )
+            raise ConfigError("--offload-optimizer / --offload-params need DeepSpeed: add --zero 1, 2 or 3 (or --fsdp "
+                              "with --offload-params)")
+        layout = replace(layout, offload_optimizer=args.offload_optimizer or layout.offload_optimizer,
+                         offload_params=args.offload_params or layout.offload_params)
     return layout
 
 
@@ -159,8 +169,7 @@ class Problem:
                 raise ConfigError("--optimizer is for --model-config; with a recipe override optim.name=NAME")
             self.recipe = load_recipe(args.recipe, recipe_overrides(args))
             self.buffers = memory.DeepSpeedBuffers.from_recipe(self.recipe).overrides(args.ds)
-            vocab = memory.resolve_vocab(self.recipe.model, self.recipe.data)
-            self.shape = memory.ModelShape.from_model_config(self.recipe.model, vocab, self.recipe.data.seq_len)
+            self.shape = ModelShape.from_recipe(self.recipe)
         else:
             if args.overrides:
                 raise ConfigError(f"key.path=value overrides ({args.overrides[0]}) need --recipe")
@@ -168,7 +177,7 @@ class Problem:
                 raise ConfigError("--model-config needs --seq-len (tokens per sequence)")
             self.recipe = None
             self.buffers = memory.DeepSpeedBuffers().overrides(args.ds)
-            self.shape = memory.ModelShape.from_hf_config(*_read_hf_config(args.model_config))
+            self.shape = ModelShape.from_hf_config(*_read_hf_config(args.model_config))
 
     def workload(self, micro_batch_size: int | None, world_size: int) -> memory.Workload:
         args = self.args
@@ -223,14 +232,20 @@ def sweep_mbs_values(problem: Problem) -> list[int]:
 
 def sweep(problem: Problem) -> tuple[list[dict], str]:
     base = problem.layout
-    rows = [("DDP", Launch("ddp", 0, num_nodes=base.num_nodes, gpus_per_node=base.gpus_per_node))]
-    for stage in range(4):
+    world = dict(num_nodes=base.num_nodes, gpus_per_node=base.gpus_per_node)
+    offload = dict(offload_optimizer=base.offload_optimizer, offload_params=base.offload_params)
+    candidates = [("DDP", Launch("ddp", **world))]
+    candidates += [(f"ZeRO-{stage}", Launch("deepspeed", stage, **offload, **world)) for stage in range(4)]
+    if base.offload_optimizer == "none" and base.offload_params in ("none", "cpu"):  # what FSDP can offload
+        candidates += [(name, Launch("fsdp", offload_params=base.offload_params, fsdp_sharding=sharding, **world))
+                       for name, sharding in (("FSDP", "FULL_SHARD"), ("FSDP-SGO", "SHARD_GRAD_OP"))]
+    rows = []
+    for name, layout in candidates:
         try:
-            layout = Launch("deepspeed", stage, base.offload_optimizer, base.offload_params,
-                                   base.num_nodes, base.gpus_per_node)
+            check_offload(layout)
         except ConfigError:
             continue  # the offload asked for is not possible at this stage
-        rows.append((f"ZeRO-{stage}", layout))
+        rows.append((name, layout))
     mbs_values = sweep_mbs_values(problem)
     results, lines = [], []
     gpu = problem.gpu
@@ -241,7 +256,8 @@ def sweep(problem: Problem) -> tuple[list[dict], str]:
         cells, best = [], None
         for m in mbs_values:
             est = problem.at(layout, m)
-            results.append({"layout": name, "zero_stage": None if layout.engine == "ddp" else layout.zero_stage,
+            results.append({"layout": name, "zero_stage": layout.zero_stage if layout.uses_deepspeed else None,
+                            "fsdp_sharding": layout.fsdp_sharding,
                             "micro_batch_size": m, "total_gib": round(est.total_gib, 4), "fits": est.fits})
             cells.append(f"{est.total_gib:>10.1f}{' ' if est.fits else '*'}")
             if est.fits:
@@ -257,8 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.list_gpus:
-            for spec in memory.GPUS.values():
-                print(f"{spec.name:<15}{spec.memory_gib:>8.1f} GiB   {spec.bf16_tflops:>5.0f} TFLOP/s bf16")
+            for spec in hardware.GPUS.values():
+                print(f"{spec.name:<15}{spec.memory_gib:>8.1f} GiB   {spec.bf16_tflops:>7.1f} TFLOP/s bf16 dense   "
+                      f"({spec.card})")
             return 0
         problem = Problem(args)
         if args.sweep:

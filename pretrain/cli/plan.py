@@ -3,25 +3,30 @@
     pretrain-plan --recipe recipes/7b.yaml --nodes 1 --gpus-per-node 8 --gpu H100-80GB
     pretrain-plan --recipe recipes/7b.yaml --nodes 2 --gpus-per-node 8 --gpu A100-40GB --output my.yaml
 
-Every combination of DDP / ZeRO stage, offload, activation checkpointing and micro batch size that
-divides the recipe's global batch is estimated with pretrain/memory.py; those that fit the GPU are
+Every combination of DDP / ZeRO stage / FSDP (FULL_SHARD, SHARD_GRAD_OP), offload, activation
+checkpointing and micro batch size that divides the recipe's global batch is estimated with
+pretrain/memory; those that fit the GPU are
 ranked by a simple step-time model (below), the best is written as an accelerate config, and the launch
 command is printed.
 
 Step time = compute + exposed communication + offload traffic, per optimizer step, per GPU:
 
-- compute: model FLOPs per token (6 x non-embedding parameters + 12 x layers x heads x head_dim x seq,
-  x 4/3 with recompute) x tokens per GPU / (peak bf16 FLOP/s x 0.5 x T / (T + 1024)), where T = MBS x seq
-  tokens: a small micro-batch leaves the GPU under-used (the heuristic halves the rate at 1,024 tokens).
+- compute: FLOPs per token (pretrain/shape.py's convention, 6 x matmul weights + 12 x layers x heads x
+  head_dim x seq; with recompute its hardware FLOPs, which add the forward activation checkpointing
+  repeats) x tokens per GPU / (peak bf16 FLOP/s x 0.5 x T / (T + 1024)), where T = MBS x seq tokens: a
+  small micro-batch leaves the GPU under-used (the heuristic halves the rate at 1,024 tokens).
 - communication per GPU, ring algorithms ((N-1)/N of each volume): DDP and ZeRO-0/1 reduce the gradients
   once per optimizer step (2 x Ψ x bytes); ZeRO-2 reduce-scatters at every micro-step and all-gathers the
   parameters once (GAS + 1); ZeRO-3 all-gathers the parameters twice and reduce-scatters once per
-  micro-step (3 x GAS). Bandwidth: NVLink inside a node, the network per GPU across nodes. DDP
-  overlaps half of it with backward, ZeRO-3 half (prefetch), ZeRO-0/1/2 none (DeepSpeed's defaults).
+  micro-step (3 x GAS); FSDP all-gathers the parameters at every micro-step (FULL_SHARD twice,
+  SHARD_GRAD_OP once) and reduce-scatters once per optimizer step (accelerate's no_sync): 2 x GAS + 1
+  or GAS + 1. Bandwidth: NVLink inside a node, the network per GPU across nodes. DDP overlaps half of it
+  with backward, ZeRO-3 and FSDP half (prefetch), ZeRO-0/1/2 none (DeepSpeed's defaults).
 - offload: the optimizer step on the CPU, 1e9 parameters/s per node shared by its GPUs' partitions
   (the recipe's torch optimizer runs there; DeepSpeed's CPU Adam is faster), plus PCIe copies
   (gradients down every micro-step, parameters up, 25 GB/s); parameter offload re-reads the partition
-  from the host twice per micro-step.
+  from the host twice per micro-step. FSDP's parameter offload does both: its optimizer steps on the
+  CPU too.
 
 Layouts with less than 5% of the GPU left over are listed after the others (marked "tight"): the
 estimate's error bars are a few GiB. Offload comes after every layout without it: its cost depends on
@@ -38,17 +43,27 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretrain import memory
+from pretrain import hardware, memory
 from pretrain.cli import add_recipe_arguments
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import Launch, accelerate_command, shell_join
+from pretrain.shape import ModelShape
 
 BASE_MFU = 0.5
 MBS_HALF_RATE_TOKENS = 1024
 HOST_OPTIMIZER_PARAMS_PER_S = 1e9
 TIGHT_FRACTION = 0.05
 PCIE_GB_S = 25.0
-_EXPOSED = {"ddp": 0.5, 0: 1.0, 1: 1.0, 2: 1.0, 3: 0.5}
+_EXPOSED = {"ddp": 0.5, "fsdp": 0.5, 0: 1.0, 1: 1.0, 2: 1.0, 3: 0.5}
+FSDP_CONFIG = """fsdp_config:
+  fsdp_version: 2
+  fsdp_reshard_after_forward: {reshard}
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_offload_params: {offload}
+  fsdp_state_dict_type: SHARDED_STATE_DICT"""
+"""accelerate_configs/fsdp.yaml's block: FSDP2, a unit per transformer block; reshard_after_forward true is
+FULL_SHARD, false SHARD_GRAD_OP."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +89,8 @@ class Candidate:
         lay = self.layout
         if lay.engine == "ddp":
             base = "DDP"
+        elif lay.engine == "fsdp":
+            base = f"FSDP {lay.fsdp_sharding}" + (" +offload params" if lay.offload_params != "none" else "")
         else:
             base = f"ZeRO-{lay.zero_stage}"
             if lay.offload_params != "none":
@@ -93,7 +110,7 @@ class Candidate:
             f"{est.total_gib:.1f} GiB ({est.headroom_gib:.1f} free{', tight' if self.tight else ''}); "
             f"~{self.tokens_per_s:,.0f} tok/s/GPU: "
             f"compute {self.compute_s:.2f} s ({tokens:,} tokens/micro-batch -> {eff:.0%} of the efficient rate"
-            f"{', +1/3 recompute' if self.checkpointing else ''}) + comm {self.comm_s:.2f} s exposed "
+            f"{', + recompute' if self.checkpointing else ''}) + comm {self.comm_s:.2f} s exposed "
             f"({self.comm_volume:g} x Ψ per step){offload}"
         )
 
@@ -120,24 +137,18 @@ def layouts(nodes: int, gpus: int) -> list[Launch]:
             out.append(Launch("deepspeed", stage, "cpu", num_nodes=nodes, gpus_per_node=gpus))
         if stage == 3:
             out.append(Launch("deepspeed", 3, "cpu", "cpu", num_nodes=nodes, gpus_per_node=gpus))
+    for sharding, offload in (("FULL_SHARD", "none"), ("SHARD_GRAD_OP", "none"), ("FULL_SHARD", "cpu")):
+        out.append(Launch("fsdp", offload_params=offload, num_nodes=nodes, gpus_per_node=gpus, fsdp_sharding=sharding))
     return out
 
 
-def model_flops_per_token(shape: memory.ModelShape, seq_len: int) -> float:
-    """ARCHITECTURE.md's convention: 6 x non-embedding parameters (LM head included) + 12 L h head_dim s."""
-    embedding = shape.vocab_size * shape.hidden_size
-    positions = shape.max_positions * shape.hidden_size if shape.family == "gpt2" else 0
-    non_embedding = shape.num_params - embedding - positions + (embedding if shape.tie_embeddings else 0)
-    return 6 * non_embedding + 12 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len
-
-
-def throughput(est: memory.MemoryEstimate, gpu: memory.GpuSpec) -> tuple[float, float, float, float, float]:
+def throughput(est: memory.MemoryEstimate, gpu: hardware.GpuSpec) -> tuple[float, float, float, float, float]:
     """(compute s, exposed comm s, comm volume in Ψ units, offload s, tokens/s per GPU) per optimizer step."""
     w, lay, shape = est.workload, est.layout, est.shape
     gas = w.grad_accum_steps or 1
     tokens = w.micro_batch_size * w.seq_len
     tokens_per_step = tokens * gas
-    flops = model_flops_per_token(shape, w.seq_len) * tokens_per_step * (4 / 3 if w.activation_checkpointing else 1)
+    flops = shape.flops_per_token(w.seq_len, w.activation_checkpointing).hardware_flops * tokens_per_step
     rate = gpu.bf16_tflops * 1e12 * BASE_MFU * tokens / (tokens + MBS_HALF_RATE_TOKENS)
     compute = flops / rate
     N = lay.world_size
@@ -145,6 +156,9 @@ def throughput(est: memory.MemoryEstimate, gpu: memory.GpuSpec) -> tuple[float, 
     b = 2 if w.precision != "fp32" else 4
     if lay.engine == "ddp":
         volume, key, b = 2.0, "ddp", 4
+    elif lay.engine == "fsdp":
+        key = "fsdp"
+        volume = (2.0 * gas if lay.fsdp_sharding == "FULL_SHARD" else float(gas)) + 1.0
     else:
         key = lay.zero_stage
         volume = {0: 2.0, 1: 2.0, 2: gas + 1.0, 3: 3.0 * gas}[lay.zero_stage]
@@ -152,19 +166,18 @@ def throughput(est: memory.MemoryEstimate, gpu: memory.GpuSpec) -> tuple[float, 
     comm = volume * P * b * (N - 1) / N / bandwidth * _EXPOSED[key] if N > 1 else 0.0
     offload = 0.0
     part = P / N
-    if lay.engine == "deepspeed" and lay.offload_optimizer != "none":
+    params_on_host = lay.offload_params != "none"
+    if lay.offload_optimizer != "none" or (lay.engine == "fsdp" and params_on_host):
         offload += part * lay.gpus_per_node / HOST_OPTIMIZER_PARAMS_PER_S + (4 + b) * part * gas / (PCIE_GB_S * 1e9)
-    if lay.engine == "deepspeed" and lay.offload_params != "none":
+    if params_on_host:
         offload += 2 * b * part * gas / (PCIE_GB_S * 1e9)
     return compute, comm, volume, offload, tokens_per_step / (compute + comm + offload)
 
 
-def plan(recipe, nodes: int, gpus: int, gpu: memory.GpuSpec, buffers: memory.DeepSpeedBuffers | None = None,
+def plan(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: memory.DeepSpeedBuffers | None = None,
          host_memory_gib: float = 1024.0):
     """(feasible candidates best first, number considered). Offload must also fit the host's memory."""
-    shape = memory.ModelShape.from_model_config(
-        recipe.model, memory.resolve_vocab(recipe.model, recipe.data), recipe.data.seq_len
-    )
+    shape = ModelShape.from_recipe(recipe)
     buffers = buffers or memory.DeepSpeedBuffers.from_recipe(recipe)
     world = nodes * gpus
     base = memory.Workload(
@@ -200,6 +213,10 @@ def accelerate_config(c: Candidate, recipe_path: str) -> str:
     ]
     if lay.engine == "ddp":
         lines.append("distributed_type: MULTI_GPU" if lay.world_size > 1 else "distributed_type: 'NO'")
+    elif lay.engine == "fsdp":
+        lines += ["distributed_type: FSDP", FSDP_CONFIG.format(
+            reshard="true" if lay.fsdp_sharding == "FULL_SHARD" else "false",
+            offload="true" if lay.offload_params != "none" else "false")]
     else:
         lines += ["distributed_type: DEEPSPEED", "deepspeed_config:"]
         if lay.num_nodes > 1:
@@ -248,13 +265,13 @@ def launch_command(c: Candidate, config_path: str, recipe_path: str, overrides: 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="pretrain-plan",
-        description="Feasible layouts (ZeRO stage, offload, activation checkpointing, MBS, GAS) for a recipe on a "
+        description="Feasible layouts (DDP, ZeRO stage, FSDP, offload, activation checkpointing, MBS, GAS) for a recipe on a "
         "cluster, ranked by expected throughput; writes the best as an accelerate config.",
     )
     add_recipe_arguments(parser, "recipes/7b.yaml")
     parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    parser.add_argument("--gpu", default=memory.DEFAULT_GPU, help=f"GPU name (default {memory.DEFAULT_GPU})")
+    parser.add_argument("--gpu", default=hardware.DEFAULT_GPU, help=f"GPU name (default {hardware.DEFAULT_GPU})")
     parser.add_argument("--gpu-memory-gib", type=float, help="device capacity in GiB instead of the table's")
     parser.add_argument("--host-memory-gib", type=float, default=1024.0,
                         help="CPU memory per node available to offload (GiB, default 1024)")
@@ -267,9 +284,9 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.nodes < 1 or args.gpus_per_node < 1:
             raise ConfigError(f"--nodes ({args.nodes}) and --gpus-per-node ({args.gpus_per_node}) must be >= 1")
-        gpu = memory.find_gpu(args.gpu)
+        gpu = hardware.find_gpu(args.gpu)
         if args.gpu_memory_gib is not None:
-            gpu = memory.custom_gpu(args.gpu_memory_gib, gpu)
+            gpu = hardware.custom_gpu(args.gpu_memory_gib, gpu)
         recipe = load_recipe(args.recipe, args.overrides)
         ranked, considered = plan(recipe, args.nodes, args.gpus_per_node, gpu, host_memory_gib=args.host_memory_gib)
         if not ranked:
@@ -291,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({
             "num_params": best.estimate.num_params, "considered": considered, "feasible": len(ranked),
             "config": str(output), "launch": command,
-            "ranking": [{"rank": i + 1, "layout": c.name, "zero_stage": None if c.layout.engine == "ddp" else c.layout.zero_stage,
+            "ranking": [{"rank": i + 1, "layout": c.name, "engine": c.layout.engine,
+                         "zero_stage": c.layout.zero_stage if c.layout.uses_deepspeed else None,
+                         "fsdp_sharding": c.layout.fsdp_sharding,
                          "offload_optimizer": c.layout.offload_optimizer, "offload_params": c.layout.offload_params,
                          "activation_checkpointing": c.checkpointing, "micro_batch_size": c.micro_batch_size,
                          "grad_accum_steps": c.grad_accum_steps, "total_gib": round(c.estimate.total_gib, 3),

@@ -1,0 +1,133 @@
+"""Activations: the tensors autograd saves for backward in one micro-step, and the logits and loss."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pretrain.memory.terms import Term, gib, num
+from pretrain.memory.workload import PRECISION_BYTES, Workload
+from pretrain.shape import ModelShape
+
+TANH_GELU_EAGER = {"gelu_new", "gelu_fast", "gelu_python_tanh"}
+"""Activations that transformers computes op by op (tanh approximation): they save 3 more tensors."""
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """Bytes autograd saves for backward in one micro-step, split the way the validation measures them."""
+
+    saved_bytes: int
+    """Tensors saved for backward by the forward pass (the transformer blocks and the rest), logits excluded."""
+    recompute_bytes: int
+    """Activation checkpointing only: one block's activations, rebuilt during backward."""
+    logits_saved_bytes: int
+    """fp32 log-softmax output saved by the cross-entropy (MBS x seq x vocab x 4 B)."""
+    logits_peak_bytes: int
+    """All logits-sized tensors alive at once at the start of backward (the logits the model returns,
+    the saved fp32 log-softmax, and its incoming and outgoing fp32 gradients)."""
+    per_layer_bytes: int
+    """One block's saved tensors without checkpointing."""
+    lines: tuple[str, ...]
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.saved_bytes + self.recompute_bytes
+
+
+def activation_memory(shape: ModelShape, micro_batch_size: int, seq_len: int, precision: str,
+                      attention: str = "sdpa", checkpointing: bool = False, device: str = "cuda") -> ActivationEstimate:
+    """Saved-for-backward bytes of one micro-batch, from the per-block formula of the architecture.
+
+    b is the activation dtype's size (2 in bf16/fp16: DeepSpeed runs the model in that dtype; 4 in fp32),
+    T = MBS x seq tokens, d hidden, q = heads x head_dim, k = kv_heads x head_dim, f MLP width, h heads.
+    ``device`` matters for dropout only: CUDA saves a 1-byte mask and its fused SDPA kernels apply attention
+    dropout themselves; on CPU dropout saves a mask in the activation dtype and SDPA with attention
+    dropout falls back to the math kernel (s^2 terms, like eager).
+    """
+    b = PRECISION_BYTES[precision]
+    mask = 1 if device == "cuda" else b
+    B, s = micro_batch_size, seq_len
+    T = B * s
+    d, f, h, L, V = shape.hidden_size, shape.intermediate_size, shape.num_heads, shape.num_layers, shape.vocab_size
+    q, k = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    lines = [f"T = MBS x seq = {B} x {s} = {num(T)} tokens, b = {b} B ({precision}), d = {d}, f = {f}, h = {h}"]
+    eager = attention == "eager" or (device != "cuda" and shape.attn_dropout > 0)
+    probs = B * h * s * s
+    attn_dropout = probs * (mask + b) if eager and shape.attn_dropout > 0 else 0
+    if shape.family == "llama":
+        norm = 4 * T * d + 4 * T + 2 * b * T * d
+        norm_text = "RMSNorm 4Td (fp32 input) + 4T (1/rms) + 2bTd (normalised, weighted)"
+        if eager:
+            softmax_bytes = 4 + (b if b != 4 else 0)  # softmax in fp32, then cast back for the matmul with v
+            attn = 4 * b * T * q + softmax_bytes * probs
+            attn_text = f"eager attention 4bTq (q, repeated k, v, output) + {softmax_bytes} B x MBS h s^2 (probabilities)"
+        else:
+            attn = b * (2 * T * q + 2 * T * k) + 4 * T * h
+            attn_text = "attention b(2Tq + 2Tk) (q, k, v, output) + 4Th (fp32 logsumexp), no s^2 term"
+        mlp_units = 4 + 3 * (shape.hidden_act in TANH_GELU_EAGER)
+        mlp = mlp_units * b * T * f
+        mlp_text = f"gated MLP {mlp_units}bTf (gate, up, act(gate), product)"
+        dropout = attn_dropout
+        rope = 0 if checkpointing else 2 * s * shape.head_dim * b  # inside the checkpointed blocks
+        extras_text = "ids and labels 16T" + (", RoPE cos/sin 2 s head_dim b" if rope else "") + ", final RMSNorm"
+        extras = 16 * T + rope + norm
+    else:
+        norm = 2 * b * T * d + 8 * T
+        norm_text = "LayerNorm 2bTd (input, output) + 8T (fp32 mean, rstd)"
+        if eager:
+            attn = 4 * b * T * d + b * probs
+            attn_text = "eager attention 4bTd (q, k, v, output) + b MBS h s^2 (probabilities)"
+        else:
+            attn = 4 * b * T * d + 4 * T * h
+            attn_text = "attention 3bTd (fused qkv) + bTd (output) + 4Th (fp32 logsumexp), no s^2 term"
+        mlp_units = 2 + 3 * (shape.hidden_act in TANH_GELU_EAGER)
+        mlp = mlp_units * b * T * f
+        mlp_text = f"MLP {mlp_units}bTf ({'fc output, tanh, 1 + tanh, x/2, ' if mlp_units == 5 else 'fc output, '}act output)"
+        dropout = 2 * T * d * mask * (shape.resid_dropout > 0) + attn_dropout
+        # eager builds a 4D float mask (MBS x 1 x s x s) that the checkpointed blocks keep as an input
+        causal_mask = B * s * s * b if eager and checkpointing else 0
+        extras = 16 * T + 8 * s + T * d * mask * (shape.embd_dropout > 0) + norm + causal_mask
+        extras_text = "ids and labels 16T, position ids 8s, final LayerNorm" + (
+            f", embedding dropout mask {mask}Td" if shape.embd_dropout > 0 else "") + (
+            ", causal mask MBS s^2 b" if causal_mask else "")
+    if dropout:
+        lines.append(f"dropout masks per block: {gib(dropout)} ({mask} B per element"
+                     + (", attention: mask and dropped probabilities" if attn_dropout else "") + ")")
+    per_layer = 2 * norm + attn + mlp + dropout
+    lines += [
+        f"per block: 2 x {norm_text}",
+        f"         + {attn_text}",
+        f"         + {mlp_text}",
+        f"         = 2 x {num(norm)} + {num(attn)} + {num(mlp)}{f' + {num(dropout)}' if dropout else ''} = {num(per_layer)} B",
+    ]
+    if checkpointing:
+        saved = L * b * T * d + extras
+        recompute = per_layer
+        lines.append(
+            f"checkpointing: {L} block inputs x bTd = {gib(L * b * T * d)} + {extras_text} {gib(extras)}; "
+            f"plus one block recomputed in backward {gib(recompute)}"
+        )
+    else:
+        saved = L * per_layer + extras
+        recompute = 0
+        lines.append(f"{L} blocks x {gib(per_layer)} + {extras_text} {gib(extras)}")
+    logits_saved = 4 * T * V
+    logits_peak = (b + 12) * T * V
+    return ActivationEstimate(saved, recompute, logits_saved, logits_peak, per_layer, tuple(lines))
+
+
+def activation_terms(acts: ActivationEstimate, shape: ModelShape, workload: Workload) -> tuple[Term, Term]:
+    """The estimate's activations and logits terms."""
+    b = PRECISION_BYTES[workload.precision]
+    V = shape.vocab_size
+    T = workload.micro_batch_size * workload.seq_len
+    activations = Term(
+        "activations", "activations", acts.activation_bytes,
+        f"saved for backward {gib(acts.saved_bytes)}"
+        + (f" + one block recomputed {gib(acts.recompute_bytes)}" if acts.recompute_bytes else "")
+        + " (formula below)")
+    logits = Term(
+        "logits", "logits and loss", acts.logits_peak_bytes,
+        f"T x V x ({b} B logits kept in the output + 4 B fp32 log-softmax saved + 4 + 4 B its gradients) "
+        f"= {num(T)} x {num(V)} x {b + 12}")
+    return activations, logits
