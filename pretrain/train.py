@@ -16,7 +16,6 @@ import math
 import os
 import shutil
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import torch
 from accelerate.utils import set_seed
 
 from pretrain.batching import BatchPlan
-from pretrain.checkpoint import Checkpointer, read_state
+from pretrain.checkpoint import Checkpointer, TrainerState, resume_checkpoint
 from pretrain.config import Recipe
 from pretrain.data import prepare_data
 from pretrain.errors import ConfigError
@@ -75,16 +74,15 @@ class Trainer:
         check_output_dir(self.output_dir)
 
         self.console = Console(recipe.logging.progress, enabled=self.is_main)
-        self.checkpointer = Checkpointer(None, self.output_dir, recipe.checkpoint, log=self.log)
-        # Plain file reads, done alike on every rank (checkpoints live on a filesystem all ranks share).
-        resume_from = self.checkpointer.resume_path()
-        resume_step = int(read_state(resume_from)["step"]) if resume_from is not None else None
+        resume_from = resume_checkpoint(self.output_dir, recipe.checkpoint)
+        resume_step = TrainerState.read(resume_from).step if resume_from is not None else None
 
         trackers = build_trackers(recipe, self.output_dir, resume_step, self.is_main)
         self.runtime = build_accelerator(recipe, self.plan, self.launch, self.output_dir, trackers, self.lr)
         self.accelerator = self.runtime.accelerator
-        self.checkpointer.accelerator = self.accelerator
         self.device = self.accelerator.device
+        self.checkpointer = Checkpointer(self.accelerator, self.output_dir, recipe.checkpoint, self.num_steps,
+                                         log=self.log)
         set_seed(recipe.train.seed)
 
         with self.accelerator.main_process_first():
@@ -114,7 +112,7 @@ class Trainer:
             signal.signal(sig, self._on_stop_signal)
         if resume_from is not None:
             state = self.checkpointer.load(resume_from, recipe.to_dict())
-            self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+            self.step, self.tokens_seen = state.step, state.tokens_seen
 
         pin = self.device.type == "cuda"
         self.train_loader, self.sample_order = build_train_loader(
@@ -251,13 +249,12 @@ class Trainer:
                 meter = IntervalMeter()  # throughput starts after the warm-up steps (compile, allocator)
             if self.should_eval():
                 meter.excluded_s += self.evaluate()
-            last = self.step == self.num_steps and self.recipe.checkpoint.save_last
-            if self.checkpointer.should_save(self.step) or last:
+            if self.checkpointer.should_save(self.step):
                 start = time.perf_counter()
-                self.checkpointer.save(self.step, self.trainer_state())
+                self.checkpointer.save(self.state())
                 meter.excluded_s += time.perf_counter() - start
             elif self.should_stop():
-                self.checkpointer.save(self.step, self.trainer_state())
+                self.checkpointer.save(self.state())
                 self.preempted = True
                 self.console.close()
                 self.log(f"preempted: stopped after step {self.step}/{self.num_steps} with a checkpoint; "
@@ -390,19 +387,10 @@ class Trainer:
         self.console.print(f"eval step {self.step}: val_loss {val_loss:.4f} | val_ppl {metrics['val/ppl']:.2f}")
         return time.perf_counter() - start
 
-    def trainer_state(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "samples_seen": self.step * self.plan.global_batch_size,
-            "data_cursor": {"kind": "global_step", "step": self.step, "seed": self.recipe.train.seed},
-            "num_steps": self.num_steps,
-            "plan": self.plan.to_dict(),
-            "recipe_fingerprint": self.recipe.fingerprint(),
-            "recipe": self.recipe.to_dict(),
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-        }
+    def state(self) -> TrainerState:
+        """What a checkpoint records besides the accelerator's state."""
+        return TrainerState(step=self.step, tokens_seen=self.tokens_seen, num_steps=self.num_steps,
+                            plan=self.plan.to_dict(), recipe=self.recipe.to_dict())
 
     def finish(self) -> None:
         self.console.close()
