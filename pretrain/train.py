@@ -15,7 +15,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from pretrain.memory import estimate, gpu_for_device
 from pretrain.metrics import CONVENTION, flops_per_token, memory_metrics, mfu, resolve_peak
 from pretrain.model import build_model, count_parameters, resolve_vocab_size
 from pretrain.optim import build_optimizer, build_scheduler, deepspeed_optimizer
+from pretrain.preemption import StopSignals
 from pretrain.preflight import check_run
 from pretrain.runtime import build_accelerator
 from pretrain.tracking import Console, build_trackers, flatten
@@ -106,10 +106,7 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.skipped_steps = 0  # fp16 overflow: the optimizer step (and the schedule) were skipped
-        self.stop_signal: int | None = None
         self.preempted = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._on_stop_signal)
         if resume_from is not None:
             state = self.checkpointer.load(resume_from, recipe.to_dict())
             self.step, self.tokens_seen = state.step, state.tokens_seen
@@ -162,20 +159,6 @@ class Trainer:
             return None
         return result.total_gib
 
-    def _on_stop_signal(self, signum, frame) -> None:
-        # Only a flag: the loop finishes the optimizer step in flight, then every rank stops at the same step.
-        self.stop_signal = signum
-
-    def should_stop(self) -> bool:
-        """Whether any rank was asked to stop (preemption). Every rank gets the same answer for this step."""
-        flag = 1.0 if self.stop_signal is not None else 0.0
-        if self.plan.world_size == 1:
-            return flag > 0
-        # Expensive device-to-host synchronization (one scalar per optimizer step), as in Megatron's
-        # exit-signal handler: ranks are signalled microseconds apart, possibly in different steps.
-        agreed = self.accelerator.reduce(torch.tensor([flag], device=self.device), reduction="sum")
-        return agreed.item() > 0
-
     def run_config(self) -> dict[str, Any]:
         return {
             "recipe": self.recipe.to_dict(),
@@ -227,40 +210,40 @@ class Trainer:
             self.log(f"run already complete at step {self.step}/{self.num_steps}")
             self.finish()
             return last_metrics
-        if self.step == 0 and recipe.train.eval_at_start:
-            self.evaluate()
-
-        self.model.train()
-        batches = iter(self.train_loader)
-        meter = IntervalMeter()
-        warmup_until = self.step + self.recipe.runtime.throughput_warmup_steps
-        self.console.start(self.num_steps, self.step)
-        while self.step < self.num_steps:
-            step_metrics = self.train_step(batches, meter)
-            self.step += 1
-            self.tokens_seen += self.plan.tokens_per_step
-            meter.steps += 1
-            if self.should_log():
-                last_metrics = self.log_train(step_metrics, meter if self.step > warmup_until else None)
-                meter = IntervalMeter()
-            else:
-                self.console.advance(self.step)
-            if self.step == warmup_until:
-                meter = IntervalMeter()  # throughput starts after the warm-up steps (compile, allocator)
-            if self.should_eval():
-                meter.excluded_s += self.evaluate()
-            if self.checkpointer.should_save(self.step):
-                start = time.perf_counter()
-                self.checkpointer.save(self.state())
-                meter.excluded_s += time.perf_counter() - start
-            elif self.should_stop():
-                self.checkpointer.save(self.state())
-                self.preempted = True
-                self.console.close()
-                self.log(f"preempted: stopped after step {self.step}/{self.num_steps} with a checkpoint; "
-                         "the same command resumes from it")
-                self.accelerator.end_training()
-                return last_metrics
+        with StopSignals() as stop:  # SIGTERM / SIGUSR1: stop after the step in flight
+            if self.step == 0 and recipe.train.eval_at_start:
+                self.evaluate()
+            self.model.train()
+            batches = iter(self.train_loader)
+            meter = IntervalMeter()
+            warmup_until = self.step + self.recipe.runtime.throughput_warmup_steps
+            self.console.start(self.num_steps, self.step)
+            while self.step < self.num_steps:
+                step_metrics = self.train_step(batches, meter)
+                self.step += 1
+                self.tokens_seen += self.plan.tokens_per_step
+                meter.steps += 1
+                if self.should_log():
+                    last_metrics = self.log_train(step_metrics, meter if self.step > warmup_until else None)
+                    meter = IntervalMeter()
+                else:
+                    self.console.advance(self.step)
+                if self.step == warmup_until:
+                    meter = IntervalMeter()  # throughput starts after the warm-up steps (compile, allocator)
+                if self.should_eval():
+                    meter.excluded_s += self.evaluate()
+                if self.checkpointer.should_save(self.step):
+                    start = time.perf_counter()
+                    self.checkpointer.save(self.state())
+                    meter.excluded_s += time.perf_counter() - start
+                elif stop.agreed(self.accelerator):
+                    self.checkpointer.save(self.state())
+                    self.preempted = True
+                    self.console.close()
+                    self.log(f"preempted: stopped after step {self.step}/{self.num_steps} with a checkpoint; "
+                             "the same command resumes from it")
+                    self.accelerator.end_training()
+                    return last_metrics
         self.finish()
         return last_metrics
 

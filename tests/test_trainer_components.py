@@ -1,10 +1,13 @@
 """The trainer's components, each alone and without training: checkpoint state and compatibility keys,
-the resume decision and the save cadence."""
+the resume decision and the save cadence, stop signals."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from pydantic import BaseModel
@@ -20,6 +23,7 @@ from pretrain.checkpoint import (
 )
 from pretrain.config import CheckpointConfig, Recipe, load_recipe
 from pretrain.errors import ConfigError
+from pretrain.preemption import STOP_SIGNALS, StopSignals
 from pretrain.rundir import STATE_FILE, read_state
 from tests.helpers import TINY
 
@@ -143,3 +147,34 @@ def test_checkpointer_saves_typed_state_and_loads_it_back(tmp_path, recipe):
     state = checkpointer.load(path, recipe)
     assert (state.step, state.tokens_seen, acc.loaded) == (6, 3072, str(path))
     assert f"resume: continuing from {path} at step 6" in logged[-1]
+
+
+# ---- stop signals ---------------------------------------------------------------------------------------
+
+
+def _handlers() -> dict:
+    return {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+
+
+def test_stop_signals_are_recorded_inside_and_previous_handlers_restored_after():
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        before = _handlers()
+        with StopSignals() as stop:
+            assert _handlers() != before
+            assert stop.received is None and not stop.agreed(SimpleNamespace(num_processes=1))
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert stop.received == signal.SIGUSR1 and stop.agreed(SimpleNamespace(num_processes=1))
+        assert _handlers() == before
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1]  # the restored handler gets it, not the loop's flag
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_stop_signal_handlers_are_restored_when_the_loop_raises():
+    before = _handlers()
+    with pytest.raises(RuntimeError, match="boom"), StopSignals():
+        raise RuntimeError("boom")
+    assert _handlers() == before
