@@ -15,7 +15,6 @@ import json
 import math
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from pretrain.errors import ConfigError
 from pretrain.launch import Launch
 from pretrain.loader import build_train_loader, build_val_loader
 from pretrain.memory import estimate, gpu_for_device
-from pretrain.metrics import CONVENTION, flops_per_token, memory_metrics, mfu, resolve_peak
+from pretrain.metrics import CONVENTION, ThroughputMonitor, flops_per_token, memory_metrics, resolve_peak
 from pretrain.model import build_model, count_parameters, resolve_vocab_size
 from pretrain.optim import build_optimizer, build_scheduler, deepspeed_optimizer
 from pretrain.preemption import StopSignals
@@ -121,6 +120,13 @@ class Trainer:
         # Targets per global batch: packed sequences have no padding, so every position is a target.
         self.global_target_tokens = self.plan.tokens_per_step
         self.loss_normaliser = self.global_target_tokens / (self.plan.world_size * self.plan.grad_accum_steps)
+        flops, recomputes = self.flops, recipe.model.activation_checkpointing  # recomputation: perf/hfu too
+        self.throughput = ThroughputMonitor(
+            self.plan.tokens_per_step, self.plan.global_batch_size, self.plan.world_size,
+            warmup_steps=recipe.runtime.throughput_warmup_steps, peak_tflops=self.peak.tflops,
+            flops_per_token=flops.model_flops if flops else None,
+            hardware_flops_per_token=flops.hardware_flops if flops and recomputes else None,
+        )
         self._start_run_record()
 
     # ---- setup helpers ----------------------------------------------------------------------------
@@ -215,27 +221,23 @@ class Trainer:
                 self.evaluate()
             self.model.train()
             batches = iter(self.train_loader)
-            meter = IntervalMeter()
-            warmup_until = self.step + self.recipe.runtime.throughput_warmup_steps
+            self.throughput.start(self.step)
             self.console.start(self.num_steps, self.step)
             while self.step < self.num_steps:
-                step_metrics = self.train_step(batches, meter)
+                step_metrics = self.train_step(batches)
                 self.step += 1
                 self.tokens_seen += self.plan.tokens_per_step
-                meter.steps += 1
+                self.throughput.step_done(self.step)
                 if self.should_log():
-                    last_metrics = self.log_train(step_metrics, meter if self.step > warmup_until else None)
-                    meter = IntervalMeter()
+                    last_metrics = self.log_train(step_metrics)
                 else:
                     self.console.advance(self.step)
-                if self.step == warmup_until:
-                    meter = IntervalMeter()  # throughput starts after the warm-up steps (compile, allocator)
                 if self.should_eval():
-                    meter.excluded_s += self.evaluate()
+                    with self.throughput.excluded():
+                        self.evaluate()
                 if self.checkpointer.should_save(self.step):
-                    start = time.perf_counter()
-                    self.checkpointer.save(self.state())
-                    meter.excluded_s += time.perf_counter() - start
+                    with self.throughput.excluded():
+                        self.checkpointer.save(self.state())
                 elif stop.agreed(self.accelerator):
                     self.checkpointer.save(self.state())
                     self.preempted = True
@@ -247,16 +249,15 @@ class Trainer:
         self.finish()
         return last_metrics
 
-    def train_step(self, batches, meter: IntervalMeter) -> dict[str, torch.Tensor]:
+    def train_step(self, batches) -> dict[str, torch.Tensor]:
         """One optimizer step: GAS micro-steps, clipping, update, schedule."""
         acc, model = self.accelerator, self.model
         loss_sum = torch.zeros((), device=self.device)
         grad_norm = None
         lr = self.optimizer.param_groups[0]["lr"]  # the lr this step uses
         for _micro_step in range(self.plan.grad_accum_steps):
-            wait_start = time.perf_counter()
-            batch = next(batches).to(self.device)
-            meter.data_wait_s += time.perf_counter() - wait_start
+            with self.throughput.data_wait():
+                batch = next(batches).to(self.device)
             with acc.accumulate(model):
                 out = model(
                     input_ids=batch.input_ids,
@@ -287,7 +288,7 @@ class Trainer:
         every = self.recipe.train.eval_every_steps
         return self.step == self.num_steps or (every > 0 and self.step % every == 0)
 
-    def log_train(self, step_metrics: dict, meter: IntervalMeter | None) -> dict[str, float]:
+    def log_train(self, step_metrics: dict) -> dict[str, float]:
         # Expensive device-to-host synchronization: only on logging steps.
         loss = self.accelerator.reduce(step_metrics["loss_sum"], reduction="mean").item() / self.plan.grad_accum_steps
         grad_norm = step_metrics["grad_norm"]
@@ -297,7 +298,7 @@ class Trainer:
             "train/lr": step_metrics["lr"],
             "train/grad_norm": float(grad_norm) if grad_norm is not None else None,
             "train/tokens_seen": self.tokens_seen,
-            **self.throughput_metrics(meter),
+            **self.throughput.metrics(self.step),
             **memory_metrics(self.device),
             **({"memory/estimated_gib": self.memory_estimate_gib} if self.memory_estimate_gib is not None else {}),
             **self.plan.as_metrics(),
@@ -307,30 +308,6 @@ class Trainer:
         self.accelerator.log(metrics, step=self.step)
         self.console.step_summary(self.step, self.num_steps, metrics)
         return metrics
-
-    def throughput_metrics(self, meter: IntervalMeter | None) -> dict[str, float]:
-        """tokens/s, TFLOP/s and MFU over the steps since the last log (no eval, checkpoint or warm-up time)."""
-        if meter is None or meter.steps == 0:
-            return {}  # a warm-up step: its time says nothing about throughput
-        elapsed = max(meter.elapsed(), 1e-9)
-        tokens = meter.steps * self.plan.tokens_per_step
-        per_device = tokens / elapsed / self.plan.world_size
-        out = {
-            "perf/tokens_per_s": tokens / elapsed,
-            "perf/tokens_per_s_per_device": per_device,
-            "perf/samples_per_s": meter.steps * self.plan.global_batch_size / elapsed,
-            "perf/step_time_s": elapsed / meter.steps,
-            "perf/data_wait_frac": meter.data_wait_s / elapsed,
-        }
-        if self.flops is not None:
-            out["perf/flops_per_token"] = self.flops.model_flops
-            out["perf/tflops_per_device"] = self.flops.model_flops * per_device / 1e12
-            if self.peak.tflops is not None:
-                out["perf/peak_tflops"] = self.peak.tflops
-                out["perf/mfu"] = mfu(self.flops.model_flops, per_device, self.peak.tflops)
-                if self.recipe.model.activation_checkpointing:
-                    out["perf/hfu"] = mfu(self.flops.hardware_flops, per_device, self.peak.tflops)
-        return out
 
     def loss_scale_metrics(self) -> dict[str, float]:
         """fp16 only: the current loss scale and the optimizer steps skipped on overflow so far."""
@@ -350,9 +327,8 @@ class Trainer:
         return out
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Validation loss over the evaluation set (the same set on any world size). Returns seconds spent."""
-        start = time.perf_counter()
+    def evaluate(self) -> None:
+        """Validation loss over the evaluation set (the same set on any world size)."""
         self.model.eval()
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)
         for batch in self.val_loader:
@@ -368,7 +344,6 @@ class Trainer:
         metrics = {"val/loss": val_loss, "val/ppl": math.exp(min(val_loss, 50.0)), "val/tokens": int(count)}
         self.accelerator.log(metrics, step=self.step)
         self.console.print(f"eval step {self.step}: val_loss {val_loss:.4f} | val_ppl {metrics['val/ppl']:.2f}")
-        return time.perf_counter() - start
 
     def state(self) -> TrainerState:
         """What a checkpoint records besides the accelerator's state."""
@@ -397,15 +372,3 @@ class Trainer:
             self.log(f"export: transformers model and tokenizer in {final}")
         acc.wait_for_everyone()
 
-
-class IntervalMeter:
-    """Wall time between logging steps, minus evaluation and checkpoint time."""
-
-    def __init__(self):
-        self.start = time.perf_counter()
-        self.steps = 0
-        self.excluded_s = 0.0
-        self.data_wait_s = 0.0
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start - self.excluded_s

@@ -1,5 +1,5 @@
 """The trainer's components, each alone and without training: checkpoint state and compatibility keys,
-the resume decision and the save cadence, stop signals."""
+the resume decision and the save cadence, stop signals, the throughput monitor."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from pretrain.checkpoint import (
 )
 from pretrain.config import CheckpointConfig, Recipe, load_recipe
 from pretrain.errors import ConfigError
+from pretrain.metrics import ThroughputMonitor
 from pretrain.preemption import STOP_SIGNALS, StopSignals
 from pretrain.rundir import STATE_FILE, read_state
 from tests.helpers import TINY
@@ -178,3 +179,71 @@ def test_stop_signal_handlers_are_restored_when_the_loop_raises():
     with pytest.raises(RuntimeError, match="boom"), StopSignals():
         raise RuntimeError("boom")
     assert _handlers() == before
+
+
+# ---- throughput --------------------------------------------------------------------------------------------
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture()
+def clock(monkeypatch):
+    fake = _Clock()
+    monkeypatch.setattr("pretrain.metrics.time.perf_counter", fake)
+    return fake
+
+
+def _steps(monitor: ThroughputMonitor, clock: _Clock, first: int, last: int, seconds: float) -> None:
+    for step in range(first, last + 1):
+        clock.now += seconds
+        monitor.step_done(step)
+
+
+def test_throughput_skips_the_warm_up_and_excluded_time(clock):
+    monitor = ThroughputMonitor(512, 8, 2, warmup_steps=1, flops_per_token=1e6, peak_tflops=0.5)
+    monitor.start(0)
+    _steps(monitor, clock, 1, 1, 30.0)  # compile, allocator: not measured
+    assert monitor.metrics(1) == {}
+    _steps(monitor, clock, 2, 3, 2.0)
+    with monitor.excluded():  # an evaluation
+        clock.now += 50.0
+    with monitor.data_wait():
+        clock.now += 1.0
+    perf = monitor.metrics(3)
+    assert perf["perf/step_time_s"] == pytest.approx(2.5)  # (2 + 2 + 1) s over 2 steps
+    assert perf["perf/tokens_per_s"] == pytest.approx(2 * 512 / 5.0)
+    assert perf["perf/tokens_per_s_per_device"] == pytest.approx(2 * 512 / 5.0 / 2)
+    assert perf["perf/samples_per_s"] == pytest.approx(2 * 8 / 5.0)
+    assert perf["perf/data_wait_frac"] == pytest.approx(0.2)
+    per_device = perf["perf/tokens_per_s_per_device"]
+    assert perf["perf/mfu"] == pytest.approx(1e6 * per_device / (0.5 * 1e12), rel=1e-12)
+    assert perf["perf/tflops_per_device"] == pytest.approx(1e6 * per_device / 1e12, rel=1e-12)
+    assert perf["perf/peak_tflops"] == 0.5 and perf["perf/flops_per_token"] == 1e6
+    assert "perf/hfu" not in perf
+
+
+def test_throughput_warm_up_counts_from_the_resumed_step(clock):
+    monitor = ThroughputMonitor(512, 8, 1, warmup_steps=2)
+    monitor.start(10)
+    _steps(monitor, clock, 11, 11, 9.0)
+    assert monitor.metrics(11) == {}
+    _steps(monitor, clock, 12, 13, 1.0)  # step 12 ends the warm-up: only step 13 is measured
+    perf = monitor.metrics(13)
+    assert perf["perf/step_time_s"] == pytest.approx(1.0)
+    assert not any(key in perf for key in ("perf/mfu", "perf/flops_per_token", "perf/tflops_per_device"))
+
+
+def test_throughput_without_peak_has_no_mfu_and_with_recomputation_an_hfu(clock):
+    no_peak = ThroughputMonitor(512, 8, 1, flops_per_token=1e6)
+    _steps(no_peak, clock, 1, 1, 1.0)
+    assert "perf/tflops_per_device" in (perf := no_peak.metrics(1)) and "perf/mfu" not in perf
+    recompute = ThroughputMonitor(512, 8, 1, flops_per_token=1e6, hardware_flops_per_token=1.3e6, peak_tflops=1.0)
+    _steps(recompute, clock, 1, 1, 1.0)
+    perf = recompute.metrics(1)
+    assert perf["perf/hfu"] == pytest.approx(1.3 * perf["perf/mfu"])
