@@ -1,5 +1,5 @@
 """The trainer's components, each alone and without training: checkpoint state and compatibility keys,
-the resume decision and the save cadence, stop signals, the throughput monitor."""
+the resume decision and save cadence, stop signals, the throughput monitor, and the log / eval cadences."""
 
 from __future__ import annotations
 
@@ -23,9 +23,11 @@ from pretrain.checkpoint import (
 )
 from pretrain.config import CheckpointConfig, Recipe, load_recipe
 from pretrain.errors import ConfigError
+from pretrain.evaluation import Evaluator
 from pretrain.metrics import ThroughputMonitor
 from pretrain.preemption import STOP_SIGNALS, StopSignals
 from pretrain.rundir import STATE_FILE, read_state
+from pretrain.tracking import StepLog
 from tests.helpers import TINY
 
 
@@ -247,3 +249,26 @@ def test_throughput_without_peak_has_no_mfu_and_with_recomputation_an_hfu(clock)
     _steps(recompute, clock, 1, 1, 1.0)
     perf = recompute.metrics(1)
     assert perf["perf/hfu"] == pytest.approx(1.3 * perf["perf/mfu"])
+
+
+# ---- log and eval cadence ---------------------------------------------------------------------------------
+
+
+def test_log_cadence_is_step_one_every_n_and_the_last():
+    log = StepLog(None, None, every_steps=4, num_steps=10)
+    assert [step for step in range(1, 11) if log.due(step)] == [1, 4, 8, 10]
+
+
+def test_step_log_drops_none_values():
+    logged = []
+    acc = SimpleNamespace(log=lambda metrics, step: logged.append((step, metrics)))
+    console = SimpleNamespace(step_summary=lambda step, total, metrics: None)
+    out = StepLog(acc, console, every_steps=1, num_steps=2).write(2, {"train/loss": 1.0, "train/grad_norm": None})
+    assert out == {"train/loss": 1.0} and logged == [(2, {"train/loss": 1.0})]
+
+
+@pytest.mark.parametrize("every, at_start, expected", [(0, True, [0, 10]), (0, False, [10]), (4, True, [0, 4, 8, 10]),
+                                                       (5, False, [5, 10])])
+def test_eval_cadence(every, at_start, expected):
+    evaluator = Evaluator(None, [], every_steps=every, num_steps=10, at_start=at_start, console=None)
+    assert [step for step in range(0, 11) if evaluator.due(step)] == expected
