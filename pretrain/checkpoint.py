@@ -1,11 +1,15 @@
 """Checkpoints that survive a kill at any moment and resume exactly.
 
 A checkpoint is ``accelerator.save_state`` (model, optimizer, scheduler, grad scaler, RNG of every
-process) plus ``trainer_state.json`` (step, tokens seen, data cursor, recipe), written into
-``checkpoints/.tmp-step_XXXXXXXX`` and renamed to ``step_XXXXXXXX`` only when complete; then the
-``latest`` pointer is replaced atomically. The data cursor is the optimizer step: the sample order is
-a pure function of (seed, step), see ``pretrain/loader.py``. Resume reads ``latest`` (or, if it is
-missing, the newest complete checkpoint by the step recorded inside it, never by folder name).
+process) plus ``trainer_state.json`` (a ``TrainerState``: step, tokens seen, horizon, plan, recipe),
+written into ``checkpoints/.tmp-step_XXXXXXXX`` and renamed to ``step_XXXXXXXX`` only when complete;
+then the ``latest`` pointer is replaced atomically. The data cursor is the optimizer step: the sample
+order is a pure function of (seed, step), see ``pretrain/loader.py``. Resume reads ``latest`` (or, if it
+is missing, the newest complete checkpoint by the step recorded inside it, never by folder name).
+
+Which checkpoint a run resumes from is decided by ``resume_checkpoint`` from plain file reads, before
+any process group exists; the ``Checkpointer`` is built once the accelerator is, and owns the save
+cadence (every N optimizer steps, and the last step).
 """
 
 from __future__ import annotations
@@ -13,13 +17,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from accelerate import Accelerator
+from pydantic import BaseModel
 
-from pretrain.config import CheckpointConfig
+from pretrain.config import CheckpointConfig, Recipe
 from pretrain.errors import ConfigError
 from pretrain.rundir import (
     CHECKPOINTS_DIR,
@@ -32,7 +40,7 @@ from pretrain.rundir import (
 
 # Recipe keys whose change makes a checkpoint unusable: the weights' shapes or the sample stream differ.
 # Anything else (horizon, lr, precision, kernels, logging) may change on resume, with a logged warning.
-_MUST_MATCH = (
+MUST_MATCH = (
     *(f"model.{k}" for k in ("arch", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                              "intermediate_size", "vocab_size", "tie_embeddings", "config_overrides")),
     *(f"data.{k}" for k in ("source", "format", "text_field", "hf_config", "hf_split", "tokenizer",
@@ -41,6 +49,51 @@ _MUST_MATCH = (
     "batch.global_batch_size",
     "train.seed",
 )
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What a checkpoint records besides ``save_state``: what resume reads back, and what status prints."""
+
+    step: int  # optimizer steps done; also the data cursor
+    tokens_seen: int
+    num_steps: int  # the horizon when saved (pretrain-slurm status prints step/num_steps)
+    plan: dict[str, Any]  # BatchPlan.to_dict() when saved
+    recipe: dict[str, Any]  # the resolved recipe when saved: the compatibility check reads it
+    python: str = field(default_factory=lambda: sys.version.split()[0])
+    torch: str = field(default_factory=lambda: torch.__version__)
+    saved_at: float | None = None  # time.time() of the save
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainerState:
+        """Keys this class does not know (older checkpoints wrote more) are ignored."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainerState:
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def read(cls, checkpoint: str | Path) -> TrainerState | None:
+        """The state of a complete checkpoint, or None (incomplete, or not a checkpoint)."""
+        values = read_state(checkpoint)
+        return None if values is None else cls.from_dict(values)
+
+
+def recipe_field(dotted: str) -> Any:
+    """The pydantic field a dotted recipe key names, e.g. ``model.hidden_size``; KeyError if none does."""
+    model: Any = Recipe
+    info = None
+    for part in dotted.split("."):
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            raise KeyError(f"{dotted!r} names no field of the recipe schema (pretrain.config.Recipe)")
+        info = model.model_fields[part]
+        model = info.annotation
+    return info
 
 
 def _lookup(tree: dict, dotted: str):
@@ -59,48 +112,68 @@ def _diff(old: Any, new: Any, prefix: str = "") -> list[str]:
     return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
 
 
+def check_compatible(path: Path, saved: dict[str, Any], recipe: dict[str, Any]) -> list[str]:
+    """Raise ConfigError if ``recipe`` changed a ``MUST_MATCH`` key since the checkpoint at ``path`` was
+    saved with ``saved``; else the other differences, for a warning. A key naming no recipe field is a bug
+    here, and raises KeyError rather than comparing None with None."""
+    for key in MUST_MATCH:
+        recipe_field(key)
+    changed = [key for key in MUST_MATCH if _lookup(saved, key) != _lookup(recipe, key)]
+    if changed:
+        details = "; ".join(d for key in changed for d in _diff(_lookup(saved, key), _lookup(recipe, key), key))
+        raise ConfigError(
+            f"cannot resume from {path}: the recipe changed where an exact continuation needs it unchanged "
+            f"({details}); restore those values, set checkpoint.resume=none with a new output_dir, "
+            "or delete the checkpoints"
+        )
+    return [d for d in _diff(saved, recipe) if not d.startswith(("checkpoint.", "logging."))]
+
+
+def resume_checkpoint(output_dir: str | Path, cfg: CheckpointConfig) -> Path | None:
+    """The checkpoint to resume from according to ``checkpoint.resume``, or None to start fresh.
+
+    Plain file reads, done alike on every rank (checkpoints live on a filesystem all ranks share), before
+    the accelerator exists: the trackers need the resume step to drop the metrics of redone steps.
+    """
+    directory = Path(output_dir) / CHECKPOINTS_DIR
+    if cfg.resume == "none":
+        if complete_checkpoints(output_dir):
+            raise ConfigError(
+                f"checkpoint.resume=none but {directory} already holds checkpoints; resume them with "
+                "checkpoint.resume=auto, or choose a new output_dir (nothing is overwritten)"
+            )
+        return None
+    if cfg.resume == "auto":
+        return latest_checkpoint(output_dir)
+    path = Path(cfg.resume)
+    if read_state(path) is None:
+        raise ConfigError(
+            f"checkpoint.resume = {cfg.resume!r} is not a complete checkpoint directory (no {STATE_FILE}); "
+            f"give a path like {directory}/step_00000100, or use auto / none"
+        )
+    return path
+
+
 class Checkpointer:
-    def __init__(self, accelerator: Accelerator, output_dir: Path, cfg: CheckpointConfig, log=print):
+    """Saves and restores checkpoints under ``<output_dir>/checkpoints`` and decides when to save."""
+
+    def __init__(self, accelerator: Accelerator, output_dir: str | Path, cfg: CheckpointConfig, num_steps: int,
+                 log=print):
         self.accelerator = accelerator
         self.dir = Path(output_dir) / CHECKPOINTS_DIR
         self.cfg = cfg
+        self.num_steps = num_steps
         self.log = log
 
-    # ---- cadence -------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
+        """Every ``checkpoint.every_steps`` optimizer steps, and after the last one unless save_last=false."""
+        if step == self.num_steps and self.cfg.save_last:
+            return True
         return self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
 
-    # ---- finding a checkpoint -------------------------------------------------------------------
-    def complete_checkpoints(self) -> list[tuple[int, Path]]:
-        return complete_checkpoints(self.dir.parent)
-
-    def latest(self) -> Path | None:
-        return latest_checkpoint(self.dir.parent)
-
-    def resume_path(self) -> Path | None:
-        """The checkpoint to resume from according to checkpoint.resume, or None to start fresh."""
-        resume = self.cfg.resume
-        if resume == "none":
-            if self.complete_checkpoints():
-                raise ConfigError(
-                    f"checkpoint.resume=none but {self.dir} already holds checkpoints; resume them with "
-                    "checkpoint.resume=auto, or choose a new output_dir (nothing is overwritten)"
-                )
-            return None
-        if resume == "auto":
-            return self.latest()
-        path = Path(resume)
-        if read_state(path) is None:
-            raise ConfigError(
-                f"checkpoint.resume = {resume!r} is not a complete checkpoint directory (no {STATE_FILE}); "
-                f"give a path like {self.dir}/step_00000100, or use auto / none"
-            )
-        return path
-
-    # ---- save / load ------------------------------------------------------------------------------
-    def save(self, step: int, trainer_state: dict[str, Any]) -> Path:
+    def save(self, state: TrainerState) -> Path:
         acc = self.accelerator
-        name = f"step_{step:08d}"
+        name = f"step_{state.step:08d}"
         final, tmp = self.dir / name, self.dir / f".tmp-{name}"
         if acc.is_main_process:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -111,9 +184,8 @@ class Checkpointer:
         acc.save_state(str(tmp), safe_serialization=True)
         acc.wait_for_everyone()
         if acc.is_main_process:
-            state = {**trainer_state, "step": step, "saved_at": time.time()}
             # The state file is written last: a directory without it is never resumed from.
-            (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
+            (tmp / STATE_FILE).write_text(replace(state, saved_at=time.time()).to_json())
             if final.exists():
                 shutil.rmtree(final)  # the same step saved again after a resume: the new one is equivalent
             os.rename(tmp, final)
@@ -121,34 +193,25 @@ class Checkpointer:
             pointer_tmp.write_text(name + "\n")
             os.replace(pointer_tmp, self.dir / LATEST_FILE)
             self._prune(keep=final)
-            self.log(f"checkpoint: saved step {step} to {final} ({time.perf_counter() - start:.1f}s)")
+            self.log(f"checkpoint: saved step {state.step} to {final} ({time.perf_counter() - start:.1f}s)")
         acc.wait_for_everyone()
         return final
 
     def _prune(self, keep: Path) -> None:
         if self.cfg.keep_last == 0:
             return
-        complete = self.complete_checkpoints()
+        complete = complete_checkpoints(self.dir.parent)
         for _, path in complete[: max(0, len(complete) - self.cfg.keep_last)]:
             if path != keep:
                 shutil.rmtree(path, ignore_errors=True)
 
-    def load(self, path: Path, recipe: dict[str, Any]) -> dict[str, Any]:
+    def load(self, path: Path, recipe: dict[str, Any]) -> TrainerState:
         """Restore everything from ``path``; returns its trainer state. Refuses an incompatible recipe."""
-        state = read_state(path)
+        state = TrainerState.read(path)
         assert state is not None
-        saved = state.get("recipe", {})
-        changed = [key for key in _MUST_MATCH if _lookup(saved, key) != _lookup(recipe, key)]
-        if changed:
-            details = "; ".join(d for key in changed for d in _diff(_lookup(saved, key), _lookup(recipe, key), key))
-            raise ConfigError(
-                f"cannot resume from {path}: the recipe changed where an exact continuation needs it unchanged "
-                f"({details}); restore those values, set checkpoint.resume=none with a new output_dir, "
-                "or delete the checkpoints"
-            )
-        other = [d for d in _diff(saved, recipe) if not d.startswith(("checkpoint.", "logging."))]
+        other = check_compatible(path, state.recipe, recipe)
         if other:
             self.log(f"resume: recipe differs from the checkpoint's in: {'; '.join(other)}")
         self.accelerator.load_state(str(path))
-        self.log(f"resume: continuing from {path} at step {state['step']}")
+        self.log(f"resume: continuing from {path} at step {state.step}")
         return state

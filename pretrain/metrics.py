@@ -163,3 +163,104 @@ def memory_metrics(device: torch.device | str) -> dict[str, float]:
         metrics["memory/peak_gib"] = peak_rss_gib()
     metrics["memory/rss_gib"] = rss_gib()
     return metrics
+
+
+# ---- Throughput -----------------------------------------------------------------------------------------
+
+
+class _Stopwatch:
+    """A reusable ``with`` block whose wall time is handed to ``add(seconds)``."""
+
+    def __init__(self, add):
+        self.add = add
+        self.start = 0.0
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc_info):
+        self.add(time.perf_counter() - self.start)
+
+
+class ThroughputMonitor:
+    """``perf/*`` metrics (tokens/s, TFLOP/s, MFU) over the optimizer steps since the last log.
+
+    The interval is wall time minus what runs inside ``excluded()`` (evaluation, checkpoints). The first
+    ``warmup_steps`` optimizer steps after ``start`` are never measured (compile, allocator, first batches):
+    a log step inside them gets no ``perf/*`` keys. Time inside ``data_wait()`` counts, and is reported as
+    ``perf/data_wait_frac``. ``flops_per_token`` is the model FLOPs (MFU); ``hardware_flops_per_token``,
+    when given, adds ``perf/hfu``; no MFU without ``peak_tflops`` and no TFLOP/s without FLOPs.
+    """
+
+    def __init__(self, tokens_per_step: int, samples_per_step: int, world_size: int, *, warmup_steps: int = 0,
+                 flops_per_token: float | None = None, hardware_flops_per_token: float | None = None,
+                 peak_tflops: float | None = None):
+        self.tokens_per_step = tokens_per_step
+        self.samples_per_step = samples_per_step
+        self.world_size = world_size
+        self.warmup_steps = warmup_steps
+        self.flops_per_token = flops_per_token
+        self.hardware_flops_per_token = hardware_flops_per_token
+        self.peak_tflops = peak_tflops
+        self._excluded = _Stopwatch(self._exclude)
+        self._data_wait = _Stopwatch(self._wait)
+        self.start(0)
+
+    def start(self, step: int) -> None:
+        """Training (re)starts after optimizer step ``step``: the warm-up counts from here."""
+        self.warmup_until = step + self.warmup_steps
+        self._restart()
+
+    def _restart(self) -> None:
+        self.started = time.perf_counter()
+        self.steps = 0
+        self.excluded_s = 0.0
+        self.data_wait_s = 0.0
+
+    def _exclude(self, seconds: float) -> None:
+        self.excluded_s += seconds
+
+    def _wait(self, seconds: float) -> None:
+        self.data_wait_s += seconds
+
+    def excluded(self) -> _Stopwatch:
+        """``with monitor.excluded():`` time that is not training (evaluation, checkpoints)."""
+        return self._excluded
+
+    def data_wait(self) -> _Stopwatch:
+        """``with monitor.data_wait():`` time spent waiting for a batch."""
+        return self._data_wait
+
+    def step_done(self, step: int) -> None:
+        """Optimizer step ``step`` is done; the last warm-up step starts the first measured interval."""
+        self.steps += 1
+        if step == self.warmup_until:
+            self._restart()
+
+    def metrics(self, step: int) -> dict[str, float]:
+        """The ``perf/*`` metrics of the interval ending at ``step`` ({} in the warm-up); starts the next."""
+        out = self._interval_metrics() if step > self.warmup_until and self.steps > 0 else {}
+        self._restart()
+        return out
+
+    def _interval_metrics(self) -> dict[str, float]:
+        elapsed = max(time.perf_counter() - self.started - self.excluded_s, 1e-9)
+        tokens = self.steps * self.tokens_per_step
+        per_device = tokens / elapsed / self.world_size
+        out = {
+            "perf/tokens_per_s": tokens / elapsed,
+            "perf/tokens_per_s_per_device": per_device,
+            "perf/samples_per_s": self.steps * self.samples_per_step / elapsed,
+            "perf/step_time_s": elapsed / self.steps,
+            "perf/data_wait_frac": self.data_wait_s / elapsed,
+        }
+        if self.flops_per_token is not None:
+            out["perf/flops_per_token"] = self.flops_per_token
+            out["perf/tflops_per_device"] = self.flops_per_token * per_device / 1e12
+            if self.peak_tflops is not None:
+                out["perf/peak_tflops"] = self.peak_tflops
+                out["perf/mfu"] = mfu(self.flops_per_token, per_device, self.peak_tflops)
+                if self.hardware_flops_per_token is not None:
+                    out["perf/hfu"] = mfu(self.hardware_flops_per_token, per_device, self.peak_tflops)
+        return out

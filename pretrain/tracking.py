@@ -206,3 +206,24 @@ class Console:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+
+class StepLog:
+    """Which optimizer steps log their training metrics (step 1, every ``train.log_every_steps``, the last),
+    and where those go: every tracker through ``accelerator.log``, then the console."""
+
+    def __init__(self, accelerator, console: Console, *, every_steps: int, num_steps: int):
+        self.accelerator = accelerator
+        self.console = console
+        self.every_steps = every_steps
+        self.num_steps = num_steps
+
+    def due(self, step: int) -> bool:
+        return step == 1 or step % self.every_steps == 0 or step == self.num_steps
+
+    def write(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Log ``metrics`` at ``step``, leaving out None values; returns what was logged."""
+        metrics = {k: v for k, v in metrics.items() if v is not None}
+        self.accelerator.log(metrics, step=step)
+        self.console.step_summary(step, self.num_steps, metrics)
+        return metrics

@@ -7,6 +7,11 @@ logging, evaluation and checkpoints all count optimizer steps.
 The loss of an optimizer step is the sum of token losses over the whole global batch divided by its
 number of target tokens. Each micro-step's loss is normalised by N_global / (world x GAS): accelerate
 divides by GAS and data parallelism averages over world, which leaves exactly sum / N_global.
+
+Each component owns its cadence and its state: the ``Checkpointer`` (pretrain/checkpoint.py) when to
+save, the ``Evaluator`` (pretrain/evaluation.py) when to evaluate, the ``StepLog`` (pretrain/tracking.py)
+which steps log, the ``ThroughputMonitor`` (pretrain/metrics.py) the measured interval, ``StopSignals``
+(pretrain/preemption.py) the stop request. ``Trainer.train`` only puts them in order.
 """
 
 from __future__ import annotations
@@ -15,9 +20,7 @@ import json
 import math
 import os
 import shutil
-import signal
-import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,19 +28,22 @@ import torch
 from accelerate.utils import set_seed
 
 from pretrain.batching import BatchPlan
-from pretrain.checkpoint import Checkpointer, read_state
+from pretrain.checkpoint import Checkpointer, TrainerState, resume_checkpoint
 from pretrain.config import Recipe
 from pretrain.data import prepare_data
 from pretrain.errors import ConfigError
+from pretrain.evaluation import Evaluator
 from pretrain.launch import Launch
 from pretrain.loader import build_train_loader, build_val_loader
 from pretrain.memory import estimate, gpu_for_device
-from pretrain.metrics import CONVENTION, flops_per_token, memory_metrics, mfu, resolve_peak
+from pretrain.metrics import ThroughputMonitor, flops_per_token, memory_metrics, resolve_peak
 from pretrain.model import build_model, count_parameters, resolve_vocab_size
 from pretrain.optim import build_optimizer, build_scheduler, deepspeed_optimizer
+from pretrain.preemption import StopSignals
 from pretrain.preflight import check_run
+from pretrain.run_record import start_run_record
 from pretrain.runtime import build_accelerator
-from pretrain.tracking import Console, build_trackers, flatten
+from pretrain.tracking import Console, StepLog, build_trackers
 
 
 def check_output_dir(output_dir: Path) -> None:
@@ -60,12 +66,51 @@ def write_json(path: Path, value: Any) -> None:
     os.replace(tmp, path)
 
 
+def throughput_reference(recipe: Recipe, hf_config, device: torch.device, log):
+    """FLOPs per token of this model and the device's peak, for tokens/s -> TFLOP/s -> MFU."""
+    try:
+        flops = flops_per_token(hf_config, recipe.data.seq_len,
+                                activation_checkpointing=recipe.model.activation_checkpointing)
+    except ConfigError as exc:
+        log(f"warning: no FLOPs count, so no TFLOP/s or MFU: {exc}")
+        flops = None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    peak = resolve_peak(device.type, name, recipe.precision.dtype, recipe.runtime.peak_tflops)
+    if peak.tflops is None:
+        log(f"warning: perf/mfu is not logged: {peak.detail} (runtime.peak_tflops=<dense TFLOP/s>)")
+    return flops, peak
+
+
+def memory_estimate(recipe: Recipe, plan: BatchPlan, launch: Launch, device: torch.device, log) -> float | None:
+    """The estimator's per-device total for this very run, logged beside the measured peak."""
+    gpu = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        gpu = gpu_for_device(props.name, props.total_memory)
+    try:
+        result = estimate(recipe, plan, launch, gpu=gpu, device=device.type)
+    except ConfigError as exc:
+        log(f"warning: no memory estimate for this layout: {exc}")
+        return None
+    return result.total_gib
+
+
+@dataclass
+class OptimizerStep:
+    """What an optimizer step leaves for logging; device tensors, read only on logging steps."""
+
+    loss_sum: torch.Tensor  # this process's micro-step losses, summed
+    grad_norm: torch.Tensor | float | None
+    lr: float  # the lr this step used
+
+
 class Trainer:
     def __init__(self, recipe: Recipe, launch: Launch | None = None):
         self.recipe = recipe
         self.output_dir = Path(recipe.output_dir)
         self.launch = launch or Launch.from_env()
         self.is_main = self.launch.is_main
+        self.console = Console(recipe.logging.progress, enabled=self.is_main)
 
         # Everything that can be checked without compute is checked before any process group exists.
         run_plan = check_run(recipe, self.launch)
@@ -73,18 +118,15 @@ class Trainer:
         self.num_steps = run_plan.num_steps
         self.lr = run_plan.lr
         check_output_dir(self.output_dir)
-
-        self.console = Console(recipe.logging.progress, enabled=self.is_main)
-        self.checkpointer = Checkpointer(None, self.output_dir, recipe.checkpoint, log=self.log)
-        # Plain file reads, done alike on every rank (checkpoints live on a filesystem all ranks share).
-        resume_from = self.checkpointer.resume_path()
-        resume_step = int(read_state(resume_from)["step"]) if resume_from is not None else None
+        resume_from = resume_checkpoint(self.output_dir, recipe.checkpoint)
+        resume_step = TrainerState.read(resume_from).step if resume_from is not None else None
 
         trackers = build_trackers(recipe, self.output_dir, resume_step, self.is_main)
         self.runtime = build_accelerator(recipe, self.plan, self.launch, self.output_dir, trackers, self.lr)
         self.accelerator = self.runtime.accelerator
-        self.checkpointer.accelerator = self.accelerator
         self.device = self.accelerator.device
+        self.checkpointer = Checkpointer(self.accelerator, self.output_dir, recipe.checkpoint, self.num_steps,
+                                         log=self.log)
         set_seed(recipe.train.seed)
 
         with self.accelerator.main_process_first():
@@ -94,8 +136,8 @@ class Trainer:
         vocab = resolve_vocab_size(recipe.model, len(self.tokenizer))
         model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed)
         self.num_params = count_parameters(model)
-        self.flops, self.peak = self._throughput_reference(model.config)
-        self.memory_estimate_gib = self._memory_estimate()
+        self.flops, self.peak = throughput_reference(recipe, model.config, self.device, self.log)
+        self.memory_estimate_gib = memory_estimate(recipe, self.plan, self.launch, self.device, self.log)
         if self.runtime.deepspeed_optimizer:
             optimizer, scheduler = deepspeed_optimizer(model, recipe, self.lr, self.num_steps)
         else:
@@ -108,249 +150,129 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.skipped_steps = 0  # fp16 overflow: the optimizer step (and the schedule) were skipped
-        self.stop_signal: int | None = None
         self.preempted = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._on_stop_signal)
         if resume_from is not None:
             state = self.checkpointer.load(resume_from, recipe.to_dict())
-            self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+            self.step, self.tokens_seen = state.step, state.tokens_seen
 
         pin = self.device.type == "cuda"
         self.train_loader, self.sample_order = build_train_loader(
             self.data.train, recipe.data, self.plan, self.accelerator.process_index, recipe.train.seed, self.step, pin
         )
-        self.val_loader = build_val_loader(
+        val_loader = build_val_loader(
             self.data.val, recipe.data, self.plan, self.accelerator.process_index, recipe.train.eval_batches, pin
         )
         # Targets per global batch: packed sequences have no padding, so every position is a target.
         self.global_target_tokens = self.plan.tokens_per_step
         self.loss_normaliser = self.global_target_tokens / (self.plan.world_size * self.plan.grad_accum_steps)
-        self._start_run_record()
 
-    # ---- setup helpers ----------------------------------------------------------------------------
+        cadence = recipe.train
+        self.evaluator = Evaluator(self.accelerator, val_loader, every_steps=cadence.eval_every_steps,
+                                   num_steps=self.num_steps, at_start=cadence.eval_at_start, console=self.console)
+        self.step_log = StepLog(self.accelerator, self.console, every_steps=cadence.log_every_steps,
+                                num_steps=self.num_steps)
+        flops, recomputes = self.flops, recipe.model.activation_checkpointing  # recomputation: perf/hfu too
+        self.throughput = ThroughputMonitor(
+            self.plan.tokens_per_step, self.plan.global_batch_size, self.plan.world_size,
+            warmup_steps=recipe.runtime.throughput_warmup_steps, peak_tflops=self.peak.tflops,
+            flops_per_token=flops.model_flops if flops else None,
+            hardware_flops_per_token=flops.hardware_flops if flops and recomputes else None,
+        )
+        start_run_record(self)
+
     def log(self, message: str) -> None:
         if self.is_main:
-            if hasattr(self, "console"):
-                self.console.print(message)
-            else:
-                print(message, flush=True)
-
-    def _throughput_reference(self, hf_config):
-        """FLOPs per token of this model and the device's peak, for tokens/s -> TFLOP/s -> MFU."""
-        recipe = self.recipe
-        try:
-            flops = flops_per_token(hf_config, recipe.data.seq_len,
-                                    activation_checkpointing=recipe.model.activation_checkpointing)
-        except ConfigError as exc:
-            self.log(f"warning: no FLOPs count, so no TFLOP/s or MFU: {exc}")
-            flops = None
-        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
-        peak = resolve_peak(self.device.type, name, recipe.precision.dtype, recipe.runtime.peak_tflops)
-        if peak.tflops is None:
-            self.log(f"warning: perf/mfu is not logged: {peak.detail} (runtime.peak_tflops=<dense TFLOP/s>)")
-        return flops, peak
-
-    def _memory_estimate(self) -> float | None:
-        """The estimator's per-device total for this very run, logged beside the measured peak."""
-        gpu = None
-        if self.device.type == "cuda":
-            props = torch.cuda.get_device_properties(self.device)
-            gpu = gpu_for_device(props.name, props.total_memory)
-        try:
-            result = estimate(self.recipe, self.plan, self.launch, gpu=gpu, device=self.device.type)
-        except ConfigError as exc:
-            self.log(f"warning: no memory estimate for this layout: {exc}")
-            return None
-        return result.total_gib
-
-    def _on_stop_signal(self, signum, frame) -> None:
-        # Only a flag: the loop finishes the optimizer step in flight, then every rank stops at the same step.
-        self.stop_signal = signum
-
-    def should_stop(self) -> bool:
-        """Whether any rank was asked to stop (preemption). Every rank gets the same answer for this step."""
-        flag = 1.0 if self.stop_signal is not None else 0.0
-        if self.plan.world_size == 1:
-            return flag > 0
-        # Expensive device-to-host synchronization (one scalar per optimizer step), as in Megatron's
-        # exit-signal handler: ranks are signalled microseconds apart, possibly in different steps.
-        agreed = self.accelerator.reduce(torch.tensor([flag], device=self.device), reduction="sum")
-        return agreed.item() > 0
-
-    def run_config(self) -> dict[str, Any]:
-        return {
-            "recipe": self.recipe.to_dict(),
-            "plan": self.plan.to_dict(),
-            "dist": {
-                "world_size": self.accelerator.num_processes,
-                "num_machines": self.launch.num_nodes,
-                "engine": self.launch.engine,
-                "distributed_type": str(self.accelerator.distributed_type).split(".")[-1],
-                "device": str(self.device),
-                "mixed_precision": self.accelerator.mixed_precision,
-            },
-            "model": {"num_params": self.num_params, "vocab_size": len(self.tokenizer)},
-            "memory": {"estimated_gib": self.memory_estimate_gib},
-            "data": self.data.stats,
-            "train": {"num_steps": self.num_steps, "lr": self.lr},
-            "perf": {
-                "flops_per_token": self.flops.model_flops if self.flops else None,
-                "hardware_flops_per_token": self.flops.hardware_flops if self.flops else None,
-                "peak_tflops": self.peak.tflops,
-                "peak_source": self.peak.source,
-                "peak_detail": self.peak.detail,
-                "mfu_convention": CONVENTION,
-            },
-        }
-
-    def _start_run_record(self) -> None:
-        config = self.run_config()
-        if self.is_main:
-            (self.output_dir / "recipe.resolved.yaml").write_text(self.recipe.to_yaml())
-        self.accelerator.init_trackers(self.recipe.logging.project, config=flatten(config))
-        p = self.plan
-        self.log(
-            f"pretrain: {self.recipe.name} | world size {config['dist']['world_size']} "
-            f"({config['dist']['distributed_type']}, {config['dist']['device']}, {self.recipe.precision.dtype}) | "
-            f"{self.num_params:,} params | GBS {p.global_batch_size} = MBS {p.micro_batch_size} x GAS "
-            f"{p.grad_accum_steps} x world {p.world_size} | {p.tokens_per_step:,} tokens/step | "
-            f"{self.num_steps} steps | lr {self.lr:.3g} | output {self.output_dir}"
-        )
-        if self.flops is not None:
-            self.log(f"perf: {self.flops.model_flops / 1e9:.4g} GFLOP/token ({CONVENTION.split(';')[0]}); "
-                     f"peak {self.peak.detail}")
+            self.console.print(message)
 
     # ---- the loop -----------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
-        recipe = self.recipe
+        """Optimizer steps up to the horizon, or until a stop signal; returns the last logged train metrics."""
         last_metrics: dict[str, float] = {}
         if self.step >= self.num_steps:
             self.log(f"run already complete at step {self.step}/{self.num_steps}")
             self.finish()
             return last_metrics
-        if self.step == 0 and recipe.train.eval_at_start:
-            self.evaluate()
-
-        self.model.train()
-        batches = iter(self.train_loader)
-        meter = IntervalMeter()
-        warmup_until = self.step + self.recipe.runtime.throughput_warmup_steps
-        self.console.start(self.num_steps, self.step)
-        while self.step < self.num_steps:
-            step_metrics = self.train_step(batches, meter)
-            self.step += 1
-            self.tokens_seen += self.plan.tokens_per_step
-            meter.steps += 1
-            if self.should_log():
-                last_metrics = self.log_train(step_metrics, meter if self.step > warmup_until else None)
-                meter = IntervalMeter()
-            else:
-                self.console.advance(self.step)
-            if self.step == warmup_until:
-                meter = IntervalMeter()  # throughput starts after the warm-up steps (compile, allocator)
-            if self.should_eval():
-                meter.excluded_s += self.evaluate()
-            last = self.step == self.num_steps and self.recipe.checkpoint.save_last
-            if self.checkpointer.should_save(self.step) or last:
-                start = time.perf_counter()
-                self.checkpointer.save(self.step, self.trainer_state())
-                meter.excluded_s += time.perf_counter() - start
-            elif self.should_stop():
-                self.checkpointer.save(self.step, self.trainer_state())
-                self.preempted = True
-                self.console.close()
-                self.log(f"preempted: stopped after step {self.step}/{self.num_steps} with a checkpoint; "
-                         "the same command resumes from it")
-                self.accelerator.end_training()
-                return last_metrics
+        with StopSignals() as stop:  # SIGTERM / SIGUSR1: stop after the step in flight
+            if self.step == 0 and self.evaluator.due(0):
+                self.evaluator.evaluate(self.model, 0)
+            self.model.train()
+            batches = iter(self.train_loader)
+            self.throughput.start(self.step)
+            self.console.start(self.num_steps, self.step)
+            while self.step < self.num_steps:
+                result = self.train_step(batches)
+                self.step += 1
+                self.tokens_seen += self.plan.tokens_per_step
+                self.throughput.step_done(self.step)
+                if self.step_log.due(self.step):
+                    last_metrics = self.log_train(result)
+                else:
+                    self.console.advance(self.step)
+                if self.evaluator.due(self.step):
+                    with self.throughput.excluded():
+                        self.evaluator.evaluate(self.model, self.step)
+                if self.checkpointer.should_save(self.step):
+                    with self.throughput.excluded():
+                        self.checkpointer.save(self.state())
+                elif stop.agreed(self.accelerator):
+                    self.stop_preempted()
+                    return last_metrics
         self.finish()
         return last_metrics
 
-    def train_step(self, batches, meter: IntervalMeter) -> dict[str, torch.Tensor]:
-        """One optimizer step: GAS micro-steps, clipping, update, schedule."""
-        acc, model = self.accelerator, self.model
+    def train_step(self, batches) -> OptimizerStep:
+        """One optimizer step: GAS micro-steps; the last one synchronises gradients and updates."""
         loss_sum = torch.zeros((), device=self.device)
-        grad_norm = None
         lr = self.optimizer.param_groups[0]["lr"]  # the lr this step uses
         for _micro_step in range(self.plan.grad_accum_steps):
-            wait_start = time.perf_counter()
-            batch = next(batches).to(self.device)
-            meter.data_wait_s += time.perf_counter() - wait_start
-            with acc.accumulate(model):
-                out = model(
-                    input_ids=batch.input_ids,
-                    labels=batch.targets,
-                    shift_labels=batch.targets,
-                    num_items_in_batch=self.loss_normaliser,
-                )
-                acc.backward(out.loss)
-                loss_sum += out.loss.detach()
-                if acc.sync_gradients:
-                    clip = self.recipe.optim.grad_clip or float("inf")
-                    grad_norm = acc.clip_grad_norm_(model.parameters(), clip)
-                self.optimizer.step()
-                if acc.sync_gradients:
-                    if acc.optimizer_step_was_skipped:
-                        self.skipped_steps += 1
-                    else:
-                        self.scheduler.step()
-                self.optimizer.zero_grad(set_to_none=True)
-        assert acc.sync_gradients, "the last micro-step of an optimizer step must synchronise gradients"
-        return {"loss_sum": loss_sum, "grad_norm": grad_norm, "lr": lr}
+            with self.throughput.data_wait():
+                batch = next(batches).to(self.device)
+            loss, grad_norm = self.micro_step(batch)
+            loss_sum += loss
+        assert self.accelerator.sync_gradients, "the last micro-step of an optimizer step must synchronise gradients"
+        return OptimizerStep(loss_sum, grad_norm, lr)
 
-    def should_log(self) -> bool:
-        every = self.recipe.train.log_every_steps
-        return self.step == 1 or self.step % every == 0 or self.step == self.num_steps
+    def micro_step(self, batch) -> tuple[torch.Tensor, Any]:
+        """Forward and backward of one micro-batch; on the micro-step that synchronises gradients also clip,
+        update and step the schedule. Returns the detached loss, and the gradient norm (None on the others)."""
+        acc, model = self.accelerator, self.model
+        grad_norm = None
+        with acc.accumulate(model):
+            out = model(
+                input_ids=batch.input_ids,
+                labels=batch.targets,
+                shift_labels=batch.targets,
+                num_items_in_batch=self.loss_normaliser,
+            )
+            acc.backward(out.loss)
+            if acc.sync_gradients:
+                grad_norm = acc.clip_grad_norm_(model.parameters(), self.recipe.optim.grad_clip or float("inf"))
+            self.optimizer.step()  # accelerate skips it on micro-steps that do not synchronise
+            if acc.sync_gradients:
+                if acc.optimizer_step_was_skipped:
+                    self.skipped_steps += 1
+                else:
+                    self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return out.loss.detach(), grad_norm
 
-    def should_eval(self) -> bool:
-        every = self.recipe.train.eval_every_steps
-        return self.step == self.num_steps or (every > 0 and self.step % every == 0)
-
-    def log_train(self, step_metrics: dict, meter: IntervalMeter | None) -> dict[str, float]:
+    # ---- around the loop ----------------------------------------------------------------------------
+    def log_train(self, result: OptimizerStep) -> dict[str, float]:
         # Expensive device-to-host synchronization: only on logging steps.
-        loss = self.accelerator.reduce(step_metrics["loss_sum"], reduction="mean").item() / self.plan.grad_accum_steps
-        grad_norm = step_metrics["grad_norm"]
+        loss = self.accelerator.reduce(result.loss_sum, reduction="mean").item() / self.plan.grad_accum_steps
         metrics = {
             "train/loss": loss,
             "train/ppl": math.exp(min(loss, 50.0)),
-            "train/lr": step_metrics["lr"],
-            "train/grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "train/lr": result.lr,
+            "train/grad_norm": float(result.grad_norm) if result.grad_norm is not None else None,
             "train/tokens_seen": self.tokens_seen,
-            **self.throughput_metrics(meter),
+            **self.throughput.metrics(self.step),
             **memory_metrics(self.device),
-            **({"memory/estimated_gib": self.memory_estimate_gib} if self.memory_estimate_gib is not None else {}),
+            "memory/estimated_gib": self.memory_estimate_gib,
             **self.plan.as_metrics(),
             **self.loss_scale_metrics(),
         }
-        metrics = {k: v for k, v in metrics.items() if v is not None}
-        self.accelerator.log(metrics, step=self.step)
-        self.console.step_summary(self.step, self.num_steps, metrics)
-        return metrics
-
-    def throughput_metrics(self, meter: IntervalMeter | None) -> dict[str, float]:
-        """tokens/s, TFLOP/s and MFU over the steps since the last log (no eval, checkpoint or warm-up time)."""
-        if meter is None or meter.steps == 0:
-            return {}  # a warm-up step: its time says nothing about throughput
-        elapsed = max(meter.elapsed(), 1e-9)
-        tokens = meter.steps * self.plan.tokens_per_step
-        per_device = tokens / elapsed / self.plan.world_size
-        out = {
-            "perf/tokens_per_s": tokens / elapsed,
-            "perf/tokens_per_s_per_device": per_device,
-            "perf/samples_per_s": meter.steps * self.plan.global_batch_size / elapsed,
-            "perf/step_time_s": elapsed / meter.steps,
-            "perf/data_wait_frac": meter.data_wait_s / elapsed,
-        }
-        if self.flops is not None:
-            out["perf/flops_per_token"] = self.flops.model_flops
-            out["perf/tflops_per_device"] = self.flops.model_flops * per_device / 1e12
-            if self.peak.tflops is not None:
-                out["perf/peak_tflops"] = self.peak.tflops
-                out["perf/mfu"] = mfu(self.flops.model_flops, per_device, self.peak.tflops)
-                if self.recipe.model.activation_checkpointing:
-                    out["perf/hfu"] = mfu(self.flops.hardware_flops, per_device, self.peak.tflops)
-        return out
+        return self.step_log.write(self.step, metrics)
 
     def loss_scale_metrics(self) -> dict[str, float]:
         """fp16 only: the current loss scale and the optimizer steps skipped on overflow so far."""
@@ -369,40 +291,19 @@ class Trainer:
             out["train/loss_scale"] = float(scale)
         return out
 
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        """Validation loss over the evaluation set (the same set on any world size). Returns seconds spent."""
-        start = time.perf_counter()
-        self.model.eval()
-        totals = torch.zeros(2, device=self.device, dtype=torch.float64)
-        for batch in self.val_loader:
-            batch = batch.to(self.device)
-            out = self.model(input_ids=batch.input_ids, labels=batch.targets, shift_labels=batch.targets,
-                             num_items_in_batch=1.0)
-            totals[0] += out.loss.double()
-            totals[1] += batch.targets.numel()
-        self.model.train()
-        # Expensive device-to-host synchronization.
-        loss_sum, count = self.accelerator.reduce(totals, reduction="sum").tolist()
-        val_loss = loss_sum / count
-        metrics = {"val/loss": val_loss, "val/ppl": math.exp(min(val_loss, 50.0)), "val/tokens": int(count)}
-        self.accelerator.log(metrics, step=self.step)
-        self.console.print(f"eval step {self.step}: val_loss {val_loss:.4f} | val_ppl {metrics['val/ppl']:.2f}")
-        return time.perf_counter() - start
+    def state(self) -> TrainerState:
+        """What a checkpoint records besides the accelerator's state."""
+        return TrainerState(step=self.step, tokens_seen=self.tokens_seen, num_steps=self.num_steps,
+                            plan=self.plan.to_dict(), recipe=self.recipe.to_dict())
 
-    def trainer_state(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "samples_seen": self.step * self.plan.global_batch_size,
-            "data_cursor": {"kind": "global_step", "step": self.step, "seed": self.recipe.train.seed},
-            "num_steps": self.num_steps,
-            "plan": self.plan.to_dict(),
-            "recipe_fingerprint": self.recipe.fingerprint(),
-            "recipe": self.recipe.to_dict(),
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-        }
+    def stop_preempted(self) -> None:
+        """A stop signal reached every rank: checkpoint the step just done and end; the same command resumes."""
+        self.checkpointer.save(self.state())
+        self.preempted = True
+        self.console.close()
+        self.log(f"preempted: stopped after step {self.step}/{self.num_steps} with a checkpoint; "
+                 "the same command resumes from it")
+        self.accelerator.end_training()
 
     def finish(self) -> None:
         self.console.close()
@@ -425,16 +326,3 @@ class Trainer:
             os.rename(tmp, final)
             self.log(f"export: transformers model and tokenizer in {final}")
         acc.wait_for_everyone()
-
-
-class IntervalMeter:
-    """Wall time between logging steps, minus evaluation and checkpoint time."""
-
-    def __init__(self):
-        self.start = time.perf_counter()
-        self.steps = 0
-        self.excluded_s = 0.0
-        self.data_wait_s = 0.0
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start - self.excluded_s

@@ -214,3 +214,29 @@ def test_recipe_file_errors_exit_2_without_traceback(tmp_path, text, message):
     proc = subprocess.run([sys.executable, RUN, "--recipe", str(recipe)], env=env(), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+RESTORE_SCRIPT = """
+import signal, sys
+from pretrain.config import load_recipe
+from pretrain.train import Trainer
+
+def mine(signum, frame):
+    pass
+
+signal.signal(signal.SIGUSR1, mine)
+trainer = Trainer(load_recipe(sys.argv[1], sys.argv[2:]))
+assert signal.getsignal(signal.SIGUSR1) is mine, "building the trainer installed a handler"
+trainer.train()
+assert signal.getsignal(signal.SIGUSR1) is mine, signal.getsignal(signal.SIGUSR1)
+assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, signal.getsignal(signal.SIGTERM)
+print("handlers restored")
+"""
+
+
+def test_stop_signal_handlers_are_installed_for_the_loop_only(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", RESTORE_SCRIPT, TINY, *FAST, "train.max_steps=2",
+                           "checkpoint.save_final_model=false", f"output_dir={tmp_path / 'run'}"],
+                          env=env(), capture_output=True, text=True, timeout=300)
+    check_ok(proc)
+    assert "handlers restored" in proc.stdout

@@ -1,0 +1,63 @@
+"""The run record: what a run writes about itself before its first step.
+
+``recipe.resolved.yaml``, the run config every tracker receives (``run_config.json`` through the JSONL
+tracker, wandb's config, tensorboard's hparams) and the banner printed to the console.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pretrain.metrics import CONVENTION
+from pretrain.tracking import flatten
+
+if TYPE_CHECKING:
+    from pretrain.train import Trainer
+
+
+def run_config(trainer: Trainer) -> dict[str, Any]:
+    """The nested run config of a built trainer: recipe, plan, launch, model, data, perf reference."""
+    acc, flops, peak = trainer.accelerator, trainer.flops, trainer.peak
+    return {
+        "recipe": trainer.recipe.to_dict(),
+        "plan": trainer.plan.to_dict(),
+        "dist": {
+            "world_size": acc.num_processes,
+            "num_machines": trainer.launch.num_nodes,
+            "engine": trainer.launch.engine,
+            "distributed_type": str(acc.distributed_type).split(".")[-1],
+            "device": str(trainer.device),
+            "mixed_precision": acc.mixed_precision,
+        },
+        "model": {"num_params": trainer.num_params, "vocab_size": len(trainer.tokenizer)},
+        "memory": {"estimated_gib": trainer.memory_estimate_gib},
+        "data": trainer.data.stats,
+        "train": {"num_steps": trainer.num_steps, "lr": trainer.lr},
+        "perf": {
+            "flops_per_token": flops.model_flops if flops else None,
+            "hardware_flops_per_token": flops.hardware_flops if flops else None,
+            "peak_tflops": peak.tflops,
+            "peak_source": peak.source,
+            "peak_detail": peak.detail,
+            "mfu_convention": CONVENTION,
+        },
+    }
+
+
+def start_run_record(trainer: Trainer) -> None:
+    """Write the resolved recipe, start the trackers with the run config and print the banner."""
+    recipe, p, config = trainer.recipe, trainer.plan, run_config(trainer)
+    if trainer.is_main:
+        (trainer.output_dir / "recipe.resolved.yaml").write_text(recipe.to_yaml())
+    trainer.accelerator.init_trackers(recipe.logging.project, config=flatten(config))
+    dist = config["dist"]
+    trainer.log(
+        f"pretrain: {recipe.name} | world size {dist['world_size']} "
+        f"({dist['distributed_type']}, {dist['device']}, {recipe.precision.dtype}) | "
+        f"{trainer.num_params:,} params | GBS {p.global_batch_size} = MBS {p.micro_batch_size} x GAS "
+        f"{p.grad_accum_steps} x world {p.world_size} | {p.tokens_per_step:,} tokens/step | "
+        f"{trainer.num_steps} steps | lr {trainer.lr:.3g} | output {trainer.output_dir}"
+    )
+    if trainer.flops is not None:
+        trainer.log(f"perf: {trainer.flops.model_flops / 1e9:.4g} GFLOP/token ({CONVENTION.split(';')[0]}); "
+                    f"peak {trainer.peak.detail}")

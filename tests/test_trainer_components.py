@@ -1,0 +1,274 @@
+"""The trainer's components, each alone and without training: checkpoint state and compatibility keys,
+the resume decision and save cadence, stop signals, the throughput monitor, and the log / eval cadences."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from pydantic import BaseModel
+
+import pretrain.checkpoint as checkpoint
+from pretrain.checkpoint import (
+    MUST_MATCH,
+    Checkpointer,
+    TrainerState,
+    check_compatible,
+    recipe_field,
+    resume_checkpoint,
+)
+from pretrain.config import CheckpointConfig, Recipe, load_recipe
+from pretrain.errors import ConfigError
+from pretrain.evaluation import Evaluator
+from pretrain.metrics import ThroughputMonitor
+from pretrain.preemption import STOP_SIGNALS, StopSignals
+from pretrain.rundir import STATE_FILE, read_state
+from pretrain.tracking import StepLog
+from tests.helpers import TINY
+
+
+@pytest.fixture(scope="module")
+def recipe() -> dict:
+    return load_recipe(TINY).to_dict()
+
+
+# ---- checkpoint state and compatibility ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", MUST_MATCH)
+def test_every_compatibility_key_names_a_recipe_field(key):
+    model = Recipe
+    for part in key.split("."):
+        assert isinstance(model, type) and issubclass(model, BaseModel), f"{key}: {model} has no fields"
+        assert part in model.model_fields, f"{key}: no field {part!r} in {model.__name__}"
+        model = model.model_fields[part].annotation
+
+
+def test_recipe_field_refuses_unknown_and_too_deep_keys():
+    assert recipe_field("model.hidden_size").annotation is int
+    for key in ("model.hiden_size", "modl.hidden_size", "train.seed.value", "nope"):
+        with pytest.raises(KeyError, match="names no field"):
+            recipe_field(key)
+
+
+def test_compatibility_check_fails_loudly_on_an_unknown_key(recipe, monkeypatch):
+    monkeypatch.setattr(checkpoint, "MUST_MATCH", (*MUST_MATCH, "model.renamed_field"))
+    with pytest.raises(KeyError, match="model.renamed_field"):
+        check_compatible(Path("ckpt"), recipe, recipe)
+
+
+def test_compatibility_check_refuses_shape_changes_and_reports_the_rest(recipe):
+    changed = json.loads(json.dumps(recipe))
+    changed["optim"]["lr"] = recipe["optim"]["lr"] * 2
+    changed["logging"]["project"] = "elsewhere"
+    assert check_compatible(Path("ckpt"), recipe, changed) == [
+        f"optim.lr: {recipe['optim']['lr']!r} -> {changed['optim']['lr']!r}"]
+    changed["model"]["hidden_size"] += 8
+    with pytest.raises(ConfigError, match="cannot resume from ckpt: .*model.hidden_size"):
+        check_compatible(Path("ckpt"), recipe, changed)
+
+
+def test_trainer_state_round_trips_and_reads_old_checkpoints(tmp_path, recipe):
+    state = TrainerState(step=7, tokens_seen=7 * 512, num_steps=20, plan={"global_batch_size": 8}, recipe=recipe)
+    assert TrainerState.from_json(state.to_json()) == state
+    written = json.loads(state.to_json())
+    assert {"step", "tokens_seen", "num_steps", "plan", "recipe", "saved_at", "python", "torch"} == set(written)
+
+    old = {**written, "samples_seen": 56, "data_cursor": {"kind": "global_step", "step": 7, "seed": 1234},
+           "recipe_fingerprint": "0123456789abcdef", "saved_at": 1.5}
+    (tmp_path / STATE_FILE).write_text(json.dumps(old))
+    loaded = TrainerState.read(tmp_path)
+    assert (loaded.step, loaded.tokens_seen, loaded.num_steps, loaded.saved_at) == (7, 3584, 20, 1.5)
+    assert loaded.recipe == recipe
+    assert TrainerState.read(tmp_path / "missing") is None
+
+
+def _fake_checkpoint(run_dir: Path, step: int) -> Path:
+    path = run_dir / "checkpoints" / f"step_{step:08d}"
+    path.mkdir(parents=True)
+    state = TrainerState(step=step, tokens_seen=step, num_steps=10, plan={}, recipe={})
+    (path / STATE_FILE).write_text(state.to_json())
+    return path
+
+
+def test_resume_decision_needs_no_accelerator(tmp_path):
+    run = tmp_path / "run"
+    assert resume_checkpoint(run, CheckpointConfig(resume="auto")) is None
+    assert resume_checkpoint(run, CheckpointConfig(resume="none")) is None
+    _fake_checkpoint(run, 2)
+    newest = _fake_checkpoint(run, 4)
+    assert resume_checkpoint(run, CheckpointConfig(resume="auto")) == newest
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        resume_checkpoint(run, CheckpointConfig(resume="none"))
+    assert resume_checkpoint(tmp_path / "other", CheckpointConfig(resume=str(newest))) == newest
+    with pytest.raises(ConfigError, match="is not a complete checkpoint directory"):
+        resume_checkpoint(run, CheckpointConfig(resume=str(tmp_path)))
+
+
+@pytest.mark.parametrize(
+    "every, save_last, expected",
+    [(0, True, [10]), (0, False, []), (4, True, [4, 8, 10]), (4, False, [4, 8]), (5, True, [5, 10])],
+)
+def test_checkpointer_owns_the_save_cadence(tmp_path, every, save_last, expected):
+    cfg = CheckpointConfig(every_steps=every, save_last=save_last)
+    checkpointer = Checkpointer(None, tmp_path, cfg, num_steps=10)
+    assert [step for step in range(1, 11) if checkpointer.should_save(step)] == expected
+
+
+class _FakeAccelerator:
+    """The part of ``accelerate.Accelerator`` that Checkpointer.save / load use, in one process."""
+
+    is_main_process = True
+    num_processes = 1
+
+    def __init__(self):
+        self.loaded = None
+
+    def wait_for_everyone(self):
+        pass
+
+    def save_state(self, path, safe_serialization=True):
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "model.safetensors").write_text("weights")
+
+    def load_state(self, path):
+        self.loaded = path
+
+
+def test_checkpointer_saves_typed_state_and_loads_it_back(tmp_path, recipe):
+    logged = []
+    acc = _FakeAccelerator()
+    checkpointer = Checkpointer(acc, tmp_path, CheckpointConfig(keep_last=1), num_steps=10, log=logged.append)
+    for step in (3, 6):
+        path = checkpointer.save(TrainerState(step=step, tokens_seen=step * 512, num_steps=10, plan={}, recipe=recipe))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_00000006"]
+    assert read_state(path)["saved_at"] > 0 and "checkpoint: saved step 6" in logged[-1]
+    state = checkpointer.load(path, recipe)
+    assert (state.step, state.tokens_seen, acc.loaded) == (6, 3072, str(path))
+    assert f"resume: continuing from {path} at step 6" in logged[-1]
+
+
+# ---- stop signals ---------------------------------------------------------------------------------------
+
+
+def _handlers() -> dict:
+    return {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+
+
+def test_stop_signals_are_recorded_inside_and_previous_handlers_restored_after():
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        before = _handlers()
+        with StopSignals() as stop:
+            assert _handlers() != before
+            assert stop.received is None and not stop.agreed(SimpleNamespace(num_processes=1))
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert stop.received == signal.SIGUSR1 and stop.agreed(SimpleNamespace(num_processes=1))
+        assert _handlers() == before
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1]  # the restored handler gets it, not the loop's flag
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_stop_signal_handlers_are_restored_when_the_loop_raises():
+    before = _handlers()
+    with pytest.raises(RuntimeError, match="boom"), StopSignals():
+        raise RuntimeError("boom")
+    assert _handlers() == before
+
+
+# ---- throughput --------------------------------------------------------------------------------------------
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture()
+def clock(monkeypatch):
+    fake = _Clock()
+    monkeypatch.setattr("pretrain.metrics.time.perf_counter", fake)
+    return fake
+
+
+def _steps(monitor: ThroughputMonitor, clock: _Clock, first: int, last: int, seconds: float) -> None:
+    for step in range(first, last + 1):
+        clock.now += seconds
+        monitor.step_done(step)
+
+
+def test_throughput_skips_the_warm_up_and_excluded_time(clock):
+    monitor = ThroughputMonitor(512, 8, 2, warmup_steps=1, flops_per_token=1e6, peak_tflops=0.5)
+    monitor.start(0)
+    _steps(monitor, clock, 1, 1, 30.0)  # compile, allocator: not measured
+    assert monitor.metrics(1) == {}
+    _steps(monitor, clock, 2, 3, 2.0)
+    with monitor.excluded():  # an evaluation
+        clock.now += 50.0
+    with monitor.data_wait():
+        clock.now += 1.0
+    perf = monitor.metrics(3)
+    assert perf["perf/step_time_s"] == pytest.approx(2.5)  # (2 + 2 + 1) s over 2 steps
+    assert perf["perf/tokens_per_s"] == pytest.approx(2 * 512 / 5.0)
+    assert perf["perf/tokens_per_s_per_device"] == pytest.approx(2 * 512 / 5.0 / 2)
+    assert perf["perf/samples_per_s"] == pytest.approx(2 * 8 / 5.0)
+    assert perf["perf/data_wait_frac"] == pytest.approx(0.2)
+    per_device = perf["perf/tokens_per_s_per_device"]
+    assert perf["perf/mfu"] == pytest.approx(1e6 * per_device / (0.5 * 1e12), rel=1e-12)
+    assert perf["perf/tflops_per_device"] == pytest.approx(1e6 * per_device / 1e12, rel=1e-12)
+    assert perf["perf/peak_tflops"] == 0.5 and perf["perf/flops_per_token"] == 1e6
+    assert "perf/hfu" not in perf
+
+
+def test_throughput_warm_up_counts_from_the_resumed_step(clock):
+    monitor = ThroughputMonitor(512, 8, 1, warmup_steps=2)
+    monitor.start(10)
+    _steps(monitor, clock, 11, 11, 9.0)
+    assert monitor.metrics(11) == {}
+    _steps(monitor, clock, 12, 13, 1.0)  # step 12 ends the warm-up: only step 13 is measured
+    perf = monitor.metrics(13)
+    assert perf["perf/step_time_s"] == pytest.approx(1.0)
+    assert not any(key in perf for key in ("perf/mfu", "perf/flops_per_token", "perf/tflops_per_device"))
+
+
+def test_throughput_without_peak_has_no_mfu_and_with_recomputation_an_hfu(clock):
+    no_peak = ThroughputMonitor(512, 8, 1, flops_per_token=1e6)
+    _steps(no_peak, clock, 1, 1, 1.0)
+    assert "perf/tflops_per_device" in (perf := no_peak.metrics(1)) and "perf/mfu" not in perf
+    recompute = ThroughputMonitor(512, 8, 1, flops_per_token=1e6, hardware_flops_per_token=1.3e6, peak_tflops=1.0)
+    _steps(recompute, clock, 1, 1, 1.0)
+    perf = recompute.metrics(1)
+    assert perf["perf/hfu"] == pytest.approx(1.3 * perf["perf/mfu"])
+
+
+# ---- log and eval cadence ---------------------------------------------------------------------------------
+
+
+def test_log_cadence_is_step_one_every_n_and_the_last():
+    log = StepLog(None, None, every_steps=4, num_steps=10)
+    assert [step for step in range(1, 11) if log.due(step)] == [1, 4, 8, 10]
+
+
+def test_step_log_drops_none_values():
+    logged = []
+    acc = SimpleNamespace(log=lambda metrics, step: logged.append((step, metrics)))
+    console = SimpleNamespace(step_summary=lambda step, total, metrics: None)
+    out = StepLog(acc, console, every_steps=1, num_steps=2).write(2, {"train/loss": 1.0, "train/grad_norm": None})
+    assert out == {"train/loss": 1.0} and logged == [(2, {"train/loss": 1.0})]
+
+
+@pytest.mark.parametrize("every, at_start, expected", [(0, True, [0, 10]), (0, False, [10]), (4, True, [0, 4, 8, 10]),
+                                                       (5, False, [5, 10])])
+def test_eval_cadence(every, at_start, expected):
+    evaluator = Evaluator(None, [], every_steps=every, num_steps=10, at_start=at_start, console=None)
+    assert [step for step in range(0, 11) if evaluator.due(step)] == expected
