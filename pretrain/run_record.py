@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pretrain.metrics import CONVENTION
+from pretrain.shape import CONVENTION
 from pretrain.tracking import flatten
 
 if TYPE_CHECKING:

@@ -33,16 +33,18 @@ from pretrain.config import Recipe
 from pretrain.data import prepare_data
 from pretrain.errors import ConfigError
 from pretrain.evaluation import Evaluator
+from pretrain.hardware import gpu_for_device
 from pretrain.launch import Launch
 from pretrain.loader import build_train_loader, build_val_loader
-from pretrain.memory import estimate, gpu_for_device
-from pretrain.metrics import ThroughputMonitor, flops_per_token, memory_metrics, resolve_peak
+from pretrain.memory import estimate
+from pretrain.metrics import ThroughputMonitor, memory_metrics, resolve_peak
 from pretrain.model import build_model, count_parameters, resolve_vocab_size
 from pretrain.optim import build_optimizer, build_scheduler, deepspeed_optimizer
 from pretrain.preemption import StopSignals
 from pretrain.preflight import check_run
 from pretrain.run_record import start_run_record
 from pretrain.runtime import build_accelerator
+from pretrain.shape import flops_per_token
 from pretrain.tracking import Console, StepLog, build_trackers
 
 

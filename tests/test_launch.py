@@ -121,3 +121,27 @@ def test_launch_read_from_the_config_equals_the_launch_the_processes_read(config
     assert before.engine == {"fsdp.yaml": "fsdp"}.get(config, "deepspeed" if "zero" in config else "ddp")
     options = ["--num_processes", "4", "--num_machines", "2"]
     assert Launch.from_env(accelerate_environment(path, *options)) == Launch.from_accelerate_config(path, options)
+
+
+def test_an_fsdp_launch_logs_the_estimators_fsdp_figure(monkeypatch):
+    """accelerate runs FSDP on GPUs only (on CPU pretrain refuses it), so this follows the launch value: the
+    environment accelerate exports for fsdp.yaml on 2 processes -> Launch -> the figure the trainer logs as
+    memory/estimated_gib (pretrain.train.memory_estimate) is the estimator's FSDP figure, not DDP's."""
+    import torch
+
+    from pretrain.batching import plan_batches
+    from pretrain.config import load_recipe
+    from pretrain.launch import Launch
+    from pretrain.memory import estimate
+    from pretrain.train import memory_estimate
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    launch = Launch.from_env(accelerate_environment(CONFIGS / "fsdp.yaml", "--num_processes", "2"))
+    assert (launch.engine, launch.fsdp_sharding, launch.world_size) == ("fsdp", "FULL_SHARD", 2)
+    recipe = load_recipe(TINY, ["precision.dtype=bf16"])
+    plan = plan_batches(recipe.batch, launch.world_size, recipe.data.seq_len)
+    logged = memory_estimate(recipe, plan, launch, torch.device("cpu"), log=print)
+    fsdp = estimate(recipe, plan, Launch("fsdp", gpus_per_node=2, fsdp_sharding="FULL_SHARD"), device="cpu")
+    ddp = estimate(recipe, plan, Launch("ddp", gpus_per_node=2), device="cpu")
+    assert "FSDP FULL_SHARD" in fsdp.layout.describe()
+    assert logged == fsdp.total_gib != ddp.total_gib

@@ -5,7 +5,7 @@
 One process builds ``Trainer(recipe)`` and then times, on the same prepared model, optimizer, scheduler,
 DataLoader and device, blocks of N optimizer steps of
 
-- the toolkit: ``trainer.train_step(batches, meter)``;
+- the toolkit: ``trainer.train_step(batches)``;
 - a minimal loop: ``with accelerator.accumulate(model): loss = model(...).loss; accelerator.backward(loss);
   optimizer.step(); scheduler.step(); optimizer.zero_grad()`` over the GAS micro-batches of a step (with
   ``accelerator.clip_grad_norm_`` when the recipe clips, since both loops must do the same math),
@@ -55,11 +55,8 @@ def synchronize(device) -> None:
 
 
 def toolkit_block(trainer, batches, num_steps: int) -> None:
-    from pretrain.train import IntervalMeter
-
-    meter = IntervalMeter()
     for _ in range(num_steps):
-        trainer.train_step(batches, meter)
+        trainer.train_step(batches)
 
 
 def minimal_block(trainer, batches, num_steps: int) -> None:
