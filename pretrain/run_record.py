@@ -22,9 +22,8 @@ def run_config(trainer: Trainer) -> dict[str, Any]:
         "recipe": trainer.recipe.to_dict(),
         "plan": trainer.plan.to_dict(),
         "dist": {
+            **trainer.launch.to_dict(),  # engine, ZeRO stage / FSDP sharding, offload, machines
             "world_size": acc.num_processes,
-            "num_machines": trainer.launch.num_nodes,
-            "engine": trainer.launch.engine,
             "distributed_type": str(acc.distributed_type).split(".")[-1],
             "device": str(trainer.device),
             "mixed_precision": acc.mixed_precision,
