@@ -6,13 +6,36 @@ tracker, wandb's config, tensorboard's hparams) and the banner printed to the co
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
+from pretrain.batching import BatchPlan
+from pretrain.config import Recipe
+from pretrain.launch import Launch
 from pretrain.shape import CONVENTION
 from pretrain.tracking import flatten
 
-if TYPE_CHECKING:
-    from pretrain.train import Trainer
+
+class Trainer(Protocol):
+    """What the run record reads from a built trainer (pretrain.train.Trainer)."""
+
+    recipe: Recipe
+    plan: BatchPlan
+    launch: Launch
+    accelerator: Any
+    device: Any
+    output_dir: Path
+    is_main: bool
+    num_params: int
+    num_steps: int
+    lr: float
+    tokenizer: Any
+    data: Any
+    flops: Any
+    peak: Any
+    memory_estimate_gib: float | None
+
+    def log(self, message: str) -> None: ...
 
 
 def run_config(trainer: Trainer) -> dict[str, Any]:
