@@ -297,3 +297,11 @@ def test_no_gpu_known_means_no_check(capsys, execv, monkeypatch):
     fake_cuda(monkeypatch, "NVIDIA H100 80GB HBM3", 81559)  # a CPU launch on a GPU machine: its GPU is not used
     code, _, err = launch_in_process(capsys, "--config_file", str(CONFIGS / "ddp.yaml"), "--cpu", "--recipe", R7B)
     assert code == 0 and err == "" and len(execv) == 2, err
+
+
+def test_the_readme_shows_the_real_refusal(capsys, execv, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    args = ["--config_file", "accelerate_configs/ddp.yaml", "--gpu", "H100-80GB", "--recipe", "recipes/7b.yaml"]
+    code, _, err = launch_in_process(capsys, *args)
+    assert code == 2
+    assert f"$ pretrain-launch {' '.join(args)}\n{err}$ echo $?\n2\n" in (ROOT / "README.md").read_text()
