@@ -224,6 +224,7 @@ def test_the_check_uses_the_launch_world_size_and_the_recipe_batch(capsys, execv
     code, _, err = launch_in_process(capsys, "--config_file", str(CONFIGS / "zero3.yaml"), "--gpu", "H100-80GB",
                                      "--recipe", R7B, "batch.micro_batch_size=16", "model.activation_checkpointing=false")
     assert code == 2 and "DeepSpeed ZeRO-3 on 8 GPUs (MBS 16, GAS 8, no recompute)" in err, err
+    assert err.count("batch.micro_batch_size=") == 2, err  # the plan's MBS replaces the user's in the launch
     # on 1 GPU the states alone are over 80 GiB: the best layout offloads
     code, _, err = launch_in_process(capsys, "--config_file", str(CONFIGS / "zero3.yaml"), "--num_processes", "1",
                                      "--gpu", "H100-80GB", "--recipe", R7B)

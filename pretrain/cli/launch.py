@@ -140,8 +140,10 @@ def best_layout(recipe, recipe_path: str, overrides: list[str], launch: Launch, 
     config = plan.default_output(recipe, nodes, gpus, gpu)
     plan_cmd = ["pretrain-plan", "--recipe", recipe_path, "--nodes", str(nodes), "--gpus-per-node", str(gpus),
                 *gpu_args, *overrides]
+    changes = plan.recipe_overrides(recipe, best)
+    changed = {c.split("=", 1)[0] for c in changes}
     launch_cmd = ["pretrain-launch", "--config_file", str(config), "--recipe", recipe_path,
-                  *overrides, *plan.recipe_overrides(recipe, best)]
+                  *(o for o in overrides if o.split("=", 1)[0] not in changed), *changes]
     recompute = "recompute" if best.checkpointing else "no recompute"
     return "\n".join([
         f"pretrain-plan's best layout on {nodes} x {gpus} {gpu.name}: {best.name}, MBS {best.micro_batch_size}, "
