@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import sys
 
 import pytest
@@ -95,7 +96,12 @@ def accelerate_environment(config_file, *options: str) -> dict[str, str]:
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
-    args = launch_command_parser().parse_args(["--config_file", str(config_file), *options, "run.py"])
+    # A free rendezvous port: accelerate refuses one in use (another run, or a stray test process, on 29500).
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    args = launch_command_parser().parse_args(["--config_file", str(config_file), "--main_process_port", port,
+                                               *options, "run.py"])
     args, defaults, mp_from_config = _validate_launch_command(args)
     if args.use_deepspeed:
         fields = list(defaults.deepspeed_config) if defaults else []  # as accelerate's launch_command sets it
