@@ -198,9 +198,9 @@ def agree_on_resume(accelerator: Accelerator, choice: ResumeChoice | None, outpu
     if state is None or state.step != choice.step:
         seen = "no complete checkpoint" if state is None else f"a checkpoint at step {state.step}"
         newest = latest_checkpoint(output_dir)
-        own = (f"its own newest is {newest} at step {TrainerState.read(newest).step}" if newest is not None
-               else "it sees no checkpoint in output_dir")
-        problem = f"sees {seen} at {path.resolve()} ({own})"
+        own = (f"newest visible: {newest} at step {TrainerState.read(newest).step}" if newest is not None
+               else "no checkpoint visible in output_dir")
+        problem = f"found {seen} at {path.resolve()} ({own})"
     problems = rank_problems(accelerator, problem)
     if problems:
         raise ConfigError(

@@ -194,7 +194,7 @@ def check_shared_output_dir(accelerator: Accelerator, output_dir: Path) -> None:
     deadline = time.monotonic() + PROBE_WAIT_S
     while not (seen := _sees(probe, name)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    problems = rank_problems(accelerator, None if seen else f"does not see it at {probe.resolve()}")
+    problems = rank_problems(accelerator, None if seen else f"found no such file at {probe.resolve()}")
     if accelerator.is_main_process:  # every rank has read (or given up on) the probe by now
         probe.unlink(missing_ok=True)
     if problems:

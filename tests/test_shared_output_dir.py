@@ -56,7 +56,7 @@ def test_an_output_dir_that_differs_between_nodes_is_refused_on_every_rank(tmp_p
     message = assert_refused_once_on_every_rank(
         proc, "output_dir = 'run' is not one directory shared by every process", "rank 0 (host ",
         f"wrote {tmp_path / 'rank0' / 'run'}/.shared-probe-", "rank 1 (host ",
-        f"does not see it at {tmp_path / 'rank1' / 'run'}/.shared-probe-", "not on node-local disk")
+        f"found no such file at {tmp_path / 'rank1' / 'run'}/.shared-probe-", "not on node-local disk")
     assert "rank 0 (host" in message and "rank 1 (host" in message
     assert list((tmp_path / "rank0" / "run").glob(".shared-probe-*")) == []  # rank 0 removed its probe
 
@@ -73,6 +73,6 @@ def test_ranks_that_see_different_latest_checkpoints_are_refused_on_every_rank(t
     assert_refused_once_on_every_rank(
         proc, "the ranks do not see the same checkpoint to resume from",
         f"chose {shared / 'checkpoints' / 'step_00000004'} at step 4 (checkpoint.resume=auto)",
-        "rank 1 (host ", f"sees no complete checkpoint at {tmp_path / 'rank1' / 'checkpoints' / 'step_00000004'}",
-        f"its own newest is {shared / 'checkpoints' / 'step_00000002'} at step 2", "not on node-local disk")
+        "rank 1 (host ", f"found no complete checkpoint at {tmp_path / 'rank1' / 'checkpoints' / 'step_00000004'}",
+        f"newest visible: {shared / 'checkpoints' / 'step_00000002'} at step 2", "not on node-local disk")
 
