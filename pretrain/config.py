@@ -115,6 +115,12 @@ class DataConfig(Section):
         description="Directory of the token store (written by `pretrain-prepare-data`, read by training); "
         "null = cache_dir/stores/<key of source, tokenizer, val_fraction>.",
     )
+    store_shard_bytes: int = Field(
+        64 * 2**20,
+        gt=0,
+        description="Input bytes per store shard: consecutive input files are grouped up to this size (a larger "
+        "file is a shard of its own); the unit of parallel tokenization and of resume.",
+    )
     seq_len: int = Field(256, gt=0, description="Sequence length of a training sample (tokens).")
     train_subset: int = Field(0, ge=0, description="Use only this many training sequences; 0 = all.")
     val_subset: int = Field(0, ge=0, description="Use only this many validation sequences; 0 = all.")
@@ -323,6 +329,9 @@ class RuntimeConfig(Section):
     )
     throughput_warmup_steps: int = Field(
         1, ge=0, description="Optimizer steps after each start or resume left out of throughput and MFU (warm-up, compile)."
+    )
+    collective_timeout_s: float | None = positive_or_null(
+        "Timeout of the process group's collectives (seconds); null = torch's default (10 min NCCL, 30 min gloo)."
     )
 
 

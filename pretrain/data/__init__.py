@@ -13,7 +13,7 @@ Building a store:
 2. Get the tokenizer: a pretrained one, or a byte-level BPE trained on a bounded sample of the training
    documents (all of a corpus of at most ``data.tokenizer_train_bytes``, else the first share of every
    file), cached on its own.
-3. Cut the corpus into shards by input file (consecutive files up to ~256 MiB of input; ``hf:`` in row
+3. Cut the corpus into shards by input file (consecutive files up to ``data.store_shard_bytes``; ``hf:`` in row
    ranges), independent of the number of workers, and tokenize the shards in N processes. Each
    document's tokens are followed by eos and go to the shard's train or val file by a hash of the text.
    A shard's files are written under temporary names and renamed; its record is written last, and a

@@ -39,7 +39,6 @@ from pretrain.data.store import (
 from pretrain.data.tokenizer import _load_saved_tokenizer
 from pretrain.errors import DataError
 
-SHARD_INPUT_BYTES = 256 * 2**20  # consecutive input files are grouped into shards of about this much input
 HF_ROWS_PER_SHARD = 100_000
 ENCODE_BATCH_DOCS = 256
 PROGRESS_EVERY_DOCS = 2048
@@ -63,8 +62,8 @@ class ShardPlan:
 
 
 def plan_shards(corpus: _Corpus, data_cfg: DataConfig) -> list[ShardPlan]:
-    """Consecutive input files grouped until a shard holds SHARD_INPUT_BYTES (a larger file is a shard of
-    its own); an hf: dataset in ranges of HF_ROWS_PER_SHARD rows. Depends on the corpus only."""
+    """Consecutive input files grouped until a shard holds data.store_shard_bytes (a larger file is a shard
+    of its own); an hf: dataset in ranges of HF_ROWS_PER_SHARD rows. Depends on the corpus only."""
     if corpus.kind == "hf":
         num_rows = len(_load_hf(data_cfg, data_cfg.num_proc or 1))
         starts = range(0, num_rows, HF_ROWS_PER_SHARD)
@@ -74,7 +73,7 @@ def plan_shards(corpus: _Corpus, data_cfg: DataConfig) -> list[ShardPlan]:
         st = os.stat(path)
         group.append((path, fmt, st.st_size, st.st_mtime_ns))
         size += st.st_size
-        if size >= SHARD_INPUT_BYTES:
+        if size >= data_cfg.store_shard_bytes:
             shards.append(ShardPlan(len(shards), tuple(group)))
             group, size = [], 0
     if group or not shards:

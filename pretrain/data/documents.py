@@ -15,7 +15,7 @@ from pretrain.config import DataConfig
 from pretrain.data.cache import cache_root
 from pretrain.data.readers import _generate_documents
 from pretrain.data.sources import _Corpus, _resolve_corpus
-from pretrain.data.split import _doc_hash, _split_hashes, _val_mask, _val_threshold
+from pretrain.data.split import _doc_hash, _val_mask, _val_threshold
 from pretrain.errors import DataError
 
 Log = Callable[[str], Any]
