@@ -104,6 +104,23 @@ class DataConfig(Section):
         "tokenizer directory / tokenizer.json or a Hugging Face tokenizer name.",
     )
     tokenizer_vocab_size: int = Field(8192, ge=256, description="Vocabulary size (tokens) of a trained `bpe` tokenizer.")
+    tokenizer_train_bytes: int = Field(
+        1_000_000_000,
+        gt=0,
+        description="A `bpe` tokenizer is trained on at most this many bytes of training documents: all of a "
+        "corpus this small, else the first share of every input file (bytes).",
+    )
+    store: str | None = Field(
+        None,
+        description="Directory of the token store (written by `pretrain-prepare-data`, read by training); "
+        "null = cache_dir/stores/<key of source, tokenizer, val_fraction>.",
+    )
+    store_shard_bytes: int = Field(
+        64 * 2**20,
+        gt=0,
+        description="Input bytes per store shard: consecutive input files are grouped up to this size (a larger "
+        "file is a shard of its own); the unit of parallel tokenization and of resume.",
+    )
     seq_len: int = Field(256, gt=0, description="Sequence length of a training sample (tokens).")
     train_subset: int = Field(0, ge=0, description="Use only this many training sequences; 0 = all.")
     val_subset: int = Field(0, ge=0, description="Use only this many validation sequences; 0 = all.")
@@ -118,7 +135,10 @@ class DataConfig(Section):
     )
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
     prefetch_factor: int | None = positive_or_null("Batches prefetched per DataLoader worker (needs num_workers > 0).")
-    num_proc: int | None = positive_or_null("Processes for tokenization (`datasets.map`); null = min(CPU cores, 8).")
+    num_proc: int | None = positive_or_null(
+        "Processes that tokenize into the store (`pretrain-prepare-data --workers` overrides); "
+        "null = min(CPU cores, 8)."
+    )
     cache_dir: str | None = Field(
         None,
         description="Where tokenizers and tokenized data are cached; null = $PRETRAIN_CACHE_DIR or "
@@ -309,6 +329,9 @@ class RuntimeConfig(Section):
     )
     throughput_warmup_steps: int = Field(
         1, ge=0, description="Optimizer steps after each start or resume left out of throughput and MFU (warm-up, compile)."
+    )
+    collective_timeout_s: float | None = positive_or_null(
+        "Timeout of the process group's collectives (seconds); null = torch's default (10 min NCCL, 30 min gloo)."
     )
 
 

@@ -30,7 +30,7 @@ from accelerate.utils import set_seed
 from pretrain.batching import BatchPlan
 from pretrain.checkpoint import Checkpointer, TrainerState, resume_checkpoint
 from pretrain.config import Recipe
-from pretrain.data import prepare_data
+from pretrain.data import ensure_store, open_store
 from pretrain.errors import ConfigError
 from pretrain.evaluation import Evaluator
 from pretrain.hardware import gpu_for_device
@@ -107,7 +107,7 @@ class OptimizerStep:
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, launch: Launch | None = None):
+    def __init__(self, recipe: Recipe, launch: Launch | None = None, prepare_command: str | None = None):
         self.recipe = recipe
         self.output_dir = Path(recipe.output_dir)
         self.launch = launch or Launch.from_env()
@@ -123,6 +123,10 @@ class Trainer:
         resume_from = resume_checkpoint(self.output_dir, recipe.checkpoint)
         resume_step = TrainerState.read(resume_from).step if resume_from is not None else None
 
+        # The token store exists before the process group does: no rank ever waits for data in a collective.
+        prepare_command = prepare_command or f"pretrain-prepare-data --recipe <the recipe of {recipe.name!r}>"
+        ensure_store(recipe.data, self.launch, prepare_command, log=self.log)
+
         trackers = build_trackers(recipe, self.output_dir, resume_step, self.is_main)
         self.runtime = build_accelerator(recipe, self.plan, self.launch, self.output_dir, trackers, self.lr)
         self.accelerator = self.runtime.accelerator
@@ -131,8 +135,7 @@ class Trainer:
                                          log=self.log)
         set_seed(recipe.train.seed)
 
-        with self.accelerator.main_process_first():
-            self.data = prepare_data(recipe.data, log=self.log)
+        self.data = open_store(recipe.data, log=self.log, prepare_command=prepare_command)
         self.tokenizer = self.data.tokenizer
 
         vocab = resolve_vocab_size(recipe.model, len(self.tokenizer))
