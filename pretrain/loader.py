@@ -1,4 +1,5 @@
-"""Global sample order and each rank's slice of it.
+"""Global sample order, each rank's slice of it, and the batches (with per-document positions under
+``data.document_masking``).
 
 The training stream is a sequence of global batches that depends only on the seed and the recipe:
 epoch e is a permutation of the packed sequences drawn from ``(seed, e)``, and optimizer step k
@@ -120,8 +121,10 @@ class DocumentMasking:
     transformers turns per-document position ids into a block-causal mask for sdpa and eager
     (``masking_utils.find_packed_sequence_indices``); flash_attention_2 needs the varlen arguments
     (``cu_seq_lens_*``, ``max_length_*``), because it reads packed position ids only when the batch has one
-    row. Both are computed here, in the collate function, so on the DataLoader's workers and not on the
-    training loop's device stream.
+    row. Both are computed here, in the collate function: on the CPU (in the DataLoader's workers when
+    data.num_workers > 0), with ``max_length`` a host int, so the loop adds no device read of its own.
+    transformers' packed-sequence detection still reads one flag back from the device per forward (once,
+    before the first layer; not under torch.compile).
     """
 
     eos_id: int

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from pretrain.checkpoint import check_compatible
 from pretrain.config import DOCUMENT_MASKING_ARCHS, ModelConfig, load_recipe
 from pretrain.errors import ConfigError
 from pretrain.loader import Collate, DocumentMasking
@@ -38,7 +41,7 @@ def documents(position_ids: torch.Tensor) -> list[tuple[int, int, int]]:
     out = []
     for row, positions in enumerate(position_ids):
         starts = [*(positions == 0).nonzero().flatten().tolist(), len(positions)]
-        out += [(row, s, e) for s, e in zip(starts, starts[1:])]
+        out += [(row, s, e) for s, e in itertools.pairwise(starts)]
     return out
 
 
@@ -100,6 +103,12 @@ def test_packed_loss_equals_the_documents_run_one_by_one(arch, attention):
     assert torch.allclose(unmasked[2], separate[2], atol=1e-5)  # the row without a boundary is unchanged
 
 
+def test_resume_may_switch_document_masking_with_a_warning():
+    saved = load_recipe(TINY).to_dict()
+    changed = load_recipe(TINY, ["data.document_masking=true"]).to_dict()
+    assert check_compatible(Path("ckpt"), saved, changed) == ["data.document_masking: False -> True"]
+
+
 def test_unverified_architecture_is_refused_at_recipe_load():
     with pytest.raises(ConfigError, match=r"data.document_masking=true is not supported for model.arch = 'phi3'"):
         load_recipe(TINY, ["data.document_masking=true", "model.arch=phi3"])
@@ -136,7 +145,9 @@ def test_tiny_run_with_document_masking(tmp_path):
               f"data.cache_dir={tmp_path / 'cache'}", "data.val_fraction=0.2"]
     masked, plain = tmp_path / "masked", tmp_path / "plain"
     check_ok(train([*common, "data.document_masking=true", "data.num_workers=1", f"output_dir={masked}"]))
-    check_ok(train([*common, "train.max_steps=1", f"output_dir={plain}"]))
+    unmasked = train([*common, "train.max_steps=1", "lr_schedule.warmup_steps=0", f"output_dir={plain}"])
+    check_ok(unmasked)
+    assert "data: cached" in unmasked.stdout  # the packed data does not depend on the masking
     val = val_losses(masked)
     assert sorted(val) == [0, 3] and all(math.isfinite(v) for v in val.values())
     # The same untrained weights on the same validation rows: only the attention differs.
