@@ -127,7 +127,7 @@ def test_flash_attention_2_varlen_equals_the_documents_run_one_by_one():
         packed = token_losses(model, batch.input_ids, batch.targets, **batch.attention_kwargs())
         positions_only = token_losses(model, batch.input_ids, batch.targets, position_ids=batch.position_ids)
     # bf16: the same kernel on the same documents, up to the rounding of the differently shaped calls.
-    assert (packed - separate).abs().mean() < 2e-3 and (packed - separate).abs().max() < 3e-2
+    assert (packed - separate).abs().mean() < 2e-3 and (packed - separate).abs().max() < 1e-2
     # flash_attention_2 reads packed position ids only for one row: with MBS > 1 they would not be enough.
     assert (positions_only - separate).abs().max() > 5e-2
 
