@@ -86,6 +86,12 @@ class ModelConfig(Section):
         return self.hidden_size // self.num_heads
 
 
+# Architectures whose transformers model builds a block-causal mask from per-document position ids (and
+# whose position encoding reads them): tests/test_document_masking.py checks each against its documents
+# run one by one. Others are refused with data.document_masking rather than silently attending across.
+DOCUMENT_MASKING_ARCHS = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox")
+
+
 class DataConfig(Section):
     source: str = Field(
         "stdlib",
@@ -143,6 +149,14 @@ class DataConfig(Section):
         None,
         description="Where tokenizers and tokenized data are cached; null = $PRETRAIN_CACHE_DIR or "
         "~/.cache/pretrain.",
+    )
+    document_masking: bool = Field(
+        False,
+        description="Tokens attend only within their own document of a packed sequence, with position ids "
+        "restarting at 0 after each eos (block-causal attention, no cross-document context). The eos still "
+        "predicts the next document's first token, so every position stays a target. Architectures: "
+        + ", ".join(f"`{a}`" for a in DOCUMENT_MASKING_ARCHS) + "; any attention kernel (use "
+        "`flash_attention_2` on GPUs: sdpa and eager build a MBS x s x s mask).",
     )
     on_decode_error: Literal["replace", "skip"] = Field(
         "replace",
@@ -379,6 +393,15 @@ class Recipe(Section):
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
     output_dir: str | None = Field(None, description="Where the run writes; null = runs/<name>.")
+
+    @model_validator(mode="after")
+    def _document_masking_arch(self) -> Recipe:
+        if self.data.document_masking and self.model.arch not in DOCUMENT_MASKING_ARCHS:
+            raise ValueError(
+                f"data.document_masking=true is not supported for model.arch = {self.model.arch!r} (verified: "
+                f"{', '.join(DOCUMENT_MASKING_ARCHS)}); use one of those or set data.document_masking=false"
+            )
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

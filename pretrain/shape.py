@@ -152,6 +152,10 @@ def _reader(config: Any) -> Callable[[str], Any]:
 # ---- The shape ------------------------------------------------------------------------------------
 
 
+# data.document_masking keeps this dense count: attention within documents does less work (per row,
+# sum of doc_len^2 instead of seq_len^2 scores; flash_attention_2 skips the rest, sdpa and eager compute and
+# mask them), but MFU counts the full seq_len, as Megatron-LM and most published MFU figures do, so that it
+# stays comparable across runs, corpora and code bases.
 CONVENTION = (
     "model FLOPs/token = 6 x N + 12 x L x H x head_dim x seq_len; N = matmul weights (attention, MLP, "
     "LM head whether tied or not; no embedding lookup, position table, bias or norm); attention counted "

@@ -35,7 +35,7 @@ from pretrain.errors import ConfigError
 from pretrain.evaluation import Evaluator
 from pretrain.hardware import gpu_for_device
 from pretrain.launch import Launch
-from pretrain.loader import build_train_loader, build_val_loader
+from pretrain.loader import DocumentMasking, build_train_loader, build_val_loader
 from pretrain.memory import estimate
 from pretrain.metrics import ThroughputMonitor, memory_metrics, resolve_peak
 from pretrain.model import build_model, count_parameters, resolve_vocab_size
@@ -68,8 +68,21 @@ def write_json(path: Path, value: Any) -> None:
     os.replace(tmp, path)
 
 
+def document_masking(recipe: Recipe, tokenizer) -> DocumentMasking | None:
+    """``data.document_masking``: documents end at the tokenizer's eos (the token packing appends to each)."""
+    if not recipe.data.document_masking:
+        return None
+    return DocumentMasking(eos_id=tokenizer.eos_token_id, varlen=recipe.model.attention == "flash_attention_2")
+
+
 def throughput_reference(recipe: Recipe, hf_config, device: torch.device, log):
-    """FLOPs per token of this model and the device's peak, for tokens/s -> TFLOP/s -> MFU."""
+    """FLOPs per token of this model and the device's peak, for tokens/s -> TFLOP/s -> MFU.
+
+    The FLOPs keep the dense convention (``shape.CONVENTION``: attention over the whole seq_len) with
+    ``data.document_masking`` too, although attention within documents does less work (flash_attention_2
+    skips the blocks across documents; sdpa and eager compute them and mask them out), so MFU stays
+    comparable across runs and with other code bases.
+    """
     try:
         flops = flops_per_token(hf_config, recipe.data.seq_len,
                                 activation_checkpointing=recipe.model.activation_checkpointing)
@@ -161,13 +174,17 @@ class Trainer:
             self.step, self.tokens_seen = state.step, state.tokens_seen
 
         pin = self.device.type == "cuda"
+        masking = document_masking(recipe, self.tokenizer)
         self.train_loader, self.sample_order = build_train_loader(
-            self.data.train, recipe.data, self.plan, self.accelerator.process_index, recipe.train.seed, self.step, pin
+            self.data.train, recipe.data, self.plan, self.accelerator.process_index, recipe.train.seed, self.step, pin,
+            masking,
         )
         val_loader = build_val_loader(
-            self.data.val, recipe.data, self.plan, self.accelerator.process_index, recipe.train.eval_batches, pin
+            self.data.val, recipe.data, self.plan, self.accelerator.process_index, recipe.train.eval_batches, pin,
+            masking,
         )
-        # Targets per global batch: packed sequences have no padding, so every position is a target.
+        # Targets per global batch: packed sequences have no padding, so every position is a target (with
+        # document masking too: an eos keeps the next document's first token as its target).
         self.global_target_tokens = self.plan.tokens_per_step
         self.loss_normaliser = self.global_target_tokens / (self.plan.world_size * self.plan.grad_accum_steps)
 
@@ -248,6 +265,7 @@ class Trainer:
                 labels=batch.targets,
                 shift_labels=batch.targets,
                 num_items_in_batch=self.loss_normaliser,
+                **batch.attention_kwargs(),
             )
             acc.backward(out.loss)
             if acc.sync_gradients:

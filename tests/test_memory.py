@@ -199,6 +199,21 @@ def test_flash_and_sdpa_have_no_quadratic_term_eager_does():
     assert acts(seq=512, mbs=2).saved_bytes == pytest.approx(2 * acts(seq=512).saved_bytes, rel=0.01)
 
 
+def test_document_masking_adds_one_boolean_mask_for_sdpa_only():
+    shape = ModelShape.from_model_config(LLAMA_SMALL, 1000, 512)
+    for ckpt in (False, True):
+        plain = memory.activation_memory(shape, 2, 512, "bf16", "sdpa", ckpt)
+        masked = memory.activation_memory(shape, 2, 512, "bf16", "sdpa", ckpt, document_masking=True)
+        assert masked.saved_bytes - plain.saved_bytes == 2 * 512 * 512  # MBS x s x s, 1 byte each
+        assert "document mask" in masked.lines[-1]
+    for attention in ("flash_attention_2", "eager"):
+        assert (memory.activation_memory(shape, 2, 512, "bf16", attention, document_masking=True).saved_bytes
+                == memory.activation_memory(shape, 2, 512, "bf16", attention).saved_bytes)
+    recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", ["data.document_masking=true"])
+    batch_plan = plan_batches(recipe.batch, 1, recipe.data.seq_len)
+    assert memory.Workload.from_recipe(recipe, batch_plan).document_masking
+
+
 def test_gqa_checkpointing_and_precision_reduce_activations():
     gqa = ModelConfig(**{**LLAMA_SMALL.model_dump(), "num_kv_heads": 2})
     assert acts(gqa).per_layer_bytes < acts().per_layer_bytes

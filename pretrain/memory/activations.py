@@ -35,14 +35,18 @@ class ActivationEstimate:
 
 
 def activation_memory(shape: ModelShape, micro_batch_size: int, seq_len: int, precision: str,
-                      attention: str = "sdpa", checkpointing: bool = False, device: str = "cuda") -> ActivationEstimate:
+                      attention: str = "sdpa", checkpointing: bool = False, device: str = "cuda",
+                      document_masking: bool = False) -> ActivationEstimate:
     """Saved-for-backward bytes of one micro-batch, from the per-block formula of the architecture.
 
     b is the activation dtype's size (2 in bf16/fp16: DeepSpeed runs the model in that dtype; 4 in fp32),
     T = MBS x seq tokens, d hidden, q = heads x head_dim, k = kv_heads x head_dim, f MLP width, h heads.
     ``device`` matters for dropout only: CUDA saves a 1-byte mask and its fused SDPA kernels apply attention
     dropout themselves; on CPU dropout saves a mask in the activation dtype and SDPA with attention
-    dropout falls back to the math kernel (s^2 terms, like eager).
+    dropout falls back to the math kernel (s^2 terms, like eager). ``document_masking`` (data.document_masking)
+    makes transformers build one boolean MBS x 1 x s x s block-causal mask for sdpa, which every layer's SDPA
+    keeps for backward; flash_attention_2 takes per-document lengths instead, and eager builds its float mask
+    either way.
     """
     b = PRECISION_BYTES[precision]
     mask = 1 if device == "cuda" else b
@@ -90,6 +94,9 @@ def activation_memory(shape: ModelShape, micro_batch_size: int, seq_len: int, pr
         extras_text = "ids and labels 16T, position ids 8s, final LayerNorm" + (
             f", embedding dropout mask {mask}Td" if shape.embd_dropout > 0 else "") + (
             ", causal mask MBS s^2 b" if causal_mask else "")
+    if document_masking and attention == "sdpa" and not eager:
+        extras += B * s * s
+        extras_text += ", document mask MBS s^2 (bool)"
     if dropout:
         lines.append(f"dropout masks per block: {gib(dropout)} ({mask} B per element"
                      + (", attention: mask and dropped probabilities" if attn_dropout else "") + ")")
