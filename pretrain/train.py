@@ -143,7 +143,7 @@ class Trainer:
         if self.runtime.deepspeed_optimizer:
             optimizer, scheduler = deepspeed_optimizer(model, recipe, self.lr, self.num_steps)
         else:
-            optimizer = build_optimizer(model, recipe.optim, self.lr)
+            optimizer = build_optimizer(model, recipe.optim, self.lr, self.device.type)
             scheduler = build_scheduler(optimizer, recipe.lr_schedule, self.num_steps)
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
         if self.runtime.deepspeed_config is not None and self.is_main:
