@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import socket
 import sys
 
 import pytest
 
-from tests.helpers import FAST, ROOT, TINY, check_ok, run_cmd, train_losses
+from tests.helpers import FAST, ROOT, TINY, check_ok, free_port, run_cmd, train_losses
 
 LAUNCH = ["-m", "pretrain.cli.launch"]
 CONFIGS = ROOT / "accelerate_configs"
@@ -97,9 +96,7 @@ def accelerate_environment(config_file, *options: str) -> dict[str, str]:
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
     # A free rendezvous port: accelerate refuses one in use (another run, or a stray test process, on 29500).
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
+    port = str(free_port())
     args = launch_command_parser().parse_args(["--config_file", str(config_file), "--main_process_port", port,
                                                *options, "run.py"])
     args, defaults, mp_from_config = _validate_launch_command(args)
