@@ -218,7 +218,8 @@ class OptimConfig(Section):
     args: dict[str, Any] = Field(
         default_factory=dict,
         description="Other keyword arguments of the optimizer class, passed through (e.g. `{betas: [0.9, 0.95], "
-        "eps: 1.0e-8}`).",
+        "eps: 1.0e-8}`). On CUDA, optimizers with a fused kernel (Adam, AdamW, SGD, Adagrad) run fused unless "
+        "this sets `fused` or `foreach`.",
     )
     grad_clip: float | None = Field(
         1.0, ge=0, description="Clip the global gradient L2 norm to this value; 0 or null = no clipping."

@@ -159,7 +159,7 @@ class Trainer:
         if self.runtime.deepspeed_optimizer:
             optimizer, scheduler = deepspeed_optimizer(model, recipe, self.lr, self.num_steps)
         else:
-            optimizer = build_optimizer(model, recipe.optim, self.lr)
+            optimizer = build_optimizer(model, recipe.optim, self.lr, self.device.type)
             scheduler = build_scheduler(optimizer, recipe.lr_schedule, self.num_steps)
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
         if self.runtime.deepspeed_config is not None and self.is_main:
@@ -260,14 +260,15 @@ class Trainer:
         acc, model = self.accelerator, self.model
         grad_norm = None
         with acc.accumulate(model):
-            out = model(
+            # Only the loss is kept: the output's logits are freed before backward, not at the next forward.
+            loss = model(
                 input_ids=batch.input_ids,
                 labels=batch.targets,
                 shift_labels=batch.targets,
                 num_items_in_batch=self.loss_normaliser,
                 **batch.attention_kwargs(),
-            )
-            acc.backward(out.loss)
+            ).loss
+            acc.backward(loss)
             if acc.sync_gradients:
                 grad_norm = acc.clip_grad_norm_(model.parameters(), self.recipe.optim.grad_clip or float("inf"))
             self.optimizer.step()  # accelerate skips it on micro-steps that do not synchronise
@@ -277,7 +278,7 @@ class Trainer:
                 else:
                     self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return out.loss.detach(), grad_norm
+        return loss.detach(), grad_norm
 
     # ---- around the loop ----------------------------------------------------------------------------
     def log_train(self, result: OptimizerStep) -> dict[str, float]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from pretrain.memory.terms import Term, gib, num
 from pretrain.memory.workload import PRECISION_BYTES, Workload
-from pretrain.shape import ModelShape
+from pretrain.shape import ModelShape, loss_chunk_tokens
 
 TANH_GELU_EAGER = {"gelu_new", "gelu_fast", "gelu_python_tanh"}
 """Activations that transformers computes op by op (tanh approximation): they save 3 more tensors."""
@@ -21,10 +21,11 @@ class ActivationEstimate:
     recompute_bytes: int
     """Activation checkpointing only: one block's activations, rebuilt during backward."""
     logits_saved_bytes: int
-    """fp32 log-softmax output saved by the cross-entropy (MBS x seq x vocab x 4 B)."""
+    """The loss's gradient buffer, saved for backward in the logits' dtype (MBS x seq x vocab x b B,
+    pretrain/loss.py)."""
     logits_peak_bytes: int
-    """All logits-sized tensors alive at once at the start of backward (the logits the model returns,
-    the saved fp32 log-softmax, and its incoming and outgoing fp32 gradients)."""
+    """All logits-sized tensors alive at once, inside the loss's forward: the logits, the gradient buffer
+    and one fp32 chunk (pretrain.shape.loss_chunk_tokens(vocab) tokens, or the micro-batch if fewer)."""
     per_layer_bytes: int
     """One block's saved tensors without checkpointing."""
     lines: tuple[str, ...]
@@ -118,8 +119,8 @@ def activation_memory(shape: ModelShape, micro_batch_size: int, seq_len: int, pr
         saved = L * per_layer + extras
         recompute = 0
         lines.append(f"{L} blocks x {gib(per_layer)} + {extras_text} {gib(extras)}")
-    logits_saved = 4 * T * V
-    logits_peak = (b + 12) * T * V
+    logits_saved = b * T * V
+    logits_peak = 2 * b * T * V + 4 * min(T, loss_chunk_tokens(V)) * V
     return ActivationEstimate(saved, recompute, logits_saved, logits_peak, per_layer, tuple(lines))
 
 
@@ -133,8 +134,9 @@ def activation_terms(acts: ActivationEstimate, shape: ModelShape, workload: Work
         f"saved for backward {gib(acts.saved_bytes)}"
         + (f" + one block recomputed {gib(acts.recompute_bytes)}" if acts.recompute_bytes else "")
         + " (formula below)")
+    chunk = min(T, loss_chunk_tokens(V))
     logits = Term(
         "logits", "logits and loss", acts.logits_peak_bytes,
-        f"T x V x ({b} B logits kept in the output + 4 B fp32 log-softmax saved + 4 + 4 B its gradients) "
-        f"= {num(T)} x {num(V)} x {b + 12}")
+        f"T x V x ({b} B logits + {b} B the loss's gradient buffer) + one fp32 chunk of {num(chunk)} tokens "
+        f"= {num(T)} x {num(V)} x {2 * b} + {num(chunk)} x {num(V)} x 4")
     return activations, logits
