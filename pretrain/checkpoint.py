@@ -44,7 +44,8 @@ from pretrain.rundir import (
 from pretrain.runtime import SHARED_FS_HINT, rank_problems
 
 # Recipe keys whose change makes a checkpoint unusable: the weights' shapes or the sample stream differ.
-# Anything else (horizon, lr, precision, kernels, logging) may change on resume, with a logged warning.
+# Anything else (horizon, lr, precision, kernels, data.document_masking, logging) may change on resume, with a
+# logged warning: document masking changes what the model attends to, not the weights or the sample stream.
 MUST_MATCH = (
     *(f"model.{k}" for k in ("arch", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                              "intermediate_size", "vocab_size", "tie_embeddings", "config_overrides")),

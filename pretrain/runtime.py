@@ -13,6 +13,7 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -101,10 +102,14 @@ def build_accelerator(recipe: Recipe, plan: BatchPlan, launch: Launch, output_di
     plugin, ds_config, ds_optimizer = (deepspeed_plugin(recipe, plan, launch, lr) if launch.uses_deepspeed
                                        else (None, None, False))
     handlers = []
+    timeout = recipe.runtime.collective_timeout_s
+    group = {"timeout": timedelta(seconds=timeout)} if timeout else {}
     if not torch.cuda.is_available() and plan.world_size > 1:
         # A multi-process CPU launch needs an explicit gloo group; without it DeepSpeed and accelerate
         # can disagree about the world size. (A single process must not get one: it has no group.)
-        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+        handlers.append(InitProcessGroupKwargs(backend="gloo", **group))
+    elif group and plan.world_size > 1:
+        handlers.append(InitProcessGroupKwargs(**group))
     prec = recipe.precision
     if prec.dtype == "fp16":
         # torch's GradScaler (DDP / FSDP / single device). It has no hysteresis or floor: those two knobs

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,13 @@ FAST = [
     "train.log_every_steps=1",
     "logging.progress=plain",
 ]
+
+
+def free_port() -> int:
+    """A TCP port free now on localhost, for a rendezvous (29500 may be held by another run or test)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def env(**extra: str | None) -> dict[str, str]:

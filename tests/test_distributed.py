@@ -55,6 +55,8 @@ def test_layouts_report_their_real_world_size(curves):
         assert config["plan/grad_accum_steps"] == 8 // (2 * expected)
         if "ZeRO" in name:
             assert config["dist/distributed_type"] == "DEEPSPEED"
+        # DeepSpeed steps the torch client optimizer (deepspeed.optimizer=auto, no optimizer in its JSON)
+        assert config["optim/class"] == "AdamW" and not config["optim/fused"], name
 
 
 def test_one_curve_on_every_layout(curves):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -31,7 +33,7 @@ from pretrain.metrics import ThroughputMonitor
 from pretrain.preemption import STOP_SIGNALS, StopSignals
 from pretrain.rundir import STATE_FILE, read_state
 from pretrain.tracking import StepLog
-from tests.helpers import TINY
+from tests.helpers import TINY, env, free_port
 
 
 @pytest.fixture(scope="module")
@@ -318,3 +320,39 @@ def test_step_log_drops_none_values():
 def test_eval_cadence(every, at_start, expected):
     evaluator = Evaluator(None, [], every_steps=every, num_steps=10, at_start=at_start, console=None)
     assert [step for step in range(0, 11) if evaluator.due(step)] == expected
+
+
+AGREEMENT_SCRIPT = """
+import os, signal, sys
+from types import SimpleNamespace
+import torch.distributed as dist
+from pretrain.preemption import StopSignals
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+answers = []
+with StopSignals() as stop:
+    for step in range(1, 7):
+        if rank == 1 and step == 3:
+            os.kill(os.getpid(), signal.SIGUSR1)  # only rank 1 is signalled, during step 3
+        answers.append(stop.agreed(SimpleNamespace(num_processes=2)))
+        if answers[-1]:
+            break
+with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
+    f.write(repr(answers))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_stop_agreement_gives_every_rank_the_same_step_without_blocking(tmp_path):
+    """Two gloo processes, only rank 1 signalled in step 3: both stop after step 4 (the agreement is read one
+    step after it started), and nothing is left in flight when the loop ends."""
+    script = tmp_path / "agree.py"
+    script.write_text(AGREEMENT_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(free_port()), str(script), str(tmp_path)],
+                          env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}.json").read_text() == "[False, False, False, True]", rank
