@@ -28,7 +28,7 @@ import torch
 from accelerate.utils import set_seed
 
 from pretrain.batching import BatchPlan
-from pretrain.checkpoint import Checkpointer, TrainerState, resume_checkpoint
+from pretrain.checkpoint import Checkpointer, ResumeChoice, TrainerState, agree_on_resume
 from pretrain.config import Recipe
 from pretrain.data import ensure_store, open_store
 from pretrain.errors import ConfigError
@@ -43,7 +43,7 @@ from pretrain.optim import build_optimizer, build_scheduler, deepspeed_optimizer
 from pretrain.preemption import StopSignals
 from pretrain.preflight import check_run
 from pretrain.run_record import start_run_record
-from pretrain.runtime import build_accelerator
+from pretrain.runtime import build_accelerator, check_shared_output_dir
 from pretrain.shape import flops_per_token
 from pretrain.tracking import Console, StepLog, build_trackers
 
@@ -133,17 +133,21 @@ class Trainer:
         self.num_steps = run_plan.num_steps
         self.lr = run_plan.lr
         check_output_dir(self.output_dir)
-        resume_from = resume_checkpoint(self.output_dir, recipe.checkpoint)
-        resume_step = TrainerState.read(resume_from).step if resume_from is not None else None
+        # Rank 0 decides which checkpoint to resume from, now: its trackers (main-process only) need the step
+        # to drop the metrics of redone steps. Every rank follows that choice once the process group exists.
+        choice = ResumeChoice.decide(self.output_dir, recipe.checkpoint) if self.is_main else None
 
         # The token store exists before the process group does: no rank ever waits for data in a collective.
         prepare_command = prepare_command or f"pretrain-prepare-data --recipe <the recipe of {recipe.name!r}>"
         ensure_store(recipe.data, self.launch, prepare_command, log=self.log)
 
-        trackers = build_trackers(recipe, self.output_dir, resume_step, self.is_main)
+        trackers = build_trackers(recipe, self.output_dir, choice.step if choice else None, self.is_main)
         self.runtime = build_accelerator(recipe, self.plan, self.launch, self.output_dir, trackers, self.lr)
         self.accelerator = self.runtime.accelerator
         self.device = self.accelerator.device
+        # Collectives: every rank raises the same ConfigError, or none does.
+        check_shared_output_dir(self.accelerator, self.output_dir)
+        resume_from = agree_on_resume(self.accelerator, choice, self.output_dir)
         self.checkpointer = Checkpointer(self.accelerator, self.output_dir, recipe.checkpoint, self.num_steps,
                                          log=self.log)
         set_seed(recipe.train.seed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -51,17 +52,28 @@ def env(**extra: str | None) -> dict[str, str]:
 
 
 def run_cmd(cmd: list[str], timeout: float = 600, extra_env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=ROOT, env=env(**(extra_env or {})), capture_output=True, text=True,
-                          timeout=timeout, **kwargs)
+    """Run ``cmd`` in a session of its own; on a timeout (or an interrupt) the whole session is killed, so the
+    workers of a hung ``accelerate launch`` do not outlive the test."""
+    with subprocess.Popen(cmd, cwd=ROOT, env=env(**(extra_env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True, **kwargs) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def train(args: list[str], recipe: str = TINY, timeout: float = 600, extra_env: dict | None = None):
     return run_cmd([sys.executable, RUN, "--recipe", recipe, *args], timeout=timeout, extra_env=extra_env)
 
 
-def accelerate_launch(config: str, args: list[str], recipe: str = TINY, extra: list[str] = (), timeout: float = 900):
+def accelerate_launch(config: str, args: list[str], recipe: str = TINY, extra: list[str] = (), timeout: float = 900,
+                      script: list[str] = (RUN,)):
+    """``accelerate launch`` of ``script`` (the entry point, or a test's wrapper of it and its arguments)."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
-           *extra, RUN, "--recipe", recipe, *args]
+           *extra, *script, "--recipe", recipe, *args]
     return run_cmd(cmd, timeout=timeout)
 
 

@@ -50,6 +50,7 @@ def test_layouts_report_their_real_world_size(curves):
         config = run_config(run_dir)
         expected = 1 if name.startswith("1 process") else 2
         assert config["dist/world_size"] == expected, name
+        assert list(run_dir.glob(".shared-probe-*")) == [], name  # the shared output_dir probe is removed
         assert config["plan/global_batch_size"] == 8
         assert config["plan/grad_accum_steps"] == 8 // (2 * expected)
         if "ZeRO" in name:
