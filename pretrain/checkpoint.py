@@ -212,16 +212,20 @@ class Checkpointer:
                     shutil.rmtree(view, ignore_errors=True)
                 shutil.rmtree(path, ignore_errors=True)
 
-    def load(self, source: ResumeSource, recipe: dict[str, Any]) -> TrainerState:
-        """Restore everything from a checkpoint prepared for this launch (``reshard.prepare_resume``);
-        returns its trainer state. Refuses an incompatible recipe."""
-        path = source.checkpoint
+    def load(self, path: Path, recipe: dict[str, Any], source: ResumeSource | None = None) -> TrainerState:
+        """Restore everything from ``path``; returns its trainer state. Refuses an incompatible recipe.
+        ``source``: the checkpoint as ``reshard.prepare_resume`` prepared it for this launch (where the state
+        is read, whether the RNG is re-seeded); None: as saved."""
+        source = source or ResumeSource(path, path, saved=None)
         state = TrainerState.read(path)
         assert state is not None
         other = check_compatible(path, state.recipe, recipe)
         if other:
             self.log(f"resume: recipe differs from the checkpoint's in: {'; '.join(other)}")
         self.accelerator.load_state(str(source.load_dir))
+        # load_state restores accelerate's micro-step counter (which decides the micro-step that synchronises)
+        # from each process's RNG file: counted in the old GAS, and missing for a process the old run lacked.
+        self.accelerator.step = state.step * self.accelerator.gradient_accumulation_steps
         if source.world_changed:
             # random_states_{i}.pkl belong to the processes of the old world size (a new process finds none,
             # an old index means another process now): every process draws a fresh stream instead.

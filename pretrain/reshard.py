@@ -155,7 +155,7 @@ class ResumeSource:
 
     checkpoint: Path  # the checkpoint (its trainer_state.json)
     load_dir: Path  # what accelerator.load_state reads: the checkpoint, or its converted sibling
-    saved: Layout
+    saved: Layout | None  # None: not read (loaded as saved)
     load_universal: bool = False  # DeepSpeed's checkpoint.load_universal
     world_changed: bool = False  # the per-process RNG files belong to other processes: re-seed instead
 

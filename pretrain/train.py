@@ -157,7 +157,7 @@ class Trainer:
         self.skipped_steps = 0  # fp16 overflow: the optimizer step (and the schedule) were skipped
         self.preempted = False
         if self.resume is not None:
-            state = self.checkpointer.load(self.resume, recipe.to_dict())
+            state = self.checkpointer.load(self.resume.checkpoint, recipe.to_dict(), self.resume)
             self.step, self.tokens_seen = state.step, state.tokens_seen
 
         pin = self.device.type == "cuda"

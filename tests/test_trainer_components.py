@@ -124,6 +124,7 @@ class _FakeAccelerator:
 
     is_main_process = True
     num_processes = 1
+    gradient_accumulation_steps = 2
 
     def __init__(self):
         self.loaded = None
@@ -149,6 +150,7 @@ def test_checkpointer_saves_typed_state_and_loads_it_back(tmp_path, recipe):
     assert read_state(path)["saved_at"] > 0 and "checkpoint: saved step 6" in logged[-1]
     state = checkpointer.load(path, recipe)
     assert (state.step, state.tokens_seen, acc.loaded) == (6, 3072, str(path))
+    assert acc.step == 12  # accelerate's micro-step counter, in this launch's GAS
     assert f"resume: continuing from {path} at step 6" in logged[-1]
 
 
