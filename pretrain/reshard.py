@@ -7,8 +7,10 @@ number in ``trainer_state.json``. What does depend on it is how the state was wr
 - DeepSpeed ZeRO-1/2/3 partitions optimizer states (ZeRO-3 also parameters) per data-parallel rank, and
   DeepSpeed refuses another DP world size. Such a checkpoint is converted once with DeepSpeed's universal
   checkpoint (``deepspeed.checkpoint.ds_to_universal``) into the sibling ``<checkpoint>.universal/``, which
-  DeepSpeed loads (``checkpoint.load_universal``) on any DP world size and any ZeRO stage 1-3. ZeRO-0 has
-  no ZeRO optimizer to convert from or to, and NVMe-offloaded states live outside the checkpoint: refused.
+  DeepSpeed loads (``checkpoint.load_universal``) on any DP world size: ZeRO-1 <-> ZeRO-2, ZeRO-3 -> ZeRO-3.
+  Refused: ZeRO-1/2 <-> ZeRO-3 (the converter writes the two kinds' optimizer states in different formats
+  and the stage-3 loader reads only its own; deepspeed 0.19.8), ZeRO-0 (no ZeRO optimizer to convert
+  from or to) and NVMe-offloaded states (they live outside the checkpoint).
 - DDP / one process: the state is complete, but accelerate saves the model as it is wrapped: keys start
   with ``module.`` under DDP (more than one process) and not in one process. Between those two the
   sibling ``<checkpoint>.ddp/`` or ``<checkpoint>.single/`` holds the renamed weights (other files linked).
@@ -132,6 +134,13 @@ def conversion(checkpoint: Path, saved: Layout, target: Layout) -> str | None:
             f"{saved.zero_stage} on {saved.world_size} processes as saved, or take its weights with "
             f"pretrain-export {checkpoint} <dir>"
         )
+    if (saved.zero_stage == 3) != (target.zero_stage == 3):
+        raise ConfigError(
+            f"cannot resume {checkpoint} across {change}: DeepSpeed's universal checkpoint (deepspeed "
+            f"{_deepspeed_version()}) writes ZeRO-3 and ZeRO-1/2 optimizer states in different formats and "
+            f"loads each only into its own kind. Resume it with {_same_kind(saved)} on any number of processes, "
+            f"or take its weights with pretrain-export {checkpoint} <dir>"
+        )
     if "nvme" in (saved.offload_optimizer, target.offload_optimizer):
         raise ConfigError(
             f"cannot resume {checkpoint} across {change} with NVMe optimizer offload: DeepSpeed keeps those "
@@ -139,6 +148,20 @@ def conversion(checkpoint: Path, saved: Layout, target: Layout) -> str | None:
             "offload_optimizer_device: cpu / none on both sides"
         )
     return UNIVERSAL
+
+
+def _same_kind(saved: Layout) -> str:
+    return "ZeRO-3 (accelerate_configs/zero3.yaml)" if saved.zero_stage == 3 else \
+        "ZeRO-1 or ZeRO-2 (accelerate_configs/zero1.yaml, zero2.yaml)"
+
+
+def _deepspeed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("deepspeed")
+    except PackageNotFoundError:
+        return "not installed"
 
 
 _ENGINE_FORMAT = {"deepspeed": "(DeepSpeed's ZeRO files) nothing but DeepSpeed",
