@@ -116,10 +116,10 @@ def conversion(checkpoint: Path, saved: Layout, target: Layout) -> str | None:
     (DDP key renaming is decided from the weights file itself, see ``prepare_resume``.)"""
     if saved.engine != target.engine:
         raise ConfigError(
-            f"cannot resume {checkpoint} with {target.describe()}: it was written by {saved.describe()}, whose "
-            f"optimizer state {_ENGINE_FORMAT[saved.engine]} cannot read. Resume it with {_ENGINE_LAUNCH[saved.engine]} "
-            f"(any number of processes), or start a new run from its weights alone: "
-            f"pretrain-export {checkpoint} <dir> writes them as a transformers model"
+            f"cannot resume {checkpoint} with {target.describe()}: it was written by {saved.describe()}, and "
+            f"its optimizer state ({_ENGINE_FORMAT[saved.engine]}) loads only there. Resume it with "
+            f"{_ENGINE_LAUNCH[saved.engine]} (any number of processes), or take its weights alone as a "
+            f"transformers model with pretrain-export {checkpoint} <dir>"
         )
     if saved.engine != "deepspeed":
         return None
@@ -164,9 +164,8 @@ def _deepspeed_version() -> str:
         return "not installed"
 
 
-_ENGINE_FORMAT = {"deepspeed": "(DeepSpeed's ZeRO files) nothing but DeepSpeed",
-                  "ddp": "(one torch optimizer state) DeepSpeed and FSDP",
-                  "fsdp": "(torch.distributed.checkpoint shards) DeepSpeed and DDP"}
+_ENGINE_FORMAT = {"deepspeed": "DeepSpeed's ZeRO files, read by DeepSpeed", "ddp": "one torch state_dict, read by DDP",
+                  "fsdp": "torch.distributed.checkpoint shards, read by FSDP"}
 _ENGINE_LAUNCH = {"deepspeed": f"a DeepSpeed config ({DEEPSPEED_CONFIGS})",
                   "ddp": "accelerate_configs/cpu_ddp.yaml / ddp.yaml or one process",
                   "fsdp": "accelerate_configs/fsdp.yaml"}

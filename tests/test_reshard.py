@@ -151,6 +151,22 @@ def test_other_processes_wait_for_rank0s_conversion_and_report_its_failure(tmp_p
         reshard._wait_for(ckpt.with_name("elsewhere"), stamp, timeout_s=0.05, poll_s=0.01)
 
 
+def test_converted_siblings_go_with_their_checkpoint(tmp_path):
+    from pretrain.checkpoint import Checkpointer
+    from pretrain.config import CheckpointConfig
+    from tests.test_trainer_components import _FakeAccelerator
+
+    checkpointer = Checkpointer(_FakeAccelerator(), tmp_path, CheckpointConfig(keep_last=1), num_steps=10,
+                                log=lambda _: None)
+    first = checkpointer.save(TrainerState(step=3, tokens_seen=3, num_steps=10, plan={}, recipe={}))
+    (tmp_path / "checkpoints" / "step_00000003.universal").mkdir()
+    checkpointer.save(TrainerState(step=3, tokens_seen=3, num_steps=10, plan={}, recipe={}))  # saved again
+    assert not (tmp_path / "checkpoints" / "step_00000003.universal").exists()  # converted from the old save
+    (tmp_path / "checkpoints" / "step_00000003.single").mkdir()
+    checkpointer.save(TrainerState(step=6, tokens_seen=6, num_steps=10, plan={}, recipe={}))
+    assert sorted(p.name for p in first.parent.iterdir()) == ["latest", "step_00000006"]
+
+
 # ---- pretrain-export: bad input --------------------------------------------------------------------------
 def test_export_refuses_what_is_not_a_checkpoint_and_a_non_empty_out(tmp_path, capsys):
     assert export.main([str(tmp_path), str(tmp_path / "out")]) == 2
