@@ -46,6 +46,8 @@ def check_paths(checkpoint: Path, out: Path) -> None:
 
 def export(checkpoint: Path, out: Path, log=print) -> None:
     check_paths(checkpoint, out)
+    from pydantic import ValidationError
+
     from pretrain.checkpoint import TrainerState
     from pretrain.config import Recipe
     from pretrain.data import build_tokenizer
@@ -54,7 +56,12 @@ def export(checkpoint: Path, out: Path, log=print) -> None:
 
     start = time.perf_counter()
     state = TrainerState.read(checkpoint)
-    recipe = Recipe.model_validate(state.recipe)
+    try:
+        recipe = Recipe.model_validate(state.recipe)
+    except ValidationError as exc:
+        raise ConfigError(f"the recipe recorded in {checkpoint / STATE_FILE} does not validate with this version "
+                          f"of pretrain ({exc.error_count()} problems, first: {exc.errors()[0]['msg']} at "
+                          f"{'.'.join(map(str, exc.errors()[0]['loc']))}); export with the version that wrote it") from None
     tokenizer = build_tokenizer(recipe.data, log=log)
     vocab = resolve_vocab_size(recipe.model, len(tokenizer))
     model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed, meta=True)
