@@ -76,13 +76,14 @@ def test_trainer_state_round_trips_and_reads_old_checkpoints(tmp_path, recipe):
     state = TrainerState(step=7, tokens_seen=7 * 512, num_steps=20, plan={"global_batch_size": 8}, recipe=recipe)
     assert TrainerState.from_json(state.to_json()) == state
     written = json.loads(state.to_json())
-    assert {"step", "tokens_seen", "num_steps", "plan", "recipe", "saved_at", "python", "torch"} == set(written)
+    assert {"step", "tokens_seen", "num_steps", "plan", "recipe", "layout", "saved_at", "python", "torch"} == set(written)
 
-    old = {**written, "samples_seen": 56, "data_cursor": {"kind": "global_step", "step": 7, "seed": 1234},
+    old = {k: v for k, v in written.items() if k != "layout"}  # written before the layout was recorded
+    old = {**old, "samples_seen": 56, "data_cursor": {"kind": "global_step", "step": 7, "seed": 1234},
            "recipe_fingerprint": "0123456789abcdef", "saved_at": 1.5}
     (tmp_path / STATE_FILE).write_text(json.dumps(old))
     loaded = TrainerState.read(tmp_path)
-    assert (loaded.step, loaded.tokens_seen, loaded.num_steps, loaded.saved_at) == (7, 3584, 20, 1.5)
+    assert (loaded.step, loaded.tokens_seen, loaded.num_steps, loaded.saved_at, loaded.layout) == (7, 3584, 20, 1.5, None)
     assert loaded.recipe == recipe
     assert TrainerState.read(tmp_path / "missing") is None
 
