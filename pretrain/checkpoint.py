@@ -28,11 +28,12 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, set_seed
 from pydantic import BaseModel
 
 from pretrain.config import CheckpointConfig, Recipe
 from pretrain.errors import ConfigError
+from pretrain.reshard import ResumeSource, views
 from pretrain.rundir import (
     CHECKPOINTS_DIR,
     LATEST_FILE,
@@ -66,6 +67,7 @@ class TrainerState:
     num_steps: int  # the horizon when saved (pretrain-slurm status prints step/num_steps)
     plan: dict[str, Any]  # BatchPlan.to_dict() when saved
     recipe: dict[str, Any]  # the resolved recipe when saved: the compatibility check reads it
+    layout: dict[str, Any] | None = None  # Launch.to_dict() when saved (None: saved before it was recorded)
     python: str = field(default_factory=lambda: sys.version.split()[0])
     torch: str = field(default_factory=lambda: torch.__version__)
     saved_at: float | None = None  # time.time() of the save
@@ -246,6 +248,8 @@ class Checkpointer:
             (tmp / STATE_FILE).write_text(replace(state, saved_at=time.time()).to_json())
             if final.exists():
                 shutil.rmtree(final)  # the same step saved again after a resume: the new one is equivalent
+            for view in views(final):
+                shutil.rmtree(view)  # converted from the replaced save
             os.rename(tmp, final)
             pointer_tmp = self.dir / f".{LATEST_FILE}.tmp"
             pointer_tmp.write_text(name + "\n")
@@ -261,15 +265,29 @@ class Checkpointer:
         complete = complete_checkpoints(self.dir.parent)
         for _, path in complete[: max(0, len(complete) - self.cfg.keep_last)]:
             if path != keep:
+                for view in views(path):
+                    shutil.rmtree(view, ignore_errors=True)
                 shutil.rmtree(path, ignore_errors=True)
 
-    def load(self, path: Path, recipe: dict[str, Any]) -> TrainerState:
-        """Restore everything from ``path``; returns its trainer state. Refuses an incompatible recipe."""
+    def load(self, path: Path, recipe: dict[str, Any], source: ResumeSource | None = None) -> TrainerState:
+        """Restore everything from ``path``; returns its trainer state. Refuses an incompatible recipe.
+        ``source``: the checkpoint as ``reshard.prepare_resume`` prepared it for this launch (where the state
+        is read, whether the RNG is re-seeded); None: as saved."""
+        source = source or ResumeSource(path, path, saved=None)
         state = TrainerState.read(path)
         assert state is not None
         other = check_compatible(path, state.recipe, recipe)
         if other:
             self.log(f"resume: recipe differs from the checkpoint's in: {'; '.join(other)}")
-        self.accelerator.load_state(str(path))
+        self.accelerator.load_state(str(source.load_dir))
+        # load_state restores accelerate's micro-step counter (which decides the micro-step that synchronises)
+        # from each process's RNG file: counted in the old GAS, and missing for a process the old run lacked.
+        self.accelerator.step = state.step * self.accelerator.gradient_accumulation_steps
+        if source.world_changed:
+            # random_states_{i}.pkl belong to the processes of the old world size (a new process finds none,
+            # an old index means another process now): every process draws a fresh stream instead.
+            set_seed(int(recipe["train"]["seed"]) + state.step, device_specific=True)
+            self.log(f"resume: world size {source.saved.world_size} -> {self.accelerator.num_processes}: "
+                     "each process's random stream re-seeded from (train.seed, step, process index)")
         self.log(f"resume: continuing from {path} at step {state.step}")
         return state

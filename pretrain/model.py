@@ -14,6 +14,9 @@ import contextlib
 import difflib
 import hashlib
 import itertools
+import os
+import shutil
+from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
@@ -27,7 +30,7 @@ from pretrain.loss import chunked_causal_lm_loss
 from pretrain.shape import ModelShape, require_counted, resolve_vocab_size
 
 __all__ = ["build_model", "closed_form_num_params", "count_parameters", "hf_config", "init_weights",
-           "resolve_vocab_size"]
+           "resolve_vocab_size", "save_pretrained_model"]
 
 # Our field -> the config attributes that can hold it, first match wins. GPT-2's config maps hidden_size,
 # num_hidden_layers, num_attention_heads and max_position_embeddings to n_embd, n_layer, n_head and
@@ -213,3 +216,17 @@ def closed_form_num_params(model_cfg: ModelConfig, vocab_size: int, seq_len: int
     config = hf_config(model_cfg, vocab_size, seq_len)
     require_counted(config.model_type)
     return ModelShape.from_hf_config(config, source="model").num_params
+
+
+def save_pretrained_model(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], tokenizer, final: Path) -> None:
+    """``final`` as a transformers model directory (``save_pretrained`` of ``model``'s config with
+    ``state_dict``'s weights, safetensors) plus the tokenizer, written under ``.tmp-<name>`` and renamed:
+    the run's final_model and pretrain-export both write it here. ``model`` may live on the meta device."""
+    tmp = final.with_name(f".tmp-{final.name}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)

@@ -7,6 +7,8 @@
       deepspeed_config.json      DeepSpeed runs only
       checkpoints/step_XXXXXXXX/ accelerate save_state + trainer_state.json (written last)
       checkpoints/latest         the name of the newest complete checkpoint
+      checkpoints/step_XXXXXXXX.universal/ (.ddp/, .single/)  a checkpoint converted for another layout
+                                 (pretrain/reshard.py); no trainer_state.json, so never taken for a checkpoint
       final_model/               transformers save_pretrained + tokenizer
 
 One rule for ``metrics.jsonl``: a last line that is not complete JSON was cut off by a killed run and is

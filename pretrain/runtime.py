@@ -68,8 +68,12 @@ def deepspeed_config(recipe: Recipe, plan: BatchPlan, launch: Launch, lr: float)
     return build_deepspeed_config(recipe, plan, launch, lr, user)
 
 
-def deepspeed_plugin(recipe: Recipe, plan: BatchPlan, launch: Launch, lr: float) -> tuple[DeepSpeedPlugin, dict, bool]:
+def deepspeed_plugin(recipe: Recipe, plan: BatchPlan, launch: Launch, lr: float,
+                     load_universal: bool = False) -> tuple[DeepSpeedPlugin, dict, bool]:
     config, ds_optimizer = deepspeed_config(recipe, plan, launch, lr)
+    if load_universal:
+        # The resume checkpoint was converted to DeepSpeed's universal format (pretrain/reshard.py).
+        config.setdefault("checkpoint", {})["load_universal"] = True
     stage = config["zero_optimization"]["stage"]
     zero3_init = launch.zero3_init if launch.zero3_init is not None else stage == 3
     # accelerate refuses a config dict next to accelerate-config DeepSpeed fields, assuming the dict is a
@@ -86,7 +90,7 @@ def deepspeed_plugin(recipe: Recipe, plan: BatchPlan, launch: Launch, lr: float)
 
 
 def build_accelerator(recipe: Recipe, plan: BatchPlan, launch: Launch, output_dir: Path, trackers: list,
-                      lr: float) -> Runtime:
+                      lr: float, load_universal: bool = False) -> Runtime:
     check_precision(recipe, launch)
     if launch.engine == "fsdp" and not torch.cuda.is_available():
         # accelerate turns an FSDP launch without GPUs into plain data parallelism (MULTI_CPU), which would
@@ -99,7 +103,7 @@ def build_accelerator(recipe: Recipe, plan: BatchPlan, launch: Launch, output_di
         # DeepSpeed (imported by accelerate for ZeRO and state gathering) would otherwise probe for
         # accelerators and warn on every CPU run.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    plugin, ds_config, ds_optimizer = (deepspeed_plugin(recipe, plan, launch, lr) if launch.uses_deepspeed
+    plugin, ds_config, ds_optimizer = (deepspeed_plugin(recipe, plan, launch, lr, load_universal) if launch.uses_deepspeed
                                        else (None, None, False))
     handlers = []
     timeout = recipe.runtime.collective_timeout_s

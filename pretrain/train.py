@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,10 +37,11 @@ from pretrain.launch import Launch
 from pretrain.loader import DocumentMasking, build_train_loader, build_val_loader
 from pretrain.memory import estimate
 from pretrain.metrics import ThroughputMonitor, memory_metrics, resolve_peak
-from pretrain.model import build_model, count_parameters, resolve_vocab_size
+from pretrain.model import build_model, count_parameters, resolve_vocab_size, save_pretrained_model
 from pretrain.optim import build_optimizer, build_scheduler, deepspeed_optimizer
 from pretrain.preemption import StopSignals
 from pretrain.preflight import check_run
+from pretrain.reshard import prepare_resume
 from pretrain.run_record import start_run_record
 from pretrain.runtime import build_accelerator, check_shared_output_dir
 from pretrain.shape import flops_per_token
@@ -135,19 +135,32 @@ class Trainer:
         check_output_dir(self.output_dir)
         # Rank 0 decides which checkpoint to resume from, now: its trackers (main-process only) need the step
         # to drop the metrics of redone steps. Every rank follows that choice once the process group exists.
-        choice = ResumeChoice.decide(self.output_dir, recipe.checkpoint) if self.is_main else None
+        # Every rank reads the same files now (errors are kept, not raised) for one purpose: a checkpoint of
+        # another layout is converted (or refused) before any process group exists, by rank 0, while the other
+        # ranks wait for the conversion of the checkpoint they see; agree_on_resume checks below that it is
+        # rank 0's.
+        seen = ResumeChoice.decide(self.output_dir, recipe.checkpoint)
+        choice = seen if self.is_main else None
+        self.resume = prepare_resume(Path(seen.path), self.launch, log=self.log) if seen.path else None
 
         # The token store exists before the process group does: no rank ever waits for data in a collective.
         prepare_command = prepare_command or f"pretrain-prepare-data --recipe <the recipe of {recipe.name!r}>"
         ensure_store(recipe.data, self.launch, prepare_command, log=self.log)
 
         trackers = build_trackers(recipe, self.output_dir, choice.step if choice else None, self.is_main)
-        self.runtime = build_accelerator(recipe, self.plan, self.launch, self.output_dir, trackers, self.lr)
+        self.runtime = build_accelerator(recipe, self.plan, self.launch, self.output_dir, trackers, self.lr,
+                                         load_universal=self.resume is not None and self.resume.load_universal)
         self.accelerator = self.runtime.accelerator
         self.device = self.accelerator.device
         # Collectives: every rank raises the same ConfigError, or none does.
         check_shared_output_dir(self.accelerator, self.output_dir)
         resume_from = agree_on_resume(self.accelerator, choice, self.output_dir)
+        if resume_from is None:
+            self.resume = None
+        elif self.resume is None or self.resume.checkpoint != resume_from:
+            # This rank saw another checkpoint before the process group existed; it sees rank 0's too (agreed
+            # above), which rank 0 has already prepared: follow rank 0.
+            self.resume = prepare_resume(resume_from, self.launch, log=self.log)
         self.checkpointer = Checkpointer(self.accelerator, self.output_dir, recipe.checkpoint, self.num_steps,
                                          log=self.log)
         set_seed(recipe.train.seed)
@@ -173,8 +186,8 @@ class Trainer:
         self.tokens_seen = 0
         self.skipped_steps = 0  # fp16 overflow: the optimizer step (and the schedule) were skipped
         self.preempted = False
-        if resume_from is not None:
-            state = self.checkpointer.load(resume_from, recipe.to_dict())
+        if self.resume is not None:
+            state = self.checkpointer.load(self.resume.checkpoint, recipe.to_dict(), self.resume)
             self.step, self.tokens_seen = state.step, state.tokens_seen
 
         pin = self.device.type == "cuda"
@@ -322,7 +335,7 @@ class Trainer:
     def state(self) -> TrainerState:
         """What a checkpoint records besides the accelerator's state."""
         return TrainerState(step=self.step, tokens_seen=self.tokens_seen, num_steps=self.num_steps,
-                            plan=self.plan.to_dict(), recipe=self.recipe.to_dict())
+                            plan=self.plan.to_dict(), recipe=self.recipe.to_dict(), layout=self.launch.to_dict())
 
     def stop_preempted(self) -> None:
         """A stop signal reached every rank: checkpoint the step just done and end; the same command resumes."""
@@ -343,14 +356,7 @@ class Trainer:
         acc = self.accelerator
         state_dict = acc.get_state_dict(self.model)  # gathers ZeRO-3 / FSDP shards: every rank takes part
         if acc.is_main_process:
-            final, tmp = self.output_dir / "final_model", self.output_dir / ".tmp-final_model"
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            model = acc.unwrap_model(self.model)
-            model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-            self.tokenizer.save_pretrained(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(tmp, final)
+            final = self.output_dir / "final_model"
+            save_pretrained_model(acc.unwrap_model(self.model), state_dict, self.tokenizer, final)
             self.log(f"export: transformers model and tokenizer in {final}")
         acc.wait_for_everyone()

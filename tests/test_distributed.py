@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
+import torch
 
 from tests import golden_losses
-from tests.helpers import FAST, accelerate_launch, check_ok, train, train_losses
+from tests.helpers import FAST, accelerate_launch, check_ok, run_cmd, train, train_losses
 
 pytestmark = pytest.mark.slow
 
@@ -42,13 +44,19 @@ def curves(tmp_path_factory):
         check_ok(proc)
         assert "at step 3" in proc.stdout
         runs[name] = out
+    # The 2-process DDP checkpoint continues in one process: model keys renamed, RNG re-seeded, GAS 2 -> 4.
+    out = root / "cpu_ddp_resumed_1"
+    proc = train([*CURVE, f"output_dir={out}", f"checkpoint.resume={runs['cpu_ddp, GAS 2'] / 'checkpoints' / 'step_00000003'}"])
+    check_ok(proc)
+    assert "at step 3" in proc.stdout and "re-seeded" in proc.stdout
+    runs["cpu_ddp resumed at 3 in 1 process"] = out
     return runs
 
 
 def test_layouts_report_their_real_world_size(curves):
     for name, run_dir in curves.items():
         config = run_config(run_dir)
-        expected = 1 if name.startswith("1 process") else 2
+        expected = 1 if name.startswith("1 process") or name.endswith("in 1 process") else 2
         assert config["dist/world_size"] == expected, name
         assert list(run_dir.glob(".shared-probe-*")) == [], name  # the shared output_dir probe is removed
         assert config["plan/global_batch_size"] == 8
@@ -125,3 +133,47 @@ def test_local_batch_size_with_linear_lr_scaling_logs_effective_gbs_and_lr(tmp_p
     config = run_config(out)
     assert config["plan/global_batch_size"] == 8
     assert config["train/lr"] == pytest.approx(2e-3)  # 1e-3 x (8 / 4)
+
+
+def _logits(model_dir) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        return model(torch.arange(64).reshape(2, 32) % model.config.vocab_size).logits
+
+
+@pytest.mark.parametrize("run", ["ZeRO-3", "cpu_ddp, GAS 2"])
+def test_export_of_the_last_checkpoint_gives_the_final_models_logits(curves, tmp_path, run):
+    """pretrain-export of the step-6 checkpoint (ZeRO-3: the fp32 partitions of 2 ranks merged; DDP: the
+    saved module) is the model the run itself wrote at step 6."""
+    out = tmp_path / "exported"
+    proc = run_cmd([sys.executable, "-m", "pretrain", "export", str(curves[run] / "checkpoints" / "step_00000006"),
+                    str(out)])
+    check_ok(proc)
+    torch.testing.assert_close(_logits(out), _logits(curves[run] / "final_model"), rtol=0, atol=1e-6)
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_export_reads_an_fsdp_sharded_checkpoint(curves, tmp_path):
+    """FSDP does not run on CPU (pretrain refuses it; accelerate would run it as DDP), so this checkpoint is
+    made by hand, in the layout accelerate's save_state writes for FSDP's SHARDED_STATE_DICT
+    (save_fsdp_model: ``dist_cp.save({"model": state_dict}, FileSystemWriter(<ckpt>/pytorch_model_fsdp_0))``),
+    here from one process without a process group (torch.distributed.checkpoint then writes a single
+    shard) and from the ZeRO-3 run's final weights. What it tests is the reading side: DCP metadata and
+    shards -> accelerate's merge_fsdp_weights -> the model. tests/test_gpu.py exports a real FSDP run."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    final = curves["ZeRO-3"] / "final_model"
+    checkpoint = tmp_path / "checkpoints" / "step_00000006"
+    dcp.save({"model": AutoModelForCausalLM.from_pretrained(final).state_dict()},
+             storage_writer=dcp.FileSystemWriter(str(checkpoint / "pytorch_model_fsdp_0")))
+    state = json.loads((curves["ZeRO-3"] / "checkpoints" / "step_00000006" / "trainer_state.json").read_text())
+    state["layout"] = {**state["layout"], "engine": "fsdp", "zero_stage": None}
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    out = tmp_path / "exported"
+    proc = run_cmd([sys.executable, "-m", "pretrain", "export", str(checkpoint), str(out)])
+    check_ok(proc)
+    assert "FSDP on 2 processes" in proc.stdout
+    torch.testing.assert_close(_logits(out), _logits(final), rtol=0, atol=1e-6)

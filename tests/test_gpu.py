@@ -43,3 +43,31 @@ def test_fp16_logs_the_dynamic_loss_scale(tmp_path):
                                                    "precision.initial_scale_power=12", f"output_dir={out}"]))
     scales = [m["train/loss_scale"] for m in metrics(out) if "train/loss_scale" in m]
     assert scales and scales[0] <= 2.0**12
+
+
+def test_export_of_a_real_fsdp_checkpoint_gives_the_final_models_logits(tmp_path):
+    """A real FSDP run (one GPU: FSDP2, SHARDED_STATE_DICT through torch.distributed.checkpoint), its last
+    checkpoint exported on CPU by pretrain-export: the run's own final_model, logit for logit."""
+    import sys
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import run_cmd
+
+    out = tmp_path / "run"
+    check_ok(accelerate_launch("fsdp.yaml", [*FAST, "train.max_steps=2", f"output_dir={out}"],
+                               extra=["--num_processes", "1"]))
+    checkpoint = out / "checkpoints" / "step_00000002"
+    assert (checkpoint / "pytorch_model_fsdp_0").is_dir()
+    exported = tmp_path / "exported"
+    proc = run_cmd([sys.executable, "-m", "pretrain", "export", str(checkpoint), str(exported)],
+                   extra_env={"CUDA_VISIBLE_DEVICES": ""})
+    check_ok(proc)
+    ids = torch.arange(64).reshape(2, 32)
+    logits = []
+    for path in (exported, out / "final_model"):
+        model = AutoModelForCausalLM.from_pretrained(path)
+        with torch.no_grad():
+            logits.append(model(ids % model.config.vocab_size).logits)
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-6)

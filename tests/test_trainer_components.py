@@ -81,13 +81,14 @@ def test_trainer_state_round_trips_and_reads_old_checkpoints(tmp_path, recipe):
     state = TrainerState(step=7, tokens_seen=7 * 512, num_steps=20, plan={"global_batch_size": 8}, recipe=recipe)
     assert TrainerState.from_json(state.to_json()) == state
     written = json.loads(state.to_json())
-    assert {"step", "tokens_seen", "num_steps", "plan", "recipe", "saved_at", "python", "torch"} == set(written)
+    assert {"step", "tokens_seen", "num_steps", "plan", "recipe", "layout", "saved_at", "python", "torch"} == set(written)
 
-    old = {**written, "samples_seen": 56, "data_cursor": {"kind": "global_step", "step": 7, "seed": 1234},
+    old = {k: v for k, v in written.items() if k != "layout"}  # written before the layout was recorded
+    old = {**old, "samples_seen": 56, "data_cursor": {"kind": "global_step", "step": 7, "seed": 1234},
            "recipe_fingerprint": "0123456789abcdef", "saved_at": 1.5}
     (tmp_path / STATE_FILE).write_text(json.dumps(old))
     loaded = TrainerState.read(tmp_path)
-    assert (loaded.step, loaded.tokens_seen, loaded.num_steps, loaded.saved_at) == (7, 3584, 20, 1.5)
+    assert (loaded.step, loaded.tokens_seen, loaded.num_steps, loaded.saved_at, loaded.layout) == (7, 3584, 20, 1.5, None)
     assert loaded.recipe == recipe
     assert TrainerState.read(tmp_path / "missing") is None
 
@@ -172,6 +173,7 @@ class _FakeAccelerator:
 
     is_main_process = True
     num_processes = 1
+    gradient_accumulation_steps = 2
 
     def __init__(self):
         self.loaded = None
@@ -197,6 +199,7 @@ def test_checkpointer_saves_typed_state_and_loads_it_back(tmp_path, recipe):
     assert read_state(path)["saved_at"] > 0 and "checkpoint: saved step 6" in logged[-1]
     state = checkpointer.load(path, recipe)
     assert (state.step, state.tokens_seen, acc.loaded) == (6, 3072, str(path))
+    assert acc.step == 12  # accelerate's micro-step counter, in this launch's GAS
     assert f"resume: continuing from {path} at step 6" in logged[-1]
 
 

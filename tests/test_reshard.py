@@ -1,0 +1,255 @@
+"""Resume on another layout (pretrain/reshard.py) and pretrain-export's argument checks.
+
+The decisions are pure file reads and are tested here on hand-made checkpoint directories; the real
+conversions and continued curves are in the slow tests at the end (one 2-process ZeRO-2 run, resumed on
+1 and on 3 processes) and in tests/test_distributed.py (exports of the shared curves' checkpoints)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pretrain import reshard
+from pretrain.checkpoint import TrainerState
+from pretrain.cli import export
+from pretrain.errors import ConfigError
+from pretrain.launch import Launch
+from pretrain.reshard import UNIVERSAL, Layout, conversion, prepare_resume, saved_layout
+from tests.helpers import FAST, accelerate_launch, check_ok, metrics, train
+
+DS2_W2 = Layout("deepspeed", 2, 2)
+
+
+def make_checkpoint(path: Path, *, world: int, layout: dict | None = None, files=(), saved_at=1.0) -> Path:
+    path.mkdir(parents=True)
+    state = TrainerState(step=3, tokens_seen=3, num_steps=6, plan={"world_size": world}, recipe={},
+                         layout=layout, saved_at=saved_at)
+    (path / "trainer_state.json").write_text(state.to_json())
+    for name in files:
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text("x")
+    return path
+
+
+# ---- which layout wrote a checkpoint --------------------------------------------------------------------
+def test_recorded_layout_is_read_back(tmp_path):
+    launch = Launch("deepspeed", zero_stage=3, gpus_per_node=4)
+    ckpt = make_checkpoint(tmp_path / "c", world=4, layout=launch.to_dict())
+    assert saved_layout(ckpt, json.loads((ckpt / "trainer_state.json").read_text())) == Layout("deepspeed", 4, 3)
+
+
+@pytest.mark.parametrize("files, expected", [
+    (["pytorch_model/mp_rank_00_model_states.pt", "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt"],
+     Layout("deepspeed", 2, None)),
+    (["pytorch_model/zero_pp_rank_0_mp_rank_00_model_states.pt",
+      "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt"], Layout("deepspeed", 2, 3)),
+    (["pytorch_model/mp_rank_00_model_states.pt"], Layout("deepspeed", 2, 0)),
+    (["pytorch_model_fsdp_0/__0_0.distcp", "optimizer_0/__0_0.distcp"], Layout("fsdp", 2)),
+    (["model.safetensors", "optimizer.bin"], Layout("ddp", 2)),
+])
+def test_older_checkpoints_without_a_recorded_layout_are_read_from_their_files(tmp_path, files, expected):
+    ckpt = make_checkpoint(tmp_path / "c", world=2, files=files)
+    assert saved_layout(ckpt, json.loads((ckpt / "trainer_state.json").read_text())) == expected
+
+
+# ---- what a resume on another layout needs ----------------------------------------------------------------
+@pytest.mark.parametrize("saved, target, expected", [
+    (DS2_W2, DS2_W2, None),
+    (Layout("deepspeed", 2, None), Layout("deepspeed", 2, 1), None),  # older ZeRO-1/2 files on ZeRO-1/2
+    (DS2_W2, Layout("deepspeed", 1, 2), UNIVERSAL),
+    (DS2_W2, Layout("deepspeed", 3, 2), UNIVERSAL),
+    (DS2_W2, Layout("deepspeed", 2, 1), UNIVERSAL),
+    (Layout("deepspeed", 4, 1), Layout("deepspeed", 2, 2), UNIVERSAL),
+    (Layout("deepspeed", 4, 3), Layout("deepspeed", 2, 3), UNIVERSAL),
+    (Layout("ddp", 2), Layout("ddp", 3), None),  # full state; model keys are checked in the file
+    (Layout("fsdp", 8), Layout("fsdp", 4), None),  # torch.distributed.checkpoint reshards on load
+])
+def test_conversion_needed(saved, target, expected):
+    assert conversion(Path("ckpt"), saved, target) == expected
+
+
+@pytest.mark.parametrize("saved, target, words", [
+    (DS2_W2, Layout("ddp", 2), ["written by DeepSpeed ZeRO-2 on 2 processes", "DDP on 2 processes",
+                                "zero2.yaml", "pretrain-export ckpt"]),
+    (Layout("ddp", 2), Layout("deepspeed", 2, 2), ["written by DDP on 2 processes", "cpu_ddp.yaml",
+                                                    "pretrain-export ckpt"]),
+    (Layout("fsdp", 2), Layout("ddp", 1), ["FSDP on 2 processes", "fsdp.yaml"]),
+    (Layout("deepspeed", 2, 0), Layout("deepspeed", 4, 0), ["ZeRO-0", "ZeRO optimizer (stage 1-3)",
+                                                              "ZeRO-0 on 2 processes as saved"]),
+    (DS2_W2, Layout("deepspeed", 2, 0), ["ZeRO-0"]),
+    (DS2_W2, Layout("deepspeed", 3, 3), ["ZeRO-3 and ZeRO-1/2 optimizer states in different formats",
+                                         "Resume it with ZeRO-1 or ZeRO-2", "zero2.yaml"]),
+    (Layout("deepspeed", 2, 3), Layout("deepspeed", 2, 2), ["Resume it with ZeRO-3", "zero3.yaml"]),
+    (Layout("deepspeed", 2, 2, "nvme"), Layout("deepspeed", 4, 2, "nvme"), ["NVMe"]),
+])
+def test_impossible_combinations_are_refused_with_what_to_do(saved, target, words):
+    with pytest.raises(ConfigError) as info:
+        conversion(Path("ckpt"), saved, target)
+    for word in words:
+        assert word in str(info.value)
+
+
+def _ddp_checkpoint(tmp_path: Path, prefixed: bool) -> Path:
+    ckpt = make_checkpoint(tmp_path / "checkpoints" / "step_00000003", world=2 if prefixed else 1,
+                           files=["optimizer.bin", "scheduler.bin", "random_states_0.pkl"])
+    save_file({("module." if prefixed else "") + "w": torch.arange(4.0)}, str(ckpt / "model.safetensors"))
+    return ckpt
+
+
+@pytest.mark.parametrize("prefixed, world, kind", [(True, 1, "single"), (False, 3, "ddp")])
+def test_ddp_weights_are_renamed_across_one_and_many_processes_and_reused(tmp_path, prefixed, world, kind):
+    """accelerate saves a DDP model with ``module.`` keys and a single process's without; loading one into the
+    other fails on the keys, so the weights are renamed into a sibling (the rest linked)."""
+    ckpt = _ddp_checkpoint(tmp_path, prefixed)
+    logged = []
+    source = prepare_resume(ckpt, Launch("ddp", gpus_per_node=world), log=logged.append)
+    assert source.load_dir == ckpt.with_name(f"step_00000003.{kind}") and source.world_changed
+    assert not source.load_universal
+    assert list(load_file(str(source.load_dir / "model.safetensors"))) == ["module.w" if world > 1 else "w"]
+    assert {p.name for p in source.load_dir.iterdir()} == {"model.safetensors", "optimizer.bin", "scheduler.bin",
+                                                          "random_states_0.pkl", "converted_from.json"}
+    assert "converting" in logged[0] and "trainer_state.json" not in {p.name for p in source.load_dir.iterdir()}
+    # not a checkpoint of its own: the run directory still holds one
+    from pretrain.rundir import complete_checkpoints
+    assert [p for _, p in complete_checkpoints(tmp_path)] == [ckpt]
+    again = prepare_resume(ckpt, Launch("ddp", gpus_per_node=world), log=logged.append)
+    assert again == source and "reusing" in logged[-1]
+
+
+def test_a_converted_sibling_of_an_earlier_save_is_not_reused(tmp_path):
+    ckpt = _ddp_checkpoint(tmp_path, prefixed=True)
+    first = prepare_resume(ckpt, Launch("ddp"), log=lambda _: None)
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    (ckpt / "trainer_state.json").write_text(json.dumps({**state, "saved_at": 2.0}))  # the step saved again
+    logged = []
+    assert prepare_resume(ckpt, Launch("ddp"), log=logged.append).load_dir == first.load_dir
+    assert "converting" in logged[0]
+    assert json.loads((first.load_dir / "converted_from.json").read_text())["saved_at"] == 2.0
+
+
+def test_same_layout_loads_the_checkpoint_itself_quietly(tmp_path):
+    ckpt = _ddp_checkpoint(tmp_path, prefixed=True)
+    logged = []
+    source = prepare_resume(ckpt, Launch("ddp", gpus_per_node=2), log=logged.append)
+    assert (source.load_dir, source.world_changed, logged) == (ckpt, False, [])
+    three = prepare_resume(ckpt, Launch("ddp", gpus_per_node=3), log=logged.append)
+    assert three.load_dir == ckpt and three.world_changed  # the RNG files of 2 processes are not used by 3
+
+
+def test_other_processes_wait_for_rank0s_conversion_and_report_its_failure(tmp_path):
+    ckpt = _ddp_checkpoint(tmp_path, prefixed=True)
+    view = ckpt.with_name("step_00000003.single")
+    stamp = {"checkpoint": ckpt.name, "saved_at": 1.0, "step": 3, "kind": "single"}
+    reshard._failure_marker(view).write_text("OSError: disk full")
+    with pytest.raises(ConfigError, match="rank 0 failed converting .*disk full"):
+        prepare_resume(ckpt, Launch("ddp", rank=1, gpus_per_node=1), log=print)
+    with pytest.raises(ConfigError, match="waited"):
+        reshard._wait_for(ckpt.with_name("elsewhere"), stamp, timeout_s=0.05, poll_s=0.01)
+
+
+def test_converted_siblings_go_with_their_checkpoint(tmp_path):
+    from pretrain.checkpoint import Checkpointer
+    from pretrain.config import CheckpointConfig
+    from tests.test_trainer_components import _FakeAccelerator
+
+    checkpointer = Checkpointer(_FakeAccelerator(), tmp_path, CheckpointConfig(keep_last=1), num_steps=10,
+                                log=lambda _: None)
+    first = checkpointer.save(TrainerState(step=3, tokens_seen=3, num_steps=10, plan={}, recipe={}))
+    (tmp_path / "checkpoints" / "step_00000003.universal").mkdir()
+    checkpointer.save(TrainerState(step=3, tokens_seen=3, num_steps=10, plan={}, recipe={}))  # saved again
+    assert not (tmp_path / "checkpoints" / "step_00000003.universal").exists()  # converted from the old save
+    (tmp_path / "checkpoints" / "step_00000003.single").mkdir()
+    checkpointer.save(TrainerState(step=6, tokens_seen=6, num_steps=10, plan={}, recipe={}))
+    assert sorted(p.name for p in first.parent.iterdir()) == ["latest", "step_00000006"]
+
+
+# ---- pretrain-export: bad input --------------------------------------------------------------------------
+def test_export_refuses_what_is_not_a_checkpoint_and_a_non_empty_out(tmp_path, capsys):
+    assert export.main([str(tmp_path), str(tmp_path / "out")]) == 2
+    assert "is not a complete checkpoint (no readable trainer_state.json)" in capsys.readouterr().err
+    ckpt = _ddp_checkpoint(tmp_path, prefixed=True)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text("{}")
+    assert export.main([str(ckpt), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "already exists and is not an empty directory" in err and "Traceback" not in err
+
+
+# ---- real runs: a 2-process ZeRO-2 checkpoint continues on 1 and on 3 processes -----------------------------
+STEPS = 6  # checkpoint at 3, continue to 6: N=3 keeps three 2-core launches near a minute each
+# GBS 6 divides over 1, 2 and 3 processes (MBS 1: GAS 6, 3 and 2); the recipe is the same in every launch.
+ARGS = [*FAST, "batch.global_batch_size=6", "batch.micro_batch_size=1", f"train.max_steps={STEPS}",
+        "checkpoint.every_steps=3", "checkpoint.keep_last=0", "checkpoint.save_final_model=false"]
+
+
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reshard")
+    runs = {"2 processes ZeRO-2": root / "base"}
+    check_ok(accelerate_launch("zero2.yaml", [*ARGS, f"output_dir={root / 'base'}"], extra=["--num_processes", "2"]))
+    source = root / "base" / "checkpoints" / "step_00000003"
+    logs = {}
+    for name, config, num in [("1 process ZeRO-2", "zero2.yaml", 1), ("3 processes ZeRO-1", "zero1.yaml", 3)]:
+        out = root / name.replace(" ", "_")
+        proc = accelerate_launch(config, [*ARGS, f"output_dir={out}", f"checkpoint.resume={source}"],
+                                 extra=["--num_processes", str(num)])
+        check_ok(proc)
+        runs[name], logs[name] = out, proc.stdout
+    return runs, logs
+
+
+@pytest.mark.slow
+def test_zero2_checkpoint_of_2_processes_continues_on_1_and_3_processes_on_the_same_curve(resharded):
+    """Step 3 of a 2-process ZeRO-2 run, continued on 1 process (ZeRO-2) and on 3 (ZeRO-1: another stage of
+    the same kind too), gives the uninterrupted run's steps 4-6: loss, LR and tokens seen."""
+    runs, logs = resharded
+    by_step = {name: {m["step"]: m for m in metrics(run) if "train/loss" in m} for name, run in runs.items()}
+    reference = by_step.pop("2 processes ZeRO-2")
+    for name, curve in by_step.items():
+        assert sorted(curve) == list(range(4, STEPS + 1)), name
+        for step, m in curve.items():
+            ref = reference[step]
+            assert m["train/loss"] == pytest.approx(ref["train/loss"], rel=1e-4), (name, step)
+            assert m["train/lr"] == pytest.approx(ref["train/lr"], rel=1e-9), (name, step)  # the schedule continues
+            assert m["train/tokens_seen"] == ref["train/tokens_seen"], (name, step)
+            assert m["batch/gas"] == 6 // int(name[0]), name
+    # the first resume converts (DeepSpeed universal checkpoint), the second reuses it
+    assert "converting" in logs["1 process ZeRO-2"] and "DeepSpeed universal checkpoint" in logs["1 process ZeRO-2"]
+    assert "reusing the converted" in logs["3 processes ZeRO-1"]
+    assert "re-seeded" in logs["3 processes ZeRO-1"]
+    universal = runs["2 processes ZeRO-2"] / "checkpoints" / "step_00000003.universal"
+    assert (universal / "pytorch_model" / "zero").is_dir()
+    state = json.loads((runs["3 processes ZeRO-1"] / "checkpoints" / "step_00000006" / "trainer_state.json").read_text())
+    assert (state["layout"]["engine"], state["layout"]["zero_stage"], state["layout"]["world_size"]) == ("deepspeed", 1, 3)
+
+
+@pytest.mark.slow
+def test_export_of_a_zero2_checkpoint_matches_the_step_reached_by_a_resumed_run(resharded, tmp_path):
+    """The step-6 checkpoints of the 2-process ZeRO-2 run and of its 1-process continuation hold the same
+    model up to reduction order: exported, they give the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    runs, _ = resharded
+    models = []
+    for name in ("2 processes ZeRO-2", "1 process ZeRO-2"):
+        out = tmp_path / name.replace(" ", "_")
+        assert export.main([str(runs[name] / "checkpoints" / "step_00000006"), str(out)]) == 0
+        models.append(AutoModelForCausalLM.from_pretrained(out))
+    ids = torch.arange(32).reshape(2, 16) % models[0].config.vocab_size
+    with torch.no_grad():
+        a, b = (m(ids).logits for m in models)
+    assert (a - b).abs().max().item() < 1e-3 * a.abs().max().item()
+
+
+@pytest.mark.slow
+def test_a_deepspeed_checkpoint_is_refused_by_a_ddp_launch_before_any_process_group(resharded, tmp_path):
+    runs, _ = resharded
+    source = runs["2 processes ZeRO-2"] / "checkpoints" / "step_00000003"
+    proc = train([*ARGS, f"output_dir={tmp_path / 'run'}", f"checkpoint.resume={source}"])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "written by DeepSpeed ZeRO-2 on 2 processes" in proc.stderr and "pretrain-export" in proc.stderr
+    assert "Traceback" not in proc.stderr and "process group" not in proc.stdout
