@@ -43,10 +43,11 @@ def assert_refused_once_on_every_rank(proc, *expected: str) -> str:
 
 
 def fake_checkpoint(checkpoints, step: int):
-    """A complete checkpoint as far as choosing one goes (trainer_state.json; the run stops before loading)."""
+    """A complete checkpoint as far as choosing one goes (trainer_state.json, written by this very layout: the
+    run stops before loading)."""
     path = checkpoints / f"step_{step:08d}"
     path.mkdir(parents=True)
-    (path / STATE_FILE).write_text(TrainerState(step=step, tokens_seen=0, num_steps=2, plan={}, recipe={}).to_json())
+    (path / STATE_FILE).write_text(TrainerState(step=step, tokens_seen=0, num_steps=2, plan={"world_size": 2}, recipe={}).to_json())
     (checkpoints / LATEST_FILE).write_text(path.name + "\n")
 
 
