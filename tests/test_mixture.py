@@ -108,7 +108,7 @@ def test_exhaustion_step_epochs_and_the_repeat_warning():
     metrics_ = order.metrics(100)
     assert sum(v for k, v in metrics_.items() if k.startswith("data/tokens/")) == 100 * 8 * 64
     with pytest.raises(DataError, match="source 'math' has fewer sequences than its share of one optimizer step"):
-        data_horizon(MixtureSampleOrder({"code": 50, "web": 50, "math": 1}, WEIGHTS, 80, 1, True, 64), 10, "stop")
+        data_horizon(MixtureSampleOrder({"code": 50, "web": 500, "math": 1}, WEIGHTS, 80, 1, True, 64), 10, "stop")
 
 
 # ---- the recipe ---------------------------------------------------------------------------------------
