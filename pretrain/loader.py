@@ -152,8 +152,8 @@ class MixtureSampleOrder:
             n = int(self.num_rows[source])
             seed = [self.seed, self._source_seeds[source], epoch]
             cache[epoch] = np.random.default_rng(seed).permutation(n) if self.shuffle else np.arange(n)
-            for old in sorted(cache)[:-2]:  # a step spans at most two epochs of a source
-                del cache[old]
+            while len(cache) > 2:  # a step spans at most two epochs of a source: keep the newest two
+                del cache[next(iter(cache))]
         return cache[epoch]
 
     def global_batch(self, step: int) -> np.ndarray:
