@@ -5,10 +5,6 @@ policy, and the errors a user sees. The end-to-end runs (1 vs 2 processes, kill 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from fractions import Fraction
 from pathlib import Path
 
@@ -20,9 +16,8 @@ from pretrain.config import BatchConfig, DataConfig, build_recipe
 from pretrain.data import MixtureData, prepare_data
 from pretrain.errors import ConfigError, DataError
 from pretrain.loader import MixtureSampleOrder, RankBatchSampler, data_horizon, stream_rows
-from tests.helpers import FAST, RUN, accelerate_launch, check_ok, env, metrics, train, train_losses
+from tests.helpers import FAST, RUN, accelerate_launch, check_ok, metrics, train, train_killed_at, train_losses
 from tests.test_data import make_docs, write_corpus
-from tests.test_run import _wait_for
 
 WEIGHTS = {"code": 0.2, "web": 0.7, "math": 0.1}
 
@@ -256,13 +251,7 @@ def test_mixture_run_one_and_two_processes_agree_and_kill_9_resumes_exactly(tmp_
     config = json.loads((single / "run_config.json").read_text())
     assert config["data/mixture/json/weight"] == 0.5 and json.loads(config["recipe/data/mixture"])[1]["name"] == "http"
 
-    cmd = [sys.executable, RUN, "--recipe", recipe, *args, f"output_dir={killed}"]
-    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    _wait_for(killed / "checkpoints" / "step_00000004" / "trainer_state.json", proc, timeout=300)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not (killed / "final_model").exists(), "killed too late"
+    train_killed_at(args, 4, killed, recipe=recipe)
     check_ok(again := train([*args, f"output_dir={killed}"], recipe=recipe))
     assert "at step 4" in again.stdout
     resumed = train_losses(killed)
