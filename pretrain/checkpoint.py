@@ -52,7 +52,7 @@ MUST_MATCH = (
                              "intermediate_size", "vocab_size", "tie_embeddings", "config_overrides")),
     *(f"data.{k}" for k in ("source", "format", "text_field", "hf_config", "hf_split", "tokenizer",
                             "tokenizer_vocab_size", "seq_len", "train_subset", "val_fraction", "shuffle",
-                            "drop_last", "on_decode_error")),
+                            "drop_last", "on_decode_error", "mixture", "normalize_weights")),
     "batch.global_batch_size",
     "train.seed",
 )

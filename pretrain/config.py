@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -92,18 +94,71 @@ class ModelConfig(Section):
 DOCUMENT_MASKING_ARCHS = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox")
 
 
+SOURCE_DESCRIPTION = (
+    "`stdlib` (built-in offline corpus: this Python's standard-library sources; `stdlib:DIR` only its "
+    "package directory DIR, e.g. `stdlib:email`), a local file, directory or glob of .txt / .jsonl / .parquet "
+    "files, or `hf:NAME` for a Hugging Face dataset."
+)
+FORMAT_DESCRIPTION = "Format of local files; `auto` decides by file extension."
+TEXT_FIELD_DESCRIPTION = "Field holding the document text in jsonl / parquet / hf data."
+HF_CONFIG_DESCRIPTION = "Configuration name of an `hf:` dataset."
+HF_SPLIT_DESCRIPTION = "Split of an `hf:` dataset to read."
+# The keys that say where one source's documents are: data.* for a single source, or each data.mixture entry.
+SOURCE_KEYS = ("source", "format", "text_field", "hf_config", "hf_split")
+MIXTURE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+WEIGHT_SUM_TOLERANCE = 1e-6
+
+
+class MixtureSource(Section):
+    """One source of a data mixture: its documents (the keys of a single-source data section) and weight."""
+
+    name: str = Field(
+        description="The source's name in metrics (`data/tokens/<name>`, `val/loss/<name>`) and in its store's "
+        "directory under data.store: letters, digits, `_`, `-`, `.`; unique in the mixture."
+    )
+    source: str = Field(description="Where its documents are, as data.source: " + SOURCE_DESCRIPTION)
+    weight: float = Field(
+        description="Its share of every optimizer step's sequences (> 0); divided by the sum of the weights "
+        "(data.normalize_weights=false: they must sum to 1)."
+    )
+    format: Literal["auto", "text", "jsonl", "parquet"] = Field("auto", description=FORMAT_DESCRIPTION)
+    text_field: str = Field("text", description=TEXT_FIELD_DESCRIPTION)
+    hf_config: str | None = Field(None, description=HF_CONFIG_DESCRIPTION)
+    hf_split: str = Field("train", description=HF_SPLIT_DESCRIPTION)
+
+    @model_validator(mode="after")
+    def _name_and_weight(self) -> MixtureSource:
+        if not MIXTURE_NAME.match(self.name):
+            raise ValueError(f"source name {self.name!r} must be letters, digits, `_`, `-` or `.` (it names metrics "
+                             "and a directory), starting with a letter or digit; e.g. `code` or `web-en`")
+        if not (math.isfinite(self.weight) and self.weight > 0):
+            raise ValueError(f"source {self.name!r} has weight {self.weight}; every source needs a weight > 0 "
+                             "(remove the source to leave it out)")
+        return self
+
+
 class DataConfig(Section):
-    source: str = Field(
-        "stdlib",
-        description="`stdlib` (built-in offline corpus: this Python's standard-library sources), a local "
-        "file, directory or glob of .txt / .jsonl / .parquet files, or `hf:NAME` for a Hugging Face dataset.",
+    source: str = Field("stdlib", description=SOURCE_DESCRIPTION)
+    format: Literal["auto", "text", "jsonl", "parquet"] = Field("auto", description=FORMAT_DESCRIPTION)
+    text_field: str = Field("text", description=TEXT_FIELD_DESCRIPTION)
+    hf_config: str | None = Field(None, description=HF_CONFIG_DESCRIPTION)
+    hf_split: str = Field("train", description=HF_SPLIT_DESCRIPTION)
+    mixture: list[MixtureSource] = Field(
+        default_factory=list,
+        description="Several weighted sources instead of data.source: a list of `{name, source, weight}` "
+        "(+ `format`, `text_field`, `hf_config`, `hf_split`). Every optimizer step takes each source's share of "
+        "its sequences; one token store per source, one tokenizer and seq_len for all. Empty = data.source.",
     )
-    format: Literal["auto", "text", "jsonl", "parquet"] = Field(
-        "auto", description="Format of local files; `auto` decides by file extension."
+    normalize_weights: bool = Field(
+        True,
+        description="Divide the mixture's weights by their sum; false: they must already sum to 1 (± 1e-6).",
     )
-    text_field: str = Field("text", description="Field holding the document text in jsonl / parquet / hf data.")
-    hf_config: str | None = Field(None, description="Configuration name of an `hf:` dataset.")
-    hf_split: str = Field("train", description="Split of an `hf:` dataset to read.")
+    on_exhausted: Literal["repeat", "stop"] = Field(
+        "repeat",
+        description="When the training stream (a mixture: any source) has been read once: `repeat` (its next "
+        "epoch, in a new order; the epochs each source is read are logged) or `stop` (end the run there with a "
+        "checkpoint and a message).",
+    )
     tokenizer: str = Field(
         "bpe",
         description="`bpe` trains a byte-level BPE on the training corpus (cached); otherwise a local "
@@ -119,7 +174,8 @@ class DataConfig(Section):
     store: str | None = Field(
         None,
         description="Directory of the token store (written by `pretrain-prepare-data`, read by training); "
-        "null = cache_dir/stores/<key of source, tokenizer, val_fraction>.",
+        "null = cache_dir/stores/<key of source, tokenizer, val_fraction>. A mixture: each source's store is "
+        "the subdirectory <name>.",
     )
     store_shard_bytes: int = Field(
         64 * 2**20,
@@ -128,8 +184,8 @@ class DataConfig(Section):
         "file is a shard of its own); the unit of parallel tokenization and of resume.",
     )
     seq_len: int = Field(256, gt=0, description="Sequence length of a training sample (tokens).")
-    train_subset: int = Field(0, ge=0, description="Use only this many training sequences; 0 = all.")
-    val_subset: int = Field(0, ge=0, description="Use only this many validation sequences; 0 = all.")
+    train_subset: int = Field(0, ge=0, description="Use only this many training sequences (of each source); 0 = all.")
+    val_subset: int = Field(0, ge=0, description="Use only this many validation sequences (of each source); 0 = all.")
     val_fraction: float = Field(
         0.05, gt=0, lt=1, description="Fraction of documents held out for validation (documents, not tokens)."
     )
@@ -137,7 +193,8 @@ class DataConfig(Section):
     drop_last: bool = Field(
         True,
         description="Drop the samples left over at the end of an epoch that do not fill a global batch; "
-        "false carries them into the next epoch's first batch.",
+        "false carries them into the next epoch's first batch. A single source only (a mixture's steps always "
+        "mix sources, each source's epochs run on).",
     )
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
     prefetch_factor: int | None = positive_or_null("Batches prefetched per DataLoader worker (needs num_workers > 0).")
@@ -172,6 +229,42 @@ class DataConfig(Section):
                 "set data.num_workers or remove data.prefetch_factor"
             )
         return self
+
+    @model_validator(mode="after")
+    def _mixture(self) -> DataConfig:
+        if not self.mixture:
+            return self
+        names = [m.name for m in self.mixture]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"data.mixture names source {twice[0]!r} twice; give each source a unique name")
+        total = math.fsum(m.weight for m in self.mixture)
+        if not self.normalize_weights and abs(total - 1) > WEIGHT_SUM_TOLERANCE:
+            terms = " + ".join(f"{m.name} {m.weight:g}" for m in self.mixture)
+            raise ValueError(f"data.mixture weights sum to {total:g} ({terms}), not 1, with "
+                             "data.normalize_weights=false; make them sum to 1 or set data.normalize_weights=true")
+        defaults = DataConfig.model_fields
+        single = [f"data.{k} = {getattr(self, k)!r}" for k in SOURCE_KEYS if getattr(self, k) != defaults[k].default]
+        if single:
+            raise ValueError(f"{', '.join(single)} is not used with data.mixture (each source gives its own "
+                             f"{', '.join(SOURCE_KEYS)}); remove it")
+        if not self.drop_last:
+            raise ValueError("data.drop_last=false applies to a single source (a mixture's steps always mix "
+                             "sources and each source's epochs run on); remove it")
+        return self
+
+    def mixture_weights(self) -> dict[str, float]:
+        """Each source's share of a step's sequences (the weights divided by their sum); {} for one source."""
+        total = math.fsum(m.weight for m in self.mixture)
+        return {m.name: m.weight / total for m in self.mixture}
+
+    def source_config(self, name: str) -> DataConfig:
+        """This data section with the source keys of mixture source ``name`` (and no mixture): the single
+        source whose store that source gets. Its store is the subdirectory ``name`` of data.store, if set."""
+        entry = next(m for m in self.mixture if m.name == name)
+        store = str(Path(self.store) / name) if self.store else None
+        return self.model_copy(update={**{k: getattr(entry, k) for k in SOURCE_KEYS}, "mixture": [],
+                                       "store": store})
 
 
 class BatchConfig(Section):

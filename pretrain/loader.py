@@ -6,12 +6,22 @@ epoch e is a permutation of the packed sequences drawn from ``(seed, e)``, and o
 consumes positions [k x GBS, (k+1) x GBS) of that stream. Inside a global batch, micro-step m of rank
 r takes the MBS sequences at offset (m x world + r) x MBS. So the set of sequences behind every
 optimizer step is the same on 1, 8 or 512 processes, and resuming needs nothing but the step number.
+
+A mixture (``data.mixture``, ``MixtureSampleOrder``) keeps all of that and gives each source its share of
+every step, not only on average: the stream's rows are dealt to the sources by Sainte-Laguë (``stream_rows``),
+so after h rows source i has supplied about w_i x h of them (within about one row), and step k takes
+``stream_rows((k+1) x GBS) - stream_rows(k x GBS)`` rows of each. Source i's rows come from its own
+permutation per epoch, drawn from (seed, name, epoch); the GBS rows of a step are shuffled together by a
+permutation drawn from (seed, step), so micro-batches and ranks see the mixture too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields, replace
+from fractions import Fraction
 
 import numpy as np
 import torch
@@ -19,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from pretrain.batching import BatchPlan
 from pretrain.config import DataConfig
+from pretrain.data import MixtureData, PackedData
 from pretrain.errors import DataError
 
 
@@ -68,6 +79,149 @@ class GlobalSampleOrder:
             parts.append(self.epoch_order(epoch)[offset : offset + take])
             position += take
         return np.concatenate(parts)
+
+
+    def steps_available(self) -> tuple[int, str]:
+        """Optimizer steps before the split has been read once (its name: "" for the one training split)."""
+        return self.num_samples // self.global_batch_size, ""
+
+    def epochs_read(self, step: int) -> dict[str, float]:
+        """Epochs of the training split read by steps [0, step)."""
+        if self.drop_last:
+            return {"": step / (self.num_samples // self.global_batch_size)}
+        return {"": step * self.global_batch_size / self.num_samples}
+
+    def metrics(self, step: int) -> dict[str, float]:
+        return {}
+
+
+def stream_rows(weights: Sequence[Fraction], num_rows: int) -> list[int]:
+    """How many of the stream's first ``num_rows`` rows each source supplies, by Sainte-Laguë (Webster).
+
+    Row p of the stream belongs to the source owning the p-th highest of the priorities w_i / (s + 1/2),
+    s = 0, 1, 2, ... (ties: the earlier source). The first h rows are a prefix of that one fixed order, so a
+    source's count never decreases as h grows (a step never takes a negative count), and it stays close to
+    w_i x h: within 1/2 + n/2 x w_i rows for n sources, in practice within one. Exact arithmetic (weights as
+    fractions summing to 1), so every process computes the same counts; O(n^2) whatever h is.
+    """
+    half = Fraction(1, 2)
+    counts = [math.floor(w * num_rows + half) for w in weights]  # every priority >= 1 / num_rows: a prefix
+    total = sum(counts)
+    candidates = range(len(weights))
+    while total < num_rows:  # the next rows of the order: highest priority, ties to the earlier source
+        i = max(candidates, key=lambda i: (weights[i] / (counts[i] + half), -i))
+        counts[i] += 1
+        total += 1
+    while total > num_rows:  # the last rows taken: lowest priority, ties to the later source
+        i = min((i for i in candidates if counts[i] > 0), key=lambda i: (weights[i] / (counts[i] - half), -i))
+        counts[i] -= 1
+        total -= 1
+    return counts
+
+
+STEP_SHUFFLE_STREAM = 2**32  # above any crc32, so a step's permutation never shares a seed with a source's
+
+
+class MixtureSampleOrder:
+    """A mixture's global sample order: maps an optimizer step to the indices of its global batch in the
+    ``MixtureRows`` index space (source i's row j is ``offsets[i] + j``). A pure function of (seed, step)."""
+
+    def __init__(self, rows_per_source: dict[str, int], weights: dict[str, float], global_batch_size: int,
+                 seed: int, shuffle: bool, tokens_per_row: int):
+        empty = [name for name, n in rows_per_source.items() if n < 1]
+        if empty:
+            raise DataError(f"data.mixture source {empty[0]!r} has no training sequence of data.seq_len + 1 "
+                            "tokens; give it more data or lower data.seq_len")
+        self.names = list(rows_per_source)
+        self.num_rows = np.array([rows_per_source[n] for n in self.names], dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.num_rows)])
+        exact = [Fraction(weights[n]) for n in self.names]
+        self.weights = [w / sum(exact) for w in exact]
+        self.global_batch_size, self.seed, self.shuffle = global_batch_size, seed, shuffle
+        self.tokens_per_row = tokens_per_row
+        self._source_seeds = [zlib.crc32(n.encode()) for n in self.names]  # a source's order ignores the others
+        self._perm_cache: list[dict[int, np.ndarray]] = [{} for _ in self.names]
+
+    def rows_read(self, step: int) -> np.ndarray:
+        """Rows each source has supplied to optimizer steps [0, step)."""
+        return np.array(stream_rows(self.weights, step * self.global_batch_size), dtype=np.int64)
+
+    def source_order(self, source: int, epoch: int) -> np.ndarray:
+        cache = self._perm_cache[source]
+        if epoch not in cache:
+            n = int(self.num_rows[source])
+            seed = [self.seed, self._source_seeds[source], epoch]
+            cache[epoch] = np.random.default_rng(seed).permutation(n) if self.shuffle else np.arange(n)
+            while len(cache) > 2:  # a step spans at most two epochs of a source: keep the newest two
+                del cache[next(iter(cache))]
+        return cache[epoch]
+
+    def global_batch(self, step: int) -> np.ndarray:
+        start, stop = self.rows_read(step), self.rows_read(step + 1)
+        assert (stop >= start).all() and (stop - start).sum() == self.global_batch_size
+        parts = []
+        for i in range(len(self.names)):
+            j = np.arange(start[i], stop[i])
+            epochs, within = np.divmod(j, self.num_rows[i])
+            rows = np.empty_like(j)
+            for epoch in np.unique(epochs):
+                mask = epochs == epoch
+                rows[mask] = self.source_order(i, int(epoch))[within[mask]]
+            parts.append(self.offsets[i] + rows)
+        batch = np.concatenate(parts)
+        if self.shuffle:
+            batch = batch[np.random.default_rng([self.seed, STEP_SHUFFLE_STREAM, step]).permutation(len(batch))]
+        return batch
+
+    def steps_available(self) -> tuple[int, str]:
+        """Optimizer steps before the first source has been read once, and that source."""
+        first = None
+        for i, name in enumerate(self.names):
+            def runs_out(step: int, i: int = i) -> bool:  # step `step` needs a row beyond source i's first epoch
+                return self.rows_read(step + 1)[i] > self.num_rows[i]
+            hi = 1
+            while not runs_out(hi):
+                hi *= 2
+            lo = 0
+            while lo < hi:  # the first step that runs out
+                mid = (lo + hi) // 2
+                lo, hi = (mid + 1, hi) if not runs_out(mid) else (lo, mid)
+            if first is None or lo < first[0]:
+                first = (lo, name)
+        return first
+
+    def epochs_read(self, step: int) -> dict[str, float]:
+        """Epochs of each source read by steps [0, step)."""
+        return {name: float(n / total) for name, n, total in zip(self.names, self.rows_read(step), self.num_rows,
+                                                                  strict=True)}
+
+    def metrics(self, step: int) -> dict[str, float]:
+        """``data/tokens/<name>`` (training tokens of each source in steps [0, step)) and ``data/epochs/<name>``."""
+        rows, epochs = self.rows_read(step), self.epochs_read(step)
+        out = {f"data/tokens/{name}": int(n) * self.tokens_per_row for name, n in zip(self.names, rows, strict=True)}
+        return {**out, **{f"data/epochs/{name}": e for name, e in epochs.items()}}
+
+
+def data_horizon(order: GlobalSampleOrder | MixtureSampleOrder, num_steps: int, on_exhausted: str
+                 ) -> tuple[int | None, str]:
+    """(The step at which ``data.on_exhausted=stop`` ends the run, else None; the log line that says how many
+    epochs of each source the run reads.)"""
+    read = order.epochs_read(num_steps)
+    amounts = ", ".join(f"{name} {e:.3g}" if name else f"{e:.3g}" for name, e in read.items())
+    what = "epochs of the training split" if "" in read else "epochs per source"
+    steps, name = order.steps_available()
+    first = f"source {name!r}" if name else "the training split"
+    if steps >= num_steps:
+        return None, f"data: {num_steps} steps read {amounts} {what}"
+    if on_exhausted == "stop":
+        if steps == 0:
+            raise DataError(f"data.on_exhausted=stop, but {first} has fewer sequences than its share of one "
+                            "optimizer step; add data, lower batch.global_batch_size, or use repeat")
+        return steps, (f"data: {first} has been read once after step {steps}: data.on_exhausted=stop ends the run "
+                       f"there (of {num_steps} steps) with a checkpoint")
+    return None, (f"warning: data: {num_steps} steps read {amounts} {what}; {first} runs out first, after step "
+                  f"{steps}. data.on_exhausted=repeat: each source read again goes on in a new order per epoch "
+                  "(`stop` would end the run there)")
 
 
 class RankBatchSampler:
@@ -204,12 +358,17 @@ def _loader(dataset: Dataset, batch_sampler, data_cfg: DataConfig, pin_memory: b
 
 
 def build_train_loader(
-    tokens: np.ndarray, data_cfg: DataConfig, plan: BatchPlan, rank: int, seed: int, start_step: int, pin_memory: bool,
-    masking: DocumentMasking | None = None,
-) -> tuple[DataLoader, GlobalSampleOrder]:
-    order = GlobalSampleOrder(len(tokens), plan.global_batch_size, seed, data_cfg.shuffle, data_cfg.drop_last)
+    data: PackedData | MixtureData, data_cfg: DataConfig, plan: BatchPlan, rank: int, seed: int, start_step: int,
+    pin_memory: bool, masking: DocumentMasking | None = None,
+) -> tuple[DataLoader, GlobalSampleOrder | MixtureSampleOrder]:
+    if isinstance(data, MixtureData):
+        order = MixtureSampleOrder(data.train.rows_per_source, {m.name: m.weight for m in data_cfg.mixture},
+                                   plan.global_batch_size, seed, data_cfg.shuffle, data_cfg.seq_len)
+    else:
+        order = GlobalSampleOrder(len(data.train), plan.global_batch_size, seed, data_cfg.shuffle,
+                                  data_cfg.drop_last)
     sampler = RankBatchSampler(order, plan, rank, start_step)
-    return _loader(PackedSequences(tokens), sampler, data_cfg, pin_memory, masking), order
+    return _loader(PackedSequences(data.train), sampler, data_cfg, pin_memory, masking), order
 
 
 def eval_indices(num_val: int, eval_batches: int, plan: BatchPlan, rank: int) -> list[list[int]]:
@@ -233,8 +392,18 @@ def eval_indices(num_val: int, eval_batches: int, plan: BatchPlan, rank: int) ->
     return mine.tolist()
 
 
-def build_val_loader(tokens: np.ndarray, data_cfg: DataConfig, plan: BatchPlan, rank: int, eval_batches: int,
-                     pin_memory: bool, masking: DocumentMasking | None = None) -> DataLoader:
-    """Validation batches, with the training run's document masking so that val/loss measures the same task."""
-    indices = eval_indices(len(tokens), eval_batches, plan, rank)
-    return _loader(PackedSequences(tokens), indices, data_cfg, pin_memory, masking)
+def build_val_loaders(data: PackedData | MixtureData, data_cfg: DataConfig, plan: BatchPlan, rank: int,
+                      eval_batches: int, pin_memory: bool, masking: DocumentMasking | None = None
+                      ) -> dict[str, DataLoader]:
+    """Validation batches of each source ({"": ...} for a single source), with the training run's document
+    masking so that val/loss measures the same task. Each source is evaluated on ``eval_batches`` global
+    batches of its own validation split."""
+    splits = {name: d.val for name, d in data.sources.items()} if isinstance(data, MixtureData) else {"": data.val}
+    out = {}
+    for name, tokens in splits.items():
+        try:
+            indices = eval_indices(len(tokens), eval_batches, plan, rank)
+        except DataError as exc:
+            raise DataError(f"data.mixture source {name!r}: {exc}" if name else str(exc)) from None
+        out[name] = _loader(PackedSequences(tokens), indices, data_cfg, pin_memory, masking)
+    return out

@@ -29,12 +29,12 @@ from accelerate.utils import set_seed
 from pretrain.batching import BatchPlan
 from pretrain.checkpoint import Checkpointer, ResumeChoice, TrainerState, agree_on_resume
 from pretrain.config import Recipe
-from pretrain.data import ensure_store, open_store
+from pretrain.data import ensure_data, open_data
 from pretrain.errors import ConfigError
 from pretrain.evaluation import Evaluator
 from pretrain.hardware import gpu_for_device
 from pretrain.launch import Launch
-from pretrain.loader import DocumentMasking, build_train_loader, build_val_loader
+from pretrain.loader import DocumentMasking, build_train_loader, build_val_loaders, data_horizon
 from pretrain.memory import estimate
 from pretrain.metrics import ThroughputMonitor, memory_metrics, resolve_peak
 from pretrain.model import build_model, count_parameters, resolve_vocab_size, save_pretrained_model
@@ -145,7 +145,7 @@ class Trainer:
 
         # The token store exists before the process group does: no rank ever waits for data in a collective.
         prepare_command = prepare_command or f"pretrain-prepare-data --recipe <the recipe of {recipe.name!r}>"
-        ensure_store(recipe.data, self.launch, prepare_command, log=self.log)
+        ensure_data(recipe.data, self.launch, prepare_command, log=self.log)
 
         trackers = build_trackers(recipe, self.output_dir, choice.step if choice else None, self.is_main)
         self.runtime = build_accelerator(recipe, self.plan, self.launch, self.output_dir, trackers, self.lr,
@@ -165,7 +165,7 @@ class Trainer:
                                          log=self.log)
         set_seed(recipe.train.seed)
 
-        self.data = open_store(recipe.data, log=self.log, prepare_command=prepare_command)
+        self.data = open_data(recipe.data, log=self.log, prepare_command=prepare_command)
         self.tokenizer = self.data.tokenizer
 
         vocab = resolve_vocab_size(recipe.model, len(self.tokenizer))
@@ -193,21 +193,25 @@ class Trainer:
         pin = self.device.type == "cuda"
         masking = document_masking(recipe, self.tokenizer)
         self.train_loader, self.sample_order = build_train_loader(
-            self.data.train, recipe.data, self.plan, self.accelerator.process_index, recipe.train.seed, self.step, pin,
+            self.data, recipe.data, self.plan, self.accelerator.process_index, recipe.train.seed, self.step, pin,
             masking,
         )
-        val_loader = build_val_loader(
-            self.data.val, recipe.data, self.plan, self.accelerator.process_index, recipe.train.eval_batches, pin,
+        val_sets = build_val_loaders(
+            self.data, recipe.data, self.plan, self.accelerator.process_index, recipe.train.eval_batches, pin,
             masking,
         )
+        # data.on_exhausted: the step at which `stop` ends the run (None: never), and the epochs read per source.
+        self.data_stop_step, message = data_horizon(self.sample_order, self.num_steps, recipe.data.on_exhausted)
+        self.log(message)
         # Targets per global batch: packed sequences have no padding, so every position is a target (with
         # document masking too: an eos keeps the next document's first token as its target).
         self.global_target_tokens = self.plan.tokens_per_step
         self.loss_normaliser = self.global_target_tokens / (self.plan.world_size * self.plan.grad_accum_steps)
 
         cadence = recipe.train
-        self.evaluator = Evaluator(self.accelerator, val_loader, every_steps=cadence.eval_every_steps,
-                                   num_steps=self.num_steps, at_start=cadence.eval_at_start, console=self.console)
+        self.evaluator = Evaluator(self.accelerator, val_sets, every_steps=cadence.eval_every_steps,
+                                   num_steps=self.num_steps, at_start=cadence.eval_at_start, console=self.console,
+                                   weights=getattr(self.data, "weights", None))
         self.step_log = StepLog(self.accelerator, self.console, every_steps=cadence.log_every_steps,
                                 num_steps=self.num_steps)
         flops, recomputes = self.flops, recipe.model.activation_checkpointing  # recomputation: perf/hfu too
@@ -238,7 +242,11 @@ class Trainer:
             batches = iter(self.train_loader)
             self.throughput.start(self.step)
             self.console.start(self.num_steps, self.step)
+            first_step = self.step
             while self.step < self.num_steps:
+                if self.data_stop_step is not None and self.step >= self.data_stop_step:
+                    self.stop_exhausted(first_step)
+                    return last_metrics
                 result = self.train_step(batches)
                 self.step += 1
                 self.tokens_seen += self.plan.tokens_per_step
@@ -312,6 +320,7 @@ class Trainer:
             "memory/estimated_gib": self.memory_estimate_gib,
             **self.plan.as_metrics(),
             **self.loss_scale_metrics(),
+            **self.sample_order.metrics(self.step),  # a mixture: data/tokens/<name>, data/epochs/<name>
         }
         return self.step_log.write(self.step, metrics)
 
@@ -345,6 +354,20 @@ class Trainer:
         self.log(f"preempted: stopped after step {self.step}/{self.num_steps} with a checkpoint; "
                  "the same command resumes from it")
         self.accelerator.end_training()
+
+    def stop_exhausted(self, first_step: int) -> None:
+        """data.on_exhausted=stop: a source has been read once. Checkpoint (unless this step's is there), evaluate
+        and end like a finished run; the same command would stop here again."""
+        if self.step > first_step and not self.checkpointer.should_save(self.step):
+            self.checkpointer.save(self.state())
+        if not self.evaluator.due(self.step):
+            self.evaluator.evaluate(self.model, self.step)
+        _, source = self.sample_order.steps_available()
+        what = f"source {source!r}" if source else "the training split"
+        self.log(f"data: stopped after step {self.step}/{self.num_steps}: {what} has been read once and "
+                 "data.on_exhausted=stop; the checkpoint holds the run. Add data or set data.on_exhausted=repeat "
+                 "to train further")
+        self.finish()
 
     def finish(self) -> None:
         self.console.close()

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,3 +92,21 @@ def val_losses(run_dir: Path) -> dict[int, float]:
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}"
+
+
+def train_killed_at(args: list[str], checkpoint_step: int, out: Path, recipe: str = TINY, timeout: float = 300) -> None:
+    """Run the entry point into ``out`` and kill -9 its process group once the checkpoint of
+    ``checkpoint_step`` is complete; asserts it was killed before it finished."""
+    cmd = [sys.executable, RUN, "--recipe", recipe, *args, f"output_dir={out}"]
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    path, deadline = out / "checkpoints" / f"step_{checkpoint_step:08d}" / "trainer_state.json", time.time() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended (exit {proc.returncode}) before {path} appeared:\n{proc.stdout.read()}")
+        if time.time() > deadline:
+            raise AssertionError(f"{path} did not appear within {timeout}s")
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "final_model").exists(), "killed too late"

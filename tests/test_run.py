@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import FAST, RUN, TINY, check_ok, env, metrics, train, train_losses, val_losses
+from tests.helpers import FAST, RUN, TINY, check_ok, env, metrics, train, train_killed_at, train_losses, val_losses
 
 pytestmark = pytest.mark.slow
 
@@ -63,29 +62,13 @@ def test_metrics_files_and_final_model(tmp_path):
     assert isinstance(tokenizer.decode(generated[0]), str)
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while not path.exists():
-        if proc.poll() is not None:
-            raise AssertionError(f"run ended (exit {proc.returncode}) before {path} appeared:\n{proc.stdout.read()}")
-        if time.time() > deadline:
-            raise AssertionError(f"{path} did not appear within {timeout}s")
-        time.sleep(0.05)
-
-
 def test_kill_9_then_rerun_resumes_exactly(tmp_path):
     args = [*FAST, "train.max_steps=20", "checkpoint.every_steps=10", "checkpoint.keep_last=0"]
     reference = tmp_path / "reference"
     check_ok(train([*args, f"output_dir={reference}"]))
 
     killed = tmp_path / "killed"
-    cmd = [sys.executable, RUN, "--recipe", TINY, *args, f"output_dir={killed}"]
-    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    _wait_for(killed / "checkpoints" / "step_00000010" / "trainer_state.json", proc, timeout=300)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not (killed / "final_model").exists()
+    train_killed_at(args, 10, killed)
 
     check_ok(again := train([*args, f"output_dir={killed}"]))  # the same command, nothing added
     assert "resume: continuing from" in again.stdout and "at step 10" in again.stdout

@@ -60,7 +60,17 @@ def reference() -> str:
         lines += ["", f"### `{name}`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         for key, sub in section.model_fields.items():
             lines.append(f"| `{name}.{key}` | {_type_name(sub.annotation)} | {_default(sub)} | {sub.description} |")
+            item = _list_item(sub.annotation)
+            for item_key, item_field in (item.model_fields.items() if item else ()):
+                lines.append(f"| `{name}.{key}[].{item_key}` | {_type_name(item_field.annotation)} | "
+                             f"{_default(item_field)} | {item_field.description} |")
     return "\n".join(lines) + "\n"
+
+
+def _list_item(annotation) -> type[BaseModel] | None:
+    """The model of a list-of-models field (data.mixture's entries), else None."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) is list else ()
+    return args[0] if args and _is_section(args[0]) else None
 
 
 def _is_section(annotation) -> bool:

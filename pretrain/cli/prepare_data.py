@@ -3,7 +3,7 @@
     pretrain-prepare-data --recipe recipes/tiny.yaml [--workers N] [key.path=value ...]
 
 The store is written exactly where training looks for it (data.store, or the cache; see
-pretrain/data/__init__.py) by N processes on this machine, byte-identical for any N. A rerun after an
+pretrain/data/__init__.py; a data.mixture: one store per source, the tokenizer first) by N processes on this machine, byte-identical for any N. A rerun after an
 interruption keeps the finished shards. A run started afterwards only opens it.
 """
 
@@ -18,13 +18,28 @@ from pretrain.errors import EXIT_USAGE, ConfigError
 
 
 def format_stats(stats: dict) -> str:
+    """What the store holds; a mixture: the shared tokenizer, then each source's store."""
+    tokenizer = [("tokenizer", f"{stats['tokenizer']} ({stats['vocab_size']:,} tokens, eos id {stats['eos_token_id']})")]
+    if "mixture" not in stats:
+        return _table(tokenizer + _source_rows(stats))
+    blocks = [_table(tokenizer)]
+    for name, source in stats["mixture"].items():
+        blocks.append(f"\nsource {name!r} (weight {source['weight']:.4g})\n" + _table(_source_rows(source)))
+    return "\n".join(blocks)
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _source_rows(stats: dict) -> list[tuple[str, str]]:
     seq_len = stats["seq_len"]
-    rows = [
+    return [
         (
             "data.source",
             f"{stats['source']} ({stats['corpus']})" if stats["corpus"] != stats["source"] else stats["source"],
         ),
-        ("tokenizer", f"{stats['tokenizer']} ({stats['vocab_size']:,} tokens, eos id {stats['eos_token_id']})"),
         (
             "documents",
             f"{stats['num_documents']:,} ({stats['num_train_documents']:,} train / {stats['num_val_documents']:,} val)",
@@ -38,8 +53,6 @@ def format_stats(stats: dict) -> str:
         ("non-UTF-8 documents", f"{stats['num_decode_errors']:,} ({stats['on_decode_error']})"),
         ("store", f"{stats['cache_dir']} ({stats['num_shards']} shard(s), {stats['dtype']} tokens)"),
     ]
-    width = max(len(name) for name, _ in rows)
-    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,10 @@
 """Data: corpus -> documents -> train/val split -> tokenizer -> a token store -> rows of seq_len + 1 tokens.
 
-Preparing and training are two steps. ``pretrain-prepare-data --recipe R --workers N`` (``prepare_store``)
-writes the recipe's token store; a run only opens it (``open_store``). A single-node launch whose store
-is missing prepares it before the process group exists (``ensure_store``: local rank 0 builds, the other
-processes poll for the manifest); a multi-node launch stops with the command to run.
+Preparing and training are two steps. ``pretrain-prepare-data --recipe R --workers N`` (``prepare_data``)
+writes the recipe's token store (a mixture: one per source); a run only opens it (``open_data``). A
+single-node launch whose store is missing prepares it before the process group exists (``ensure_data``:
+local rank 0 builds, the other processes poll for the manifest); a multi-node launch stops with the
+command to run.
 
 Building a store:
 
@@ -44,23 +45,30 @@ The modules, in the order of the flow (each imports only those listed before it)
 - ``tokenizer``: pretrained tokenizers and the cached byte-level BPE (``build_tokenizer``).
 - ``store``: the store's on-disk format: shard writers, the manifest, rows read from memory maps.
 - ``build``: shards planned, tokenized in parallel and resumed; the split's tie rules; the manifest.
-- ``prepare``: the recipe's store: ``locate_store``, ``prepare_store``, ``open_store``, ``ensure_store``.
+- ``prepare``: one store: ``locate_store``, ``prepare_store``, ``open_store``, ``ensure_store``.
+- ``mixture``: ``data.mixture``, one store per source and a shared tokenizer; ``prepare_data``, ``open_data``,
+  ``ensure_data`` take a mixture or a single source.
 """
 
 from pretrain.data.cache import cache_root
 from pretrain.data.documents import load_documents
-from pretrain.data.prepare import StoreMissing, ensure_store, locate_store, open_store, prepare_data, prepare_store
+from pretrain.data.mixture import MixtureData, MixtureRows, ensure_data, open_data, prepare_data
+from pretrain.data.prepare import StoreMissing, ensure_store, locate_store, open_store, prepare_store
 from pretrain.data.store import PackedData
 from pretrain.data.tokenizer import build_tokenizer
 
 __all__ = [
+    "MixtureData",
+    "MixtureRows",
     "PackedData",
     "StoreMissing",
     "build_tokenizer",
     "cache_root",
+    "ensure_data",
     "ensure_store",
     "load_documents",
     "locate_store",
+    "open_data",
     "open_store",
     "prepare_data",
     "prepare_store",

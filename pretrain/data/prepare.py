@@ -1,5 +1,6 @@
 """Where a recipe's token store is, building it (``prepare_store``), opening it (``open_store``), and making
-sure it exists before a run's process group does (``ensure_store``)."""
+sure it exists before a run's process group does (``ensure_store``, ``ensure_stores``). One store: a
+mixture's sources each have theirs (``pretrain/data/mixture.py``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 import fcntl
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,11 +50,15 @@ class StoreTarget:
     tokenizer: Any  # loaded, or None for a bpe tokenizer not trained yet
 
 
-def locate_store(data_cfg: DataConfig, log: Log = print) -> StoreTarget:
+def locate_store(data_cfg: DataConfig, log: Log = print, tokenizer: tuple[Any, str, str] | None = None,
+                 corpus: _Corpus | None = None) -> StoreTarget:
     """The recipe's store and its identity, from a stat of the corpus and the tokenizer's identity (a
-    pretrained tokenizer is loaded; a BPE's identity is known without training it)."""
-    corpus = _resolve_corpus(data_cfg)
-    if data_cfg.tokenizer == "bpe":
+    pretrained tokenizer is loaded; a BPE's identity is known without training it). A mixture's source
+    passes the mixture's (tokenizer or None, identity, name) and its resolved corpus."""
+    corpus = corpus or _resolve_corpus(data_cfg)
+    if tokenizer is not None:
+        tokenizer, identity, name = tokenizer
+    elif data_cfg.tokenizer == "bpe":
         tokenizer, identity, name = None, _bpe_key(data_cfg, corpus), f"bpe-{data_cfg.tokenizer_vocab_size}"
     else:
         tokenizer, identity, name = _get_tokenizer(data_cfg, corpus, log)
@@ -121,9 +127,10 @@ def _store_lock(path: Path):
 
 
 def prepare_store(data_cfg: DataConfig, num_workers: int | None = None, log: Log = print,
-                  progress: bool = False) -> StoreTarget:
-    """Build the recipe's store unless it is complete; resume an interrupted build."""
-    target = locate_store(data_cfg, log)
+                  progress: bool = False, target: StoreTarget | None = None) -> StoreTarget:
+    """Build the recipe's store unless it is complete; resume an interrupted build. A mixture's source
+    passes its target with the mixture's tokenizer loaded."""
+    target = target or locate_store(data_cfg, log)
     with _store_lock(target.path):
         if _manifest(target) is not None:
             return target
@@ -205,34 +212,43 @@ def open_store(data_cfg: DataConfig, log: Log = print, target: StoreTarget | Non
     return PackedData(train=train, val=val, tokenizer=tokenizer, stats=stats)
 
 
-def prepare_data(data_cfg: DataConfig, log: Log = print, num_workers: int | None = None,
-                 progress: bool = False) -> PackedData:
-    """The store for data_cfg, built first if needed, opened (see the pretrain.data docstring)."""
-    return open_store(data_cfg, log, prepare_store(data_cfg, num_workers, log, progress))
+def store_ready(target: StoreTarget) -> bool:
+    """Whether the store is complete (its manifest written); DataError if it is another tokenizer's or data's."""
+    return _manifest(target) is not None
+
+
+def ensure_stores(targets: list[StoreTarget], launch, prepare: Callable[[], Any], prepare_command: str,
+                  log: Log = print, poll_s: float = 1.0) -> None:
+    """Make sure the stores exist before any process group does, so that no rank waits for them in a
+    collective. Missing stores are prepared (``prepare()``) by local rank 0 of a single-node launch while the
+    node's other processes poll for their manifests; a multi-node launch stops at once with the command
+    that prepares them."""
+    missing = [t for t in targets if not store_ready(t)]
+    if not missing:
+        return
+    if launch.num_nodes > 1:
+        where = ", ".join(f"{t.path} (data.source = {t.build['source']!r})" for t in missing)
+        raise StoreMissing(
+            f"data: no token store at {where}; a {launch.num_nodes}-node launch does not tokenize (every node "
+            f"would wait on one). Prepare it once, on a machine that sees the data and this path, then launch "
+            f"again:\n    {prepare_command}"
+        )
+    if launch.local_rank == 0:
+        prepare()
+        return
+    # The launcher (torchrun) ends these processes if local rank 0 fails, so polling needs no timeout.
+    waited, last_log = time.perf_counter(), time.perf_counter()
+    while not all(store_ready(t) for t in missing):
+        if time.perf_counter() - last_log >= WAIT_LOG_EVERY_S:
+            log(f"data: rank {launch.rank} waiting {time.perf_counter() - waited:.0f}s for local rank 0 to "
+                f"prepare {', '.join(str(t.path) for t in missing)}")
+            last_log = time.perf_counter()
+        time.sleep(poll_s)
 
 
 def ensure_store(data_cfg: DataConfig, launch, prepare_command: str, log: Log = print,
                  poll_s: float = 1.0) -> None:
-    """Make sure the store exists before any process group does, so that no rank waits for it in a
-    collective. A missing store is prepared by local rank 0 of a single-node launch while the node's other
-    processes poll for its manifest; a multi-node launch stops at once with the command that prepares it."""
+    """``ensure_stores`` for the single store of data_cfg."""
     target = locate_store(data_cfg, log=lambda _: None)
-    if _manifest(target) is not None:
-        return
-    if launch.num_nodes > 1:
-        raise StoreMissing(
-            f"data: no token store at {target.path} for data.source = {data_cfg.source!r}; a {launch.num_nodes}-node "
-            f"launch does not tokenize (every node would wait on one). Prepare it once, on a machine that sees the "
-            f"data and this path, then launch again:\n    {prepare_command}"
-        )
-    if launch.local_rank == 0:
-        prepare_store(data_cfg, log=log, progress=launch.world_size == 1)
-        return
-    # The launcher (torchrun) ends these processes if local rank 0 fails, so polling needs no timeout.
-    waited, last_log = time.perf_counter(), time.perf_counter()
-    while _manifest(target) is None:
-        if time.perf_counter() - last_log >= WAIT_LOG_EVERY_S:
-            log(f"data: rank {launch.rank} waiting {time.perf_counter() - waited:.0f}s for local rank 0 to "
-                f"prepare {target.path}")
-            last_log = time.perf_counter()
-        time.sleep(poll_s)
+    ensure_stores([target], launch, lambda: prepare_store(data_cfg, log=log, progress=launch.world_size == 1),
+                  prepare_command, log, poll_s)

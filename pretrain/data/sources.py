@@ -3,6 +3,7 @@ fingerprint, taken from (path, size, mtime_ns) without reading the files."""
 
 from __future__ import annotations
 
+import difflib
 import glob
 import os
 import sys
@@ -28,8 +29,19 @@ class _Corpus:
     description: str
 
 
-def _stdlib_files() -> list[Path]:
+def _stdlib_files(subdir: str = "") -> list[Path]:
+    """The standard library's .py files (tests and site-packages left out); ``subdir``: only under that
+    package directory (``stdlib:email``)."""
     root = Path(sysconfig.get_paths()["stdlib"])
+    if subdir:
+        packages = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name not in STDLIB_EXCLUDED_DIRS
+                          and not p.name.startswith((".", "_")))
+        if subdir not in packages or not Path(subdir).parts == (subdir,):
+            near = difflib.get_close_matches(subdir, packages, n=1)
+            hint = f"did you mean stdlib:{near[0]}? " if near else ""
+            raise DataError(f"data.source = 'stdlib:{subdir}': the standard library at {root} has no package "
+                            f"directory {subdir!r}; {hint}give one of: {', '.join(packages)}")
+        root = root / subdir
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in STDLIB_EXCLUDED_DIRS]
@@ -107,9 +119,11 @@ def _resolve_corpus(data_cfg: DataConfig) -> _Corpus:
             raise DataError("data.source = 'hf:' names no dataset; write it like hf:roneneldan/TinyStories")
         key = _hash({**common, "hf": name, "config": data_cfg.hf_config, "split": data_cfg.hf_split})
         return _Corpus("hf", (), key, f"hf:{name} (config {data_cfg.hf_config}, split {data_cfg.hf_split})")
-    if source == "stdlib":
-        kind, paths, fmt = "stdlib", _stdlib_files(), "text"
+    if source == "stdlib" or source.startswith("stdlib:"):
+        subdir = source.partition(":")[2]
+        kind, paths, fmt = "stdlib", _stdlib_files(subdir), "text"
         description = f"Python {sys.version_info.major}.{sys.version_info.minor} standard library"
+        description += f": {subdir}/" if subdir else ""
     else:
         kind, paths, fmt = "local", _local_files(data_cfg), data_cfg.format
         description = source

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pretrain.config import DataConfig
@@ -145,14 +145,49 @@ def _get_tokenizer(data_cfg: DataConfig, corpus: _Corpus | None, log: Log):
         log(f"tokenizer: {data_cfg.tokenizer} ({len(tok):,} tokens, eos {tok.eos_token!r})")
         return tok, identity, data_cfg.tokenizer
     key = _bpe_key(data_cfg, corpus)
+    return _cached_bpe(data_cfg, key, lambda: _sample_train_texts(data_cfg, corpus, data_cfg.tokenizer_train_bytes),
+                       log), key, f"bpe-{data_cfg.tokenizer_vocab_size}"
+
+
+def _mixture_bpe_key(data_cfg: DataConfig, sources: list[tuple[str, float, _Corpus]]) -> str:
+    """A mixture's BPE: trained on every source's sample, so each source's documents and weight are part of it."""
+    return _hash(
+        {
+            "version": TOKENIZER_VERSION,
+            "mixture": [[name, weight, corpus.key] for name, weight, corpus in sources],
+            "vocab_size": data_cfg.tokenizer_vocab_size,
+            "val_fraction": data_cfg.val_fraction,
+            "train_bytes": data_cfg.tokenizer_train_bytes,
+        }
+    )
+
+
+def _get_mixture_tokenizer(data_cfg: DataConfig, sources: list[tuple[str, float, DataConfig, _Corpus]], log: Log):
+    """(tokenizer, identity, description) of a mixture: a pretrained tokenizer as for one source, or a BPE
+    trained on a weighted sample: each source gives at most weight x data.tokenizer_train_bytes bytes of its
+    training documents (sampled as one source's are), so the vocabulary follows the mixture."""
+    if data_cfg.tokenizer != "bpe":
+        return _get_tokenizer(data_cfg, None, log)
+    key = _mixture_bpe_key(data_cfg, [(name, weight, corpus) for name, weight, _, corpus in sources])
+
+    def sample() -> list[str]:
+        texts: list[str] = []
+        for _, weight, source_cfg, corpus in sources:
+            texts += _sample_train_texts(source_cfg, corpus, max(1, int(weight * data_cfg.tokenizer_train_bytes)))
+        return texts
+
+    return _cached_bpe(data_cfg, key, sample, log), key, f"bpe-{data_cfg.tokenizer_vocab_size}"
+
+
+def _cached_bpe(data_cfg: DataConfig, key: str, sample: Callable[[], list[str]], log: Log):
+    """The byte-level BPE cached under ``key``, trained on ``sample()`` and published first if missing."""
     target = cache_root(data_cfg) / "tokenizers" / key
-    description = f"bpe-{data_cfg.tokenizer_vocab_size}"
     if target.is_dir():
         tok = _load_saved_tokenizer(target)
         log(f"tokenizer: cached byte-level BPE, {len(tok):,} tokens, at {target}")
-        return tok, key, description
+        return tok
     start = time.perf_counter()
-    texts = _sample_train_texts(data_cfg, corpus, data_cfg.tokenizer_train_bytes)
+    texts = sample()
     tok = _train_bpe(_batches(texts), len(texts), data_cfg.tokenizer_vocab_size)
     tmp = _make_tmp_dir(target.parent, key)
     tok.save_pretrained(str(tmp))
@@ -161,7 +196,7 @@ def _get_tokenizer(data_cfg: DataConfig, corpus: _Corpus | None, log: Log):
         f"tokenizer: trained byte-level BPE on {len(texts):,} training documents in "
         f"{time.perf_counter() - start:.1f}s, {len(tok):,} tokens, cached at {target}"
     )
-    return _load_saved_tokenizer(target), key, description
+    return _load_saved_tokenizer(target)
 
 
 def build_tokenizer(data_cfg: DataConfig, log: Log = print):

@@ -1,0 +1,193 @@
+"""A data mixture (``data.mixture``): several weighted sources, one token store each, one tokenizer for all;
+and the entry points that take either a mixture or a single source (``prepare_data``, ``open_data``,
+``ensure_data``).
+
+Each source is a single source of its own (``DataConfig.source_config``): its store is located, built,
+resumed and checked exactly as one source's, at ``data.store/<name>`` or under the cache by its key. The
+tokenizer is shared: a pretrained one, or a byte-level BPE trained on a weighted sample of the sources'
+training documents (each gives at most weight x ``data.tokenizer_train_bytes`` bytes; see
+``tokenizer._get_mixture_tokenizer``), so a source's store key includes the whole mixture's tokenizer.
+
+A run reads a mixture through ``MixtureRows``: the sources' training rows side by side in one index space
+(source i's row j is ``offsets[i] + j``), so that the loader's batches are lists of ints as for one source;
+which rows a step takes is the loader's ``MixtureSampleOrder``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from pretrain.config import DataConfig
+from pretrain.data.documents import Log
+from pretrain.data.prepare import (
+    StoreTarget,
+    ensure_store,
+    ensure_stores,
+    locate_store,
+    open_store,
+    prepare_store,
+    store_ready,
+)
+from pretrain.data.sources import _resolve_corpus
+from pretrain.data.store import PackedData, TokenRows
+from pretrain.data.tokenizer import _get_mixture_tokenizer, _mixture_bpe_key
+from pretrain.errors import DataError
+
+
+@contextlib.contextmanager
+def _source(name: str):
+    """Errors about one source say which source of the mixture they concern."""
+    try:
+        yield
+    except DataError as exc:
+        raise type(exc)(f"data.mixture source {name!r}: {exc}") from None
+
+
+@dataclass
+class SourceTarget:
+    name: str
+    weight: float  # normalised
+    data_cfg: DataConfig  # the source as a single source (DataConfig.source_config)
+    target: StoreTarget
+
+
+def locate_mixture(data_cfg: DataConfig, log: Log = print, load_tokenizer: bool = False) -> list[SourceTarget]:
+    """Every source's store and identity (stat only, as for one source). The shared tokenizer is loaded
+    when it is pretrained, or with ``load_tokenizer`` (a BPE: trained first if it is not cached)."""
+    weights = data_cfg.mixture_weights()
+    sources = []
+    for name, weight in weights.items():
+        with _source(name):
+            source_cfg = data_cfg.source_config(name)
+            sources.append((name, weight, source_cfg, _resolve_corpus(source_cfg)))
+    if data_cfg.tokenizer == "bpe" and not load_tokenizer:
+        key = _mixture_bpe_key(data_cfg, [(name, weight, corpus) for name, weight, _, corpus in sources])
+        tokenizer = (None, key, f"bpe-{data_cfg.tokenizer_vocab_size}")
+    else:
+        tokenizer = _get_mixture_tokenizer(data_cfg, sources, log)
+    out = []
+    for name, weight, source_cfg, corpus in sources:
+        with _source(name):
+            out.append(SourceTarget(name, weight, source_cfg, locate_store(source_cfg, log, tokenizer, corpus)))
+    return out
+
+
+def prepare_mixture(data_cfg: DataConfig, num_workers: int | None = None, log: Log = print,
+                    progress: bool = False) -> list[SourceTarget]:
+    """Build every source's store that is not complete (the tokenizer first, if a store needs it)."""
+    sources = locate_mixture(data_cfg, log)
+    missing = []
+    for source in sources:
+        with _source(source.name):
+            if not store_ready(source.target):
+                missing.append(source)
+    if missing and missing[0].target.tokenizer is None:
+        sources = locate_mixture(data_cfg, log, load_tokenizer=True)
+        missing = [s for s in sources if s.name in {m.name for m in missing}]
+    for source in missing:
+        log(f"data: source {source.name!r} (weight {source.weight:.4g}): {source.data_cfg.source}")
+        with _source(source.name):
+            prepare_store(source.data_cfg, num_workers, log, progress, target=source.target)
+    return sources
+
+
+class MixtureRows:
+    """The sources' training rows in one index space: source i's row j is index ``offsets[i] + j``.
+    Indexing with an int gives one row, with an array a [len, row_len] int64 array (read per source)."""
+
+    def __init__(self, names: list[str], parts: list[TokenRows]):
+        self.names, self.parts = names, parts
+        self.offsets = np.concatenate([[0], np.cumsum([len(p) for p in parts], dtype=np.int64)])
+        self.row_len = parts[0].row_len
+
+    @property
+    def rows_per_source(self) -> dict[str, int]:
+        return {name: len(part) for name, part in zip(self.names, self.parts, strict=True)}
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, index) -> np.ndarray:
+        if isinstance(index, (int, np.integer)):
+            source = int(np.searchsorted(self.offsets, index, side="right")) - 1
+            return self.parts[source].row(int(index - self.offsets[source]))
+        indices = np.asarray(index, dtype=np.int64).reshape(-1)
+        out = np.empty((len(indices), self.row_len), dtype=np.int64)
+        which = np.searchsorted(self.offsets, indices, side="right") - 1
+        for source in np.unique(which):
+            mask = which == source
+            out[mask] = self.parts[source][indices[mask] - self.offsets[source]]
+        return out
+
+
+@dataclass
+class MixtureData:
+    """A mixture's stores opened: every source's rows, the shared tokenizer, the weights, the counts."""
+
+    train: MixtureRows  # the sources' training rows in one index space
+    sources: dict[str, PackedData]  # each source's store, in the recipe's order
+    weights: dict[str, float]  # normalised, in the recipe's order
+    tokenizer: Any
+    stats: dict[str, Any]  # JSON-serialisable: the shared tokenizer, and per source its store's counts
+
+
+def open_mixture(data_cfg: DataConfig, log: Log = print,
+                 prepare_command: str = "pretrain-prepare-data --recipe RECIPE") -> MixtureData:
+    """Every source's store opened (StoreMissing if one is not prepared, DataError if one was made for other
+    data or another tokenizer, the error naming the source)."""
+    opened: dict[str, PackedData] = {}
+    tokenizer = None
+    for source in locate_mixture(data_cfg, log):
+        log(f"data: source {source.name!r}, weight {source.weight:.4g}:")
+        with _source(source.name):
+            target = replace(source.target, tokenizer=source.target.tokenizer or tokenizer)
+            opened[source.name] = open_store(source.data_cfg, log, target, prepare_command)
+        tokenizer = tokenizer or opened[source.name].tokenizer
+    weights = data_cfg.mixture_weights()
+    first = next(iter(opened.values())).stats
+    stats = {
+        "tokenizer": first["tokenizer"],
+        "vocab_size": first["vocab_size"],
+        "eos_token_id": first["eos_token_id"],
+        "seq_len": data_cfg.seq_len,
+        "num_train_sequences": sum(d.stats["num_train_sequences"] for d in opened.values()),
+        "num_val_sequences": sum(d.stats["num_val_sequences"] for d in opened.values()),
+        "mixture": {name: {"weight": weights[name], **data.stats} for name, data in opened.items()},
+    }
+    train = MixtureRows(list(opened), [d.train for d in opened.values()])
+    return MixtureData(train=train, sources=opened, weights=weights, tokenizer=tokenizer, stats=stats)
+
+
+# ---- either a mixture or one source ------------------------------------------------------------------
+
+
+def prepare_data(data_cfg: DataConfig, log: Log = print, num_workers: int | None = None,
+                 progress: bool = False) -> PackedData | MixtureData:
+    """The recipe's store(s), built first where needed, opened (see the pretrain.data docstring)."""
+    if data_cfg.mixture:
+        prepare_mixture(data_cfg, num_workers, log, progress)
+        return open_mixture(data_cfg, log)
+    return open_store(data_cfg, log, prepare_store(data_cfg, num_workers, log, progress))
+
+
+def open_data(data_cfg: DataConfig, log: Log = print,
+              prepare_command: str = "pretrain-prepare-data --recipe RECIPE") -> PackedData | MixtureData:
+    """The recipe's prepared store(s), opened; StoreMissing with ``prepare_command`` if one is not there."""
+    if data_cfg.mixture:
+        return open_mixture(data_cfg, log, prepare_command)
+    return open_store(data_cfg, log, prepare_command=prepare_command)
+
+
+def ensure_data(data_cfg: DataConfig, launch, prepare_command: str, log: Log = print, poll_s: float = 1.0) -> None:
+    """The recipe's store(s) exist before the process group does (``prepare.ensure_stores``)."""
+    if not data_cfg.mixture:
+        ensure_store(data_cfg, launch, prepare_command, log, poll_s)
+        return
+    sources = locate_mixture(data_cfg, log=lambda _: None)
+    ensure_stores([s.target for s in sources], launch,
+                  lambda: prepare_mixture(data_cfg, log=log, progress=launch.world_size == 1),
+                  prepare_command, log, poll_s)

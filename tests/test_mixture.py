@@ -1,0 +1,274 @@
+"""Data mixtures: each source's share in every window of steps, an order that is a pure function of (seed,
+step) on any world size, one store per source with a shared tokenizer, per-source metrics, the exhaustion
+policy, and the errors a user sees. The end-to-end runs (1 vs 2 processes, kill -9 + rerun, stop) are slow."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pretrain.batching import plan_batches
+from pretrain.config import BatchConfig, DataConfig, build_recipe
+from pretrain.data import MixtureData, prepare_data
+from pretrain.errors import ConfigError, DataError
+from pretrain.loader import MixtureSampleOrder, RankBatchSampler, data_horizon, stream_rows
+from tests.helpers import FAST, RUN, accelerate_launch, check_ok, metrics, train, train_killed_at, train_losses
+from tests.test_data import make_docs, write_corpus
+
+WEIGHTS = {"code": 0.2, "web": 0.7, "math": 0.1}
+
+
+def shares(order: MixtureSampleOrder, steps: range) -> np.ndarray:
+    """Each source's share of the rows (= tokens: every row is seq_len tokens) of these steps."""
+    counts = order.rows_read(steps.stop) - order.rows_read(steps.start)
+    return counts / counts.sum()
+
+
+def test_every_source_gets_its_share_over_100_steps_and_in_every_window_of_10():
+    order = MixtureSampleOrder({"code": 500, "web": 3000, "math": 120}, WEIGHTS, global_batch_size=8, seed=3,
+                               shuffle=True, tokens_per_row=64)
+    weights = np.array(list(WEIGHTS.values()))
+    assert np.abs(shares(order, range(0, 100)) - weights).max() < 0.01
+    for start in range(0, 91):
+        assert np.abs(shares(order, range(start, start + 10)) - weights).max() < 0.05, start
+    # The same from the batches themselves: rows of step k are counted by the source their index falls in.
+    per_step = np.array([np.bincount(np.searchsorted(order.offsets, order.global_batch(k), side="right") - 1,
+                                     minlength=3) for k in range(100)])
+    assert (per_step.sum(axis=1) == 8).all()
+    assert np.abs(per_step.sum(axis=0) / 800 - weights).max() < 0.01
+    for start in range(0, 91):
+        window = per_step[start : start + 10].sum(axis=0) / 80
+        assert np.abs(window - weights).max() < 0.05, start
+
+
+def test_stream_rows_never_decrease_and_stay_within_about_one_row_of_the_weights():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        raw = [Fraction(float(x)) for x in rng.uniform(0.01, 1, size=rng.integers(2, 7))]
+        weights = [w / sum(raw) for w in raw]
+        previous = [0] * len(weights)
+        for rows in range(0, 600, 7):
+            counts = stream_rows(weights, rows)
+            assert sum(counts) == rows and all(c >= p for c, p in zip(counts, previous, strict=True))
+            assert max(abs(c - float(w) * rows) for c, w in zip(counts, weights, strict=True)) < 1.5
+            previous = counts
+
+
+def test_order_is_a_pure_function_of_seed_and_step_and_the_same_on_any_world_size():
+    rows = {"code": 50, "web": 300, "math": 7}
+    a = MixtureSampleOrder(rows, WEIGHTS, 8, seed=5, shuffle=True, tokens_per_row=64)
+    steps = [a.global_batch(k) for k in range(40)]
+    fresh = MixtureSampleOrder(rows, WEIGHTS, 8, seed=5, shuffle=True, tokens_per_row=64)
+    assert np.array_equal(fresh.global_batch(33), steps[33])  # resumed at step 33: nothing but the step
+    other_seed = MixtureSampleOrder(rows, WEIGHTS, 8, seed=6, shuffle=True, tokens_per_row=64)
+    assert not np.array_equal(other_seed.global_batch(0), steps[0])
+    for world, mbs in ((1, 2), (2, 2), (4, 1)):
+        plan = plan_batches(BatchConfig(global_batch_size=8, micro_batch_size=mbs), world, seq_len=64)
+        samplers = [RankBatchSampler(a, plan, rank, start_step=10) for rank in range(world)]
+        for k in (10, 11, 25):
+            got = sorted(i for s in samplers for micro in s.micro_batch_indices(k) for i in micro)
+            assert got == sorted(steps[k].tolist()), (world, k)
+
+
+def test_each_source_reads_a_permutation_per_epoch_and_a_new_one_after():
+    order = MixtureSampleOrder({"code": 50, "web": 300, "math": 7}, WEIGHTS, 8, seed=5, shuffle=True,
+                               tokens_per_row=64)
+    batches = np.concatenate([order.global_batch(k) for k in range(44)])  # 352 rows: math's 7 rows 5 times
+    math = batches[batches >= order.offsets[2]] - order.offsets[2]
+    epochs = [math[i : i + 7].tolist() for i in range(0, 35, 7)]
+    assert all(sorted(e) == list(range(7)) for e in epochs)
+    assert len({tuple(e) for e in epochs}) > 1  # a new order each epoch
+    # A source's order depends on its own name, not on the other sources.
+    alone = MixtureSampleOrder({"math": 7, "other": 5}, {"math": 0.1, "other": 0.9}, 8, seed=5, shuffle=True,
+                               tokens_per_row=64)
+    assert np.array_equal(alone.source_order(0, 3), order.source_order(2, 3))
+
+
+def test_exhaustion_step_epochs_and_the_repeat_warning():
+    order = MixtureSampleOrder({"code": 500, "web": 3000, "math": 30}, WEIGHTS, 8, seed=1, shuffle=True,
+                               tokens_per_row=64)
+    steps, name = order.steps_available()
+    assert name == "math" and order.rows_read(steps)[2] <= 30 < order.rows_read(steps + 1)[2]
+    assert order.epochs_read(100)["math"] == pytest.approx(order.rows_read(100)[2] / 30)
+    assert data_horizon(order, steps, "stop") == (None, f"data: {steps} steps read code 0.122, web 0.071, "
+                                                        "math 1 epochs per source")
+    stop, message = data_horizon(order, 100, "stop")
+    assert stop == steps and "source 'math' has been read once after step 38" in message
+    assert data_horizon(order, 100, "repeat")[0] is None
+    assert "warning" in data_horizon(order, 100, "repeat")[1] and "math 2.67" in data_horizon(order, 100, "repeat")[1]
+    metrics_ = order.metrics(100)
+    assert sum(v for k, v in metrics_.items() if k.startswith("data/tokens/")) == 100 * 8 * 64
+    with pytest.raises(DataError, match="source 'math' has fewer sequences than its share of one optimizer step"):
+        data_horizon(MixtureSampleOrder({"code": 50, "web": 500, "math": 1}, WEIGHTS, 80, 1, True, 64), 10, "stop")
+
+
+# ---- the recipe ---------------------------------------------------------------------------------------
+
+
+def recipe_with(data: dict) -> dict:
+    return {"batch": {"global_batch_size": 8, "micro_batch_size": 4}, "train": {"max_steps": 2}, "data": data}
+
+
+MIX = [{"name": "code", "source": "a", "weight": 0.2}, {"name": "web", "source": "b", "weight": 0.7},
+       {"name": "math", "source": "c", "weight": 0.1}]
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"mixture": [{**MIX[0], "weight": 0}, *MIX[1:]]}, "source 'code' has weight 0.0; every source needs a weight > 0"),
+    ({"mixture": [{**MIX[0], "weight": -1}, *MIX[1:]]}, "source 'code' has weight -1.0"),
+    ({"mixture": [*MIX, {**MIX[1], "source": "d"}]}, "data.mixture names source 'web' twice"),
+    ({"mixture": [MIX[0], {**MIX[1], "weight": 0.6}, MIX[2]], "normalize_weights": False},
+     "data.mixture weights sum to 0.9 (code 0.2 + web 0.6 + math 0.1), not 1, with data.normalize_weights=false"),
+    ({"mixture": MIX, "source": "elsewhere"}, "data.source = 'elsewhere' is not used with data.mixture"),
+    ({"mixture": MIX, "drop_last": False}, "data.drop_last=false applies to a single source"),
+    ({"mixture": [{**MIX[0], "name": "a/b"}]}, "source name 'a/b' must be letters, digits"),
+    ({"mixture": [{"name": "code", "weight": 1}]}, "missing required key 'data.mixture.0.source'"),
+])
+def test_bad_mixtures_are_one_clear_error(data, message):
+    with pytest.raises(ConfigError) as info:
+        build_recipe(recipe_with(data), default_name="r")
+    assert message in str(info.value)
+
+
+def test_weights_are_normalised_or_must_sum_to_one():
+    doubled = [{**m, "weight": m["weight"] * 2} for m in MIX]
+    assert build_recipe(recipe_with({"mixture": doubled}), default_name="r").data.mixture_weights() == pytest.approx(WEIGHTS)
+    exact = build_recipe(recipe_with({"mixture": MIX, "normalize_weights": False}), default_name="r")
+    assert exact.data.mixture_weights() == pytest.approx(WEIGHTS)
+
+
+# ---- stores ---------------------------------------------------------------------------------------------
+
+
+def mixture_config(tmp_path: Path, **kwargs) -> DataConfig:
+    sources = []
+    for i, (name, weight) in enumerate(WEIGHTS.items()):
+        corpus = tmp_path / "corpora" / name
+        if not corpus.exists():
+            write_corpus(corpus, make_docs(12, seed=20 + i))
+        sources.append({"name": name, "source": str(corpus), "weight": weight})
+    defaults = dict(cache_dir=str(tmp_path / "cache"), seq_len=32, tokenizer_vocab_size=300, num_proc=1,
+                    val_fraction=0.2, store=str(tmp_path / "stores"), mixture=sources)
+    return DataConfig(**{**defaults, **kwargs})
+
+
+def test_one_store_per_source_with_one_tokenizer_read_through_one_index_space(tmp_path):
+    data = prepare_data(mixture_config(tmp_path), log=lambda _: None)
+    assert isinstance(data, MixtureData) and list(data.sources) == list(WEIGHTS)
+    assert sorted(p.name for p in (tmp_path / "stores").iterdir() if p.is_dir()) == sorted(WEIGHTS)
+    tokenizers = {(tmp_path / "stores" / n / "tokenizer" / "tokenizer.json").read_text() for n in WEIGHTS}
+    assert len(tokenizers) == 1
+    assert data.weights == pytest.approx(WEIGHTS)
+    for i, (name, source) in enumerate(data.sources.items()):
+        assert len(source.train) > 0 and data.stats["mixture"][name]["num_train_sequences"] == len(source.train)
+        first = int(data.train.offsets[i])
+        assert np.array_equal(data.train[first], source.train[0])
+        assert np.array_equal(data.train[np.array([first + 1, first])], source.train[np.array([1, 0])])
+    json.dumps(data.stats)
+
+
+def test_a_source_without_files_and_a_store_of_another_tokenizer_name_the_source(tmp_path):
+    cfg = mixture_config(tmp_path)
+    (tmp_path / "empty").mkdir()
+    empty = cfg.model_copy(update={"mixture": [*cfg.mixture[:2], cfg.mixture[2].model_copy(
+        update={"source": str(tmp_path / "empty")})]})
+    with pytest.raises(DataError, match=r"data.mixture source 'math': data.source = .*: the directory has no "):
+        prepare_data(empty, log=lambda _: None)
+
+    prepare_data(cfg, log=lambda _: None)
+    other = cfg.model_copy(update={"tokenizer_vocab_size": 320})
+    with pytest.raises(DataError, match=r"data.mixture source 'code': the token store at .*stores/code: the store "
+                                        r"was made with tokenizer 'bpe-300' .* data.tokenizer is 'bpe-320'"):
+        prepare_data(other, log=lambda _: None)
+
+
+def test_prepare_data_cli_on_a_mixture_and_a_bad_weight_exit_2(tmp_path, capsys):
+    from pretrain.cli.prepare_data import main
+
+    cfg = mixture_config(tmp_path)
+    recipe = tmp_path / "r.yaml"
+    data = {k: v for k, v in cfg.model_dump(mode="json").items() if k in ("cache_dir", "seq_len", "store",
+                                                                         "tokenizer_vocab_size", "val_fraction")}
+    data["mixture"] = [{"name": m.name, "source": m.source, "weight": m.weight} for m in cfg.mixture]
+    recipe.write_text(json.dumps(recipe_with(data)))
+    assert main(["--recipe", str(recipe), "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "tokenizer  bpe-300" in out and all(f"source {n!r} (weight {w:.4g})" in out for n, w in WEIGHTS.items())
+    assert main(["--recipe", str(recipe), "data.mixture.0.weight=0"]) == 2  # a list item is not a section: error
+    data["mixture"][0]["weight"] = 0
+    recipe.write_text(json.dumps(recipe_with(data)))
+    assert main(["--recipe", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert "source 'code' has weight 0" in err and "Traceback" not in err
+
+
+# ---- end to end (slow) ----------------------------------------------------------------------------------
+
+E2E = [*FAST, "data.tokenizer_vocab_size=512", "data.val_fraction=0.2", "train.eval_every_steps=4",
+       "train.eval_batches=1", "checkpoint.every_steps=4", "checkpoint.keep_last=0"]
+
+
+def e2e_recipe(tmp_path: Path) -> str:
+    """Three small standard-library packages, the first read several times over 8 steps."""
+    path = tmp_path / "mixture.yaml"
+    path.write_text("base: " + str(Path(RUN).parents[1] / "recipes" / "tiny.yaml") + "\n"
+                    "data:\n  mixture:\n"
+                    "    - {name: json, source: 'stdlib:json', weight: 0.5}\n"
+                    "    - {name: http, source: 'stdlib:http', weight: 0.3}\n"
+                    "    - {name: concurrent, source: 'stdlib:concurrent', weight: 0.2}\n")
+    return str(path)
+
+
+@pytest.mark.slow
+def test_mixture_run_one_and_two_processes_agree_and_kill_9_resumes_exactly(tmp_path):
+    recipe = e2e_recipe(tmp_path)
+    args = [*E2E, "train.max_steps=8"]
+    single, double, killed = tmp_path / "single", tmp_path / "double", tmp_path / "killed"
+    check_ok(proc := train([*args, f"output_dir={single}"], recipe=recipe))
+    assert "data: 8 steps read json" in proc.stdout
+    check_ok(accelerate_launch("cpu_ddp.yaml", [*args, "batch.micro_batch_size=2", f"output_dir={double}"],
+                               recipe=recipe))
+    one, two = train_losses(single), train_losses(double)
+    assert sorted(one) == sorted(two) == list(range(1, 9))
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-4), (step, one[step], two[step])
+
+    rows = {m["step"]: m for m in metrics(single) if "train/loss" in m}
+    for step, m in rows.items():  # every step's tokens are split by the weights (within a row of 65 tokens)
+        per_source = {k.split("/")[-1]: v for k, v in m.items() if k.startswith("data/tokens/")}
+        assert sum(per_source.values()) == m["train/tokens_seen"] == step * 8 * 64
+        for name, weight in (("json", 0.5), ("http", 0.3), ("concurrent", 0.2)):
+            assert abs(per_source[name] - weight * m["train/tokens_seen"]) <= 64 * 1.5, (step, name)
+    evals = [m for m in metrics(single) if "val/loss" in m]
+    assert [m["step"] for m in evals] == [0, 4, 8]
+    for m in evals:
+        weighted = 0.5 * m["val/loss/json"] + 0.3 * m["val/loss/http"] + 0.2 * m["val/loss/concurrent"]
+        assert m["val/loss"] == pytest.approx(weighted, rel=1e-12)
+    config = json.loads((single / "run_config.json").read_text())
+    assert config["data/mixture/json/weight"] == 0.5 and json.loads(config["recipe/data/mixture"])[1]["name"] == "http"
+
+    train_killed_at(args, 4, killed, recipe=recipe)
+    check_ok(again := train([*args, f"output_dir={killed}"], recipe=recipe))
+    assert "at step 4" in again.stdout
+    resumed = train_losses(killed)
+    assert sorted(resumed) == list(range(1, 9))
+    for step in range(5, 9):
+        assert resumed[step] == pytest.approx(one[step], rel=1e-6, abs=1e-6), (step, resumed[step], one[step])
+
+
+@pytest.mark.slow
+def test_on_exhausted_stop_ends_the_run_with_a_checkpoint_where_a_source_runs_out(tmp_path):
+    out = tmp_path / "run"
+    # 8 training rows per source; json's 4 rows per step run out after step 2.
+    proc = train([*E2E, "train.max_steps=6", "data.train_subset=8", "data.on_exhausted=stop", f"output_dir={out}"],
+                 recipe=e2e_recipe(tmp_path))
+    check_ok(proc)
+    assert "source 'json' has been read once after step 2: data.on_exhausted=stop ends the run there" in proc.stdout
+    assert "data: stopped after step 2/6: source 'json' has been read once" in proc.stdout
+    assert sorted(train_losses(out)) == [1, 2]
+    assert (out / "checkpoints" / "step_00000002" / "trainer_state.json").exists()
+    assert (out / "final_model").exists()
