@@ -241,6 +241,15 @@ class PrecisionConfig(Section):
     loss_scale_window: int = Field(1000, gt=0, description="fp16 dynamic scaling: steps without overflow before the scale grows.")
     hysteresis: int = Field(2, gt=0, description="fp16 dynamic scaling: overflows tolerated before the scale shrinks.")
     min_loss_scale: float = Field(1.0, gt=0, description="fp16 dynamic scaling: the scale never goes below this.")
+    reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="bf16 only: dtype gradients are accumulated over micro-steps and reduced across ranks in. `fp32` "
+        "(default) under every layout, as torchtitan and Megatron do. `bf16` halves the gradient communication volume "
+        "(and, under ZeRO-1, drops DeepSpeed's replicated fp32 gradient buffer) at a cost in accuracy: ~1% relative "
+        "gradient error at large GAS in a 7B / GAS 128 simulation, versus 0.07% for fp32. DDP accumulates in fp32 "
+        "either way (bf16 compresses its all-reduce only). Required under DeepSpeed ZeRO-0, which cannot accumulate "
+        "bf16 gradients in fp32. fp32 recipes reduce in fp32; fp16 recipes keep loss-scaled fp16 gradients.",
+    )
 
     @field_validator("loss_scale")
     @classmethod
@@ -248,6 +257,15 @@ class PrecisionConfig(Section):
         if value != "dynamic" and value <= 0:
             raise ValueError(f"precision.loss_scale must be `dynamic` or a number > 0, got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _reduce_needs_bf16(self) -> PrecisionConfig:
+        if self.reduce_dtype == "bf16" and self.dtype != "bf16":
+            raise ValueError(
+                f"precision.reduce_dtype=bf16 applies to bf16 recipes only (precision.dtype={self.dtype}); "
+                "remove it or set precision.dtype=bf16"
+            )
+        return self
 
 
 class TrainConfig(Section):
@@ -324,7 +342,10 @@ class DeepSpeedSection(Section):
         "DeepSpeed JSON has an `optimizer` block, torch otherwise.",
     )
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(
-        None, description="dtype of gradient all-reduce / reduce-scatter; null = DeepSpeed's default (the compute dtype)."
+        None,
+        description="dtype of gradient all-reduce / reduce-scatter; null = from the recipe (bf16 recipes: "
+        "precision.reduce_dtype; otherwise DeepSpeed's default, the compute dtype). In a bf16 recipe a value "
+        "other than precision.reduce_dtype is an error: precision.reduce_dtype is the one source of truth.",
     )
     prescale_gradients: bool = Field(False, description="Divide gradients by the world size before the all-reduce.")
     reduce_bucket_size: int | None = positive_or_null("ZeRO reduce bucket (elements); null = DeepSpeed's 5e8.")
@@ -358,6 +379,18 @@ class Recipe(Section):
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
     output_dir: str | None = Field(None, description="Where the run writes; null = runs/<name>.")
+
+    @model_validator(mode="after")
+    def _one_reduce_dtype(self) -> Recipe:
+        comm, prec = self.deepspeed.communication_data_type, self.precision
+        if prec.dtype == "bf16" and comm is not None and comm != prec.reduce_dtype:
+            raise ValueError(
+                f"deepspeed.communication_data_type={comm} conflicts with precision.reduce_dtype={prec.reduce_dtype}: "
+                "in a bf16 recipe precision.reduce_dtype decides the reduction dtype under every layout; remove "
+                f"deepspeed.communication_data_type or set precision.reduce_dtype={comm}"
+                + (" (fp16 reduction of bf16 gradients is not offered)" if comm == "fp16" else "")
+            )
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

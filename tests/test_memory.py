@@ -105,6 +105,22 @@ def test_zero_partitions_what_the_paper_says():
     assert s3.model_state_bytes / GiB < 20
 
 
+def test_bf16_gradients_accumulate_in_fp32_unless_reduce_dtype_is_bf16():
+    P = LLAMA2_7B
+
+    def zero(stage, reduce):
+        w = memory.Workload(precision="bf16", micro_batch_size=1, seq_len=4096, reduce_dtype=reduce)
+        return memory.estimate_shape(shape_of(R7B), w, Launch("deepspeed", stage, "none", "none", 1, 8))
+
+    # ZeRO-1: DeepSpeed's BF16_Optimizer keeps a full, replicated fp32 gradient buffer beside the bf16 gradients
+    assert zero(1, "fp32").terms["grads"].bytes == (2 + 4) * P and zero(1, "bf16").terms["grads"].bytes == 2 * P
+    assert "BF16_Optimizer" in zero(1, "fp32").terms["grads"].formula
+    # ZeRO-2 / ZeRO-3: the accumulated gradient partition is fp32 (4 B x Ψ/N) instead of bf16
+    for stage in (2, 3):
+        fp32, bf16 = zero(stage, "fp32").terms["grads"], zero(stage, "bf16").terms["grads"]
+        assert fp32.phases.backward - bf16.phases.backward == pytest.approx(2 * P / 8, abs=16)
+
+
 def test_fp32_keeps_a_master_copy_only_where_deepspeed_clones_one():
     P = LLAMA2_7B
     assert states(0, "fp32", n=1).terms["optimizer"].bytes == 8 * P  # the weights are the master
@@ -120,8 +136,8 @@ def test_offload_moves_optimizer_states_to_the_host():
     assert both.terms["params"].bytes < states(3).terms["params"].bytes / 100
 
 
-def fsdp(sharding="FULL_SHARD", nodes=1, gas=1, offload="none"):
-    w = memory.Workload(precision="bf16", micro_batch_size=1, seq_len=4096, grad_accum_steps=gas)
+def fsdp(sharding="FULL_SHARD", nodes=1, gas=1, offload="none", reduce="fp32"):
+    w = memory.Workload(precision="bf16", micro_batch_size=1, seq_len=4096, grad_accum_steps=gas, reduce_dtype=reduce)
     return memory.estimate_shape(shape_of(R7B), w, Launch("fsdp", offload_params=offload, num_nodes=nodes,
                                                           gpus_per_node=8, fsdp_sharding=sharding))
 
@@ -147,9 +163,12 @@ def test_fsdp_shards_what_its_strategy_says():
 
 def test_fsdp_accumulation_and_offload():
     P = LLAMA2_7B
-    # accelerate's no_sync skips the reduce-scatter before the last micro-step: full bf16 gradients
+    # accelerate's no_sync skips the reduce-scatter before the last micro-step: full gradients, accumulated in
+    # fp32 under pretrain's policy (reduce_dtype fp32), in bf16 with precision.reduce_dtype=bf16
     accumulating = fsdp(gas=4)
-    assert accumulating.terms["grads"].bytes == 2 * P and "no_sync" in accumulating.terms["grads"].formula
+    assert accumulating.terms["grads"].bytes == 4 * P and "no_sync" in accumulating.terms["grads"].formula
+    assert fsdp(gas=4, reduce="bf16").terms["grads"].bytes == 2 * P
+    assert fsdp(reduce="bf16").terms["comm"].bytes < fsdp().terms["comm"].bytes  # no fp32 copy for the reduce
     offloaded = fsdp(offload="cpu")
     assert offloaded.terms["params"].bytes == offloaded.terms["optimizer"].bytes == offloaded.terms["grads"].bytes == 0
     assert offloaded.host_bytes_per_rank == (4 + 8 + 4) * P // 8
@@ -306,7 +325,8 @@ def test_cli_70b_json_is_fast_and_allocates_nothing():
 def test_cli_summary_explain_and_sweep(capsys):
     code, out, _ = run_cli(capsys, "--recipe", R7B, "--num-gpus", "8", "--zero", "2", "--explain")
     assert code == 0
-    assert "2 B x Ψ/N partition" in out and "fp32 copy of the partition" in out and "12 B/param" in out
+    # a bf16 recipe accumulates the gradient partition in fp32 (precision.reduce_dtype defaults to fp32)
+    assert "4 B x Ψ/N fp32 accumulated partition" in out and "the fp32 partition 4 B x Ψ/N" in out and "12 B/param" in out
     assert "no s^2 term" in out
     code, out, _ = run_cli(capsys, "--recipe", R7B, "--nodes", "2", "--gpus-per-node", "8", "--gpu", "A100-40GB",
                            "--sweep")

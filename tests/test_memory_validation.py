@@ -135,7 +135,15 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_deepspeed_model_states_match_estimate(tmp_path):
     """Two gloo ranks on CPU run a real DeepSpeed step for ZeRO 0-3 in fp32 and bf16 (tests/ds_memory_probe.py);
-    what each rank holds at its peak is within 5% of the estimate's model states."""
+    what each rank holds at its peak is within 5% of the estimate's model states.
+
+    The bf16 cases use the DeepSpeed config pretrain writes for a bf16 recipe: fp32 gradient accumulation and
+    reduction under ZeRO-1/2/3 (``data_types.grad_accum_dtype``), which changed the real buffers: ZeRO-1 runs
+    DeepSpeed's BF16_Optimizer with a full, replicated fp32 gradient buffer (measured 14 B/param, was 2 B/param of
+    gradients less), ZeRO-2/3 keep an fp32 gradient partition. ZeRO-0 bf16 is measured as precision.reduce_dtype=bf16
+    (bf16 accumulation), the only bf16 ZeRO-0 pretrain runs. Seen on CPU: ZeRO-2 bf16 measured once 9,988,180 B
+    and once 10,512,468 B (one more bf16 copy of the largest parameter's gradient alive before the reduction),
+    against 9,987,648 B estimated."""
     pytest.importorskip("deepspeed")
     sys.path.insert(0, str(ROOT / "tests"))
     import ds_memory_probe as probe

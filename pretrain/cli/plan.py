@@ -182,11 +182,13 @@ def plan(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: memory.D
     world = nodes * gpus
     base = memory.Workload(
         precision=recipe.precision.dtype, optimizer=recipe.optim.name, optimizer_args=dict(recipe.optim.args),
-        seq_len=recipe.data.seq_len, attention=recipe.model.attention,
+        seq_len=recipe.data.seq_len, attention=recipe.model.attention, reduce_dtype=recipe.precision.reduce_dtype,
     )
     gbs = recipe.batch.global_batch_size or recipe.batch.local_batch_size * world
     feasible, considered = [], 0
     for layout in layouts(nodes, gpus):
+        if layout.uses_deepspeed and layout.zero_stage == 0 and base.fp32_grads:
+            continue  # ZeRO-0 cannot accumulate bf16 gradients in fp32 (the launch refuses it)
         for ckpt in (False, True):
             for mbs in _mbs_values(recipe, world):
                 considered += 1
