@@ -61,7 +61,7 @@ def _precision_block(recipe: Recipe) -> dict[str, Any]:
     return {"fp16": {"enabled": False}, "bf16": {"enabled": prec.dtype == "bf16"}}
 
 
-def gradient_dtypes(recipe: Recipe) -> dict[str, Any]:
+def gradient_dtype_fields(recipe: Recipe) -> dict[str, Any]:
     """bf16 recipes: DeepSpeed accumulates gradients (``data_types.grad_accum_dtype``) and reduces them
     (``communication_data_type``) in ``precision.reduce_dtype``, fp32 by default. The two are independent in
     DeepSpeed (both default to the model dtype, bf16), so both are set. Other dtypes: DeepSpeed's defaults (the
@@ -81,7 +81,7 @@ def recipe_fields(recipe: Recipe, plan: BatchPlan, lr: float, ds_optimizer: bool
         "gradient_accumulation_steps": plan.grad_accum_steps,
         "gradient_clipping": float(recipe.optim.grad_clip or 0.0),
         **_precision_block(recipe),
-        **gradient_dtypes(recipe),
+        **gradient_dtype_fields(recipe),
     }
     if ds_optimizer:
         args = dict(recipe.optim.args)

@@ -65,7 +65,8 @@ def gradient_dtypes(recipe: Recipe, launch: Launch) -> dict[str, str]:
         comm = recipe.deepspeed.communication_data_type if engine == "deepspeed" else None
         return {"compute": "fp16", "grad_accum": "fp16", "reduce": comm or "fp16"}
     # DDP accumulates in its fp32 gradients whatever it reduces in (the bf16 hook compresses the all-reduce only)
-    return {"compute": "bf16", "grad_accum": "fp32" if engine == "ddp" else prec.reduce_dtype, "reduce": prec.reduce_dtype}
+    accum = "fp32" if engine == "ddp" else prec.reduce_dtype
+    return {"compute": "bf16", "grad_accum": accum, "reduce": prec.reduce_dtype}
 
 
 def fsdp_plugin(recipe: Recipe) -> FullyShardedDataParallelPlugin | None:

@@ -66,7 +66,7 @@ def ds_config(zero_stage: int, dtype: str, world_size: int) -> dict:
         "zero_force_ds_cpu_optimizer": False,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
-        # As pretrain writes it for a bf16 recipe (deepspeed_config.gradient_dtypes): fp32 gradient accumulation
+        # As pretrain writes it for a bf16 recipe (deepspeed_config.gradient_dtype_fields): fp32 gradient accumulation
         # and reduction under ZeRO-1/2/3; ZeRO-0 cannot accumulate in fp32 (precision.reduce_dtype=bf16 there).
         **({"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"}
            if dtype == "bf16" and zero_stage > 0 else {}),

@@ -126,7 +126,8 @@ def test_zero0_bf16_needs_bf16_reduction():
 def test_communication_data_type_and_reduce_dtype_have_one_source_of_truth():
     same, _ = build(recipe(precision={"dtype": "bf16"}, deepspeed={"communication_data_type": "fp32"}))
     assert same["communication_data_type"] == "fp32"
-    with pytest.raises(ConfigError, match="deepspeed.communication_data_type=bf16 conflicts with precision.reduce_dtype=fp32"):
+    conflict = "deepspeed.communication_data_type=bf16 conflicts with precision.reduce_dtype=fp32"
+    with pytest.raises(ConfigError, match=conflict):
         recipe(precision={"dtype": "bf16"}, deepspeed={"communication_data_type": "bf16"})
     with pytest.raises(ConfigError, match="precision.reduce_dtype=bf16 applies to bf16 recipes only"):
         recipe(precision={"dtype": "fp32", "reduce_dtype": "bf16"})
@@ -148,7 +149,8 @@ def test_fsdp_policy_and_ddp_hook_follow_reduce_dtype(monkeypatch):
     monkeypatch.setenv("FSDP_VERSION", "2")
     bf16, fast = recipe(precision={"dtype": "bf16"}), recipe(precision={"dtype": "bf16", "reduce_dtype": "bf16"})
     policy = fsdp_plugin(bf16).mixed_precision_policy
-    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (torch.bfloat16, torch.float32, torch.bfloat16)
+    bf16_, fp32_ = torch.bfloat16, torch.float32
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (bf16_, fp32_, bf16_)
     assert fsdp_plugin(fast).mixed_precision_policy.reduce_dtype == torch.bfloat16
     assert fsdp_plugin(recipe()) is None
     assert ddp_kwargs(bf16) is None and ddp_kwargs(fast).comm_hook == DDPCommunicationHookType.BF16
