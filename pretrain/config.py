@@ -247,7 +247,7 @@ class PrecisionConfig(Section):
         "(default) under every layout, as torchtitan and Megatron do. `bf16` halves the gradient communication volume "
         "(and, under ZeRO-1, drops DeepSpeed's replicated fp32 gradient buffer) at a cost in accuracy: ~1% relative "
         "gradient error at large GAS in a 7B / GAS 128 simulation, versus 0.07% for fp32. DDP accumulates in fp32 "
-        "either way (bf16 compresses its all-reduce only). Required under DeepSpeed ZeRO-0, which cannot accumulate "
+        "either way (bf16 compresses its all-reduce only, with torch's bf16 hook: CUDA only). Required under DeepSpeed ZeRO-0, which cannot accumulate "
         "bf16 gradients in fp32. fp32 recipes reduce in fp32; fp16 recipes keep loss-scaled fp16 gradients.",
     )
 

@@ -161,6 +161,11 @@ def build_accelerator(recipe: Recipe, plan: BatchPlan, launch: Launch, output_di
     fsdp = fsdp_plugin(recipe) if launch.engine == "fsdp" else None
     ddp = ddp_kwargs(recipe) if launch.engine == "ddp" and plan.world_size > 1 else None
     if ddp is not None:
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "precision.reduce_dtype=bf16 under DDP needs CUDA and NCCL (torch's bf16 all-reduce hook); on CPU "
+                "DDP reduces in fp32: remove precision.reduce_dtype=bf16 (or use a DeepSpeed ZeRO config)"
+            )
         handlers.append(ddp)
     dynamo = TorchDynamoPlugin(backend=DynamoBackend.INDUCTOR) if recipe.model.compile else None
     accelerator = Accelerator(

@@ -85,3 +85,11 @@ def test_written_deepspeed_config_accumulates_in_fp32(runs):
         assert bf16["data_types"] == {"grad_accum_dtype": "bf16"} and bf16["communication_data_type"] == "bf16"
         ref = json.loads((runs[stage, "fp32 reference"] / "deepspeed_config.json").read_text())
         assert "data_types" not in ref and "communication_data_type" not in ref
+
+
+def test_bf16_ddp_reduction_on_cpu_is_refused(tmp_path):
+    """torch's bf16 all-reduce hook needs CUDA and NCCL: on CPU the option is refused, not silently dropped."""
+    proc = accelerate_launch("cpu_ddp.yaml", [*FAST, "train.max_steps=2", "precision.dtype=bf16",
+                                              "precision.reduce_dtype=bf16", f"output_dir={tmp_path / 'run'}"])
+    assert proc.returncode != 0
+    assert "precision.reduce_dtype=bf16 under DDP needs CUDA and NCCL" in proc.stdout + proc.stderr
