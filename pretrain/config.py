@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import hashlib
-import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -398,9 +396,6 @@ class Recipe(Section):
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
 
-    def fingerprint(self) -> str:
-        """A hash of the resolved recipe, stored in checkpoints to notice a changed recipe on resume."""
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------------------------------

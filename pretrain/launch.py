@@ -20,7 +20,7 @@ import os
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -107,9 +107,6 @@ class Launch:
                 what += f" (offload {', '.join(offload)})"
         gpus = f"{self.num_nodes} x {self.gpus_per_node}" if self.num_nodes > 1 else f"{self.gpus_per_node}"
         return f"{what} on {gpus} GPU{'s' if self.world_size > 1 else ''}"
-
-    def with_world(self, num_nodes: int, gpus_per_node: int) -> Launch:
-        return replace(self, num_nodes=num_nodes, gpus_per_node=gpus_per_node)
 
     def to_dict(self) -> dict[str, Any]:
         """What the run config records about the launch."""

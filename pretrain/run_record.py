@@ -6,14 +6,37 @@ tracker, wandb's config, tensorboard's hparams) and the banner printed to the co
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
+from pretrain.batching import BatchPlan
+from pretrain.config import Recipe
+from pretrain.launch import Launch
 from pretrain.runtime import gradient_dtypes
 from pretrain.shape import CONVENTION
 from pretrain.tracking import flatten
 
-if TYPE_CHECKING:
-    from pretrain.train import Trainer
+
+class Trainer(Protocol):
+    """What the run record reads from a built trainer (pretrain.train.Trainer)."""
+
+    recipe: Recipe
+    plan: BatchPlan
+    launch: Launch
+    accelerator: Any
+    device: Any
+    output_dir: Path
+    is_main: bool
+    num_params: int
+    num_steps: int
+    lr: float
+    tokenizer: Any
+    data: Any
+    flops: Any
+    peak: Any
+    memory_estimate_gib: float | None
+
+    def log(self, message: str) -> None: ...
 
 
 def run_config(trainer: Trainer) -> dict[str, Any]:
@@ -23,9 +46,8 @@ def run_config(trainer: Trainer) -> dict[str, Any]:
         "recipe": trainer.recipe.to_dict(),
         "plan": trainer.plan.to_dict(),
         "dist": {
+            **trainer.launch.to_dict(),  # engine, ZeRO stage / FSDP sharding, offload, machines
             "world_size": acc.num_processes,
-            "num_machines": trainer.launch.num_nodes,
-            "engine": trainer.launch.engine,
             "distributed_type": str(acc.distributed_type).split(".")[-1],
             "device": str(trainer.device),
             "mixed_precision": acc.mixed_precision,

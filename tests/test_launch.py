@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import sys
 
 import pytest
@@ -95,7 +96,12 @@ def accelerate_environment(config_file, *options: str) -> dict[str, str]:
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
-    args = launch_command_parser().parse_args(["--config_file", str(config_file), *options, "run.py"])
+    # A free rendezvous port: accelerate refuses one in use (another run, or a stray test process, on 29500).
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    args = launch_command_parser().parse_args(["--config_file", str(config_file), "--main_process_port", port,
+                                               *options, "run.py"])
     args, defaults, mp_from_config = _validate_launch_command(args)
     if args.use_deepspeed:
         fields = list(defaults.deepspeed_config) if defaults else []  # as accelerate's launch_command sets it
@@ -145,3 +151,164 @@ def test_an_fsdp_launch_logs_the_estimators_fsdp_figure(monkeypatch):
     ddp = estimate(recipe, plan, Launch("ddp", gpus_per_node=2), device="cpu")
     assert "FSDP FULL_SHARD" in fsdp.layout.describe()
     assert logged == fsdp.total_gib != ddp.total_gib
+
+
+# ---- memory: a launch the estimator says does not fit its GPUs is refused, naming a layout that fits
+
+
+R7B = str(ROOT / "recipes" / "7b.yaml")
+
+
+@pytest.fixture
+def execv(monkeypatch):
+    """Record the command pretrain-launch would exec instead of starting accelerate launch."""
+    from pretrain.cli import launch as launch_cli
+
+    calls = []
+    monkeypatch.setattr(launch_cli.os, "execv", lambda path, argv: calls.append(argv))
+    return calls
+
+
+def launch_in_process(capsys, *args: str):
+    from pretrain.cli.launch import main
+
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    return code, out, err
+
+
+def test_7b_ddp_on_h100_is_refused_naming_the_estimate_and_a_layout_that_fits(capsys, execv):
+    code, _, err = launch_in_process(capsys, "--config_file", str(CONFIGS / "ddp.yaml"), "--gpu", "H100-80GB",
+                                     "--recipe", R7B)
+    assert code == 2 and execv == []
+    assert "7b on PyTorch DDP on 8 GPUs (MBS 1, GAS 128, recompute): estimated 149.7 GiB per GPU" in err, err
+    assert "does not fit: needs 70.0 GiB more than the H100-80GB's 79.6 GiB" in err
+    assert "pretrain-plan's best layout on 1 x 8 H100-80GB: ZeRO-3, MBS 2, GAS 64, no recompute: 69.0 GiB" in err
+    assert f"pretrain-plan --recipe {R7B} --nodes 1 --gpus-per-node 8 --gpu H100-80GB\n" in err
+    assert "--force" in err
+
+
+def test_the_suggested_commands_write_a_layout_that_passes(capsys, execv, tmp_path, monkeypatch):
+    """Run the two commands the refusal prints: pretrain-plan writes the config, pretrain-launch accepts it."""
+    from pretrain.cli import plan
+
+    monkeypatch.chdir(tmp_path)
+    _, _, err = launch_in_process(capsys, "--config_file", str(CONFIGS / "ddp.yaml"), "--gpu", "H100-80GB",
+                                  "--recipe", R7B, "optim.lr=1.5e-4")
+    plan_line, launch_line = (line.split() for line in err.splitlines() if line.startswith("  pretrain-"))
+    assert plan_line[0] == "pretrain-plan" and "optim.lr=1.5e-4" in plan_line
+    assert plan.main(plan_line[1:]) == 0
+    capsys.readouterr()
+    assert launch_line[0] == "pretrain-launch" and (tmp_path / launch_line[2]).is_file()
+    code, out, err = launch_in_process(capsys, "--gpu", "H100-80GB", *launch_line[1:])
+    assert code == 0 and err == "" and len(execv) == 1, err
+    assert "batch.micro_batch_size=2" in execv[0] and "model.activation_checkpointing=false" in execv[0]
+
+
+def test_force_launches_anyway_with_one_warning_and_keeps_its_options_from_accelerate(capsys, execv):
+    code, out, err = launch_in_process(capsys, "--config_file", str(CONFIGS / "ddp.yaml"), "--gpu=H100-80GB",
+                                       "--force", "--recipe", R7B)
+    assert code == 0, err
+    assert err.count("\n") == 1 and err.startswith("warning: --force: 7b on PyTorch DDP on 8 GPUs")
+    assert "149.7 GiB per GPU" in err and "launching anyway" in err
+    (command,) = execv
+    assert "--gpu=H100-80GB" not in command and "--force" not in command and "--gpu" not in command
+    assert command[command.index("--config_file") + 1] == str(CONFIGS / "ddp.yaml")
+    assert "launch: " in out
+
+
+def test_a_layout_that_fits_passes_the_check(capsys, execv):
+    code, _, err = launch_in_process(capsys, "--config_file", str(CONFIGS / "zero3.yaml"), "--gpu", "H100-80GB",
+                                     "--recipe", R7B)
+    assert code == 0 and err == "" and len(execv) == 1, err
+    assert "H100-80GB" not in " ".join(execv[0])
+
+
+def test_the_check_uses_the_launch_world_size_and_the_recipe_batch(capsys, execv):
+    # ZeRO-3 on 8 H100s fits at MBS 1; at MBS 16 without recompute the activations do not.
+    code, _, err = launch_in_process(capsys, "--config_file", str(CONFIGS / "zero3.yaml"), "--gpu", "H100-80GB",
+                                     "--recipe", R7B, "batch.micro_batch_size=16", "model.activation_checkpointing=false")
+    assert code == 2 and "DeepSpeed ZeRO-3 on 8 GPUs (MBS 16, GAS 8, no recompute)" in err, err
+    assert err.count("batch.micro_batch_size=") == 2, err  # the plan's MBS replaces the user's in the launch
+    # on 1 GPU the states alone are over 80 GiB: the best layout offloads
+    code, _, err = launch_in_process(capsys, "--config_file", str(CONFIGS / "zero3.yaml"), "--num_processes", "1",
+                                     "--gpu", "H100-80GB", "--recipe", R7B)
+    assert code == 2 and "on 1 x 1 H100-80GB: ZeRO-2 +offload opt" in err, err
+
+
+def test_nothing_fits_says_so_with_the_planners_advice(capsys, execv):
+    code, _, err = launch_in_process(capsys, "--config_file", str(CONFIGS / "single_gpu.yaml"), "--gpu", "T4-16GB",
+                                     "--recipe", str(ROOT / "recipes" / "70b.yaml"))
+    assert code == 2 and execv == []
+    assert "no layout of 70b fits 1 x 1 T4-16GB" in err and "add GPUs, use a larger GPU" in err, err
+
+
+@pytest.mark.parametrize("gpu, message", [
+    ("B9000", "unknown GPU 'B9000'; known GPUs: T4-16GB"),
+    ("h10080gb", None),  # the estimator's lookup: case, dashes and spaces ignored
+    ("0,1", "accelerate selects devices with --gpu_ids"),
+])
+def test_gpu_names_are_the_estimators(capsys, execv, gpu, message):
+    code, _, err = launch_in_process(capsys, "--config_file", str(CONFIGS / "zero3.yaml"), "--gpu", gpu,
+                                     "--recipe", R7B)
+    assert (code, message is None) == (0, True) or (code == 2 and message in err), err
+
+
+def test_help_documents_the_own_options(capsys):
+    code, out, _ = launch_in_process(capsys, "--help")
+    assert code == 0 and "--gpu NAME" in out and "--force" in out
+    code, _, err = launch_in_process(capsys, "--config_file", str(CONFIGS / "ddp.yaml"))
+    assert code == 2 and "[--gpu NAME | --gpu-memory-gib GIB] [--force] --recipe R" in err
+
+
+def test_own_options_need_their_values(capsys, execv):
+    code, _, err = launch_in_process(capsys, "--config_file", str(CONFIGS / "ddp.yaml"), "--gpu", "--recipe", R7B)
+    assert code == 2 and "--gpu needs a value" in err and "usage: pretrain-launch" in err
+    code, _, err = launch_in_process(capsys, "--config_file", str(CONFIGS / "ddp.yaml"), "--gpu-memory-gib", "lots",
+                                     "--recipe", R7B)
+    assert code == 2 and "--gpu-memory-gib must be a number of GiB, got 'lots'" in err
+
+
+def test_gpu_memory_gib_alone_checks_that_capacity(capsys, execv):
+    code, _, err = launch_in_process(capsys, "--config_file", str(CONFIGS / "ddp.yaml"), "--gpu-memory-gib", "100",
+                                     "--recipe", R7B)
+    assert code == 2 and "the 100 GiB device's 100.0 GiB" in err, err
+    assert "--gpu H100-80GB --gpu-memory-gib 100.0\n" in err  # the planner's rates: the estimator's default card
+
+
+def fake_cuda(monkeypatch, name: str | None, total_mib: int = 0):
+    import types
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: name is not None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: types.SimpleNamespace(name=name, total_memory=total_mib * 2**20))
+
+
+def test_without_gpu_the_gpu_of_this_machine_is_checked(capsys, execv, monkeypatch):
+    fake_cuda(monkeypatch, "NVIDIA H100 80GB HBM3", 81559)
+    code, _, err = launch_in_process(capsys, "--config_file", str(CONFIGS / "ddp.yaml"), "--recipe", R7B)
+    assert code == 2 and "the NVIDIA H100 80GB HBM3's 79.6 GiB (GPU 0 of this machine" in err, err
+    assert "--gpus-per-node 8 --gpu H100-80GB\n" in err  # the table's name for the detected card and size
+    fake_cuda(monkeypatch, "NVIDIA A100-SXM4-40GB MIG 3g.20gb", 19968)  # a MIG slice: no card, its capacity
+    code, _, err = launch_in_process(capsys, "--config_file", str(CONFIGS / "ddp.yaml"), "--recipe", R7B)
+    assert code == 2 and "--gpus-per-node 8 --gpu-memory-gib 19.5\n" in err, err
+
+
+def test_no_gpu_known_means_no_check(capsys, execv, monkeypatch):
+    fake_cuda(monkeypatch, None)  # a login node or a CPU machine, no --gpu
+    code, _, err = launch_in_process(capsys, "--config_file", str(CONFIGS / "ddp.yaml"), "--recipe", R7B)
+    assert code == 0 and err == "" and len(execv) == 1, err
+    fake_cuda(monkeypatch, "NVIDIA H100 80GB HBM3", 81559)  # a CPU launch on a GPU machine: its GPU is not used
+    code, _, err = launch_in_process(capsys, "--config_file", str(CONFIGS / "ddp.yaml"), "--cpu", "--recipe", R7B)
+    assert code == 0 and err == "" and len(execv) == 2, err
+
+
+def test_the_readme_shows_the_real_refusal(capsys, execv, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    args = ["--config_file", "accelerate_configs/ddp.yaml", "--gpu", "H100-80GB", "--recipe", "recipes/7b.yaml"]
+    code, _, err = launch_in_process(capsys, *args)
+    assert code == 2
+    assert f"$ pretrain-launch {' '.join(args)}\n{err}$ echo $?\n2\n" in (ROOT / "README.md").read_text()

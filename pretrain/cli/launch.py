@@ -1,48 +1,221 @@
 """`pretrain-launch`: check a launch before any process starts, then hand it to `accelerate launch`.
 
     pretrain-launch --config_file accelerate_configs/zero2.yaml [--num_processes 2 ...] \\
-        --recipe recipes/tiny.yaml [key.path=value ...]
+        [--gpu NAME | --gpu-memory-gib GIB] [--force] --recipe recipes/tiny.yaml [key.path=value ...]
 
 Everything `accelerate launch` would only discover inside N processes (a missing accelerate config, a
 batch size that does not divide for its world size, a DeepSpeed JSON that contradicts the recipe, fp16
 without a GPU) is reported here as one message with exit code 2. Then the command is exactly
 `accelerate launch <accelerate args> pretrain/run.py --recipe ... [overrides]`.
+
+Memory too: the estimator (pretrain/memory, as `pretrain-estimate` reports it) sizes one GPU's share of
+the run on the launch's layout and world size with the recipe's MBS and GAS. A run that does not fit the
+GPU is refused (exit 2) with the estimate, the GPU's capacity, and the best layout `pretrain-plan` finds
+for the same nodes and GPUs per node, with the commands that write its accelerate config and launch it.
+
+pretrain-launch's own options, given before --recipe like accelerate's, and not passed to accelerate:
+
+--gpu NAME            the GPU the run will use, a name from pretrain-estimate --list-gpus (H100-80GB,
+                      A100-40GB, ...). Without it, the GPU of this machine when CUDA sees one (a launch
+                      from a GPU node, unless --cpu or use_cpu: true); with neither (a login node, a CPU
+                      machine) memory is not checked.
+--gpu-memory-gib GIB  a device capacity the table lacks (with --gpu: that card's rates for the planner).
+--force               launch a run that does not fit anyway, with one warning line.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import shlex
 import sys
+from typing import TYPE_CHECKING
 
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import accelerate_command, option_value
+
+if TYPE_CHECKING:
+    from pretrain.hardware import GpuSpec
+    from pretrain.launch import Launch
+    from pretrain.memory import MemoryEstimate
+
+USAGE = ("usage: pretrain-launch --config_file FILE [accelerate launch options] [--gpu NAME | --gpu-memory-gib GIB] "
+         "[--force] --recipe R [key=value ...]")
+OWN_OPTIONS = {"--gpu": "gpu", "--gpu-memory-gib": "gpu_memory_gib", "--force": "force"}
+"""pretrain-launch's options (taken out of the arguments before they reach accelerate launch)."""
 
 
 def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
     """(accelerate launch arguments, run.py arguments starting at --recipe)."""
     if "--recipe" not in argv:
-        raise ConfigError("usage: pretrain-launch --config_file FILE [accelerate launch options] --recipe R [key=value ...]")
+        raise ConfigError(USAGE)
     cut = argv.index("--recipe")
     return argv[:cut], argv[cut:]
 
 
-def preflight(accelerate_args: list[str], run_args: list[str]) -> None:
-    """Raise ConfigError for anything that would fail inside the launched processes."""
+def own_options(accelerate_args: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(--gpu, --gpu-memory-gib, --force) and the accelerate arguments without them."""
+    options = argparse.Namespace(gpu=None, gpu_memory_gib=None, force=False)
+    rest, args = [], iter(accelerate_args)
+    for arg in args:
+        name, has_value, value = arg.partition("=")
+        if name not in OWN_OPTIONS:
+            rest.append(arg)
+        elif name == "--force":
+            if has_value:
+                raise ConfigError(f"--force takes no value (got {arg!r})")
+            options.force = True
+        else:
+            value = value if has_value else next(args, None)
+            if value is None or value.startswith("--"):
+                raise ConfigError(f"{name} needs a value\n{USAGE}")
+            setattr(options, OWN_OPTIONS[name], value)
+    if options.gpu_memory_gib is not None:
+        try:
+            options.gpu_memory_gib = float(options.gpu_memory_gib)
+        except ValueError:
+            raise ConfigError(f"--gpu-memory-gib must be a number of GiB, got {options.gpu_memory_gib!r}") from None
+    return options, rest
+
+
+def launch_gpu(options: argparse.Namespace, accelerate_args: list[str]) -> GpuSpec | None:
+    """The GPU to check against: --gpu / --gpu-memory-gib (looked up as pretrain-estimate does), else this
+    machine's GPU 0 when CUDA sees one and the launch is not a CPU launch, else None (no check)."""
+    from pretrain.cli.estimate import resolve_gpu
+
+    if options.gpu is not None or options.gpu_memory_gib is not None:
+        try:
+            return resolve_gpu(options)
+        except ConfigError as exc:
+            if options.gpu is not None and (options.gpu.replace(",", "").isdigit() or options.gpu == "all"):
+                raise ConfigError(f"{exc} (--gpu is pretrain-launch's GPU model; accelerate selects devices with "
+                                  "--gpu_ids)") from None
+            raise
+    if "--cpu" in accelerate_args or _config_uses_cpu(option_value(accelerate_args, "--config_file")):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from pretrain.hardware import gpu_for_device
+
+    props = torch.cuda.get_device_properties(0)
+    return gpu_for_device(props.name, props.total_memory)
+
+
+def _config_uses_cpu(path: str | None) -> bool:
+    from pretrain.launch import read_accelerate_config
+
+    return path is not None and str(read_accelerate_config(path).get("use_cpu", False)).lower() == "true"
+
+
+def planner_gpu(gpu: GpuSpec) -> tuple[list[str], GpuSpec]:
+    """The pretrain-plan options that name ``gpu``, and the GPU they give the planner: a table name, or
+    (a detected device the table lacks) its capacity with --gpu-memory-gib, and its card's table name for
+    the rates when the table has that card."""
+    from pretrain.cli.estimate import resolve_gpu
+    from pretrain.hardware import GPUS
+
+    same_card = [g for g in GPUS.values() if gpu.card is not None and g.card == gpu.card]
+    named = GPUS.get(gpu.name) or next((g for g in same_card if g.memory_mib == gpu.memory_mib), None)
+    if named is not None:
+        args = ["--gpu", named.name]
+    else:
+        args = (["--gpu", same_card[0].name] if same_card else []) + ["--gpu-memory-gib", str(gpu.memory_gib)]
+    options = own_options(args)[0]
+    return args, resolve_gpu(options)
+
+
+def best_layout(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu: GpuSpec) -> str:
+    """What to run instead: pretrain-plan's best layout on the same nodes x GPUs per node, the commands that
+    write its accelerate config and launch it; or pretrain-plan's advice when nothing fits."""
+    from pretrain.cli import plan
+
+    nodes, gpus = launch.num_nodes, launch.gpus_per_node
+    gpu_args, gpu = planner_gpu(gpu)
+    ranked, considered = plan.plan(recipe, nodes, gpus, gpu)
+    if not ranked:
+        return plan.nothing_fits(recipe, nodes, gpus, gpu, considered)
+    best = ranked[0]
+    config = plan.default_output(recipe, nodes, gpus, gpu)
+    plan_cmd = ["pretrain-plan", "--recipe", recipe_path, "--nodes", str(nodes), "--gpus-per-node", str(gpus),
+                *gpu_args, *overrides]
+    changes = plan.recipe_overrides(recipe, best)
+    changed = {c.split("=", 1)[0] for c in changes}
+    launch_cmd = ["pretrain-launch", "--config_file", str(config), "--recipe", recipe_path,
+                  *(o for o in overrides if o.split("=", 1)[0] not in changed), *changes]
+    recompute = "recompute" if best.checkpointing else "no recompute"
+    return "\n".join([
+        f"pretrain-plan's best layout on {nodes} x {gpus} {gpu.name}: {best.name}, MBS {best.micro_batch_size}, "
+        f"GAS {best.grad_accum_steps}, {recompute}: {best.estimate.total_gib:.1f} GiB "
+        f"({best.estimate.headroom_gib:.1f} free; {len(ranked)} of {considered} layouts fit). Write its accelerate "
+        "config, then launch it" + (" (with your node options, on every node)" if nodes > 1 else "") + ":",
+        f"  {shlex.join(plan_cmd)}",
+        f"  {shlex.join(launch_cmd)}",
+    ])
+
+
+def does_not_fit(recipe, est: MemoryEstimate, detected: bool) -> str:
+    """The estimate against the GPU, in one line, in the estimator's words."""
+    workload = est.workload
+    recompute = "recompute" if workload.activation_checkpointing else "no recompute"
+    where = " (GPU 0 of this machine; --gpu NAME checks another)" if detected else ""
+    return (f"{recipe.name} on {est.layout.describe()} (MBS {workload.micro_batch_size}, GAS "
+            f"{workload.grad_accum_steps}, {recompute}): estimated {est.total_gib:.1f} GiB per GPU, {est.verdict}{where}")
+
+
+def check_memory(recipe, run_plan, options: argparse.Namespace, accelerate_args: list[str], recipe_path: str,
+                 overrides: list[str]) -> None:
+    """Refuse a launch the estimator says does not fit its GPU (ConfigError naming a layout that does); with
+    --force, warn and go on. No GPU known: nothing to check."""
+    from pretrain.memory import estimate
+
+    gpu = launch_gpu(options, accelerate_args)
+    if gpu is None:
+        return
+    try:
+        est = estimate(recipe, run_plan.batch, run_plan.launch, gpu=gpu)
+    except ConfigError as exc:
+        print(f"warning: no memory estimate for this layout, so no fit check: {exc}", file=sys.stderr)
+        return
+    if est.fits:
+        return
+    detected = options.gpu is None and options.gpu_memory_gib is None
+    summary = does_not_fit(recipe, est, detected)
+    if options.force:
+        print(f"warning: --force: {summary}; launching anyway", file=sys.stderr, flush=True)
+        return
+    raise ConfigError("\n".join([
+        f"{summary} (pretrain-estimate --explain shows each term).",
+        best_layout(recipe, recipe_path, overrides, run_plan.launch, gpu),
+        "Or launch this layout anyway: add --force before --recipe.",
+    ]))
+
+
+def preflight(accelerate_args: list[str], run_args: list[str], options: argparse.Namespace | None = None) -> None:
+    """Raise ConfigError for anything that would fail inside the launched processes, or not fit their GPUs."""
     from pretrain.config import load_recipe
     from pretrain.launch import Launch
     from pretrain.preflight import check_run
 
+    options = options or own_options([])[0]
     launch = Launch.from_accelerate_config(option_value(accelerate_args, "--config_file"), accelerate_args)
     recipe_path, overrides = run_args[1] if len(run_args) > 1 else "", run_args[2:]
-    check_run(load_recipe(recipe_path, [o for o in overrides if not o.startswith("--")]), launch)
+    recipe_overrides = [o for o in overrides if not o.startswith("--")]
+    recipe = load_recipe(recipe_path, recipe_overrides)
+    run_plan = check_run(recipe, launch)
+    check_memory(recipe, run_plan, options, accelerate_args, recipe_path, recipe_overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--recipe" not in argv and {"-h", "--help"} & set(argv):
+        print(__doc__.strip())  # after --recipe, --help is accelerate's own
+        return 0
     try:
         accelerate_args, run_args = split_args(argv)
-        preflight(accelerate_args, run_args)
+        options, accelerate_args = own_options(accelerate_args)
+        preflight(accelerate_args, run_args, options)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

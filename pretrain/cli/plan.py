@@ -204,6 +204,19 @@ def plan(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: memory.D
     return feasible, considered
 
 
+def nothing_fits(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, considered: int,
+                 host_memory_gib: float = 1024.0) -> str:
+    """What to say when ``plan`` finds no layout (pretrain-plan's error, pretrain-launch's suggestion)."""
+    return (f"no layout of {recipe.name} fits {nodes} x {gpus} {gpu.name} ({considered} considered, offload with "
+            f"{host_memory_gib:g} GiB of host memory per node and recompute included): add GPUs, use a larger GPU, "
+            "or shorten data.seq_len")
+
+
+def default_output(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec) -> Path:
+    """Where pretrain-plan writes the best layout's accelerate config unless given --output."""
+    return Path("runs") / "plan" / f"{recipe.name}-{nodes}x{gpus}-{gpu.name}.yaml"
+
+
 def accelerate_config(c: Candidate, recipe_path: str) -> str:
     lay = c.layout
     lines = [
@@ -292,16 +305,12 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load_recipe(args.recipe, args.overrides)
         ranked, considered = plan(recipe, args.nodes, args.gpus_per_node, gpu, host_memory_gib=args.host_memory_gib)
         if not ranked:
-            raise ConfigError(
-                f"no layout of {recipe.name} fits {args.nodes} x {args.gpus_per_node} {gpu.name} "
-                f"({considered} considered, offload with {args.host_memory_gib:g} GiB of host memory per node and "
-                "recompute included): add GPUs, use a larger GPU, or shorten data.seq_len"
-            )
+            raise ConfigError(nothing_fits(recipe, args.nodes, args.gpus_per_node, gpu, considered, args.host_memory_gib))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     best = ranked[0]
-    output = Path(args.output or Path("runs") / "plan" / f"{recipe.name}-{args.nodes}x{args.gpus_per_node}-{gpu.name}.yaml")
+    output = Path(args.output or default_output(recipe, args.nodes, args.gpus_per_node, gpu))
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(accelerate_config(best, args.recipe))
     overrides = [*args.overrides, *recipe_overrides(recipe, best)]

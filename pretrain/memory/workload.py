@@ -57,17 +57,17 @@ class Workload:
             raise ConfigError(f"precision {self.precision!r}: use one of fp32, bf16, fp16")
         if self.reduce_dtype not in ("fp32", "bf16"):
             raise ConfigError(f"reduce_dtype {self.reduce_dtype!r}: use fp32 or bf16")
-
-    @property
-    def fp32_grads(self) -> bool:
-        """bf16 compute with gradients accumulated in fp32 (pretrain's default for bf16 recipes)."""
-        return self.precision == "bf16" and self.reduce_dtype == "fp32"
         if self.attention not in ("sdpa", "eager", "flash_attention_2"):
             raise ConfigError(f"attention {self.attention!r}: use one of sdpa, eager, flash_attention_2")
         if self.micro_batch_size < 1 or self.seq_len < 1:
             raise ConfigError(
                 f"micro batch size ({self.micro_batch_size}) and seq_len ({self.seq_len}) must be >= 1"
             )
+
+    @property
+    def fp32_grads(self) -> bool:
+        """bf16 compute with gradients accumulated in fp32 (pretrain's default for bf16 recipes)."""
+        return self.precision == "bf16" and self.reduce_dtype == "fp32"
 
     @classmethod
     def from_recipe(cls, recipe, plan) -> Workload:
