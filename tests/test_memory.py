@@ -121,6 +121,28 @@ def test_bf16_gradients_accumulate_in_fp32_unless_reduce_dtype_is_bf16():
         assert fp32.phases.backward - bf16.phases.backward == pytest.approx(2 * P / 8, abs=16)
 
 
+def test_zero2_fp32_partition_keeps_large_gradients_to_the_end_of_backward():
+    """A gradient larger than the reduce bucket is reduced on its own from the parameter's bf16 .grad. With the
+    fp32 gradient partition DeepSpeed keeps that .grad to the end of backward on the ranks whose partition holds
+    the parameter; the embeddings' gradient (the last of backward) is still pending then on every rank."""
+    P, embeddings = LLAMA2_7B, 32000 * 4096
+
+    def grads(reduce, bucket):
+        w = memory.Workload(precision="bf16", micro_batch_size=1, seq_len=4096, reduce_dtype=reduce)
+        return memory.estimate_shape(shape_of(R7B), w, Launch("deepspeed", 2, "none", "none", 1, 8),
+                                     buffers=memory.DeepSpeedBuffers(reduce_bucket_size=bucket)).terms["grads"]
+
+    # the default bucket (5e8 elements) holds every gradient of 7B: nothing is kept beside the partition
+    assert grads("fp32", 500_000_000).phases.backward == 4 * -(-P // 8)
+    # bucket 1e8: the embeddings and the LM head (131M each) are reduced on their own. The last rank's partition
+    # holds the LM head, kept, and the embeddings' gradient is pending: two bf16 gradients on the worst rank.
+    kept = grads("fp32", 100_000_000)
+    assert kept.phases.backward == 4 * -(-P // 8) + 2 * 2 * embeddings
+    assert "2 gradient(s) larger than the bucket" in kept.formula
+    # bf16 accumulation (a bf16 partition that the reduced gradients are copied into): only the pending one
+    assert grads("bf16", 100_000_000).phases.backward == 2 * -(-P // 8) + 2 * embeddings
+
+
 def test_fp32_keeps_a_master_copy_only_where_deepspeed_clones_one():
     P = LLAMA2_7B
     assert states(0, "fp32", n=1).terms["optimizer"].bytes == 8 * P  # the weights are the master

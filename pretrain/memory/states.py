@@ -153,6 +153,35 @@ def _reduce_bucket(run: _Run, buffers: DeepSpeedBuffers) -> tuple[int, str, int,
     return bucket, f"{count} x reduce_bucket_size {num(R)} x {b} B", pending, pending_text
 
 
+def _kept_large_grads(sizes: list[int], ranks: int, bucket: int) -> tuple[int, int]:
+    """ZeRO-2 with fp32 accumulation of bf16 gradients (DeepSpeed's compact fp32 partition): elements of the
+    gradients held on the worst rank at the end of backward, beyond the bucket and the fp32 partition, and
+    how many parameters they belong to.
+
+    A gradient larger than ``reduce_bucket_size`` bypasses the bucket and is reduced on its own, from the
+    parameter's own bf16 ``.grad``. After its reduction into the fp32 partition DeepSpeed frees that ``.grad``
+    on the ranks whose partition the parameter does not overlap, but keeps it on those whose partition it
+    does (``copy_grads_in_partition`` returns without clearing it) until the end-of-backward epilogue clears
+    every ``.grad``. And the last large gradient of backward (the first large parameter in module order: the
+    embeddings) is still waiting for its reduction when the epilogue starts. So the worst rank holds, at the
+    end of backward, the full gradients of every large parameter overlapping its partition plus that one.
+    Partitions follow DeepSpeed's flat buffer: parameters in module order, padded to a multiple of 2N."""
+    total = sum(sizes)
+    part = -(-total // (2 * ranks)) * 2
+    held: dict[int, set[int]] = {}
+    start, last = 0, None
+    for index, size in enumerate(sizes):
+        if size > bucket:
+            last = index if last is None else last
+            for rank in range(start // part, min((start + size - 1) // part, ranks - 1) + 1):
+                held.setdefault(rank, set()).add(index)
+        start += size
+    if last is None:
+        return 0, 0
+    worst = max((h | {last} for h in held.values()), key=lambda h: sum(sizes[i] for i in h), default={last})
+    return sum(sizes[i] for i in worst), len(worst)
+
+
 def _offloaded_optimizer(layout: Launch) -> Term:
     return _term("optimizer", 0, f"0 on the GPU: master and states are offloaded to {layout.offload_optimizer}")
 
@@ -197,6 +226,13 @@ def zero12_states(run: _Run, buffers: DeepSpeedBuffers) -> ModelStates:
         backward_text = (f"backward: {b} B x Ψ (ZeRO-1 reduces only after the last micro-step's backward: every "
                          "gradient is full size until then)")
     else:
+        if a != b and not off_opt:
+            # fp32 partition of bf16 gradients: large gradients in this rank's partition are kept to the epilogue
+            kept, count = _kept_large_grads(run.shape.param_sizes(), N, buffers.reduce_bucket_size)
+            pending = kept * b
+            pending_text = (f" + {count} gradient(s) larger than the bucket, held whole in {w.precision} to the end of "
+                            f"backward on the worst rank (those overlapping its partition, and the last one "
+                            f"reduced): {num(kept)} x {b} B") if kept else ""
         backward = (0 if off_opt else a * part) + pending + (largest * b if off_opt else 0)
         backward_text = (f"backward: {a} B x Ψ/N {'fp32 accumulated ' if a != b else ''}partition{pending_text}"
                          if not off_opt else
