@@ -47,6 +47,11 @@ def check_precision(recipe: Recipe, launch: Launch) -> None:
             "precision.dtype=fp16 needs a CUDA GPU (fp16 on CPU would silently train in fp32 or fail); "
             "use precision.dtype=bf16 or fp32 on this machine"
         )
+    if launch.engine == "ddp" and launch.world_size > 1 and ddp_kwargs(recipe) and not torch.cuda.is_available():
+        raise ConfigError(
+            "precision.reduce_dtype=bf16 under DDP needs CUDA and NCCL (torch's bf16 all-reduce hook); on CPU "
+            "DDP reduces in fp32: remove precision.reduce_dtype=bf16 (or use a DeepSpeed ZeRO config)"
+        )
 
 
 def gradient_dtypes(recipe: Recipe, launch: Launch) -> dict[str, str]:
@@ -163,12 +168,7 @@ def build_accelerator(recipe: Recipe, plan: BatchPlan, launch: Launch, output_di
         handlers.append(scaler)
     fsdp = fsdp_plugin(recipe) if launch.engine == "fsdp" else None
     ddp = ddp_kwargs(recipe) if launch.engine == "ddp" and plan.world_size > 1 else None
-    if ddp is not None:
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                "precision.reduce_dtype=bf16 under DDP needs CUDA and NCCL (torch's bf16 all-reduce hook); on CPU "
-                "DDP reduces in fp32: remove precision.reduce_dtype=bf16 (or use a DeepSpeed ZeRO config)"
-            )
+    if ddp is not None:  # on CUDA only (check_precision)
         handlers.append(ddp)
     dynamo = TorchDynamoPlugin(backend=DynamoBackend.INDUCTOR) if recipe.model.compile else None
     accelerator = Accelerator(

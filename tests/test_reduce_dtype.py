@@ -78,7 +78,7 @@ def test_fp32_reduction_gradients_are_closer_to_the_fp32_reference_than_bf16_red
 
 
 @pytest.mark.slow
-def test_written_deepspeed_config_accumulates_in_fp32(runs):
+def test_written_deepspeed_config_and_run_config_record_the_dtypes(runs):
     for stage in STAGES:
         fp32 = json.loads((runs[stage, "bf16, fp32 reduce"] / "deepspeed_config.json").read_text())
         assert fp32["data_types"] == {"grad_accum_dtype": "fp32"} and fp32["communication_data_type"] == "fp32"
@@ -86,15 +86,28 @@ def test_written_deepspeed_config_accumulates_in_fp32(runs):
         assert bf16["data_types"] == {"grad_accum_dtype": "bf16"} and bf16["communication_data_type"] == "bf16"
         ref = json.loads((runs[stage, "fp32 reference"] / "deepspeed_config.json").read_text())
         assert "data_types" not in ref and "communication_data_type" not in ref
+        for arm, dtypes in (("fp32 reference", ("fp32", "fp32", "fp32")), ("bf16, fp32 reduce", ("bf16", "fp32", "fp32")),
+                            ("bf16, bf16 reduce", ("bf16", "bf16", "bf16"))):
+            config = json.loads((runs[stage, arm] / "run_config.json").read_text())
+            assert (config["dtypes/compute"], config["dtypes/grad_accum"], config["dtypes/reduce"]) == dtypes, arm
 
 
-@pytest.mark.slow
-def test_bf16_ddp_reduction_on_cpu_is_refused(tmp_path):
-    """torch's bf16 all-reduce hook needs CUDA and NCCL: on CPU the option is refused, not silently dropped."""
-    proc = accelerate_launch("cpu_ddp.yaml", [*FAST, "train.max_steps=2", "precision.dtype=bf16",
-                                              "precision.reduce_dtype=bf16", f"output_dir={tmp_path / 'run'}"])
-    assert proc.returncode != 0
-    assert "precision.reduce_dtype=bf16 under DDP needs CUDA and NCCL" in proc.stdout + proc.stderr
+def test_bf16_ddp_reduction_on_cpu_is_refused_before_launch(monkeypatch):
+    """torch's bf16 all-reduce hook needs CUDA and NCCL: on CPU the option is refused by the pre-flight check
+    (pretrain-launch, and every rank's build_accelerator), not silently dropped; one process has no all-reduce."""
+    import torch
+
+    from pretrain.config import load_recipe
+    from pretrain.errors import ConfigError
+    from pretrain.launch import Launch
+    from pretrain.preflight import check_run
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    fast = load_recipe(TINY, [*FAST, "precision.dtype=bf16", "precision.reduce_dtype=bf16"])
+    with pytest.raises(ConfigError, match="precision.reduce_dtype=bf16 under DDP needs CUDA and NCCL"):
+        check_run(fast, Launch("ddp", gpus_per_node=2))
+    check_run(fast, Launch("ddp", gpus_per_node=1))
+    check_run(load_recipe(TINY, [*FAST, "precision.dtype=bf16"]), Launch("ddp", gpus_per_node=2))
 
 
 def _relative_error_of_summed_gradient(gas: int, ranks: int = 8, n: int = 10_000) -> dict[str, float]:
