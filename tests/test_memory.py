@@ -493,6 +493,28 @@ def test_plan_considers_fsdp_and_writes_a_valid_fsdp_config(tmp_path):
     assert {sharding for sharding, _ in seen} == {"FULL_SHARD", "SHARD_GRAD_OP"}
 
 
+def test_plan_counts_gradient_traffic_in_the_reduction_dtype():
+    """The planner's communication volume (bytes per parameter per optimizer step): gradients travel in
+    precision.reduce_dtype, parameters in bf16."""
+    from pretrain.hardware import find_gpu
+
+    gpu = find_gpu("H100-80GB")
+
+    def volume(layout, reduce, gas=16):
+        w = memory.Workload(precision="bf16", micro_batch_size=1, seq_len=4096, grad_accum_steps=gas,
+                            reduce_dtype=reduce)
+        return plan.throughput(memory.estimate_shape(shape_of(R7B), w, layout), gpu)[2]
+
+    zero = {k: Launch("deepspeed", k, gpus_per_node=8) for k in (1, 2, 3)}
+    assert (volume(zero[1], "fp32"), volume(zero[1], "bf16")) == (2 * 4 + 2, 2 + 2)  # BF16_Optimizer all-reduces fp32
+    assert (volume(zero[2], "fp32"), volume(zero[2], "bf16")) == (16 * 4 + 2, 16 * 2 + 2)  # every micro-step
+    assert (volume(zero[3], "fp32"), volume(zero[3], "bf16")) == (16 * 4 + 2 * 16 * 2, 16 * 2 + 2 * 16 * 2)
+    fsdp = Launch("fsdp", gpus_per_node=8, fsdp_sharding="FULL_SHARD")
+    assert (volume(fsdp, "fp32"), volume(fsdp, "bf16")) == (4 + 2 * 16 * 2, 2 + 2 * 16 * 2)  # no_sync: once
+    ddp = Launch("ddp", gpus_per_node=8)
+    assert (volume(ddp, "fp32"), volume(ddp, "bf16")) == (2 * 4, 2 * 2)  # the bf16 hook compresses fp32 grads
+
+
 def test_plan_nothing_fits(capsys):
     code = plan.main(["--recipe", R70B, "--nodes", "1", "--gpus-per-node", "1", "--gpu", "T4-16GB",
                       "--host-memory-gib", "512"])
