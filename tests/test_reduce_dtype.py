@@ -151,6 +151,17 @@ def fsdp_launch_env(config: str) -> dict[str, str]:
     return {k: v for k, v in prepare_multi_gpu_env(args).items() if k.startswith("FSDP_") or k == "ACCELERATE_USE_FSDP"}
 
 
+def use_launch_env(monkeypatch, launch_env: dict[str, str]) -> None:
+    """This process's environment as a rank's: accelerate's variables are the launch's only (in-process tests
+    before this one leave some in os.environ, e.g. ACCELERATE_USE_DEEPSPEED)."""
+    import os
+
+    for key in [k for k in os.environ if k.startswith(("ACCELERATE_", "FSDP_"))]:
+        monkeypatch.delenv(key)
+    for key, value in launch_env.items():
+        monkeypatch.setenv(key, value)
+
+
 @pytest.mark.parametrize("reduce", ["fp32", "bf16"])
 def test_fsdp_launch_gets_a_policy_that_reduces_in_precision_reduce_dtype(monkeypatch, reduce):
     """The plugin pretrain hands accelerate for an accelerate_configs/fsdp.yaml launch: FSDP2 with the config's
@@ -163,8 +174,7 @@ def test_fsdp_launch_gets_a_policy_that_reduces_in_precision_reduce_dtype(monkey
     from pretrain.launch import Launch
     from pretrain.runtime import MIXED_PRECISION, fsdp_plugin
 
-    for key, value in fsdp_launch_env("fsdp.yaml").items():
-        monkeypatch.setenv(key, value)
+    use_launch_env(monkeypatch, fsdp_launch_env("fsdp.yaml"))
     recipe = load_recipe(TINY, ["precision.dtype=bf16", f"precision.reduce_dtype={reduce}"])
     assert Launch.from_env().engine == "fsdp"
     plugin = fsdp_plugin(recipe)
@@ -187,8 +197,7 @@ def test_fsdp1_gets_the_same_reduce_dtype(monkeypatch):
 
     # FSDP1 (a user's accelerate config); module-state syncing, which needs a GPU here, is beside the point
     fsdp1 = {"FSDP_VERSION": "1", "FSDP_SYNC_MODULE_STATES": "false", "FSDP_CPU_RAM_EFFICIENT_LOADING": "false"}
-    for key, value in {**fsdp_launch_env("fsdp.yaml"), **fsdp1}.items():
-        monkeypatch.setenv(key, value)
+    use_launch_env(monkeypatch, {**fsdp_launch_env("fsdp.yaml"), **fsdp1})
     policy = fsdp_plugin(load_recipe(TINY, ["precision.dtype=bf16"])).mixed_precision_policy
     assert isinstance(policy, MixedPrecision) and policy.reduce_dtype == torch.float32
 
