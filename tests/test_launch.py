@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import socket
 import sys
 
 import pytest
 
-from tests.helpers import FAST, ROOT, TINY, check_ok, run_cmd, train_losses
+from tests.helpers import FAST, ROOT, TINY, accelerate_environment, check_ok, run_cmd, train_losses
 
 LAUNCH = ["-m", "pretrain.cli.launch"]
 CONFIGS = ROOT / "accelerate_configs"
@@ -88,32 +87,6 @@ def test_a_good_launch_runs_through_accelerate(tmp_path):
 
 
 # ---- the Launch value: the same whether read from the accelerate config or from the processes' environment
-
-
-def accelerate_environment(config_file, *options: str) -> dict[str, str]:
-    """What `accelerate launch --config_file F <options> run.py` exports to each process (rank 0), built by
-    accelerate's own launcher code, plus what torchrun adds (WORLD_SIZE, GROUP_WORLD_SIZE, RANK)."""
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
-
-    # A free rendezvous port: accelerate refuses one in use (another run, or a stray test process, on 29500).
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    args = launch_command_parser().parse_args(["--config_file", str(config_file), "--main_process_port", port,
-                                               *options, "run.py"])
-    args, defaults, mp_from_config = _validate_launch_command(args)
-    if args.use_deepspeed:
-        fields = list(defaults.deepspeed_config) if defaults else []  # as accelerate's launch_command sets it
-        args.deepspeed_fields_from_accelerate_config = ",".join(fields + ["mixed_precision"] * mp_from_config)
-        environment = prepare_deepspeed_cmd_env(args)[1]
-    elif args.num_processes > 1 or args.use_fsdp:
-        environment = prepare_multi_gpu_env(args)
-    else:
-        environment = {"ACCELERATE_MIXED_PRECISION": str(args.mixed_precision)}
-    environment = {k: v for k, v in environment.items() if k.startswith(("ACCELERATE_", "FSDP_"))}
-    return {**environment, "WORLD_SIZE": str(args.num_processes), "GROUP_WORLD_SIZE": str(args.num_machines),
-            "RANK": "0"}
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in CONFIGS.glob("*.yaml")))

@@ -21,11 +21,12 @@ under ZeRO-3), so the loss cannot show the difference here and asserting it woul
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
 
-from tests.helpers import FAST, ROOT, TINY, accelerate_launch, check_ok, metrics, run_cmd
+from tests.helpers import FAST, ROOT, TINY, accelerate_environment, accelerate_launch, check_ok, metrics, run_cmd
 
 STEPS = 5
 ARGS = [*FAST, f"train.max_steps={STEPS}", "batch.global_batch_size=16", "batch.micro_batch_size=1",
@@ -140,22 +141,9 @@ def test_bf16_accumulation_and_reduction_error_grows_with_gas():
     assert 2e-3 < one["bf16"] < many["bf16"] < 1e-2
 
 
-def fsdp_launch_env(config: str) -> dict[str, str]:
-    """The FSDP variables ``accelerate launch --config_file <config>`` exports to every rank."""
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_multi_gpu_env
-
-    args = launch_command_parser().parse_args(["--config_file", str(ROOT / "accelerate_configs" / config),
-                                               "--main_process_port", "0", "pretrain/run.py"])
-    args, _, _ = _validate_launch_command(args)
-    return {k: v for k, v in prepare_multi_gpu_env(args).items() if k.startswith("FSDP_") or k == "ACCELERATE_USE_FSDP"}
-
-
 def use_launch_env(monkeypatch, launch_env: dict[str, str]) -> None:
     """This process's environment as a rank's: accelerate's variables are the launch's only (in-process tests
     before this one leave some in os.environ, e.g. ACCELERATE_USE_DEEPSPEED)."""
-    import os
-
     for key in [k for k in os.environ if k.startswith(("ACCELERATE_", "FSDP_"))]:
         monkeypatch.delenv(key)
     for key, value in launch_env.items():
@@ -174,9 +162,9 @@ def test_fsdp_launch_gets_a_policy_that_reduces_in_precision_reduce_dtype(monkey
     from pretrain.launch import Launch
     from pretrain.runtime import MIXED_PRECISION, fsdp_plugin
 
-    use_launch_env(monkeypatch, fsdp_launch_env("fsdp.yaml"))
+    use_launch_env(monkeypatch, accelerate_environment(ROOT / "accelerate_configs" / "fsdp.yaml"))
     recipe = load_recipe(TINY, ["precision.dtype=bf16", f"precision.reduce_dtype={reduce}"])
-    assert Launch.from_env().engine == "fsdp"
+    assert Launch.from_env(dict(os.environ)).engine == "fsdp"
     plugin = fsdp_plugin(recipe)
     policy = plugin.mixed_precision_policy
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True  # the accelerate config's settings
@@ -197,7 +185,7 @@ def test_fsdp1_gets_the_same_reduce_dtype(monkeypatch):
 
     # FSDP1 (a user's accelerate config); module-state syncing, which needs a GPU here, is beside the point
     fsdp1 = {"FSDP_VERSION": "1", "FSDP_SYNC_MODULE_STATES": "false", "FSDP_CPU_RAM_EFFICIENT_LOADING": "false"}
-    use_launch_env(monkeypatch, {**fsdp_launch_env("fsdp.yaml"), **fsdp1})
+    use_launch_env(monkeypatch, {**accelerate_environment(ROOT / "accelerate_configs" / "fsdp.yaml"), **fsdp1})
     policy = fsdp_plugin(load_recipe(TINY, ["precision.dtype=bf16"])).mixed_precision_policy
     assert isinstance(policy, MixedPrecision) and policy.reduce_dtype == torch.float32
 
