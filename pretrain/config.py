@@ -367,6 +367,16 @@ class PrecisionConfig(Section):
     loss_scale_window: int = Field(1000, gt=0, description="fp16 dynamic scaling: steps without overflow before the scale grows.")
     hysteresis: int = Field(2, gt=0, description="fp16 dynamic scaling: overflows tolerated before the scale shrinks.")
     min_loss_scale: float = Field(1.0, gt=0, description="fp16 dynamic scaling: the scale never goes below this.")
+    reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="bf16 only: dtype gradients are accumulated over micro-steps and reduced across ranks in. `fp32` "
+        "(default) under every layout, as torchtitan and Megatron do. `bf16` halves the gradient communication volume "
+        "(and the fp32 gradient buffers: ZeRO-1's full replicated one, 4 B/param) at a cost in accuracy: 0.5% "
+        "relative error of the summed gradient at GAS 128 over 8 ranks, against 4e-8 in fp32 (README, Precision). "
+        "DDP accumulates in fp32 either way (bf16 compresses its all-reduce only, with torch's bf16 hook: CUDA "
+        "only). Required under DeepSpeed ZeRO-0, which cannot accumulate bf16 gradients in fp32. fp32 recipes "
+        "reduce in fp32; fp16 recipes keep loss-scaled fp16 gradients.",
+    )
 
     @field_validator("loss_scale")
     @classmethod
@@ -374,6 +384,15 @@ class PrecisionConfig(Section):
         if value != "dynamic" and value <= 0:
             raise ValueError(f"precision.loss_scale must be `dynamic` or a number > 0, got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _reduce_needs_bf16(self) -> PrecisionConfig:
+        if self.reduce_dtype == "bf16" and self.dtype != "bf16":
+            raise ValueError(
+                f"precision.reduce_dtype=bf16 applies to bf16 recipes only (precision.dtype={self.dtype}); "
+                "remove it or set precision.dtype=bf16"
+            )
+        return self
 
 
 class TrainConfig(Section):
@@ -453,7 +472,10 @@ class DeepSpeedSection(Section):
         "DeepSpeed JSON has an `optimizer` block, torch otherwise.",
     )
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(
-        None, description="dtype of gradient all-reduce / reduce-scatter; null = DeepSpeed's default (the compute dtype)."
+        None,
+        description="dtype of gradient all-reduce / reduce-scatter; null = from the recipe (bf16 recipes: "
+        "precision.reduce_dtype; otherwise DeepSpeed's default, the compute dtype). In a bf16 recipe a value "
+        "other than precision.reduce_dtype is an error: precision.reduce_dtype is the one source of truth.",
     )
     prescale_gradients: bool = Field(False, description="Divide gradients by the world size before the all-reduce.")
     reduce_bucket_size: int | None = positive_or_null("ZeRO reduce bucket (elements); null = DeepSpeed's 5e8.")
@@ -494,6 +516,18 @@ class Recipe(Section):
             raise ValueError(
                 f"data.document_masking=true is not supported for model.arch = {self.model.arch!r} (verified: "
                 f"{', '.join(DOCUMENT_MASKING_ARCHS)}); use one of those or set data.document_masking=false"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _one_reduce_dtype(self) -> Recipe:
+        comm, prec = self.deepspeed.communication_data_type, self.precision
+        if prec.dtype == "bf16" and comm is not None and comm != prec.reduce_dtype:
+            raise ValueError(
+                f"deepspeed.communication_data_type={comm} conflicts with precision.reduce_dtype={prec.reduce_dtype}: "
+                "in a bf16 recipe precision.reduce_dtype decides the reduction dtype under every layout; remove "
+                f"deepspeed.communication_data_type or set precision.reduce_dtype={comm}"
+                + (" (fp16 reduction of bf16 gradients is not offered)" if comm == "fp16" else "")
             )
         return self
 

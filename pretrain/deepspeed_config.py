@@ -61,6 +61,18 @@ def _precision_block(recipe: Recipe) -> dict[str, Any]:
     return {"fp16": {"enabled": False}, "bf16": {"enabled": prec.dtype == "bf16"}}
 
 
+def gradient_dtype_fields(recipe: Recipe) -> dict[str, Any]:
+    """bf16 recipes: DeepSpeed accumulates gradients (``data_types.grad_accum_dtype``) and reduces them
+    (``communication_data_type``) in ``precision.reduce_dtype``, fp32 by default. The two are independent in
+    DeepSpeed (both default to the model dtype, bf16), so both are set. Other dtypes: DeepSpeed's defaults (the
+    compute dtype), or the recipe's ``deepspeed.communication_data_type``."""
+    prec = recipe.precision
+    if prec.dtype != "bf16":
+        comm = recipe.deepspeed.communication_data_type
+        return {} if comm is None else {"communication_data_type": comm}
+    return {"data_types": {"grad_accum_dtype": prec.reduce_dtype}, "communication_data_type": prec.reduce_dtype}
+
+
 def recipe_fields(recipe: Recipe, plan: BatchPlan, lr: float, ds_optimizer: bool) -> dict[str, Any]:
     """The DeepSpeed fields the recipe owns."""
     fields: dict[str, Any] = {
@@ -69,6 +81,7 @@ def recipe_fields(recipe: Recipe, plan: BatchPlan, lr: float, ds_optimizer: bool
         "gradient_accumulation_steps": plan.grad_accum_steps,
         "gradient_clipping": float(recipe.optim.grad_clip or 0.0),
         **_precision_block(recipe),
+        **gradient_dtype_fields(recipe),
     }
     if ds_optimizer:
         args = dict(recipe.optim.args)
@@ -128,6 +141,12 @@ def check_zero(recipe: Recipe, zero: dict[str, Any]) -> None:
             "model.compile=true cannot be honoured under ZeRO-3 (partitioned parameters are gathered by hooks "
             "that torch.compile graphs break on); set model.compile=false or use ZeRO-1/2"
         )
+    if stage == 0 and recipe.precision.dtype == "bf16" and recipe.precision.reduce_dtype == "fp32":
+        problems.append(
+            "ZeRO stage 0 with precision.dtype=bf16 cannot accumulate gradients in fp32 (DeepSpeed's stage 0 keeps "
+            "bf16 gradients: data_types.grad_accum_dtype=fp32 is not implemented there); use ZeRO-1 (zero1.yaml), "
+            "DDP, or accept bf16 accumulation and reduction with precision.reduce_dtype=bf16"
+        )
     if problems:
         raise ConfigError(problems)
 
@@ -142,7 +161,7 @@ def build_deepspeed_config(
     ours = recipe_fields(recipe, plan, lr, ds_optimizer)
     conflicts = []
     for key, value in ours.items():
-        if key in ("fp16", "bf16", "optimizer"):
+        if key in ("fp16", "bf16", "optimizer", "data_types"):
             conflicts += _nested_conflicts(key, user.get(key), value, source)
         elif key in user and user[key] != "auto" and user[key] != value:
             conflicts.append(f"{source} has {key}={user[key]!r} but the recipe gives {value!r}")
@@ -174,8 +193,6 @@ def build_deepspeed_config(
     if not ds_optimizer:
         # Allows the client torch optimizer with optimizer offload (DeepSpeed otherwise insists on its CPU Adam).
         config["zero_force_ds_cpu_optimizer"] = False
-    if ds.communication_data_type is not None:
-        config["communication_data_type"] = ds.communication_data_type
     config["prescale_gradients"] = ds.prescale_gradients
     config["steps_per_print"] = ds.steps_per_print or 2**31 - 1
     config["wall_clock_breakdown"] = ds.wall_clock_breakdown

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from pretrain.batching import BatchPlan
 from pretrain.config import Recipe
 from pretrain.launch import Launch
+from pretrain.runtime import gradient_dtypes
 from pretrain.shape import CONVENTION
 from pretrain.tracking import flatten
 
@@ -52,6 +53,8 @@ def run_config(trainer: Trainer) -> dict[str, Any]:
             "device": str(trainer.device),
             "mixed_precision": acc.mixed_precision,
         },
+        # compute, gradient accumulation and gradient reduction dtypes in use (see runtime.gradient_dtypes)
+        "dtypes": gradient_dtypes(trainer.recipe, trainer.launch),
         "model": {"num_params": trainer.num_params, "vocab_size": len(trainer.tokenizer)},
         "memory": {"estimated_gib": trainer.memory_estimate_gib},
         "data": trainer.data.stats,
@@ -86,7 +89,8 @@ def start_run_record(trainer: Trainer) -> None:
     dist = config["dist"]
     trainer.log(
         f"pretrain: {recipe.name} | world size {dist['world_size']} "
-        f"({dist['distributed_type']}, {dist['device']}, {recipe.precision.dtype}) | "
+        f"({dist['distributed_type']}, {dist['device']}, {recipe.precision.dtype}, grads accumulated in "
+        f"{config['dtypes']['grad_accum']}, reduced in {config['dtypes']['reduce']}) | "
         f"{trainer.num_params:,} params | GBS {p.global_batch_size} = MBS {p.micro_batch_size} x GAS "
         f"{p.grad_accum_steps} x world {p.world_size} | {p.tokens_per_step:,} tokens/step | "
         f"{trainer.num_steps} steps | lr {trainer.lr:.3g} | output {trainer.output_dir}"

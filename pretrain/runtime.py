@@ -20,8 +20,11 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.utils import (
+    DDPCommunicationHookType,
     DeepSpeedPlugin,
+    DistributedDataParallelKwargs,
     DynamoBackend,
+    FullyShardedDataParallelPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
     TorchDynamoPlugin,
@@ -52,6 +55,62 @@ def check_precision(recipe: Recipe, launch: Launch) -> None:
             "precision.dtype=fp16 needs a CUDA GPU (fp16 on CPU would silently train in fp32 or fail); "
             "use precision.dtype=bf16 or fp32 on this machine"
         )
+    if launch.engine == "ddp" and launch.world_size > 1 and ddp_kwargs(recipe) and not torch.cuda.is_available():
+        raise ConfigError(
+            "precision.reduce_dtype=bf16 under DDP needs CUDA and NCCL (torch's bf16 all-reduce hook); on CPU "
+            "DDP reduces in fp32: remove precision.reduce_dtype=bf16 (or use a DeepSpeed ZeRO config)"
+        )
+
+
+def gradient_dtypes(recipe: Recipe, launch: Launch) -> dict[str, str]:
+    """The dtypes a run computes, accumulates gradients and reduces them in (written to the run config).
+
+    bf16: accumulation and reduction in precision.reduce_dtype (fp32 by default) under ZeRO-1/2/3 (through
+    ``data_types.grad_accum_dtype`` and ``communication_data_type``) and FSDP (its policy's reduce dtype, which
+    no_sync accumulates in too); DDP keeps fp32 gradients under autocast and accumulates in fp32 either way.
+    fp16: loss-scaled fp16 gradients under DeepSpeed and FSDP, fp32 under DDP. fp32: fp32 throughout."""
+    prec, engine = recipe.precision, launch.engine
+    if prec.dtype == "fp32":
+        return {"compute": "fp32", "grad_accum": "fp32", "reduce": "fp32"}
+    if prec.dtype == "fp16":
+        if engine == "ddp":
+            return {"compute": "fp16", "grad_accum": "fp32", "reduce": "fp32"}
+        comm = recipe.deepspeed.communication_data_type if engine == "deepspeed" else None
+        return {"compute": "fp16", "grad_accum": "fp16", "reduce": comm or "fp16"}
+    # DDP accumulates in its fp32 gradients whatever it reduces in (the bf16 hook compresses the all-reduce only)
+    accum = "fp32" if engine == "ddp" else prec.reduce_dtype
+    return {"compute": "bf16", "grad_accum": accum, "reduce": prec.reduce_dtype}
+
+
+def fsdp_plugin(recipe: Recipe) -> FullyShardedDataParallelPlugin | None:
+    """bf16 recipes: an FSDP plugin whose policy reduces (and, under no_sync, accumulates) gradients in
+    precision.reduce_dtype; accelerate's own policy reduces in bf16. The plugin reads the rest of the FSDP
+    settings (version, sharding, wrapping) from the accelerate config's FSDP_* environment as usual."""
+    if recipe.precision.dtype != "bf16":
+        return None
+    reduce = torch.float32 if recipe.precision.reduce_dtype == "fp32" else torch.bfloat16
+    plugin = FullyShardedDataParallelPlugin()
+    if plugin.fsdp_version == 2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce, output_dtype=torch.bfloat16)
+    else:
+        from torch.distributed.fsdp import MixedPrecision
+
+        policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce, buffer_dtype=torch.bfloat16)
+    plugin.mixed_precision_policy = policy
+    plugin.validate_mixed_precision_policy()
+    # Accelerator(mixed_precision="bf16") calls plugin.set_mixed_precision("bf16"), which keeps a policy that is
+    # already set: this one reaches fully_shard (tests/test_reduce_dtype.py checks both).
+    return plugin
+
+
+def ddp_kwargs(recipe: Recipe) -> DistributedDataParallelKwargs | None:
+    """DDP under bf16 autocast keeps fp32 weights and gradients: fp32 reduction already. precision.reduce_dtype=bf16
+    compresses the all-reduce to bf16 with torch's bf16 communication hook."""
+    if recipe.precision.dtype == "bf16" and recipe.precision.reduce_dtype == "bf16":
+        return DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.BF16)
+    return None
 
 
 @dataclass
@@ -123,6 +182,10 @@ def build_accelerator(recipe: Recipe, plan: BatchPlan, launch: Launch, output_di
         else:
             scaler = GradScalerKwargs(init_scale=float(prec.loss_scale), growth_interval=2**31 - 1)
         handlers.append(scaler)
+    fsdp = fsdp_plugin(recipe) if launch.engine == "fsdp" else None
+    ddp = ddp_kwargs(recipe) if launch.engine == "ddp" and plan.world_size > 1 else None
+    if ddp is not None:  # on CUDA only (check_precision)
+        handlers.append(ddp)
     dynamo = TorchDynamoPlugin(backend=DynamoBackend.INDUCTOR) if recipe.model.compile else None
     accelerator = Accelerator(
         # No CUDA and not DeepSpeed: run as MULTI_CPU over gloo. Without this, processes started by
@@ -138,6 +201,7 @@ def build_accelerator(recipe: Recipe, plan: BatchPlan, launch: Launch, output_di
         kwargs_handlers=handlers,
         dynamo_plugin=dynamo,
         deepspeed_plugin=plugin,
+        fsdp_plugin=fsdp,
     )
     if accelerator.num_processes != plan.world_size:
         raise ConfigError(

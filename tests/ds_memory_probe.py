@@ -43,6 +43,12 @@ STAGE3_PARAM_PERSISTENCE_THRESHOLD = 1_000
 STAGE3_MAX_LIVE_PARAMETERS = 1_000_000
 
 
+def reduce_dtype(zero_stage: int, dtype: str) -> str:
+    """precision.reduce_dtype of the recipe each case stands for: fp32 (the default) except bf16 ZeRO-0, which
+    cannot accumulate bf16 gradients in fp32."""
+    return "bf16" if dtype == "bf16" and zero_stage == 0 else "fp32"
+
+
 def ds_config(zero_stage: int, dtype: str, world_size: int) -> dict:
     zero = {
         "stage": zero_stage,
@@ -66,6 +72,9 @@ def ds_config(zero_stage: int, dtype: str, world_size: int) -> dict:
         "zero_force_ds_cpu_optimizer": False,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
+        # As pretrain writes it for a bf16 recipe (deepspeed_config.gradient_dtype_fields)
+        **({"data_types": {"grad_accum_dtype": reduce_dtype(zero_stage, dtype)},
+            "communication_data_type": reduce_dtype(zero_stage, dtype)} if dtype == "bf16" else {}),
     }
 
 
@@ -134,9 +143,11 @@ def measure(zero_stage: int, dtype: str, world_size: int) -> dict:
     model = build_model(model_cfg, MODEL["vocab_size"], SEQ_LEN, seed=0)
     num_params = count_parameters(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    baseline = set(live_tensors())  # what the process held before DeepSpeed (the model itself is counted below)
+    # What the process held before DeepSpeed (the model itself is counted below), excluded by storage address.
+    # The tensors are kept alive while the case runs: one freed meanwhile would leave its address to a new
+    # allocation (a gradient), which would then be wrongly excluded.
     model_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    baseline -= model_ptrs
+    baseline = {ptr: tensor for ptr, (_, tensor) in live_tensors().items() if ptr not in model_ptrs}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(zero_stage, dtype, world_size))
     snapshots: dict[str, dict] = {}
 

@@ -110,3 +110,27 @@ def train_killed_at(args: list[str], checkpoint_step: int, out: Path, recipe: st
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (out / "final_model").exists(), "killed too late"
+
+
+def accelerate_environment(config_file, *options: str) -> dict[str, str]:
+    """What `accelerate launch --config_file F <options> run.py` exports to each process (rank 0), built by
+    accelerate's own launcher code, plus what torchrun adds (WORLD_SIZE, GROUP_WORLD_SIZE, RANK)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    # A free rendezvous port: accelerate refuses one in use (another run, or a stray test process, on 29500).
+    port = str(free_port())
+    args = launch_command_parser().parse_args(["--config_file", str(config_file), "--main_process_port", port,
+                                               *options, "run.py"])
+    args, defaults, mp_from_config = _validate_launch_command(args)
+    if args.use_deepspeed:
+        fields = list(defaults.deepspeed_config) if defaults else []  # as accelerate's launch_command sets it
+        args.deepspeed_fields_from_accelerate_config = ",".join(fields + ["mixed_precision"] * mp_from_config)
+        environment = prepare_deepspeed_cmd_env(args)[1]
+    elif args.num_processes > 1 or args.use_fsdp:
+        environment = prepare_multi_gpu_env(args)
+    else:
+        environment = {"ACCELERATE_MIXED_PRECISION": str(args.mixed_precision)}
+    environment = {k: v for k, v in environment.items() if k.startswith(("ACCELERATE_", "FSDP_"))}
+    return {**environment, "WORLD_SIZE": str(args.num_processes), "GROUP_WORLD_SIZE": str(args.num_machines),
+            "RANK": "0"}

@@ -93,3 +93,69 @@ def test_offload_and_recipe_deepspeed_section():
 def test_deepspeed_optimizer_for_sgd_is_refused():
     with pytest.raises(ConfigError, match="DeepSpeed's optimizers cover"):
         build(recipe(optim={"name": "SGD", "weight_decay": 0.0}, deepspeed={"optimizer": "deepspeed"}))
+
+
+# ---- gradient accumulation and reduction dtypes (precision.reduce_dtype) ---------------------------------
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_accumulates_and_reduces_in_fp32_by_default(stage):
+    config, _ = build(recipe(precision={"dtype": "bf16"}), launch(stage=stage))
+    assert config["data_types"] == {"grad_accum_dtype": "fp32"} and config["communication_data_type"] == "fp32"
+
+
+def test_bf16_reduction_is_opt_in():
+    config, _ = build(recipe(precision={"dtype": "bf16", "reduce_dtype": "bf16"}), launch(stage=2))
+    assert config["data_types"] == {"grad_accum_dtype": "bf16"} and config["communication_data_type"] == "bf16"
+
+
+def test_fp32_recipe_keeps_deepspeed_defaults():
+    config, _ = build(recipe())
+    assert "data_types" not in config and "communication_data_type" not in config
+    config, _ = build(recipe(deepspeed={"communication_data_type": "bf16"}))
+    assert config["communication_data_type"] == "bf16"
+
+
+def test_zero0_bf16_needs_bf16_reduction():
+    with pytest.raises(ConfigError, match="ZeRO stage 0 with precision.dtype=bf16 cannot accumulate.*ZeRO-1"):
+        build(recipe(precision={"dtype": "bf16"}), launch(stage=0))
+    config, _ = build(recipe(precision={"dtype": "bf16", "reduce_dtype": "bf16"}), launch(stage=0))
+    assert config["data_types"] == {"grad_accum_dtype": "bf16"}
+
+
+def test_communication_data_type_and_reduce_dtype_have_one_source_of_truth():
+    same, _ = build(recipe(precision={"dtype": "bf16"}, deepspeed={"communication_data_type": "fp32"}))
+    assert same["communication_data_type"] == "fp32"
+    conflict = "deepspeed.communication_data_type=bf16 conflicts with precision.reduce_dtype=fp32"
+    with pytest.raises(ConfigError, match=conflict):
+        recipe(precision={"dtype": "bf16"}, deepspeed={"communication_data_type": "bf16"})
+    with pytest.raises(ConfigError, match="precision.reduce_dtype=bf16 applies to bf16 recipes only"):
+        recipe(precision={"dtype": "fp32", "reduce_dtype": "bf16"})
+
+
+def test_user_json_grad_accum_dtype_must_agree():
+    with pytest.raises(ConfigError, match="data_types.grad_accum_dtype='bf16' but the recipe gives 'fp32'"):
+        build(recipe(precision={"dtype": "bf16"}), user={"data_types": {"grad_accum_dtype": "bf16"}})
+    with pytest.raises(ConfigError, match="communication_data_type='bf16' but the recipe gives 'fp32'"):
+        build(recipe(precision={"dtype": "bf16"}), user={"communication_data_type": "bf16"})
+
+
+def test_fsdp_policy_and_ddp_hook_follow_reduce_dtype(monkeypatch):
+    import torch
+    from accelerate.utils import DDPCommunicationHookType
+
+    from pretrain.runtime import ddp_kwargs, fsdp_plugin, gradient_dtypes
+
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    bf16, fast = recipe(precision={"dtype": "bf16"}), recipe(precision={"dtype": "bf16", "reduce_dtype": "bf16"})
+    policy = fsdp_plugin(bf16).mixed_precision_policy
+    bf16_, fp32_ = torch.bfloat16, torch.float32
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (bf16_, fp32_, bf16_)
+    assert fsdp_plugin(fast).mixed_precision_policy.reduce_dtype == torch.bfloat16
+    assert fsdp_plugin(recipe()) is None
+    assert ddp_kwargs(bf16) is None and ddp_kwargs(fast).comm_hook == DDPCommunicationHookType.BF16
+    fsdp, ddp = Launch("fsdp"), Launch("ddp")
+    assert gradient_dtypes(bf16, fsdp) == {"compute": "bf16", "grad_accum": "fp32", "reduce": "fp32"}
+    assert gradient_dtypes(fast, fsdp) == {"compute": "bf16", "grad_accum": "bf16", "reduce": "bf16"}
+    assert gradient_dtypes(fast, ddp) == {"compute": "bf16", "grad_accum": "fp32", "reduce": "bf16"}
+    assert gradient_dtypes(recipe(), launch()) == {"compute": "fp32", "grad_accum": "fp32", "reduce": "fp32"}

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.helpers import FAST, ROOT, TINY, check_ok, free_port, run_cmd, train_losses
+from tests.helpers import FAST, ROOT, TINY, accelerate_environment, check_ok, run_cmd, train_losses
 
 LAUNCH = ["-m", "pretrain.cli.launch"]
 CONFIGS = ROOT / "accelerate_configs"
@@ -89,30 +89,6 @@ def test_a_good_launch_runs_through_accelerate(tmp_path):
 # ---- the Launch value: the same whether read from the accelerate config or from the processes' environment
 
 
-def accelerate_environment(config_file, *options: str) -> dict[str, str]:
-    """What `accelerate launch --config_file F <options> run.py` exports to each process (rank 0), built by
-    accelerate's own launcher code, plus what torchrun adds (WORLD_SIZE, GROUP_WORLD_SIZE, RANK)."""
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
-
-    # A free rendezvous port: accelerate refuses one in use (another run, or a stray test process, on 29500).
-    port = str(free_port())
-    args = launch_command_parser().parse_args(["--config_file", str(config_file), "--main_process_port", port,
-                                               *options, "run.py"])
-    args, defaults, mp_from_config = _validate_launch_command(args)
-    if args.use_deepspeed:
-        fields = list(defaults.deepspeed_config) if defaults else []  # as accelerate's launch_command sets it
-        args.deepspeed_fields_from_accelerate_config = ",".join(fields + ["mixed_precision"] * mp_from_config)
-        environment = prepare_deepspeed_cmd_env(args)[1]
-    elif args.num_processes > 1 or args.use_fsdp:
-        environment = prepare_multi_gpu_env(args)
-    else:
-        environment = {"ACCELERATE_MIXED_PRECISION": str(args.mixed_precision)}
-    environment = {k: v for k, v in environment.items() if k.startswith(("ACCELERATE_", "FSDP_"))}
-    return {**environment, "WORLD_SIZE": str(args.num_processes), "GROUP_WORLD_SIZE": str(args.num_machines),
-            "RANK": "0"}
-
-
 @pytest.mark.parametrize("config", sorted(p.name for p in CONFIGS.glob("*.yaml")))
 def test_launch_read_from_the_config_equals_the_launch_the_processes_read(config, monkeypatch):
     from pretrain.launch import Launch
@@ -181,7 +157,7 @@ def test_7b_ddp_on_h100_is_refused_naming_the_estimate_and_a_layout_that_fits(ca
     assert code == 2 and execv == []
     assert "7b on PyTorch DDP on 8 GPUs (MBS 1, GAS 128, recompute): estimated 148.7 GiB per GPU" in err, err
     assert "does not fit: needs 69.0 GiB more than the H100-80GB's 79.6 GiB" in err
-    assert "pretrain-plan's best layout on 1 x 8 H100-80GB: FSDP FULL_SHARD, MBS 2, GAS 64, no recompute: 74.9 GiB" in err
+    assert "pretrain-plan's best layout on 1 x 8 H100-80GB: ZeRO-3, MBS 2, GAS 64, no recompute: 66.7 GiB" in err
     assert f"pretrain-plan --recipe {R7B} --nodes 1 --gpus-per-node 8 --gpu H100-80GB\n" in err
     assert "--force" in err
 

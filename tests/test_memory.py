@@ -105,6 +105,44 @@ def test_zero_partitions_what_the_paper_says():
     assert s3.model_state_bytes / GiB < 20
 
 
+def test_bf16_gradients_accumulate_in_fp32_unless_reduce_dtype_is_bf16():
+    P = LLAMA2_7B
+
+    def zero(stage, reduce):
+        w = memory.Workload(precision="bf16", micro_batch_size=1, seq_len=4096, reduce_dtype=reduce)
+        return memory.estimate_shape(shape_of(R7B), w, Launch("deepspeed", stage, "none", "none", 1, 8))
+
+    # ZeRO-1: DeepSpeed's BF16_Optimizer keeps a full, replicated fp32 gradient buffer beside the bf16 gradients
+    assert zero(1, "fp32").terms["grads"].bytes == (2 + 4) * P and zero(1, "bf16").terms["grads"].bytes == 2 * P
+    assert "BF16_Optimizer" in zero(1, "fp32").terms["grads"].formula
+    # ZeRO-2 / ZeRO-3: the accumulated gradient partition is fp32 (4 B x Ψ/N) instead of bf16
+    for stage in (2, 3):
+        fp32, bf16 = zero(stage, "fp32").terms["grads"], zero(stage, "bf16").terms["grads"]
+        assert fp32.phases.backward - bf16.phases.backward == pytest.approx(2 * P / 8, abs=16)
+
+
+def test_zero2_fp32_partition_keeps_large_gradients_to_the_end_of_backward():
+    """A gradient larger than the reduce bucket is reduced on its own from the parameter's bf16 .grad. With the
+    fp32 gradient partition DeepSpeed keeps that .grad to the end of backward on the ranks whose partition holds
+    the parameter; the embeddings' gradient (the last of backward) is still pending then on every rank."""
+    P, embeddings = LLAMA2_7B, 32000 * 4096
+
+    def grads(reduce, bucket):
+        w = memory.Workload(precision="bf16", micro_batch_size=1, seq_len=4096, reduce_dtype=reduce)
+        return memory.estimate_shape(shape_of(R7B), w, Launch("deepspeed", 2, "none", "none", 1, 8),
+                                     buffers=memory.DeepSpeedBuffers(reduce_bucket_size=bucket)).terms["grads"]
+
+    # the default bucket (5e8 elements) holds every gradient of 7B: nothing is kept beside the partition
+    assert grads("fp32", 500_000_000).phases.backward == 4 * -(-P // 8)
+    # bucket 1e8: the embeddings and the LM head (131M each) are reduced on their own. The last rank's partition
+    # holds the LM head, kept, and the embeddings' gradient is pending: two bf16 gradients on the worst rank.
+    kept = grads("fp32", 100_000_000)
+    assert kept.phases.backward == 4 * -(-P // 8) + 2 * 2 * embeddings
+    assert "2 gradient(s) larger than the bucket" in kept.formula
+    # bf16 accumulation (a bf16 partition that the reduced gradients are copied into): only the pending one
+    assert grads("bf16", 100_000_000).phases.backward == 2 * -(-P // 8) + 2 * embeddings
+
+
 def test_fp32_keeps_a_master_copy_only_where_deepspeed_clones_one():
     P = LLAMA2_7B
     assert states(0, "fp32", n=1).terms["optimizer"].bytes == 8 * P  # the weights are the master
@@ -120,8 +158,8 @@ def test_offload_moves_optimizer_states_to_the_host():
     assert both.terms["params"].bytes < states(3).terms["params"].bytes / 100
 
 
-def fsdp(sharding="FULL_SHARD", nodes=1, gas=1, offload="none"):
-    w = memory.Workload(precision="bf16", micro_batch_size=1, seq_len=4096, grad_accum_steps=gas)
+def fsdp(sharding="FULL_SHARD", nodes=1, gas=1, offload="none", reduce="fp32"):
+    w = memory.Workload(precision="bf16", micro_batch_size=1, seq_len=4096, grad_accum_steps=gas, reduce_dtype=reduce)
     return memory.estimate_shape(shape_of(R7B), w, Launch("fsdp", offload_params=offload, num_nodes=nodes,
                                                           gpus_per_node=8, fsdp_sharding=sharding))
 
@@ -147,9 +185,12 @@ def test_fsdp_shards_what_its_strategy_says():
 
 def test_fsdp_accumulation_and_offload():
     P = LLAMA2_7B
-    # accelerate's no_sync skips the reduce-scatter before the last micro-step: full bf16 gradients
+    # accelerate's no_sync skips the reduce-scatter before the last micro-step: full gradients, accumulated in
+    # fp32 under pretrain's policy (reduce_dtype fp32), in bf16 with precision.reduce_dtype=bf16
     accumulating = fsdp(gas=4)
-    assert accumulating.terms["grads"].bytes == 2 * P and "no_sync" in accumulating.terms["grads"].formula
+    assert accumulating.terms["grads"].bytes == 4 * P and "no_sync" in accumulating.terms["grads"].formula
+    assert fsdp(gas=4, reduce="bf16").terms["grads"].bytes == 2 * P
+    assert fsdp(reduce="bf16").terms["comm"].bytes < fsdp().terms["comm"].bytes  # no fp32 copy for the reduce
     offloaded = fsdp(offload="cpu")
     assert offloaded.terms["params"].bytes == offloaded.terms["optimizer"].bytes == offloaded.terms["grads"].bytes == 0
     assert offloaded.host_bytes_per_rank == (4 + 8 + 4) * P // 8
@@ -321,7 +362,8 @@ def test_cli_70b_json_is_fast_and_allocates_nothing():
 def test_cli_summary_explain_and_sweep(capsys):
     code, out, _ = run_cli(capsys, "--recipe", R7B, "--num-gpus", "8", "--zero", "2", "--explain")
     assert code == 0
-    assert "2 B x Ψ/N partition" in out and "fp32 copy of the partition" in out and "12 B/param" in out
+    # a bf16 recipe accumulates the gradient partition in fp32 (precision.reduce_dtype defaults to fp32)
+    assert "4 B x Ψ/N fp32 accumulated partition" in out and "the fp32 partition 4 B x Ψ/N" in out and "12 B/param" in out
     assert "no s^2 term" in out
     code, out, _ = run_cli(capsys, "--recipe", R7B, "--nodes", "2", "--gpus-per-node", "8", "--gpu", "A100-40GB",
                            "--sweep")
@@ -472,6 +514,28 @@ def test_plan_considers_fsdp_and_writes_a_valid_fsdp_config(tmp_path):
             "fsdp", c.layout.fsdp_sharding, c.layout.offload_params, 2)
         assert c.name.startswith(f"FSDP {c.layout.fsdp_sharding}")
     assert {sharding for sharding, _ in seen} == {"FULL_SHARD", "SHARD_GRAD_OP"}
+
+
+def test_plan_counts_gradient_traffic_in_the_reduction_dtype():
+    """The planner's communication volume (bytes per parameter per optimizer step): gradients travel in
+    precision.reduce_dtype, parameters in bf16."""
+    from pretrain.hardware import find_gpu
+
+    gpu = find_gpu("H100-80GB")
+
+    def volume(layout, reduce, gas=16):
+        w = memory.Workload(precision="bf16", micro_batch_size=1, seq_len=4096, grad_accum_steps=gas,
+                            reduce_dtype=reduce)
+        return plan.throughput(memory.estimate_shape(shape_of(R7B), w, layout), gpu)[2]
+
+    zero = {k: Launch("deepspeed", k, gpus_per_node=8) for k in (1, 2, 3)}
+    assert (volume(zero[1], "fp32"), volume(zero[1], "bf16")) == (2 * 4 + 2, 2 + 2)  # BF16_Optimizer all-reduces fp32
+    assert (volume(zero[2], "fp32"), volume(zero[2], "bf16")) == (16 * 4 + 2, 16 * 2 + 2)  # every micro-step
+    assert (volume(zero[3], "fp32"), volume(zero[3], "bf16")) == (16 * 4 + 2 * 16 * 2, 16 * 2 + 2 * 16 * 2)
+    fsdp = Launch("fsdp", gpus_per_node=8, fsdp_sharding="FULL_SHARD")
+    assert (volume(fsdp, "fp32"), volume(fsdp, "bf16")) == (4 + 2 * 16 * 2, 2 + 2 * 16 * 2)  # no_sync: once
+    ddp = Launch("ddp", gpus_per_node=8)
+    assert (volume(ddp, "fp32"), volume(ddp, "bf16")) == (2 * 4, 2 * 2)  # the bf16 hook compresses fp32 grads
 
 
 def test_plan_nothing_fits(capsys):

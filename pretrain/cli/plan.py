@@ -15,13 +15,17 @@ Step time = compute + exposed communication + offload traffic, per optimizer ste
   head_dim x seq; with recompute its hardware FLOPs, which add the forward activation checkpointing
   repeats) x tokens per GPU / (peak bf16 FLOP/s x 0.5 x T / (T + 1024)), where T = MBS x seq tokens: a
   small micro-batch leaves the GPU under-used (the heuristic halves the rate at 1,024 tokens).
-- communication per GPU, ring algorithms ((N-1)/N of each volume): DDP and ZeRO-0/1 reduce the gradients
-  once per optimizer step (2 x Ψ x bytes); ZeRO-2 reduce-scatters at every micro-step and all-gathers the
-  parameters once (GAS + 1); ZeRO-3 all-gathers the parameters twice and reduce-scatters once per
-  micro-step (3 x GAS); FSDP all-gathers the parameters at every micro-step (FULL_SHARD twice,
-  SHARD_GRAD_OP once) and reduce-scatters once per optimizer step (accelerate's no_sync): 2 x GAS + 1
-  or GAS + 1. Bandwidth: NVLink inside a node, the network per GPU across nodes. DDP overlaps half of it
-  with backward, ZeRO-3 and FSDP half (prefetch), ZeRO-0/1/2 none (DeepSpeed's defaults).
+- communication per GPU, ring algorithms ((N-1)/N of each volume), gradients in the dtype they are
+  reduced in (fp32 for bf16 recipes unless precision.reduce_dtype=bf16; DDP's are fp32 unless its bf16
+  hook compresses them), parameters in the compute dtype: DDP and ZeRO-0 all-reduce the gradients once
+  per optimizer step (2 x Ψ); ZeRO-1 reduces them and all-gathers the parameters once (Ψ + Ψ; with fp32
+  accumulation DeepSpeed's BF16_Optimizer all-reduces its fp32 buffer: 2 x Ψ + Ψ); ZeRO-2
+  reduce-scatters at every micro-step and all-gathers the parameters once (GAS + 1); ZeRO-3 all-gathers
+  the parameters twice and reduce-scatters once per micro-step (2 x GAS + GAS); FSDP all-gathers the
+  parameters at every micro-step (FULL_SHARD twice, SHARD_GRAD_OP once) and reduce-scatters once per
+  optimizer step (accelerate's no_sync): 2 x GAS + 1 or GAS + 1. Bandwidth: NVLink inside a node, the
+  network per GPU across nodes. DDP overlaps half of it with backward, ZeRO-3 and FSDP half (prefetch),
+  ZeRO-0/1/2 none (DeepSpeed's defaults).
 - offload: the optimizer step on the CPU, 1e9 parameters/s per node shared by its GPUs' partitions
   (the recipe's torch optimizer runs there; DeepSpeed's CPU Adam is faster), plus PCIe copies
   (gradients down every micro-step, parameters up, 25 GB/s); parameter offload re-reads the partition
@@ -76,7 +80,7 @@ class Candidate:
     compute_s: float
     comm_s: float
     comm_volume: float
-    """Bytes each GPU sends per optimizer step, in units of Ψ x parameter bytes."""
+    """Bytes each GPU sends per optimizer step, per parameter (x Ψ)."""
     offload_s: float
     tokens_per_s: float
 
@@ -111,7 +115,7 @@ class Candidate:
             f"~{self.tokens_per_s:,.0f} tok/s/GPU: "
             f"compute {self.compute_s:.2f} s ({tokens:,} tokens/micro-batch -> {eff:.0%} of the efficient rate"
             f"{', + recompute' if self.checkpointing else ''}) + comm {self.comm_s:.2f} s exposed "
-            f"({self.comm_volume:g} x Ψ per step){offload}"
+            f"({self.comm_volume:g} B x Ψ per step){offload}"
         )
 
 
@@ -154,16 +158,23 @@ def throughput(est: memory.MemoryEstimate, gpu: hardware.GpuSpec) -> tuple[float
     N = lay.world_size
     P = est.num_params
     b = 2 if w.precision != "fp32" else 4
+    # gradients travel in the dtype they are reduced in: fp32 for bf16 recipes unless precision.reduce_dtype=bf16
+    r = 4 if w.precision == "fp32" or w.fp32_grads else b
     if lay.engine == "ddp":
-        volume, key, b = 2.0, "ddp", 4
+        # DDP's gradients are fp32 under autocast; precision.reduce_dtype=bf16 compresses the all-reduce
+        (reduces, gathers), key = (2.0, 0.0), "ddp"
+        r = 2 if w.precision == "bf16" and not w.fp32_grads else 4
     elif lay.engine == "fsdp":
         key = "fsdp"
-        volume = (2.0 * gas if lay.fsdp_sharding == "FULL_SHARD" else float(gas)) + 1.0
+        reduces, gathers = 1.0, (2.0 * gas if lay.fsdp_sharding == "FULL_SHARD" else float(gas))
     else:
         key = lay.zero_stage
-        volume = {0: 2.0, 1: 2.0, 2: gas + 1.0, 3: 3.0 * gas}[lay.zero_stage]
+        reduces, gathers = {0: (2.0, 0.0), 1: (1.0, 1.0), 2: (float(gas), 1.0), 3: (float(gas), 2.0 * gas)}[key]
+        if key == 1 and w.fp32_grads:
+            reduces = 2.0  # BF16_Optimizer all-reduces its full fp32 gradient buffer
+    volume = reduces * r + gathers * b  # bytes per parameter per step
     bandwidth = (gpu.intra_node_gb_s if lay.num_nodes == 1 else gpu.inter_node_gb_s) * 1e9
-    comm = volume * P * b * (N - 1) / N / bandwidth * _EXPOSED[key] if N > 1 else 0.0
+    comm = volume * P * (N - 1) / N / bandwidth * _EXPOSED[key] if N > 1 else 0.0
     offload = 0.0
     part = P / N
     params_on_host = lay.offload_params != "none"
@@ -182,11 +193,13 @@ def plan(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: memory.D
     world = nodes * gpus
     base = memory.Workload(
         precision=recipe.precision.dtype, optimizer=recipe.optim.name, optimizer_args=dict(recipe.optim.args),
-        seq_len=recipe.data.seq_len, attention=recipe.model.attention,
+        seq_len=recipe.data.seq_len, attention=recipe.model.attention, reduce_dtype=recipe.precision.reduce_dtype,
     )
     gbs = recipe.batch.global_batch_size or recipe.batch.local_batch_size * world
     feasible, considered = [], 0
     for layout in layouts(nodes, gpus):
+        if layout.uses_deepspeed and layout.zero_stage == 0 and base.fp32_grads:
+            continue  # ZeRO-0 cannot accumulate bf16 gradients in fp32 (the launch refuses it)
         for ckpt in (False, True):
             for mbs in _mbs_values(recipe, world):
                 considered += 1

@@ -68,6 +68,12 @@ class _Run:
         return self.workload.precision != "fp32"
 
     @property
+    def a(self) -> int:
+        """Bytes of the dtype DeepSpeed ZeRO-1/2/3 accumulates gradients in: fp32 for bf16 recipes
+        (``data_types.grad_accum_dtype``), the compute dtype otherwise."""
+        return 4 if self.workload.fp32_grads else self.b
+
+    @property
     def optimizer(self) -> tuple[int, str]:
         return optimizer_state_bytes(self.workload.optimizer, self.workload.optimizer_args)
 
@@ -147,6 +153,35 @@ def _reduce_bucket(run: _Run, buffers: DeepSpeedBuffers) -> tuple[int, str, int,
     return bucket, f"{count} x reduce_bucket_size {num(R)} x {b} B", pending, pending_text
 
 
+def _kept_large_grads(sizes: list[int], ranks: int, bucket: int) -> tuple[int, int]:
+    """ZeRO-2 with fp32 accumulation of bf16 gradients (DeepSpeed's compact fp32 partition): elements of the
+    gradients held on the worst rank at the end of backward, beyond the bucket and the fp32 partition, and
+    how many parameters they belong to.
+
+    A gradient larger than ``reduce_bucket_size`` bypasses the bucket and is reduced on its own, from the
+    parameter's own bf16 ``.grad``. After its reduction into the fp32 partition DeepSpeed frees that ``.grad``
+    on the ranks whose partition the parameter does not overlap, but keeps it on those whose partition it
+    does (``copy_grads_in_partition`` returns without clearing it) until the end-of-backward epilogue clears
+    every ``.grad``. And the last large gradient of backward (the first large parameter in module order: the
+    embeddings) is still waiting for its reduction when the epilogue starts. So the worst rank holds, at the
+    end of backward, the full gradients of every large parameter overlapping its partition plus that one.
+    Partitions follow DeepSpeed's flat buffer: parameters in module order, padded to a multiple of 2N."""
+    total = sum(sizes)
+    part = -(-total // (2 * ranks)) * 2
+    held: dict[int, set[int]] = {}
+    start, last = 0, None
+    for index, size in enumerate(sizes):
+        if size > bucket:
+            last = index if last is None else last
+            for rank in range(start // part, min((start + size - 1) // part, ranks - 1) + 1):
+                held.setdefault(rank, set()).add(index)
+        start += size
+    if last is None:
+        return 0, 0
+    worst = max((h | {last} for h in held.values()), key=lambda h: sum(sizes[i] for i in h), default={last})
+    return sum(sizes[i] for i in worst), len(worst)
+
+
 def _offloaded_optimizer(layout: Launch) -> Term:
     return _term("optimizer", 0, f"0 on the GPU: master and states are offloaded to {layout.offload_optimizer}")
 
@@ -173,19 +208,41 @@ def zero12_states(run: _Run, buffers: DeepSpeedBuffers) -> ModelStates:
         optimizer = _term("optimizer", (4 + k) * part,
                           f"fp32 master partition 4 B x Ψ/N + {k} B x Ψ/N ({opt_text}) = {4 + k} B x {num(P)} / {N}"
                           + ("; in fp32 too: DeepSpeed clones the partition" if not run.mixed else ""))
+    a = run.a
+    if off_opt and w.fp32_grads:
+        host["accumulated"] = Term("accumulated", "accumulated gradients (fp32)", 4 * part, "4 B x Ψ/N")
+    if stage == 1 and w.fp32_grads and not off_opt:
+        # bf16 with fp32 accumulation: DeepSpeed's BF16_Optimizer, which accumulates every micro-step's bf16
+        # gradients into a full-size fp32 buffer, replicated, all-reduced at the boundary.
+        full = b * P + 4 * P
+        grads = _term("grads", Phases(full, full, full),
+                      f"{b} B x Ψ ({w.precision} gradients of backward) + 4 B x Ψ (BF16_Optimizer's fp32 accumulation "
+                      f"buffer, full size and replicated: ZeRO-1 with fp32 accumulation partitions only the optimizer "
+                      f"states) = {gib(full)}")
+        comm = _term("comm", Phases.constant(0), "no reduce bucket: BF16_Optimizer all-reduces its fp32 buffer in place")
+        return ModelStates(params, grads, optimizer, comm, params.bytes + optimizer.bytes + full, host=host)
     if stage == 1:
         backward = b * P
         backward_text = (f"backward: {b} B x Ψ (ZeRO-1 reduces only after the last micro-step's backward: every "
                          "gradient is full size until then)")
     else:
-        backward = (0 if off_opt else b * part) + pending + (largest * b if off_opt else 0)
-        backward_text = (f"backward: {b} B x Ψ/N partition{pending_text}" if not off_opt else
+        if a != b and not off_opt:
+            # fp32 partition of bf16 gradients: large gradients in this rank's partition are kept to the epilogue
+            kept, count = _kept_large_grads(run.shape.param_sizes(), N, buffers.reduce_bucket_size)
+            pending = kept * b
+            pending_text = (f" + {count} gradient(s) larger than the bucket, held whole in {w.precision} to the end of "
+                            f"backward on the worst rank (those overlapping its partition, and the last one "
+                            f"reduced): {num(kept)} x {b} B") if kept else ""
+        backward = (0 if off_opt else a * part) + pending + (largest * b if off_opt else 0)
+        backward_text = (f"backward: {a} B x Ψ/N {'fp32 accumulated ' if a != b else ''}partition{pending_text}"
+                         if not off_opt else
                          f"backward: a {b} B staging buffer of the largest parameter {num(largest)}{pending_text}; the "
                          "partition goes to the host")
     step = 0 if off_opt else 4 * part
     grads = _term("grads", Phases(backward, backward, step), backward_text,
-                  f"step(): fp32 copy of the partition 4 B x Ψ/N = {gib(4 * part)} (the {w.precision} partition is "
-                  "freed first)" if not off_opt else "step(): on the host")
+                  (f"step(): fp32 copy of the partition 4 B x Ψ/N = {gib(4 * part)} (the {w.precision} partition is "
+                   "freed first)" if a != 4 else f"step(): the fp32 partition 4 B x Ψ/N = {gib(4 * part)}")
+                  if not off_opt else "step(): on the host")
     comm = _term("comm", Phases(bucket, bucket, 0), f"ipg reduce bucket {bucket_text}, allocated for backward; the "
                                                     "all-gather after step() writes into the parameters in place")
     peak = params.bytes + optimizer.bytes + max(backward + bucket, step)
@@ -215,15 +272,17 @@ def zero3_states(run: _Run, buffers: DeepSpeedBuffers) -> ModelStates:
             host["master"] = Term("master", f"fp32 master partition ({where})", 4 * part, "4 B x Ψ/N")
             host["optimizer_states"] = Term("optimizer_states", f"optimizer states ({where})", k * part,
                                             f"{k} B x Ψ/N ({opt_text})")
-        host["grads"] = Term("grads", "gradient partition + fp32 copy of a sub-group", b * part + 4 * sub,
-                             f"{b} B x Ψ/N + 4 B x min(Ψ/N, sub_group_size)")
+        host["grads"] = Term("grads", "gradient partition + fp32 copy of a sub-group", run.a * part + 4 * sub,
+                             f"{run.a} B x Ψ/N + 4 B x min(Ψ/N, sub_group_size)")
     else:
         optimizer = _term("optimizer", 4 * part + k * part,
                           f"fp32 master partition 4 B x Ψ/N + {k} B x Ψ/N ({opt_text})")
-    backward = (0 if off_opt else b * part) + pending
-    step = 0 if off_opt else b * part + 4 * sub
+    a = run.a
+    backward = (0 if off_opt else a * part) + pending
+    step = 0 if off_opt else a * part + 4 * sub
     grads = _term("grads", Phases(backward, backward, step),
-                  f"backward: {b} B x Ψ/N flat gradient partition{pending_text}" if not off_opt
+                  f"backward: {a} B x Ψ/N flat gradient partition{' (fp32 accumulation)' if a != b else ''}"
+                  f"{pending_text}" if not off_opt
                   else f"backward: partitions go to the host{pending_text}",
                   *([] if off_opt else [f"step(): + fp32 copy of one sub-group 4 B x min(Ψ/N, sub_group_size "
                                         f"{num(buffers.sub_group_size)}) = {gib(4 * sub)}"]))
@@ -292,10 +351,14 @@ def fsdp_states(run: _Run) -> ModelStates:
         optimizer = _term("optimizer", k * part, f"{k} B x {frac} ({opt_text}); no master copy: the fp32 {shards} "
                                                  "are the master")
 
-    backward, reduced = b * P if gas > 1 else 0, 0 if offload else 4 * part
+    # bf16 with reduce_dtype fp32 (pretrain's default policy): FSDP2 accumulates the unsharded gradients of the
+    # no_sync micro-steps in fp32 and reduce-scatters in fp32.
+    r = 4 if (w.precision == "bf16" and w.reduce_dtype == "fp32") else b
+    backward, reduced = r * P if gas > 1 else 0, 0 if offload else 4 * part
     grads = _term("grads", Phases(backward, reduced, reduced),
-                  f"backward: {b} B x Ψ unsharded (accelerate skips the {reduce} on the {gas - 1} micro-steps "
-                  "before the last: no_sync keeps every gradient full size until then)" if gas > 1 else
+                  f"backward: {r} B x Ψ unsharded{' (fp32 accumulation)' if r != b else ''} (accelerate skips the "
+                  f"{reduce} on the {gas - 1} micro-steps before the last: no_sync keeps every gradient full size "
+                  "until then)" if gas > 1 else
                   f"backward: none yet (each unit's gradient goes to the {reduce} when its backward ends)",
                   f"after the {reduce}: on the host" if offload else
                   f"after the {reduce}: fp32 {shards} 4 B x {frac} = {gib(reduced)}")
@@ -309,9 +372,10 @@ def fsdp_states(run: _Run) -> ModelStates:
         gathered_text = (f"gathered {w.precision} units: LM head, final norm and the root's own parameters, kept "
                          f"from forward to backward, {num(kept)} + the block in backward and the next one "
                          f"prefetched 2 x {num(block)}, x {b} B")
-    buffers = gathered + b * unit
+    buffers = gathered + b * unit + (4 * unit if r != b else 0)
     comm = _term("comm", Phases(buffers, buffers, 0),
-                 f"{gathered_text} + one unit's unsharded gradient before its {reduce} {num(unit)} x {b} B")
+                 f"{gathered_text} + one unit's unsharded gradient before its {reduce} {num(unit)} x {b} B"
+                 + (f" + its fp32 copy for the fp32 {reduce} {num(unit)} x 4 B" if r != b else ""))
     peak = params.bytes + optimizer.bytes + max(grads.at(p) + comm.at(p) for p in PHASES)
     return ModelStates(params, grads, optimizer, comm, peak, host=host)
 

@@ -50,16 +50,25 @@ class Workload:
     document_masking: bool = False  # data.document_masking: sdpa then gets a MBS x s x s mask
     grad_accum_steps: int | None = None
     global_batch_size: int | None = None
+    reduce_dtype: str = "fp32"
+    """bf16 only (precision.reduce_dtype): the dtype DeepSpeed and FSDP accumulate and reduce gradients in."""
 
     def __post_init__(self):
         if self.precision not in PRECISION_BYTES:
             raise ConfigError(f"precision {self.precision!r}: use one of fp32, bf16, fp16")
+        if self.reduce_dtype not in ("fp32", "bf16"):
+            raise ConfigError(f"reduce_dtype {self.reduce_dtype!r}: use fp32 or bf16")
         if self.attention not in ("sdpa", "eager", "flash_attention_2"):
             raise ConfigError(f"attention {self.attention!r}: use one of sdpa, eager, flash_attention_2")
         if self.micro_batch_size < 1 or self.seq_len < 1:
             raise ConfigError(
                 f"micro batch size ({self.micro_batch_size}) and seq_len ({self.seq_len}) must be >= 1"
             )
+
+    @property
+    def fp32_grads(self) -> bool:
+        """bf16 compute with gradients accumulated in fp32 (pretrain's default for bf16 recipes)."""
+        return self.precision == "bf16" and self.reduce_dtype == "fp32"
 
     @classmethod
     def from_recipe(cls, recipe, plan) -> Workload:
@@ -74,6 +83,7 @@ class Workload:
             document_masking=recipe.data.document_masking,
             grad_accum_steps=plan.grad_accum_steps,
             global_batch_size=plan.global_batch_size,
+            reduce_dtype=recipe.precision.reduce_dtype,
         )
 
 

@@ -1,0 +1,67 @@
+"""One FSDP rank on a GPU (launched by tests/test_reduce_dtype.py under accelerate_configs/fsdp.yaml): builds
+pretrain's accelerator for a bf16 recipe, prepares a tiny model, runs one optimizer step of GAS micro-steps and
+prints, on a line starting with ``DTYPES``, the dtypes FSDP2 really used: each FSDPParam's reduce dtype (None
+when it equals the bf16 compute dtype), the dtype of the unsharded gradients accumulated over the no_sync
+micro-step, and of the sharded gradients after the reduce-scatter.
+
+    accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 1 tests/fsdp_dtype_probe.py \
+        OUT_DIR --recipe recipes/tiny.yaml precision.dtype=bf16 [key=value ...]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+VOCAB_SIZE = 256
+
+
+def main() -> None:
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    from pretrain.batching import plan_batches
+    from pretrain.config import load_recipe
+    from pretrain.launch import Launch
+    from pretrain.model import build_model
+    from pretrain.runtime import build_accelerator
+
+    out_dir, _, recipe_path, *overrides = sys.argv[1:]
+    recipe = load_recipe(recipe_path, overrides)
+    launch = Launch.from_env()
+    plan = plan_batches(recipe.batch, launch.world_size, recipe.data.seq_len)
+    assert plan.grad_accum_steps > 1, "the probe needs a no_sync micro-step: GAS > 1"
+    acc = build_accelerator(recipe, plan, launch, Path(out_dir), [], recipe.optim.lr).accelerator
+    model = build_model(recipe.model, VOCAB_SIZE, recipe.data.seq_len, seed=0)
+    model, _ = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    fsdp_params = [fp for module in model.modules() if isinstance(module, FSDPModule)
+                   for group in module._get_fsdp_state()._fsdp_param_groups for fp in group.fsdp_params]
+    ids = torch.randint(0, VOCAB_SIZE, (plan.micro_batch_size, recipe.data.seq_len), device=acc.device)
+    accumulated: set[str] = set()
+    for _ in range(plan.grad_accum_steps):
+        with acc.accumulate(model):
+            acc.backward(model(input_ids=ids, labels=ids).loss)
+            if not acc.sync_gradients:  # no_sync: the unsharded gradients are kept and accumulated
+                for fp in fsdp_params:
+                    grad = fp.unsharded_accumulated_grad
+                    grad = grad if grad is not None else fp._unsharded_param.grad
+                    if grad is not None:
+                        accumulated.add(str(grad.dtype))
+    result = {
+        "num_fsdp_params": len(fsdp_params),
+        "reduce_dtypes": sorted({str(fp.reduce_dtype) for fp in fsdp_params}),
+        "param_dtypes": sorted({str(fp.param_dtype) for fp in fsdp_params}),
+        "accumulated_grad_dtypes": sorted(accumulated),
+        "sharded_grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None}),
+    }
+    print("DTYPES " + json.dumps(result), flush=True)
+    acc.end_training()
+
+
+if __name__ == "__main__":
+    main()
