@@ -89,6 +89,8 @@ class BuildSpec:
     data_cfg: DataConfig
     dtype: str
     tokenizer_name: str
+    vocab_size: int
+    eos_token_id: int
 
 
 Report = Callable[[int, int, int], Any]  # (documents, tokens, input bytes) done since the last report
@@ -217,19 +219,28 @@ class Progress:
         self.bar.close()
 
 
+def complete_shards(spec: BuildSpec, shards: list[ShardPlan]) -> dict[int, dict[str, Any]]:
+    """The records of the shards that are complete, by shard index."""
+    shards_dir = Path(spec.store_dir) / "shards"
+    records = {}
+    for shard in shards:
+        record = _shard_complete(shards_dir, shard)
+        if record is not None:
+            records[shard.index] = record
+    return records
+
+
 def build_shards(spec: BuildSpec, shards: list[ShardPlan], num_workers: int, log: Log,
                  progress: bool = True) -> list[dict[str, Any]]:
     """Every shard's record: finished ones kept, the others tokenized by num_workers processes."""
     shards_dir = Path(spec.store_dir) / "shards"
     shards_dir.mkdir(parents=True, exist_ok=True)
-    for stale in shards_dir.glob(".tmp-*"):  # an interrupted build's partial files
-        stale.unlink()
-    records: dict[int, dict[str, Any]] = {}
-    for shard in shards:
-        record = _shard_complete(shards_dir, shard)
-        if record is not None:
-            records[shard.index] = record
+    records = complete_shards(spec, shards)
     todo = [s for s in shards if s.index not in records]
+    # An interrupted build's partial files of the shards to redo; another task's shards are not touched.
+    for shard in todo:
+        for stale in shards_dir.glob(f".tmp-{shard_name(shard.index)}.*"):
+            stale.unlink(missing_ok=True)
     if records:
         log(f"data: resuming: {len(records)} of {len(shards)} shards are complete, {len(todo)} to tokenize")
     bar = Progress(sum(s.num_input_bytes for s in todo), progress)

@@ -11,8 +11,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pretrain.config import DataConfig
-from pretrain.data.build import BuildSpec, apply_split_rules, build_shards, plan_shards, write_manifest
+from pretrain.data.build import (
+    BuildSpec,
+    apply_split_rules,
+    build_shards,
+    complete_shards,
+    plan_shards,
+    write_manifest,
+)
 from pretrain.data.cache import _hash, cache_root
 from pretrain.data.documents import Log, _default_num_proc
 from pretrain.data.sources import _Corpus, _resolve_corpus
@@ -120,6 +129,63 @@ def _store_lock(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _set_up(target: StoreTarget, data_cfg: DataConfig, log: Log) -> BuildSpec:
+    """build.json and the tokenizer written into the store (once; checked on a rerun): what every shard
+    needs. The caller holds the store's lock."""
+    target.path.mkdir(parents=True, exist_ok=True)
+    if (target.path / BUILD).is_file():
+        _check_identity(target, _read_json(target.path / BUILD), "partly built store")
+    else:
+        _write_json(target.path / BUILD, target.build)
+    tokenizer_dir = target.path / "tokenizer"
+    if not tokenizer_dir.is_dir():
+        tokenizer = target.tokenizer
+        if tokenizer is None:
+            tokenizer, _, _ = _get_tokenizer(data_cfg, target.corpus, log)
+        tmp = target.path / ".tmp-tokenizer"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tokenizer.save_pretrained(str(tmp))
+        tmp.rename(tokenizer_dir)
+    return _spec(target, data_cfg)
+
+
+def _spec(target: StoreTarget, data_cfg: DataConfig) -> BuildSpec:
+    """What the shard builders need, from a store whose build.json and tokenizer are written."""
+    if not (target.path / BUILD).is_file() or not (target.path / "tokenizer").is_dir():
+        raise StoreMissing(f"data: the token store at {target.path} has not been set up (no build.json or "
+                           "tokenizer/): pretrain-prepare-data --slurm writes them before it submits the array job")
+    _check_identity(target, _read_json(target.path / BUILD), "partly built store")
+    tokenizer = target.tokenizer or _load_saved_tokenizer(target.path / "tokenizer")
+    return BuildSpec(str(target.path), data_cfg, token_dtype(len(tokenizer)).str, target.build["tokenizer"]["name"],
+                     len(tokenizer), tokenizer.eos_token_id)
+
+
+def _finish(target: StoreTarget, spec: BuildSpec, records: list[dict[str, Any]], log: Log, start: float) -> None:
+    """The split's tie rules, then the manifest (written last: it marks the store complete)."""
+    records = apply_split_rules(spec, records)
+    dtype = np.dtype(spec.dtype)
+    build = {**target.build, "dtype": dtype.name, "byte_order": "little",
+             "tokenizer": {**target.build["tokenizer"], "vocab_size": spec.vocab_size,
+                           "eos_token_id": spec.eos_token_id},
+             "split": "val when sha1(text)[:8] as a fraction of 2**64 < val_fraction (pretrain/data/split.py)"}
+    m = write_manifest(target.path, build, records)
+    log(f"data: {m['num_documents']:,} documents ({m['num_train_documents']:,} train / "
+        f"{m['num_val_documents']:,} val), {_count_words(m['num_train_tokens'])} train / "
+        f"{_count_words(m['num_val_tokens'])} val tokens ({dtype.name}) in {len(records)} shard(s), "
+        f"built in {time.perf_counter() - start:.1f}s at {target.path}")
+
+
+def set_up_store(data_cfg: DataConfig, log: Log = print) -> tuple[StoreTarget, int]:
+    """Write the store's build.json and tokenizer (training a BPE if need be) without tokenizing anything:
+    what the tasks of a SLURM array need first. (target, number of shards); 0 shards: already complete."""
+    target = locate_store(data_cfg, log)
+    with _store_lock(target.path):
+        if _manifest(target) is not None:
+            return target, 0
+        _set_up(target, data_cfg, log)
+    return target, len(plan_shards(target.corpus, data_cfg))
+
+
 def prepare_store(data_cfg: DataConfig, num_workers: int | None = None, log: Log = print,
                   progress: bool = False) -> StoreTarget:
     """Build the recipe's store unless it is complete; resume an interrupted build."""
@@ -128,36 +194,53 @@ def prepare_store(data_cfg: DataConfig, num_workers: int | None = None, log: Log
         if _manifest(target) is not None:
             return target
         start = time.perf_counter()
-        target.path.mkdir(parents=True, exist_ok=True)
-        if (target.path / BUILD).is_file():
-            _check_identity(target, _read_json(target.path / BUILD), "partly built store")
-        else:
-            _write_json(target.path / BUILD, target.build)
-        tokenizer = target.tokenizer
-        if tokenizer is None:
-            tokenizer, _, _ = _get_tokenizer(data_cfg, target.corpus, log)
-        tokenizer_dir = target.path / "tokenizer"
-        if not tokenizer_dir.is_dir():
-            tmp = target.path / ".tmp-tokenizer"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tokenizer.save_pretrained(str(tmp))
-            tmp.rename(tokenizer_dir)
-        dtype = token_dtype(len(tokenizer))
-        spec = BuildSpec(str(target.path), data_cfg, dtype.str, target.build["tokenizer"]["name"])
+        spec = _set_up(target, data_cfg, log)
         shards = plan_shards(target.corpus, data_cfg)
         workers = num_workers or data_cfg.num_proc or _default_num_proc()
         log(f"data: tokenizing {target.corpus.description} into {len(shards)} shard(s) with {workers} "
             f"worker(s) -> {target.path}")
-        records = apply_split_rules(spec, build_shards(spec, shards, workers, log, progress))
-        build = {**target.build, "dtype": dtype.name, "byte_order": "little",
-                 "tokenizer": {**target.build["tokenizer"], "vocab_size": len(tokenizer),
-                               "eos_token_id": tokenizer.eos_token_id},
-                 "split": "val when sha1(text)[:8] as a fraction of 2**64 < val_fraction (pretrain/data/split.py)"}
-        m = write_manifest(target.path, build, records)
-        log(f"data: {m['num_documents']:,} documents ({m['num_train_documents']:,} train / "
-            f"{m['num_val_documents']:,} val), {_count_words(m['num_train_tokens'])} train / "
-            f"{_count_words(m['num_val_tokens'])} val tokens ({dtype.name}) in {len(records)} shard(s), "
-            f"built in {time.perf_counter() - start:.1f}s at {target.path}")
+        _finish(target, spec, build_shards(spec, shards, workers, log, progress), log, start)
+    return target
+
+
+def prepare_store_part(data_cfg: DataConfig, task_index: int, num_tasks: int, num_workers: int | None = None,
+                       log: Log = print, progress: bool = False) -> list[int]:
+    """One task of an array: tokenize the shards i with i mod num_tasks == task_index of a store that
+    set_up_store prepared, keeping complete ones. Tasks share no file, so they need no lock (which a
+    cluster filesystem may not give across nodes). The indices of this task's shards."""
+    target = locate_store(data_cfg, log)
+    if _manifest(target) is not None:
+        log(f"data: the token store at {target.path} is complete; nothing to do")
+        return []
+    spec = _spec(target, data_cfg)
+    shards = plan_shards(target.corpus, data_cfg)
+    mine = [s for s in shards if s.index % num_tasks == task_index]
+    workers = num_workers or data_cfg.num_proc or _default_num_proc()
+    log(f"data: task {task_index} of {num_tasks}: tokenizing {len(mine)} of {len(shards)} shard(s) of "
+        f"{target.corpus.description} with {workers} worker(s) -> {target.path}")
+    build_shards(spec, mine, workers, log, progress)
+    return [s.index for s in mine]
+
+
+def finish_store(data_cfg: DataConfig, log: Log = print) -> StoreTarget:
+    """The last step of an array build: the manifest, once every shard's record exists (nothing is
+    tokenized here; missing shards are an error naming them)."""
+    target = locate_store(data_cfg, log)
+    with _store_lock(target.path):
+        if _manifest(target) is not None:
+            return target
+        start = time.perf_counter()
+        spec = _spec(target, data_cfg)
+        shards = plan_shards(target.corpus, data_cfg)
+        records = complete_shards(spec, shards)
+        missing = [s.index for s in shards if s.index not in records]
+        if missing:
+            shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
+            raise DataError(f"data: {len(missing)} of {len(shards)} shards of the token store at {target.path} are "
+                            f"not complete (shards {shown}); a task of the array failed or is still running. Submit "
+                            "the array again (complete shards are kept), or prepare the rest on this machine with "
+                            "pretrain-prepare-data without --finish")
+        _finish(target, spec, [records[s.index] for s in shards], log, start)
     return target
 
 
