@@ -449,3 +449,104 @@ def test_usr1_checkpoints_requeues_and_the_job_continues_the_same_curve(cluster,
     check_ok(status)
     assert "COMPLETED (restarts 1" in status.stdout and "(1 requeue(s)); preemptions 1" in status.stdout
     assert f"step_{steps:08d} (step {steps}/{steps}" in status.stdout
+
+
+# ---- pretrain-prepare-data --slurm: the token store as an array job -------------------------------
+def prepare_recipe(tmp_path: Path) -> tuple[Path, Path]:
+    """The tiniest corpus that still makes several shards, and a recipe that names it."""
+    from tests.test_data import make_docs, write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus", make_docs(24, seed=21))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("batch: {global_batch_size: 8, micro_batch_size: 2}\ntrain: {max_steps: 10}\n"
+                      f"data: {{source: {corpus}, seq_len: 32, tokenizer_vocab_size: 300, store_shard_bytes: 1500, "
+                      f"val_fraction: 0.2, cache_dir: {tmp_path / 'cache'}}}\n")
+    return corpus, recipe
+
+
+def test_prepare_dry_run_prints_the_array_and_its_finish_job(tmp_path, capsys):
+    from pretrain.cli import prepare_data
+
+    _, recipe = prepare_recipe(tmp_path)
+    store = tmp_path / "store"
+    assert prepare_data.main(["--recipe", str(recipe), "--slurm", "--array", "4", "--max-running", "2",
+                              "--partition", "cpu", "--cpus-per-task", "16", "--dry-run", f"data.store={store}"]) == 0
+    out = capsys.readouterr().out
+    array, finish = out.split(f"# {tmp_path / 'store.slurm' / 'finish.sbatch'}")
+    assert sbatch_lines(array.split("\n", 1)[1])[:6] == ["--job-name=prepare-r", "--nodes=1", "--ntasks=1",
+                                                         "--array=0-3%2", "--cpus-per-task=16", "--partition=cpu"]
+    assert '--task "$SLURM_ARRAY_TASK_ID" --num-tasks 4 --workers "${SLURM_CPUS_PER_TASK:-$SLURM_CPUS_ON_NODE}"' in array
+    assert f"--output={tmp_path / 'store.slurm'}/prepare-%A_%a.out" in array
+    assert "--kill-on-invalid-dep=yes" in finish and "--finish" in finish and f"data.store={store}" in finish
+    for script in (array.split("\n", 1)[1], finish.split("\n", 1)[1]):
+        assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    assert not store.exists() and not (tmp_path / "store.slurm").exists()  # a dry run writes nothing
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--slurm"], "--slurm needs --array N"),
+    (["--slurm", "--array", "0"], "--array must be at least 1 (got 0)"),
+    (["--array", "4"], "--array only apply with --slurm"),
+    (["--slurm", "--array", "2", "--partition", "a b"], "--partition = 'a b' must be one word"),
+    (["--task", "2", "--num-tasks", "2"], "the task must be 0 .. 1"),
+    (["--task", "0"], "--task I and --num-tasks N go together"),
+])
+def test_prepare_slurm_bad_input_is_one_message(tmp_path, capsys, args, message):
+    from pretrain.cli import prepare_data
+
+    _, recipe = prepare_recipe(tmp_path)
+    assert prepare_data.main(["--recipe", str(recipe), *args, f"data.store={tmp_path / 'store'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err, err
+    assert not (tmp_path / "store").exists()
+
+
+def test_finish_without_every_shard_names_the_missing_ones(tmp_path, capsys):
+    from pretrain.cli import prepare_data
+
+    _, recipe = prepare_recipe(tmp_path)
+    store = tmp_path / "store"
+    argv = ["--recipe", str(recipe), f"data.store={store}"]
+    assert prepare_data.main([*argv, "--task", "0", "--num-tasks", "2"]) == 2  # not set up yet
+    assert "has not been set up" in capsys.readouterr().err
+    from pretrain.config import load_recipe
+    from pretrain.data.prepare import set_up_store
+
+    _, num_shards = set_up_store(load_recipe(recipe, [f"data.store={store}"]).data, log=lambda _: None)
+    assert num_shards >= 4
+    assert prepare_data.main([*argv, "--task", "1", "--num-tasks", "2"]) == 0
+    assert prepare_data.main([*argv, "--finish"]) == 2
+    missing = ", ".join(str(i) for i in range(0, num_shards, 2))
+    assert f"of {num_shards} shards of the token store at {store} are not complete (shards {missing})" in capsys.readouterr().err
+    assert not (store / "manifest.json").exists()
+
+
+@pytest.mark.slow
+def test_array_job_on_two_nodes_writes_the_store_byte_identical_to_a_local_build(cluster, tmp_path):
+    from tests.test_store import checksums
+
+    _, recipe = prepare_recipe(tmp_path)
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    check_ok(subprocess.run([sys.executable, "-m", "pretrain.cli.prepare_data", "--recipe", str(recipe), "--workers",
+                             "1", f"data.store={local}"], env=env(), cwd=ROOT, capture_output=True, text=True,
+                            timeout=300))
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pretrain.cli.prepare_data", "--recipe", str(recipe), "--slurm",
+                           "--array", "2", f"data.store={remote}"], env=cluster.env(env()), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    check_ok(proc)
+    array_id, finish_id = re.search(r"submitted array job (\d+): .* job (\d+) writes the manifest", proc.stdout).groups()
+    logs = tmp_path / "remote.slurm"
+    finish = wait_for_job(cluster, finish_id, logs / f"finish-{finish_id}.out")
+    task_logs = {i: read(logs / f"prepare-{array_id}_{i}.out") for i in range(2)}
+    print(f"\narray {array_id} + finish {finish_id}: {finish['JobState']} in {time.perf_counter() - start:.0f}s")
+    assert finish["JobState"] == "COMPLETED", (task_logs, read(logs / f"finish-{finish_id}.out"))
+    nodes = set()
+    for i in range(2):
+        task = cluster.job(f"{array_id}_{i}")
+        assert task["JobState"] == "COMPLETED", task_logs[i]
+        nodes.add(task["NodeList"])
+        assert re.search(rf"task {i} of 2: tokenizing \d+ of \d+ shard\(s\)", task_logs[i]), task_logs[i]
+    assert nodes == {"n1", "n2"}  # one task on each node
+    assert "data: tokenizing" not in read(logs / f"finish-{finish_id}.out")  # the finish job only writes the manifest
+    assert checksums(remote) == checksums(local)
