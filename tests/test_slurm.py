@@ -35,6 +35,20 @@ CURVE = [*FAST, "batch.micro_batch_size=2", "checkpoint.keep_last=0"]
 TWO_NODES = ["--nodes", "2", "--processes-per-node", "1", "--gpus-per-node", "0"]
 
 
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> list[str]:
+    """Overrides that give the tiny recipe a prepared token store of a tiny corpus (a multi-node job is
+    not submitted without its store)."""
+    from pretrain.cli import prepare_data
+    from tests.test_data import make_docs, write_corpus
+
+    root = tmp_path_factory.mktemp("store")
+    overrides = [f"data.source={write_corpus(root / 'corpus', make_docs(24, seed=22))}", f"data.store={root / 'store'}",
+                 f"data.cache_dir={root / 'cache'}"]
+    assert prepare_data.main(["--recipe", TINY, *overrides]) == 0
+    return overrides
+
+
 def dry_run(capsys, *args: str) -> str:
     assert slurm.main(["submit", *args, "--dry-run"]) == 0, capsys.readouterr().err
     return capsys.readouterr().out
@@ -129,7 +143,7 @@ def test_cpu_nodes_request_no_gpus(capsys):
     assert not any(line.startswith("--gpus") for line in sbatch_lines(script))
 
 
-def test_each_node_evaluates_its_own_rank_and_the_first_nodes_address(tmp_path, monkeypatch):
+def test_each_node_evaluates_its_own_rank_and_the_first_nodes_address(tmp_path, monkeypatch, store):
     """Run the generated script with stand-in srun/scontrol: every node's launch gets its own rank."""
     fake_programs(tmp_path / "bin", tmp_path)
     python = tmp_path / "bin" / "fake-python"  # records its arguments and environment, per node
@@ -139,7 +153,7 @@ def test_each_node_evaluates_its_own_rank_and_the_first_nodes_address(tmp_path, 
     python.chmod(0o755)
     tricky = "logging.run_name=it's $HOME and \"quotes\""
     args = slurm.parse_args(["submit", "--recipe", TINY, "--accelerate-config", str(CONFIGS / "zero2.yaml"),
-                             *TWO_NODES, tricky, f"output_dir={tmp_path / 'run'}"])
+                             *TWO_NODES, tricky, f"output_dir={tmp_path / 'run'}", *store])
     job = slurm.check_job(args)
     script = tmp_path / "job.sbatch"
     script.write_text(slurm.render_script(job, python=str(python)))
@@ -182,12 +196,12 @@ def fake_trainer(path: Path, catch_usr1: bool = True) -> Path:
     return path
 
 
-def run_batch_script_and_signal(tmp_path: Path, sig: str, catch_usr1: bool = True, **job_changes):
+def run_batch_script_and_signal(tmp_path: Path, sig: str, store: list[str], catch_usr1: bool = True, **job_changes):
     """The generated script with stand-in srun/scontrol/scancel; `sig` is sent once both nodes run."""
     fake_programs(tmp_path / "bin", tmp_path)
     python = fake_trainer(tmp_path / "bin" / "fake-python", catch_usr1)
     args = slurm.parse_args(["submit", "--recipe", TINY, "--accelerate-config", str(CONFIGS / "cpu_ddp.yaml"),
-                             *TWO_NODES, f"output_dir={tmp_path / 'run'}"])
+                             *TWO_NODES, f"output_dir={tmp_path / 'run'}", *store])
     job = dataclasses.replace(slurm.check_job(args), **job_changes)
     script = tmp_path / "job.sbatch"
     script.write_text(slurm.render_script(job, python=str(python)))
@@ -216,9 +230,9 @@ def run_batch_script_and_signal(tmp_path: Path, sig: str, catch_usr1: bool = Tru
 
 
 @pytest.mark.parametrize("sig, requeued", [("USR1", True), ("TERM", False)])
-def test_batch_script_forwards_the_signal_then_requeues_after_usr1(tmp_path, sig, requeued):
+def test_batch_script_forwards_the_signal_then_requeues_after_usr1(tmp_path, sig, requeued, store):
     """USR1 to the batch shell reaches every node's ranks; once they exit, the job requeues itself."""
-    code, output, stopped_by, calls = run_batch_script_and_signal(tmp_path, sig)
+    code, output, stopped_by, calls = run_batch_script_and_signal(tmp_path, sig, store)
     # The launchers ignore USR1 (its default action would kill them); the ranks get it from srun.
     assert stopped_by == ["SIGUSR1", "SIGUSR1"], output
     assert code == 0 and f"pretrain-slurm: {sig} at" in output, output
@@ -227,21 +241,21 @@ def test_batch_script_forwards_the_signal_then_requeues_after_usr1(tmp_path, sig
     assert calls["scancel"] == ""  # no escalation: every rank stopped in time
 
 
-def test_ranks_that_ignore_usr1_get_term_after_the_grace_period(tmp_path):
+def test_ranks_that_ignore_usr1_get_term_after_the_grace_period(tmp_path, store):
     """A rank still starting up has not installed its handler: the watchdog stops it with TERM."""
-    code, output, stopped_by, calls = run_batch_script_and_signal(tmp_path, "USR1", catch_usr1=False,
+    code, output, stopped_by, calls = run_batch_script_and_signal(tmp_path, "USR1", store, catch_usr1=False,
                                                                   stop_grace_s=1)
     assert calls["scancel"].split() == ["--signal=TERM", "77"], output
     assert stopped_by == ["SIGTERM", "SIGTERM"] and "ranks still running 1 s after the stop signal" in output
     assert code == 0 and "requeue 77" in calls["scontrol"]
 
 
-def test_submit_writes_the_script_into_the_run_dir_and_status_reads_it(tmp_path, capsys, monkeypatch):
+def test_submit_writes_the_script_into_the_run_dir_and_status_reads_it(tmp_path, capsys, monkeypatch, store):
     fake_programs(tmp_path / "bin", tmp_path)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
     out = tmp_path / "run"
     code = slurm.main(["submit", "--recipe", TINY, "--accelerate-config", str(CONFIGS / "cpu_ddp.yaml"), *TWO_NODES,
-                       f"output_dir={out}"])
+                       f"output_dir={out}", *store])
     printed = capsys.readouterr().out
     assert code == 0 and "submitted job 4242" in printed
     assert (tmp_path / "sbatch.calls").read_text().split() == ["--parsable", str(out / "slurm" / "job.sbatch")]
@@ -284,6 +298,34 @@ def test_bad_input_fails_before_anything_is_written_or_submitted(tmp_path, capsy
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and message in err, err
     assert not out.exists() and not (tmp_path / "sbatch.calls").exists()
+
+
+def test_a_multi_node_job_without_its_store_is_not_submitted_and_gets_the_prepare_commands(tmp_path, capsys,
+                                                                                          monkeypatch, store):
+    fake_programs(tmp_path / "bin", tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    missing = tmp_path / "missing"
+    argv = ["submit", "--recipe", TINY, "--accelerate-config", str(CONFIGS / "cpu_ddp.yaml"), *TWO_NODES,
+            "--partition", "cpu", f"output_dir={tmp_path / 'run'}", *store[:1], f"data.store={missing}"]
+    assert slurm.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: data: no token store at {missing} ") and "a 2-node launch does not tokenize" in err
+    overrides = f"output_dir={tmp_path / 'run'} {store[0]} data.store={missing}"
+    assert f"\n    pretrain-prepare-data --recipe {TINY} {overrides}\n" in err
+    assert f"    pretrain-prepare-data --recipe {TINY} --slurm --array 2 --partition=cpu {overrides}" in err
+    assert not (tmp_path / "sbatch.calls").exists() and not (tmp_path / "run").exists() and not missing.exists()
+    assert slurm.main([*argv, "--dry-run"]) == 0  # a dry run prints the script and warns
+    assert capsys.readouterr().err.startswith(f"warning: data: no token store at {missing} ")
+
+
+def test_a_store_made_from_other_data_is_refused_before_submitting(tmp_path, capsys, monkeypatch, store):
+    fake_programs(tmp_path / "bin", tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    assert slurm.main(["submit", "--recipe", TINY, "--accelerate-config", str(CONFIGS / "cpu_ddp.yaml"), *TWO_NODES,
+                       f"output_dir={tmp_path / 'run'}", *store, "data.val_fraction=0.3"]) == 2
+    # (a BPE is trained on the training documents: another val_fraction is another tokenizer)
+    assert "the store was made with tokenizer 'bpe-4096' (identity" in capsys.readouterr().err
+    assert not (tmp_path / "sbatch.calls").exists()
 
 
 def test_single_process_accelerate_config_on_two_nodes(capsys):

@@ -201,3 +201,32 @@ def test_hf_source_without_the_text_column_is_one_clear_error(tmp_path):
                                         r"streaming .* point data.source at the local files"):
         prepare_data(store_config(tmp_path, "hf:no-such-user/no-such-dataset-xyz", tmp_path / "s2"),
                      log=lambda _: None)
+
+
+def test_a_named_store_is_opened_by_ranks_from_its_manifest_alone(tmp_path, monkeypatch):
+    """A rank neither stats the corpus nor loads data.tokenizer to open a named store; it checks what the
+    recipe says. The launchers (check_store, one process) compare the fingerprints."""
+    from pretrain.data import prepare
+    from pretrain.data.prepare import check_store
+
+    corpus = write_corpus(tmp_path / "corpus", make_docs(20, seed=16))
+    cfg = store_config(tmp_path, corpus, tmp_path / "store")
+    prepare_data(cfg, log=lambda _: None)
+
+    def not_on_a_rank(*args, **kwargs):
+        raise AssertionError("a rank looked at the corpus or the recipe's tokenizer")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(prepare, "_resolve_corpus", not_on_a_rank)
+        patch.setattr(prepare, "_get_tokenizer", not_on_a_rank)
+        ensure_store(cfg, Launch(num_nodes=2, gpus_per_node=2), "pretrain-prepare-data --recipe x", log=print)
+        assert len(open_store(cfg, log=lambda _: None).train) > 0
+        with pytest.raises(DataError, match=r"made with tokenizer 'bpe-300' .* data\.tokenizer is 'bpe-320'"):
+            open_store(store_config(tmp_path, corpus, tmp_path / "store", tokenizer_vocab_size=320), log=print)
+        with pytest.raises(DataError, match=r"made from other data: val_fraction 0\.2 \(recipe: 0\.3\)"):
+            open_store(store_config(tmp_path, corpus, tmp_path / "store", val_fraction=0.3), log=print)
+
+    check_store(cfg, 2, "x")  # the launcher's full check passes on the unchanged corpus
+    (corpus / "doc_000.txt").write_text("this document changed after the store was made")
+    with pytest.raises(DataError, match=f"the token store at {tmp_path / 'store'}: the store was made"):
+        check_store(cfg, 2, "x")

@@ -19,6 +19,16 @@ from pretrain.config import load_recipe
 from pretrain.errors import EXIT_USAGE, ConfigError
 
 
+def prepare_commands(recipe_path: str, overrides: list[str], num_nodes: int, sbatch_args: list[str] = ()) -> str:
+    """The commands that prepare a recipe's store: on one machine, and as a SLURM array of num_nodes tasks."""
+    from pretrain.launch import shell_join
+
+    local = shell_join(["pretrain-prepare-data", "--recipe", recipe_path, *overrides])
+    array = shell_join(["pretrain-prepare-data", "--recipe", recipe_path, "--slurm", "--array", str(num_nodes),
+                        *sbatch_args, *overrides])
+    return f"{local}\nor as a SLURM array job of {num_nodes} tasks (one node each):\n    {array}"
+
+
 def format_stats(stats: dict) -> str:
     seq_len = stats["seq_len"]
     rows = [

@@ -219,6 +219,7 @@ def check_job(args: argparse.Namespace) -> Job:
     recipe_path = Path(args.recipe).resolve()
     recipe = load_recipe(recipe_path, args.overrides)
     check_run(recipe, launch)  # on the job's world size, before anything is written
+    check_data(args, recipe, recipe_path)
     output_dir = Path(recipe.output_dir).resolve()
     options = sbatch_options(args)
     return Job(
@@ -240,6 +241,24 @@ def check_job(args: argparse.Namespace) -> Job:
         stop_grace_s=max(60, args.signal_lead_s - 60),
         sbatch_options=options,
     )
+
+
+def check_data(args: argparse.Namespace, recipe, recipe_path: Path) -> None:
+    """No node of the job tokenizes: a multi-node job whose token store is missing is not submitted; the
+    error gives the commands that prepare it, on one machine or as a SLURM array on the same partition.
+    A dry run only warns."""
+    if args.nodes == 1 and not recipe.data.store:
+        return  # the job's one node prepares it before its process group (ensure_store)
+    from pretrain.cli.prepare_data import prepare_commands
+    from pretrain.data.prepare import check_store
+
+    cluster = [f"--{name}={value}" for name in ("partition", "account", "qos") if (value := getattr(args, name))]
+    try:
+        check_store(recipe.data, args.nodes, prepare_commands(str(recipe_path), args.overrides, args.nodes, cluster))
+    except ConfigError as exc:
+        if not args.dry_run:
+            raise
+        print(f"warning: {exc}", file=sys.stderr)
 
 
 # ---- the batch script -----------------------------------------------------------------------------

@@ -62,7 +62,7 @@ def locate_store(data_cfg: DataConfig, log: Log = print) -> StoreTarget:
     pretrained tokenizer is loaded; a BPE's identity is known without training it)."""
     corpus = _resolve_corpus(data_cfg)
     if data_cfg.tokenizer == "bpe":
-        tokenizer, identity, name = None, _bpe_key(data_cfg, corpus), f"bpe-{data_cfg.tokenizer_vocab_size}"
+        tokenizer, identity, name = None, _bpe_key(data_cfg, corpus), _tokenizer_name(data_cfg)
     else:
         tokenizer, identity, name = _get_tokenizer(data_cfg, corpus, log)
     key = _hash({"version": FORMAT_VERSION, "documents": corpus.key, "tokenizer": identity,
@@ -83,37 +83,72 @@ def locate_store(data_cfg: DataConfig, log: Log = print) -> StoreTarget:
     return StoreTarget(path, build, corpus, tokenizer)
 
 
-def _check_identity(target: StoreTarget, found: dict[str, Any], what: str) -> None:
-    """One clear error when the store at target.path was made for other data or another tokenizer."""
+IDENTITY = ("format", "version", "key", "source", "corpus", "corpus_fingerprint", "text_field", "on_decode_error",
+            "val_fraction", "tokenizer")  # build.json: what a store is for
+
+
+def _tokenizer_name(data_cfg: DataConfig) -> str:
+    return f"bpe-{data_cfg.tokenizer_vocab_size}" if data_cfg.tokenizer == "bpe" else data_cfg.tokenizer
+
+
+def _check_identity(target: StoreTarget, found: dict[str, Any], what: str, fingerprints: bool = True) -> None:
+    """One clear error when the store at target.path was made for other data or another tokenizer. Without
+    fingerprints, only what the recipe itself says is compared (the tokenizer by name, not content; the
+    source by name, not its files' sizes and times)."""
     want = target.build
     where = f"the token store at {target.path}"
     fix = "point data.store at another directory (or delete this one) and run pretrain-prepare-data"
     if found.get("format") != FORMAT or found.get("version") != FORMAT_VERSION:
         raise DataError(f"{where} holds {found.get('format')} version {found.get('version')}, not {FORMAT} "
                         f"version {FORMAT_VERSION}; {fix}")
-    if found["tokenizer"]["identity"] != want["tokenizer"]["identity"]:
+    compared = "identity" if fingerprints else "name"
+    if found["tokenizer"][compared] != want["tokenizer"][compared]:
         raise DataError(
             f"{where}: the {what} was made with tokenizer {found['tokenizer']['name']!r} (identity "
             f"{found['tokenizer']['identity']}), but this recipe's data.tokenizer is {want['tokenizer']['name']!r} "
-            f"(identity {want['tokenizer']['identity']}); token ids of one tokenizer mean nothing to another. "
-            f"Set data.tokenizer to the store's tokenizer, or {fix}"
+            f"(identity {want['tokenizer'].get('identity', 'not computed')}); token ids of one tokenizer mean "
+            f"nothing to another. Set data.tokenizer to the store's tokenizer, or {fix}"
         )
     differ = [k for k in ("source", "corpus_fingerprint", "text_field", "on_decode_error", "val_fraction")
-              if found.get(k) != want[k]]
+              if (fingerprints or k != "corpus_fingerprint") and found.get(k) != want[k]]
     if differ:
         pairs = ", ".join(f"{k} {found.get(k)!r} (recipe: {want[k]!r})" for k in differ)
         raise DataError(f"{where}: the {what} was made from other data: {pairs}; {fix}")
 
 
-def _manifest(target: StoreTarget) -> dict[str, Any] | None:
+def _manifest(target: StoreTarget, fingerprints: bool = True) -> dict[str, Any] | None:
     try:
         manifest = _read_json(target.path / MANIFEST)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
         raise DataError(f"{target.path / MANIFEST}: unreadable ({exc}); delete the store and prepare it again") from None
-    _check_identity(target, manifest, "store")
+    _check_identity(target, manifest, "store", fingerprints)
     return manifest
+
+
+def _named_store(data_cfg: DataConfig) -> StoreTarget | None:
+    """The complete store data.store names, opened from its manifest alone: what a rank does. The recipe's
+    source, tokenizer name, text field, decode policy and val_fraction are checked against it; the input
+    files are not stat-ed nor the tokenizer loaded (pretrain-prepare-data, pretrain-launch and
+    pretrain-slurm compare those fingerprints once, in one process). None if no store is named or it has
+    no manifest yet."""
+    if not data_cfg.store:
+        return None
+    path = Path(data_cfg.store).expanduser().absolute()
+    stated = {"format": FORMAT, "version": FORMAT_VERSION, "source": data_cfg.source,
+              "text_field": data_cfg.text_field, "on_decode_error": data_cfg.on_decode_error,
+              "val_fraction": data_cfg.val_fraction, "tokenizer": {"name": _tokenizer_name(data_cfg)}}
+    target = StoreTarget(path, stated, corpus=None, tokenizer=None)
+    manifest = _manifest(target, fingerprints=False)
+    if manifest is None:
+        return None
+    return StoreTarget(path, {k: manifest[k] for k in IDENTITY}, corpus=None, tokenizer=None)
+
+
+def find_store(data_cfg: DataConfig, log: Log = print) -> StoreTarget:
+    """The store a run opens: a named, complete one from its manifest alone, else located (locate_store)."""
+    return _named_store(data_cfg) or locate_store(data_cfg, log)
 
 
 @contextlib.contextmanager
@@ -258,7 +293,7 @@ def open_store(data_cfg: DataConfig, log: Log = print, target: StoreTarget | Non
     """The store's rows of seq_len + 1 tokens (memory-mapped) and its tokenizer; StoreMissing if it has not
     been prepared, DataError if it was made for other data or another tokenizer."""
     start = time.perf_counter()
-    target = target or locate_store(data_cfg, log)
+    target = target or find_store(data_cfg, log)
     manifest = _manifest(target)
     if manifest is None:
         raise StoreMissing(f"data: no token store at {target.path} for data.source = {data_cfg.source!r} "
@@ -294,20 +329,44 @@ def prepare_data(data_cfg: DataConfig, log: Log = print, num_workers: int | None
     return open_store(data_cfg, log, prepare_store(data_cfg, num_workers, log, progress))
 
 
+def _multi_node_missing(target: StoreTarget, data_cfg: DataConfig, num_nodes: int, prepare_command: str):
+    return StoreMissing(
+        f"data: no token store at {target.path} for data.source = {data_cfg.source!r}; a {num_nodes}-node launch "
+        f"does not tokenize (every node would wait on one). Prepare it once, on a machine that sees the data and "
+        f"this path (or as a SLURM array job), then launch again:\n    {prepare_command}"
+    )
+
+
+def check_store(data_cfg: DataConfig, num_nodes: int, prepare_command: str) -> None:
+    """Before a launch, in one process (pretrain-launch, pretrain-slurm): a store made for other data is
+    refused (its fingerprints compared: the ranks only read its manifest), and so is a missing one for a
+    multi-node launch, with the command that prepares it. A single-node launch prepares a missing store
+    itself (ensure_store), so an unnamed store is left to it."""
+    named = Path(data_cfg.store).expanduser().absolute() if data_cfg.store else None
+    if named is not None and not (named / MANIFEST).is_file():
+        target = StoreTarget(named, {}, corpus=None, tokenizer=None)  # missing: nothing else to look at
+    elif named is None and num_nodes == 1:
+        return
+    else:
+        target = locate_store(data_cfg, log=lambda _: None)
+        if _manifest(target) is not None:
+            return
+    if num_nodes > 1:
+        raise _multi_node_missing(target, data_cfg, num_nodes, prepare_command)
+
+
 def ensure_store(data_cfg: DataConfig, launch, prepare_command: str, log: Log = print,
                  poll_s: float = 1.0) -> None:
     """Make sure the store exists before any process group does, so that no rank waits for it in a
     collective. A missing store is prepared by local rank 0 of a single-node launch while the node's other
     processes poll for its manifest; a multi-node launch stops at once with the command that prepares it."""
+    if _named_store(data_cfg) is not None:
+        return
     target = locate_store(data_cfg, log=lambda _: None)
     if _manifest(target) is not None:
         return
     if launch.num_nodes > 1:
-        raise StoreMissing(
-            f"data: no token store at {target.path} for data.source = {data_cfg.source!r}; a {launch.num_nodes}-node "
-            f"launch does not tokenize (every node would wait on one). Prepare it once, on a machine that sees the "
-            f"data and this path, then launch again:\n    {prepare_command}"
-        )
+        raise _multi_node_missing(target, data_cfg, launch.num_nodes, prepare_command)
     if launch.local_rank == 0:
         prepare_store(data_cfg, log=log, progress=launch.world_size == 1)
         return
