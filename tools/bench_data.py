@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per process: the figures are per worker
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MAX_FILE_BYTES = 64 * 2**20  # per corpus file = per shard; smaller corpora get 16 files, so 2 workers share them
 ENCODE_BATCH = 256  # documents per encode_batch call, as the store's builder does
