@@ -12,7 +12,7 @@ import sys
 
 from pretrain.cli import add_recipe_arguments
 from pretrain.errors import EXIT_USAGE, ConfigError
-from pretrain.launch import Launch, shell_join
+from pretrain.launch import Launch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,9 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             dry_run(recipe, launch)
             return 0
+        from pretrain.cli.prepare_data import prepare_commands
         from pretrain.train import Trainer
 
-        prepare_command = shell_join(["pretrain-prepare-data", "--recipe", args.recipe, *args.overrides])
+        prepare_command = prepare_commands(args.recipe, args.overrides, launch.num_nodes)
         Trainer(recipe, launch, prepare_command).train()
         return 0
     except ConfigError as exc:

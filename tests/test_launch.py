@@ -285,3 +285,46 @@ def test_the_readme_shows_the_real_refusal(capsys, execv, monkeypatch):
     code, _, err = launch_in_process(capsys, *args)
     assert code == 2
     assert f"$ pretrain-launch {' '.join(args)}\n{err}$ echo $?\n2\n" in (ROOT / "README.md").read_text()
+
+
+def test_a_multi_node_launch_without_its_store_stops_before_accelerate_with_the_prepare_commands(
+        capsys, execv, tmp_path):
+    from tests.test_data import make_docs, write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus", make_docs(40, seed=31))
+    store = tmp_path / "store"
+    node = ["--config_file", str(CONFIGS / "cpu_ddp.yaml"), "--num_machines", "2", "--num_processes", "2",
+            "--machine_rank", "0", "--main_process_ip", "127.0.0.1", "--main_process_port", "29555"]
+    overrides = [f"data.source={corpus}", f"data.store={store}", f"data.cache_dir={tmp_path / 'cache'}",
+                 "data.val_fraction=0.2"]
+    code, _, err = launch_in_process(capsys, *node, "--recipe", TINY, *overrides)
+    assert code == 2 and execv == []
+    assert err.startswith(f"error: data: no token store at {store} ") and "a 2-node launch does not tokenize" in err
+    assert f"\n    pretrain-prepare-data --recipe {TINY} {' '.join(overrides)}\n" in err
+    assert f"\n    pretrain-prepare-data --recipe {TINY} --slurm --array 2 {' '.join(overrides)}" in err
+    assert not store.exists()
+
+    from pretrain.cli.prepare_data import main as prepare
+
+    assert prepare(["--recipe", TINY, *overrides]) == 0  # the printed command, then the same launch goes on
+    capsys.readouterr()
+    code, _, err = launch_in_process(capsys, *node, "--recipe", TINY, *overrides)
+    assert code == 0 and len(execv) == 1, err
+
+
+def test_a_multi_node_launch_of_a_mixture_without_its_stores_stops_before_accelerate(capsys, execv, tmp_path):
+    """Every source of a mixture needs its store before a multi-node launch; --slurm is for one source."""
+    mixture = str(ROOT / "recipes" / "mixture-tiny.yaml")
+    node = ["--config_file", str(CONFIGS / "cpu_ddp.yaml"), "--num_machines", "2", "--num_processes", "2",
+            "--machine_rank", "0", "--main_process_ip", "127.0.0.1", "--main_process_port", "29555"]
+    store = tmp_path / "stores"
+    code, _, err = launch_in_process(capsys, *node, "--recipe", mixture, f"data.store={store}")
+    assert code == 2 and execv == [], err
+    assert err.startswith("error: data: the mixture has no token store for source(s) 'email' at ")
+    assert "'json' at " in err and f"\n    pretrain-prepare-data --recipe {mixture} data.store={store}\n" in err
+    assert "--slurm" not in err and not store.exists()
+
+    from pretrain.cli.prepare_data import main as prepare
+
+    assert prepare(["--recipe", mixture, "--slurm", "--array", "2", f"data.store={store}"]) == 2
+    assert "a data.mixture is prepared on one machine" in capsys.readouterr().err

@@ -35,6 +35,20 @@ CURVE = [*FAST, "batch.micro_batch_size=2", "checkpoint.keep_last=0"]
 TWO_NODES = ["--nodes", "2", "--processes-per-node", "1", "--gpus-per-node", "0"]
 
 
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> list[str]:
+    """Overrides that give the tiny recipe a prepared token store of a tiny corpus (a multi-node job is
+    not submitted without its store)."""
+    from pretrain.cli import prepare_data
+    from tests.test_data import make_docs, write_corpus
+
+    root = tmp_path_factory.mktemp("store")
+    overrides = [f"data.source={write_corpus(root / 'corpus', make_docs(24, seed=22))}", f"data.store={root / 'store'}",
+                 f"data.cache_dir={root / 'cache'}"]
+    assert prepare_data.main(["--recipe", TINY, *overrides]) == 0
+    return overrides
+
+
 def dry_run(capsys, *args: str) -> str:
     assert slurm.main(["submit", *args, "--dry-run"]) == 0, capsys.readouterr().err
     return capsys.readouterr().out
@@ -129,7 +143,7 @@ def test_cpu_nodes_request_no_gpus(capsys):
     assert not any(line.startswith("--gpus") for line in sbatch_lines(script))
 
 
-def test_each_node_evaluates_its_own_rank_and_the_first_nodes_address(tmp_path, monkeypatch):
+def test_each_node_evaluates_its_own_rank_and_the_first_nodes_address(tmp_path, monkeypatch, store):
     """Run the generated script with stand-in srun/scontrol: every node's launch gets its own rank."""
     fake_programs(tmp_path / "bin", tmp_path)
     python = tmp_path / "bin" / "fake-python"  # records its arguments and environment, per node
@@ -139,7 +153,7 @@ def test_each_node_evaluates_its_own_rank_and_the_first_nodes_address(tmp_path, 
     python.chmod(0o755)
     tricky = "logging.run_name=it's $HOME and \"quotes\""
     args = slurm.parse_args(["submit", "--recipe", TINY, "--accelerate-config", str(CONFIGS / "zero2.yaml"),
-                             *TWO_NODES, tricky, f"output_dir={tmp_path / 'run'}"])
+                             *TWO_NODES, tricky, f"output_dir={tmp_path / 'run'}", *store])
     job = slurm.check_job(args)
     script = tmp_path / "job.sbatch"
     script.write_text(slurm.render_script(job, python=str(python)))
@@ -182,12 +196,12 @@ def fake_trainer(path: Path, catch_usr1: bool = True) -> Path:
     return path
 
 
-def run_batch_script_and_signal(tmp_path: Path, sig: str, catch_usr1: bool = True, **job_changes):
+def run_batch_script_and_signal(tmp_path: Path, sig: str, store: list[str], catch_usr1: bool = True, **job_changes):
     """The generated script with stand-in srun/scontrol/scancel; `sig` is sent once both nodes run."""
     fake_programs(tmp_path / "bin", tmp_path)
     python = fake_trainer(tmp_path / "bin" / "fake-python", catch_usr1)
     args = slurm.parse_args(["submit", "--recipe", TINY, "--accelerate-config", str(CONFIGS / "cpu_ddp.yaml"),
-                             *TWO_NODES, f"output_dir={tmp_path / 'run'}"])
+                             *TWO_NODES, f"output_dir={tmp_path / 'run'}", *store])
     job = dataclasses.replace(slurm.check_job(args), **job_changes)
     script = tmp_path / "job.sbatch"
     script.write_text(slurm.render_script(job, python=str(python)))
@@ -216,9 +230,9 @@ def run_batch_script_and_signal(tmp_path: Path, sig: str, catch_usr1: bool = Tru
 
 
 @pytest.mark.parametrize("sig, requeued", [("USR1", True), ("TERM", False)])
-def test_batch_script_forwards_the_signal_then_requeues_after_usr1(tmp_path, sig, requeued):
+def test_batch_script_forwards_the_signal_then_requeues_after_usr1(tmp_path, sig, requeued, store):
     """USR1 to the batch shell reaches every node's ranks; once they exit, the job requeues itself."""
-    code, output, stopped_by, calls = run_batch_script_and_signal(tmp_path, sig)
+    code, output, stopped_by, calls = run_batch_script_and_signal(tmp_path, sig, store)
     # The launchers ignore USR1 (its default action would kill them); the ranks get it from srun.
     assert stopped_by == ["SIGUSR1", "SIGUSR1"], output
     assert code == 0 and f"pretrain-slurm: {sig} at" in output, output
@@ -227,21 +241,21 @@ def test_batch_script_forwards_the_signal_then_requeues_after_usr1(tmp_path, sig
     assert calls["scancel"] == ""  # no escalation: every rank stopped in time
 
 
-def test_ranks_that_ignore_usr1_get_term_after_the_grace_period(tmp_path):
+def test_ranks_that_ignore_usr1_get_term_after_the_grace_period(tmp_path, store):
     """A rank still starting up has not installed its handler: the watchdog stops it with TERM."""
-    code, output, stopped_by, calls = run_batch_script_and_signal(tmp_path, "USR1", catch_usr1=False,
+    code, output, stopped_by, calls = run_batch_script_and_signal(tmp_path, "USR1", store, catch_usr1=False,
                                                                   stop_grace_s=1)
     assert calls["scancel"].split() == ["--signal=TERM", "77"], output
     assert stopped_by == ["SIGTERM", "SIGTERM"] and "ranks still running 1 s after the stop signal" in output
     assert code == 0 and "requeue 77" in calls["scontrol"]
 
 
-def test_submit_writes_the_script_into_the_run_dir_and_status_reads_it(tmp_path, capsys, monkeypatch):
+def test_submit_writes_the_script_into_the_run_dir_and_status_reads_it(tmp_path, capsys, monkeypatch, store):
     fake_programs(tmp_path / "bin", tmp_path)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
     out = tmp_path / "run"
     code = slurm.main(["submit", "--recipe", TINY, "--accelerate-config", str(CONFIGS / "cpu_ddp.yaml"), *TWO_NODES,
-                       f"output_dir={out}"])
+                       f"output_dir={out}", *store])
     printed = capsys.readouterr().out
     assert code == 0 and "submitted job 4242" in printed
     assert (tmp_path / "sbatch.calls").read_text().split() == ["--parsable", str(out / "slurm" / "job.sbatch")]
@@ -284,6 +298,34 @@ def test_bad_input_fails_before_anything_is_written_or_submitted(tmp_path, capsy
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and message in err, err
     assert not out.exists() and not (tmp_path / "sbatch.calls").exists()
+
+
+def test_a_multi_node_job_without_its_store_is_not_submitted_and_gets_the_prepare_commands(tmp_path, capsys,
+                                                                                          monkeypatch, store):
+    fake_programs(tmp_path / "bin", tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    missing = tmp_path / "missing"
+    argv = ["submit", "--recipe", TINY, "--accelerate-config", str(CONFIGS / "cpu_ddp.yaml"), *TWO_NODES,
+            "--partition", "cpu", f"output_dir={tmp_path / 'run'}", *store[:1], f"data.store={missing}"]
+    assert slurm.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: data: no token store at {missing} ") and "a 2-node launch does not tokenize" in err
+    overrides = f"output_dir={tmp_path / 'run'} {store[0]} data.store={missing}"
+    assert f"\n    pretrain-prepare-data --recipe {TINY} {overrides}\n" in err
+    assert f"    pretrain-prepare-data --recipe {TINY} --slurm --array 2 --partition=cpu {overrides}" in err
+    assert not (tmp_path / "sbatch.calls").exists() and not (tmp_path / "run").exists() and not missing.exists()
+    assert slurm.main([*argv, "--dry-run"]) == 0  # a dry run prints the script and warns
+    assert capsys.readouterr().err.startswith(f"warning: data: no token store at {missing} ")
+
+
+def test_a_store_made_from_other_data_is_refused_before_submitting(tmp_path, capsys, monkeypatch, store):
+    fake_programs(tmp_path / "bin", tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    assert slurm.main(["submit", "--recipe", TINY, "--accelerate-config", str(CONFIGS / "cpu_ddp.yaml"), *TWO_NODES,
+                       f"output_dir={tmp_path / 'run'}", *store, "data.val_fraction=0.3"]) == 2
+    # (a BPE is trained on the training documents: another val_fraction is another tokenizer)
+    assert "the store was made with tokenizer 'bpe-4096' (identity" in capsys.readouterr().err
+    assert not (tmp_path / "sbatch.calls").exists()
 
 
 def test_single_process_accelerate_config_on_two_nodes(capsys):
@@ -449,3 +491,104 @@ def test_usr1_checkpoints_requeues_and_the_job_continues_the_same_curve(cluster,
     check_ok(status)
     assert "COMPLETED (restarts 1" in status.stdout and "(1 requeue(s)); preemptions 1" in status.stdout
     assert f"step_{steps:08d} (step {steps}/{steps}" in status.stdout
+
+
+# ---- pretrain-prepare-data --slurm: the token store as an array job -------------------------------
+def prepare_recipe(tmp_path: Path) -> tuple[Path, Path]:
+    """The tiniest corpus that still makes several shards, and a recipe that names it."""
+    from tests.test_data import make_docs, write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus", make_docs(24, seed=21))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("batch: {global_batch_size: 8, micro_batch_size: 2}\ntrain: {max_steps: 10}\n"
+                      f"data: {{source: {corpus}, seq_len: 32, tokenizer_vocab_size: 300, store_shard_bytes: 1500, "
+                      f"val_fraction: 0.2, cache_dir: {tmp_path / 'cache'}}}\n")
+    return corpus, recipe
+
+
+def test_prepare_dry_run_prints_the_array_and_its_finish_job(tmp_path, capsys):
+    from pretrain.cli import prepare_data
+
+    _, recipe = prepare_recipe(tmp_path)
+    store = tmp_path / "store"
+    assert prepare_data.main(["--recipe", str(recipe), "--slurm", "--array", "4", "--max-running", "2",
+                              "--partition", "cpu", "--cpus-per-task", "16", "--dry-run", f"data.store={store}"]) == 0
+    out = capsys.readouterr().out
+    array, finish = out.split(f"# {tmp_path / 'store.slurm' / 'finish.sbatch'}")
+    assert sbatch_lines(array.split("\n", 1)[1])[:6] == ["--job-name=prepare-r", "--nodes=1", "--ntasks=1",
+                                                         "--array=0-3%2", "--cpus-per-task=16", "--partition=cpu"]
+    assert '--task "$SLURM_ARRAY_TASK_ID" --num-tasks 4 --workers "${SLURM_CPUS_PER_TASK:-$SLURM_CPUS_ON_NODE}"' in array
+    assert f"--output={tmp_path / 'store.slurm'}/prepare-%A_%a.out" in array
+    assert "--kill-on-invalid-dep=yes" in finish and "--finish" in finish and f"data.store={store}" in finish
+    for script in (array.split("\n", 1)[1], finish.split("\n", 1)[1]):
+        assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    assert not store.exists() and not (tmp_path / "store.slurm").exists()  # a dry run writes nothing
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--slurm"], "--slurm needs --array N"),
+    (["--slurm", "--array", "0"], "--array must be at least 1 (got 0)"),
+    (["--array", "4"], "--array only apply with --slurm"),
+    (["--slurm", "--array", "2", "--partition", "a b"], "--partition = 'a b' must be one word"),
+    (["--task", "2", "--num-tasks", "2"], "the task must be 0 .. 1"),
+    (["--task", "0"], "--task I and --num-tasks N go together"),
+])
+def test_prepare_slurm_bad_input_is_one_message(tmp_path, capsys, args, message):
+    from pretrain.cli import prepare_data
+
+    _, recipe = prepare_recipe(tmp_path)
+    assert prepare_data.main(["--recipe", str(recipe), *args, f"data.store={tmp_path / 'store'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err, err
+    assert not (tmp_path / "store").exists()
+
+
+def test_finish_without_every_shard_names_the_missing_ones(tmp_path, capsys):
+    from pretrain.cli import prepare_data
+
+    _, recipe = prepare_recipe(tmp_path)
+    store = tmp_path / "store"
+    argv = ["--recipe", str(recipe), f"data.store={store}"]
+    assert prepare_data.main([*argv, "--task", "0", "--num-tasks", "2"]) == 2  # not set up yet
+    assert "has not been set up" in capsys.readouterr().err
+    from pretrain.config import load_recipe
+    from pretrain.data.prepare import set_up_store
+
+    _, num_shards = set_up_store(load_recipe(recipe, [f"data.store={store}"]).data, log=lambda _: None)
+    assert num_shards >= 4
+    assert prepare_data.main([*argv, "--task", "1", "--num-tasks", "2"]) == 0
+    assert prepare_data.main([*argv, "--finish"]) == 2
+    missing = ", ".join(str(i) for i in range(0, num_shards, 2))
+    assert f"of {num_shards} shards of the token store at {store} are not complete (shards {missing})" in capsys.readouterr().err
+    assert not (store / "manifest.json").exists()
+
+
+@pytest.mark.slow
+def test_array_job_on_two_nodes_writes_the_store_byte_identical_to_a_local_build(cluster, tmp_path):
+    from tests.test_store import checksums
+
+    _, recipe = prepare_recipe(tmp_path)
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    check_ok(subprocess.run([sys.executable, "-m", "pretrain.cli.prepare_data", "--recipe", str(recipe), "--workers",
+                             "1", f"data.store={local}"], env=env(), cwd=ROOT, capture_output=True, text=True,
+                            timeout=300))
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pretrain.cli.prepare_data", "--recipe", str(recipe), "--slurm",
+                           "--array", "2", f"data.store={remote}"], env=cluster.env(env()), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    check_ok(proc)
+    array_id, finish_id = re.search(r"submitted array job (\d+): .* job (\d+) writes the manifest", proc.stdout).groups()
+    logs = tmp_path / "remote.slurm"
+    finish = wait_for_job(cluster, finish_id, logs / f"finish-{finish_id}.out")
+    task_logs = {i: read(logs / f"prepare-{array_id}_{i}.out") for i in range(2)}
+    print(f"\narray {array_id} + finish {finish_id}: {finish['JobState']} in {time.perf_counter() - start:.0f}s")
+    assert finish["JobState"] == "COMPLETED", (task_logs, read(logs / f"finish-{finish_id}.out"))
+    nodes = set()
+    for i in range(2):
+        task = cluster.job(f"{array_id}_{i}")
+        assert task["JobState"] == "COMPLETED", task_logs[i]
+        nodes.add(task["NodeList"])
+        assert re.search(rf"task {i} of 2: tokenizing \d+ of \d+ shard\(s\)", task_logs[i]), task_logs[i]
+    assert nodes == {"n1", "n2"}  # one task on each node
+    assert "data: tokenizing" not in read(logs / f"finish-{finish_id}.out")  # the finish job only writes the manifest
+    assert checksums(remote) == checksums(local)

@@ -150,3 +150,83 @@ def test_two_process_launch_prepares_the_missing_store_before_the_process_group(
     assert built and float(built[1]) > timeout_s, logs[-3000:]
     assert logs.count("data: tokenizing") == 1  # local rank 0 prepared; rank 1 only waited
     assert (store / "manifest.json").is_file() and sorted(train_losses(out)) == [1, 2]
+
+
+def test_hf_source_is_streamed_shard_by_data_file_and_tokenized_like_the_same_local_files(tmp_path, monkeypatch):
+    """`hf:` goes through load_dataset_builder + as_streaming_dataset (what load_dataset(streaming=True) does),
+    here on a local directory of parquet files, which load_dataset reads as it reads a hub dataset's: each
+    data file is a shard of the stream and of the store, and nothing is downloaded or converted to Arrow."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("the hf: source was downloaded instead of streamed")
+
+    monkeypatch.setattr(datasets.builder.DatasetBuilder, "download_and_prepare", no_download)
+    docs = make_docs(45, seed=15)
+    (tmp_path / "hub" / "data").mkdir(parents=True)
+    for i in range(3):
+        rows = docs[i * 15:(i + 1) * 15] + ["   "]  # whitespace-only rows are dropped, like local ones
+        pq.write_table(pa.table({"content": rows, "id": list(range(len(rows)))}),
+                       tmp_path / "hub" / "data" / f"train-{i:05d}-of-00003.parquet")
+    hf = store_config(tmp_path, f"hf:{tmp_path / 'hub'}", tmp_path / "hf", text_field="content")
+    data = prepare_data(hf, log=lambda _: None, num_workers=2)
+    manifest = json.loads((tmp_path / "hf" / "manifest.json").read_text())
+    files = sorted(str(p) for p in (tmp_path / "hub" / "data").glob("*.parquet"))
+    assert [s["inputs"] for s in manifest["shards"]] == [[["hf", f, i, 3]] for i, f in enumerate(files)]
+    assert manifest["num_documents"] == 45
+    prepare_data(store_config(tmp_path, f"hf:{tmp_path / 'hub'}", tmp_path / "hf1", text_field="content"),
+                 log=lambda _: None, num_workers=1)
+    assert checksums(tmp_path / "hf") == checksums(tmp_path / "hf1")
+
+    # The same parquet files as a local source (one shard each): the same tokenizer and token files.
+    local = store_config(tmp_path, tmp_path / "hub", tmp_path / "local", text_field="content", store_shard_bytes=1)
+    prepare_data(local, log=lambda _: None, num_workers=1)
+    hf_sums, local_sums = checksums(tmp_path / "hf"), checksums(tmp_path / "local")
+    token_files = [k for k in hf_sums if k.endswith((".ds", ".ds.index")) or k.startswith("tokenizer/")]
+    assert len(token_files) > 12 and {k: hf_sums[k] for k in token_files} == {k: local_sums[k] for k in token_files}
+    assert data.stats["num_train_tokens"] + data.stats["num_val_tokens"] > 0
+
+
+def test_hf_source_without_the_text_column_is_one_clear_error(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "hub").mkdir()
+    pq.write_table(pa.table({"body": ["some text"]}), tmp_path / "hub" / "train.parquet")
+    with pytest.raises(DataError, match=r"has no column 'text' \(data.text_field\); its columns are: body"):
+        prepare_data(store_config(tmp_path, f"hf:{tmp_path / 'hub'}", tmp_path / "s"), log=lambda _: None)
+    with pytest.raises(DataError, match=r"'hf:no-such-user/no-such-dataset-xyz': the dataset could not be opened for "
+                                        r"streaming .* point data.source at the local files"):
+        prepare_data(store_config(tmp_path, "hf:no-such-user/no-such-dataset-xyz", tmp_path / "s2"),
+                     log=lambda _: None)
+
+
+def test_a_named_store_is_opened_by_ranks_from_its_manifest_alone(tmp_path, monkeypatch):
+    """A rank neither stats the corpus nor loads data.tokenizer to open a named store; it checks what the
+    recipe says. The launchers (check_store, one process) compare the fingerprints."""
+    from pretrain.data import prepare
+    from pretrain.data.prepare import check_store
+
+    corpus = write_corpus(tmp_path / "corpus", make_docs(20, seed=16))
+    cfg = store_config(tmp_path, corpus, tmp_path / "store")
+    prepare_data(cfg, log=lambda _: None)
+
+    def not_on_a_rank(*args, **kwargs):
+        raise AssertionError("a rank looked at the corpus or the recipe's tokenizer")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(prepare, "_resolve_corpus", not_on_a_rank)
+        patch.setattr(prepare, "_get_tokenizer", not_on_a_rank)
+        ensure_store(cfg, Launch(num_nodes=2, gpus_per_node=2), "pretrain-prepare-data --recipe x", log=print)
+        assert len(open_store(cfg, log=lambda _: None).train) > 0
+        with pytest.raises(DataError, match=r"made with tokenizer 'bpe-300' .* data\.tokenizer is 'bpe-320'"):
+            open_store(store_config(tmp_path, corpus, tmp_path / "store", tokenizer_vocab_size=320), log=print)
+        with pytest.raises(DataError, match=r"made from other data: val_fraction 0\.2 \(recipe: 0\.3\)"):
+            open_store(store_config(tmp_path, corpus, tmp_path / "store", val_fraction=0.3), log=print)
+
+    check_store(cfg, 2, "x")  # the launcher's full check passes on the unchanged corpus
+    (corpus / "doc_000.txt").write_text("this document changed after the store was made")
+    with pytest.raises(DataError, match=f"the token store at {tmp_path / 'store'}: the store was made"):
+        check_store(cfg, 2, "x")

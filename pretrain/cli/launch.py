@@ -205,6 +205,18 @@ def preflight(accelerate_args: list[str], run_args: list[str], options: argparse
     recipe = load_recipe(recipe_path, recipe_overrides)
     run_plan = check_run(recipe, launch)
     check_memory(recipe, run_plan, options, accelerate_args, recipe_path, recipe_overrides)
+    check_data(recipe, launch, recipe_path, recipe_overrides)
+
+
+def check_data(recipe, launch: Launch, recipe_path: str, overrides: list[str]) -> None:
+    """A multi-node launch needs its token store prepared (no node tokenizes): refuse it with the commands
+    that prepare it; a named store made for other data is refused on any launch."""
+    if launch.num_nodes == 1 and not recipe.data.store:
+        return  # the run prepares it before its process group (ensure_data)
+    from pretrain import data
+    from pretrain.cli.prepare_data import prepare_commands
+
+    data.check_data(recipe.data, launch.num_nodes, prepare_commands(recipe_path, overrides, launch.num_nodes))
 
 
 def main(argv: list[str] | None = None) -> int:

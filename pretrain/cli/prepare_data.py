@@ -1,10 +1,13 @@
 """Tokenize a recipe's data into its token store ahead of training, and show what it holds.
 
     pretrain-prepare-data --recipe recipes/tiny.yaml [--workers N] [key.path=value ...]
+    pretrain-prepare-data --recipe R --slurm --array N [sbatch options]   (pretrain/cli/prepare_slurm.py)
 
 The store is written exactly where training looks for it (data.store, or the cache; see
-pretrain/data/__init__.py; a data.mixture: one store per source, the tokenizer first) by N processes on this machine, byte-identical for any N. A rerun after an
-interruption keeps the finished shards. A run started afterwards only opens it.
+pretrain/data/__init__.py; a data.mixture: one store per source, the tokenizer first) by N processes on
+this machine, or (one source) by the N tasks of a SLURM array job, byte-identical either way. A rerun after
+an interruption keeps the finished shards. A run started afterwards only opens it. `--task I --num-tasks N`
+and `--finish` are the steps the array's jobs run.
 """
 
 from __future__ import annotations
@@ -15,6 +18,16 @@ import sys
 from pretrain.cli import add_recipe_arguments
 from pretrain.config import load_recipe
 from pretrain.errors import EXIT_USAGE, ConfigError
+
+
+def prepare_commands(recipe_path: str, overrides: list[str], num_nodes: int, sbatch_args: list[str] = ()) -> str:
+    """The commands that prepare a recipe's store: on one machine, and as a SLURM array of num_nodes tasks."""
+    from pretrain.launch import shell_join
+
+    local = shell_join(["pretrain-prepare-data", "--recipe", recipe_path, *overrides])
+    array = shell_join(["pretrain-prepare-data", "--recipe", recipe_path, "--slurm", "--array", str(num_nodes),
+                        *sbatch_args, *overrides])
+    return f"{local}\nor as a SLURM array job of {num_nodes} tasks (one node each):\n    {array}"
 
 
 def format_stats(stats: dict) -> str:
@@ -55,22 +68,62 @@ def _source_rows(stats: dict) -> list[tuple[str, str]]:
     ]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    from pretrain.cli import prepare_slurm
+
     parser = argparse.ArgumentParser(
-        prog="prepare_data",
+        prog="pretrain-prepare-data",
         description="Tokenize a recipe's data into the token store that training reads.",
     )
     add_recipe_arguments(parser, "recipes/tiny.yaml")
     parser.add_argument("--workers", type=int, default=None, metavar="N",
                         help="tokenizing processes on this machine (default: data.num_proc, else min(cores, 8))")
-    args = parser.parse_args(argv)
-    try:
-        if args.workers is not None and args.workers < 1:
-            raise ConfigError(f"--workers {args.workers}: give at least 1 process")
-        recipe = load_recipe(args.recipe, args.overrides)
-        from pretrain.data import prepare_data  # heavy imports only once the recipe is valid
+    prepare_slurm.add_arguments(parser)
+    steps = parser.add_argument_group("the steps of an array build (what the SLURM jobs run)")
+    steps.add_argument("--task", type=int, metavar="I", help="tokenize only the shards i with i mod --num-tasks == I")
+    steps.add_argument("--num-tasks", type=int, metavar="N", help="the number of tasks that share the shards")
+    steps.add_argument("--finish", action="store_true",
+                       help="write the manifest once every shard is complete; tokenize nothing")
+    return parser
 
-        data = prepare_data(recipe.data, num_workers=args.workers, progress=True)
+
+def check_steps(args: argparse.Namespace) -> None:
+    if args.workers is not None and args.workers < 1:
+        raise ConfigError(f"--workers {args.workers}: give at least 1 process")
+    if (args.task is None) != (args.num_tasks is None):
+        raise ConfigError("--task I and --num-tasks N go together (task I of N takes the shards i with i mod N == I)")
+    if args.task is not None and not 0 <= args.task < args.num_tasks:
+        raise ConfigError(f"--task {args.task} --num-tasks {args.num_tasks}: the task must be 0 .. {args.num_tasks - 1}")
+    if args.task is not None and args.finish:
+        raise ConfigError("--finish runs after every --task; give one of them")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pretrain.cli import prepare_slurm
+
+    args = build_parser().parse_intermixed_args(argv)
+    try:
+        check_steps(args)
+        prepare_slurm.check_arguments(args)
+        recipe = load_recipe(args.recipe, args.overrides)
+        if recipe.data.mixture and (args.slurm or args.task is not None or args.finish):
+            raise ConfigError(
+                "--slurm (and its --task / --finish steps) prepares the store of one data.source; a data.mixture "
+                "is prepared on one machine: pretrain-prepare-data --recipe R --workers N (one store per source)"
+            )
+        if args.slurm:
+            return prepare_slurm.main(args, recipe)
+        # heavy imports only once the recipe is valid
+        from pretrain.data import open_store, prepare_data
+        from pretrain.data.prepare import finish_store, prepare_store_part
+
+        if args.task is not None:
+            prepare_store_part(recipe.data, args.task, args.num_tasks, args.workers, progress=True)
+            return 0
+        if args.finish:
+            data = open_store(recipe.data, target=finish_store(recipe.data))
+        else:
+            data = prepare_data(recipe.data, num_workers=args.workers, progress=True)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -72,6 +72,63 @@ class Job:
         return self.output_dir / SLURM_SUBDIR
 
 
+# ---- what every batch script of pretrain shares (training jobs, pretrain-prepare-data --slurm) -------
+SBATCH_WORDS = ("job_name", "partition", "account", "qos", "time", "constraint")
+
+
+def add_sbatch_options(parser: argparse.ArgumentParser, time_help: str = "") -> None:
+    """The cluster options: partition, account, qos, time, constraint, exclusive, job name, raw #SBATCH lines."""
+    parser.add_argument("--partition", help="#SBATCH --partition")
+    parser.add_argument("--account", help="#SBATCH --account")
+    parser.add_argument("--qos", help="#SBATCH --qos")
+    parser.add_argument("--time", help=f"#SBATCH --time, e.g. 2-00:00:00{time_help}")
+    parser.add_argument("--constraint", help="#SBATCH --constraint, e.g. h100")
+    parser.add_argument("--exclusive", action="store_true", help="#SBATCH --exclusive (whole nodes)")
+    parser.add_argument("--job-name", help="#SBATCH --job-name; default: the recipe name")
+    parser.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
+                        help="extra #SBATCH line, e.g. --sbatch-arg=--mem=0 (repeatable)")
+
+
+def sbatch_option_problems(args: argparse.Namespace) -> list[str]:
+    return [f"--{name.replace('_', '-')} = {value!r} must be one word (sbatch reads #SBATCH lines word by word)"
+            for name in SBATCH_WORDS if (value := getattr(args, name)) is not None
+            and (not value or any(c.isspace() for c in value))]
+
+
+def sbatch_options(args: argparse.Namespace) -> list[str]:
+    """--partition=..., --account=..., ... and the raw --sbatch-arg values, as #SBATCH lines take them."""
+    options = [f"--{name}={value}" for name, value in
+               (("partition", args.partition), ("account", args.account), ("qos", args.qos), ("time", args.time),
+                ("constraint", args.constraint)) if value]
+    if args.exclusive:
+        options.append("--exclusive")
+    return options + args.sbatch_arg
+
+
+def environment_lines(python: str = sys.executable) -> list[str]:
+    """The batch script's environment: this Python first on PATH, and the data / cache / offline settings
+    of the submitting shell (so that a requeued job, or `sbatch <script>` by hand, sees them too)."""
+    lines = [f"export PRETRAIN_PYTHON={shlex.quote(python)}", 'export PATH="$(dirname "$PRETRAIN_PYTHON"):$PATH"']
+    lines += [f"export {name}={shlex.quote(os.environ[name])}" for name in PASSTHROUGH_ENV if name in os.environ]
+    return [*lines, "export PYTHONUNBUFFERED=1"]
+
+
+def require_sbatch() -> None:
+    if shutil.which("sbatch") is None:
+        raise ConfigError("SLURM is not available here: `sbatch` is not on PATH. Submit from a login node of "
+                          "the cluster, or add --dry-run to print the batch script without submitting")
+
+
+def sbatch(script: Path, *options: str) -> str:
+    """Submit a batch script; its job id."""
+    proc = subprocess.run(["sbatch", "--parsable", *options, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    if proc.returncode != 0:
+        raise ConfigError(f"sbatch refused {script} (exit {proc.returncode}): "
+                          f"{proc.stderr.strip() or proc.stdout.strip()}")
+    return proc.stdout.strip().split(";")[0]
+
+
 # ---- command line ---------------------------------------------------------------------------------
 def add_submit_arguments(submit: argparse.ArgumentParser) -> None:
     add_recipe_arguments(submit, "recipes/7b.yaml")
@@ -87,15 +144,7 @@ def add_submit_arguments(submit: argparse.ArgumentParser) -> None:
     submit.add_argument("--cpus-per-node", type=int, default=None,
                         help="CPU cores to request per node (#SBATCH --cpus-per-task); default: SLURM's default "
                         "for the partition (often DefCpuPerGPU x GPUs)")
-    submit.add_argument("--partition", help="#SBATCH --partition")
-    submit.add_argument("--account", help="#SBATCH --account")
-    submit.add_argument("--qos", help="#SBATCH --qos")
-    submit.add_argument("--time", help="#SBATCH --time, e.g. 2-00:00:00 (the USR1 warning needs a time limit)")
-    submit.add_argument("--constraint", help="#SBATCH --constraint, e.g. h100")
-    submit.add_argument("--exclusive", action="store_true", help="#SBATCH --exclusive (whole nodes)")
-    submit.add_argument("--job-name", help="#SBATCH --job-name; default: the recipe name")
-    submit.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
-                        help="extra #SBATCH line, e.g. --sbatch-arg=--mem=0 (repeatable)")
+    add_sbatch_options(submit, time_help=" (the USR1 warning needs a time limit)")
     submit.add_argument("--port", default="auto",
                         help="rendezvous port on the first node; auto (default) = 20000 + job id mod 10000, "
                         "so two jobs sharing a node do not collide")
@@ -152,11 +201,7 @@ def check_job(args: argparse.Namespace) -> Job:
         problems.append(f"--signal-lead-s must be between 1 and 65535 seconds (got {args.signal_lead_s})")
     if args.port != "auto" and not (args.port.isdigit() and 1024 <= int(args.port) <= 65535):
         problems.append(f"--port must be auto or a port number 1024-65535 (got {args.port!r})")
-    for name in ("job_name", "partition", "account", "qos", "time", "constraint"):
-        value = getattr(args, name)
-        if value is not None and (not value or any(c.isspace() for c in value)):
-            problems.append(f"--{name.replace('_', '-')} = {value!r} must be one word (sbatch reads #SBATCH lines "
-                            "word by word)")
+    problems += sbatch_option_problems(args)
     if problems:
         raise ConfigError(problems)
 
@@ -174,13 +219,9 @@ def check_job(args: argparse.Namespace) -> Job:
     recipe_path = Path(args.recipe).resolve()
     recipe = load_recipe(recipe_path, args.overrides)
     check_run(recipe, launch)  # on the job's world size, before anything is written
+    check_data(args, recipe, recipe_path)
     output_dir = Path(recipe.output_dir).resolve()
-    options = [f"--{name}={value}" for name, value in
-               (("partition", args.partition), ("account", args.account), ("qos", args.qos), ("time", args.time),
-                ("constraint", args.constraint)) if value]
-    if args.exclusive:
-        options.append("--exclusive")
-    options += args.sbatch_arg
+    options = sbatch_options(args)
     return Job(
         recipe_path=recipe_path,
         # The run directory is pinned to an absolute path: the script and its log live there.
@@ -200,6 +241,24 @@ def check_job(args: argparse.Namespace) -> Job:
         stop_grace_s=max(60, args.signal_lead_s - 60),
         sbatch_options=options,
     )
+
+
+def check_data(args: argparse.Namespace, recipe, recipe_path: Path) -> None:
+    """No node of the job tokenizes: a multi-node job whose token store is missing is not submitted; the
+    error gives the commands that prepare it, on one machine or as a SLURM array on the same partition.
+    A dry run only warns."""
+    if args.nodes == 1 and not recipe.data.store:
+        return  # the job's one node prepares it before its process group (ensure_data)
+    from pretrain import data
+    from pretrain.cli.prepare_data import prepare_commands
+
+    cluster = [f"--{name}={value}" for name in ("partition", "account", "qos") if (value := getattr(args, name))]
+    try:
+        data.check_data(recipe.data, args.nodes, prepare_commands(str(recipe_path), args.overrides, args.nodes, cluster))
+    except ConfigError as exc:
+        if not args.dry_run:
+            raise
+        print(f"warning: {exc}", file=sys.stderr)
 
 
 # ---- the batch script -----------------------------------------------------------------------------
@@ -257,15 +316,11 @@ def render_script(job: Job, python: str = sys.executable) -> str:
         f"#SBATCH --signal=B:USR1@{job.signal_lead_s}",
         "",
         "set -u",
-        f"export PRETRAIN_PYTHON={shlex.quote(python)}",
-        'export PATH="$(dirname "$PRETRAIN_PYTHON"):$PATH"',
         f"RUN_DIR={shlex.quote(str(job.output_dir))}",
+        *environment_lines(python),
     ]
-    passthrough = [(name, os.environ[name]) for name in PASSTHROUGH_ENV if name in os.environ]
-    lines += [f"export {name}={shlex.quote(value)}" for name, value in passthrough]
     port = (f"$(( {DEFAULT_PORT_BASE} + SLURM_JOB_ID % 10000 ))" if job.port == "auto" else job.port)
     lines += [
-        "export PYTHONUNBUFFERED=1",
         "",
         "# Rendezvous: the first node of the allocation, at the address SLURM itself uses for it.",
         'FIRST_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
@@ -334,10 +389,7 @@ def submit(job: Job, script: str) -> str:
     path = job.slurm_dir / "job.sbatch"
     path.write_text(script)
     path.chmod(0o755)
-    proc = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, timeout=120)
-    if proc.returncode != 0:
-        raise ConfigError(f"sbatch refused {path} (exit {proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
-    job_id = proc.stdout.strip().split(";")[0]
+    job_id = sbatch(path)
     record = {"job_id": job_id, "submitted": datetime.datetime.now().isoformat(timespec="seconds"),
               "script": str(path), "nodes": job.num_nodes, "processes_per_node": job.processes_per_node,
               "world_size": job.world_size, "argv": sys.argv[1:]}
@@ -418,9 +470,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "status":
             print(run_status(Path(args.run_dir)))
             return 0
-        if not args.dry_run and shutil.which("sbatch") is None:
-            raise ConfigError("SLURM is not available here: `sbatch` is not on PATH. Submit from a login node of "
-                              "the cluster, or add --dry-run to print the batch script without submitting")
+        if not args.dry_run:
+            require_sbatch()
         job = check_job(args)
         script = render_script(job)
         if args.dry_run:

@@ -52,7 +52,7 @@ The modules, in the order of the flow (each imports only those listed before it)
 
 from pretrain.data.cache import cache_root
 from pretrain.data.documents import load_documents
-from pretrain.data.mixture import MixtureData, MixtureRows, ensure_data, open_data, prepare_data
+from pretrain.data.mixture import MixtureData, MixtureRows, check_data, ensure_data, open_data, prepare_data
 from pretrain.data.prepare import StoreMissing, ensure_store, locate_store, open_store, prepare_store
 from pretrain.data.store import PackedData
 from pretrain.data.tokenizer import build_tokenizer
@@ -64,6 +64,7 @@ __all__ = [
     "StoreMissing",
     "build_tokenizer",
     "cache_root",
+    "check_data",
     "ensure_data",
     "ensure_store",
     "load_documents",

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from pretrain.config import DataConfig
-from pretrain.data.documents import Log, _file_documents, _hf_documents, _load_hf
+from pretrain.data.documents import Log, _file_documents, _hf_documents, _hf_shards
 from pretrain.data.sources import _Corpus
 from pretrain.data.split import _doc_hash, _val_threshold
 from pretrain.data.store import (
@@ -39,22 +39,22 @@ from pretrain.data.store import (
 from pretrain.data.tokenizer import _load_saved_tokenizer
 from pretrain.errors import DataError
 
-HF_ROWS_PER_SHARD = 100_000
 ENCODE_BATCH_DOCS = 256
 PROGRESS_EVERY_DOCS = 2048
 
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """The inputs of one shard: (path, format, size, mtime_ns) of local files, or a row range of hf:."""
+    """The inputs of one shard: (path, format, size, mtime_ns) of local files, or one of the shards of an
+    hf: stream as (data file, index, number of shards)."""
 
     index: int
     files: tuple[tuple[str, str, int, int], ...] = ()
-    rows: tuple[int, int] | None = None
+    hf_shard: tuple[str, int, int] | None = None
 
     @property
     def inputs(self) -> list:
-        return [list(f) for f in self.files] if self.rows is None else [list(self.rows)]
+        return [list(f) for f in self.files] if self.hf_shard is None else [["hf", *self.hf_shard]]
 
     @property
     def num_input_bytes(self) -> int:
@@ -63,11 +63,10 @@ class ShardPlan:
 
 def plan_shards(corpus: _Corpus, data_cfg: DataConfig) -> list[ShardPlan]:
     """Consecutive input files grouped until a shard holds data.store_shard_bytes (a larger file is a shard
-    of its own); an hf: dataset in ranges of HF_ROWS_PER_SHARD rows. Depends on the corpus only."""
+    of its own); an hf: dataset streamed, a shard per shard of its stream (a data file: a contiguous range
+    of its rows). Depends on the corpus only."""
     if corpus.kind == "hf":
-        num_rows = len(_load_hf(data_cfg, data_cfg.num_proc or 1))
-        starts = range(0, num_rows, HF_ROWS_PER_SHARD)
-        return [ShardPlan(i, rows=(s, min(s + HF_ROWS_PER_SHARD, num_rows))) for i, s in enumerate(starts)]
+        return [ShardPlan(i, hf_shard=shard) for i, shard in enumerate(_hf_shards(data_cfg))]
     shards, group, size = [], [], 0
     for path, fmt in corpus.files:
         st = os.stat(path)
@@ -89,6 +88,8 @@ class BuildSpec:
     data_cfg: DataConfig
     dtype: str
     tokenizer_name: str
+    vocab_size: int
+    eos_token_id: int
 
 
 Report = Callable[[int, int, int], Any]  # (documents, tokens, input bytes) done since the last report
@@ -122,7 +123,7 @@ def tokenize_shard(spec: BuildSpec, shard: ShardPlan, report: Report) -> dict[st
     extreme: dict[str, list] = {"train": [None, -1], "val": [None, -1]}
     num_decode_errors = 0
     pending_docs = pending_tokens = 0
-    documents = (_hf_documents(data_cfg, *shard.rows) if shard.rows is not None
+    documents = (_hf_documents(data_cfg, *shard.hf_shard[1:]) if shard.hf_shard is not None
                  else _file_documents([f[:2] for f in shard.files], data_cfg))
 
     def flush(texts: list[str]):
@@ -217,19 +218,28 @@ class Progress:
         self.bar.close()
 
 
+def complete_shards(spec: BuildSpec, shards: list[ShardPlan]) -> dict[int, dict[str, Any]]:
+    """The records of the shards that are complete, by shard index."""
+    shards_dir = Path(spec.store_dir) / "shards"
+    records = {}
+    for shard in shards:
+        record = _shard_complete(shards_dir, shard)
+        if record is not None:
+            records[shard.index] = record
+    return records
+
+
 def build_shards(spec: BuildSpec, shards: list[ShardPlan], num_workers: int, log: Log,
                  progress: bool = True) -> list[dict[str, Any]]:
     """Every shard's record: finished ones kept, the others tokenized by num_workers processes."""
     shards_dir = Path(spec.store_dir) / "shards"
     shards_dir.mkdir(parents=True, exist_ok=True)
-    for stale in shards_dir.glob(".tmp-*"):  # an interrupted build's partial files
-        stale.unlink()
-    records: dict[int, dict[str, Any]] = {}
-    for shard in shards:
-        record = _shard_complete(shards_dir, shard)
-        if record is not None:
-            records[shard.index] = record
+    records = complete_shards(spec, shards)
     todo = [s for s in shards if s.index not in records]
+    # An interrupted build's partial files of the shards to redo; another task's shards are not touched.
+    for shard in todo:
+        for stale in shards_dir.glob(f".tmp-{shard_name(shard.index)}.*"):
+            stale.unlink(missing_ok=True)
     if records:
         log(f"data: resuming: {len(records)} of {len(shards)} shards are complete, {len(todo)} to tokenize")
     bar = Progress(sum(s.num_input_bytes for s in todo), progress)

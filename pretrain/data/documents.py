@@ -5,6 +5,7 @@ training documents (what a BPE tokenizer is trained on)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -157,12 +158,89 @@ def _file_documents(files: Sequence[tuple[str, str]], data_cfg: DataConfig) -> I
             yield row["text"], row["decode_error"]
 
 
-def _hf_documents(data_cfg: DataConfig, start: int, stop: int) -> Iterator[tuple[str, bool]]:
-    """Rows [start, stop) of an ``hf:`` dataset (already downloaded and filtered: a datasets cache hit)."""
-    ds = _load_hf(data_cfg, 1).select(range(start, stop))
-    for batch in ds.iter(batch_size=1000):
-        for text in batch["text"]:
+def _hf_stream(data_cfg: DataConfig):
+    """(an ``hf:`` source as a streaming ``datasets.IterableDataset``, its data files), checked.
+
+    Nothing is downloaded: ``load_dataset(..., streaming=True)`` is ``load_dataset_builder`` then
+    ``as_streaming_dataset``; the builder is kept for the list of data files it resolved (on the hub, at the
+    dataset's revision). The name is what ``load_dataset`` takes: a hub dataset or a local directory."""
+    import datasets
+
+    try:
+        ds, files = _open_hf_stream(data_cfg.source[3:], data_cfg.hf_config, data_cfg.hf_split)
+    except Exception as exc:
+        raise DataError(
+            f"data.source = {data_cfg.source!r}: the dataset could not be opened for streaming ({type(exc).__name__}: "
+            f"{exc}). Check the name, data.hf_config and data.hf_split and the network connection, or download the "
+            "data and point data.source at the local files"
+        ) from None
+    if not isinstance(ds, datasets.IterableDataset):
+        raise DataError(f"data.source = {data_cfg.source!r}: expected one split, got {type(ds).__name__}; set "
+                        "data.hf_split")
+    field = data_cfg.text_field
+    if ds.features is not None:  # known from the files' schema (parquet); else checked on the first row
+        if field not in ds.features:
+            raise DataError(
+                f"data.source = {data_cfg.source!r} has no column {field!r} (data.text_field); its columns are: "
+                f"{', '.join(ds.features)}. Set data.text_field to the column that holds the text"
+            )
+        if getattr(ds.features[field], "dtype", None) not in ("string", "large_string"):
+            raise DataError(
+                f"data.source = {data_cfg.source!r}: column {field!r} (data.text_field) holds {ds.features[field]}, "
+                "not text; set data.text_field to the column that holds the text"
+            )
+    return ds, files
+
+
+@functools.lru_cache(maxsize=4)
+def _open_hf_stream(name: str, config: str | None, split: str):
+    """Resolved once per process (a worker tokenizes many shards of one stream; on the hub, resolving the
+    data files costs requests)."""
+    import datasets
+
+    with _quiet_datasets():
+        builder = datasets.load_dataset_builder(name, config)
+        ds = builder.as_streaming_dataset(split=split)
+    data_files = (builder.config.data_files or {}).get(split) or []
+    return ds, [str(f) for f in data_files]
+
+
+def _hf_shards(data_cfg: DataConfig) -> list[tuple[str, int, int]]:
+    """The stream's own shards (datasets': one per data file), as (data file or "", index, count): each
+    is a contiguous range of the dataset's rows, read without reading the others."""
+    ds, files = _hf_stream(data_cfg)
+    num = ds.n_shards
+    return [(files[i] if len(files) == num else "", i, num) for i in range(num)]
+
+
+def _hf_documents(data_cfg: DataConfig, index: int, num_shards: int) -> Iterator[tuple[str, bool]]:
+    """The non-empty documents of shard ``index`` of ``num_shards`` of an ``hf:`` stream, in order."""
+    ds, _ = _hf_stream(data_cfg)
+    if ds.n_shards != num_shards:
+        raise DataError(f"data.source = {data_cfg.source!r} now has {ds.n_shards} data files, not {num_shards} as "
+                        "when its shards were planned; the dataset changed: prepare the store again")
+    yield from _stream_documents(ds.shard(num_shards=num_shards, index=index, contiguous=True), data_cfg)
+
+
+def _stream_documents(ds, data_cfg: DataConfig) -> Iterator[tuple[str, bool]]:
+    field = data_cfg.text_field
+    if ds.features is not None:
+        ds = ds.select_columns([field])
+    for row in ds:
+        if field not in row:
+            raise DataError(f"data.source = {data_cfg.source!r}: a row has no field {field!r} (data.text_field); "
+                            f"its fields: {', '.join(row)}. Set data.text_field to the field that holds the text")
+        text = row[field]
+        if isinstance(text, str) and text.strip():
             yield text, False
+        elif text is not None and not isinstance(text, str):
+            raise DataError(f"data.source = {data_cfg.source!r}: field {field!r} holds {type(text).__name__}, not text")
+
+
+def _hf_texts(data_cfg: DataConfig) -> Iterator[str]:
+    """Every non-empty document of an ``hf:`` stream, in order."""
+    for text, _ in _stream_documents(_hf_stream(data_cfg)[0], data_cfg):
+        yield text
 
 
 def _sample_train_texts(data_cfg: DataConfig, corpus: _Corpus, budget_bytes: int) -> list[str]:
@@ -171,11 +249,10 @@ def _sample_train_texts(data_cfg: DataConfig, corpus: _Corpus, budget_bytes: int
     ``budget_bytes`` of an ``hf:`` dataset). The split is the store's: by document hash."""
     texts: list[str] = []
     if corpus.kind == "hf":
-        ds = _load_hf(data_cfg, data_cfg.num_proc or _default_num_proc())
         taken, whole = 0, True
-        for batch in ds.iter(batch_size=1000):
-            texts += batch["text"]
-            taken += sum(len(t.encode()) for t in batch["text"])
+        for text in _hf_texts(data_cfg):  # streamed: only the first budget_bytes are read
+            texts.append(text)
+            taken += len(text.encode())
             if taken >= budget_bytes:
                 whole = False
                 break

@@ -24,7 +24,9 @@ import numpy as np
 from pretrain.config import DataConfig
 from pretrain.data.documents import Log
 from pretrain.data.prepare import (
+    StoreMissing,
     StoreTarget,
+    check_store,
     ensure_store,
     ensure_stores,
     locate_store,
@@ -191,3 +193,22 @@ def ensure_data(data_cfg: DataConfig, launch, prepare_command: str, log: Log = p
     ensure_stores([s.target for s in sources], launch,
                   lambda: prepare_mixture(data_cfg, log=log, progress=launch.world_size == 1),
                   prepare_command, log, poll_s)
+
+
+def check_data(data_cfg: DataConfig, num_nodes: int, prepare_command: str) -> None:
+    """Before a launch, in one process (pretrain-launch, pretrain-slurm): ``prepare.check_store`` for one
+    source; for a mixture, a multi-node launch needs every source's store, refused with the command that
+    prepares them all."""
+    if not data_cfg.mixture:
+        check_store(data_cfg, num_nodes, prepare_command)
+        return
+    if num_nodes == 1:
+        return  # a single node prepares missing stores itself, before the process group (ensure_data)
+    missing = [s for s in locate_mixture(data_cfg, log=lambda _: None) if not store_ready(s.target)]
+    if missing:
+        where = ", ".join(f"{s.name!r} at {s.target.path}" for s in missing)
+        raise StoreMissing(
+            f"data: the mixture has no token store for source(s) {where}; a {num_nodes}-node launch does not "
+            "tokenize (every node would wait on one). Prepare them once, on a machine that sees the data and "
+            f"these paths, then launch again:\n    {prepare_command.splitlines()[0]}"
+        )

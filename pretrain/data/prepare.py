@@ -13,8 +13,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pretrain.config import DataConfig
-from pretrain.data.build import BuildSpec, apply_split_rules, build_shards, plan_shards, write_manifest
+from pretrain.data.build import (
+    BuildSpec,
+    apply_split_rules,
+    build_shards,
+    complete_shards,
+    plan_shards,
+    write_manifest,
+)
 from pretrain.data.cache import _hash, cache_root
 from pretrain.data.documents import Log, _default_num_proc
 from pretrain.data.sources import _Corpus, _resolve_corpus
@@ -59,7 +68,7 @@ def locate_store(data_cfg: DataConfig, log: Log = print, tokenizer: tuple[Any, s
     if tokenizer is not None:
         tokenizer, identity, name = tokenizer
     elif data_cfg.tokenizer == "bpe":
-        tokenizer, identity, name = None, _bpe_key(data_cfg, corpus), f"bpe-{data_cfg.tokenizer_vocab_size}"
+        tokenizer, identity, name = None, _bpe_key(data_cfg, corpus), _tokenizer_name(data_cfg)
     else:
         tokenizer, identity, name = _get_tokenizer(data_cfg, corpus, log)
     key = _hash({"version": FORMAT_VERSION, "documents": corpus.key, "tokenizer": identity,
@@ -80,37 +89,72 @@ def locate_store(data_cfg: DataConfig, log: Log = print, tokenizer: tuple[Any, s
     return StoreTarget(path, build, corpus, tokenizer)
 
 
-def _check_identity(target: StoreTarget, found: dict[str, Any], what: str) -> None:
-    """One clear error when the store at target.path was made for other data or another tokenizer."""
+IDENTITY = ("format", "version", "key", "source", "corpus", "corpus_fingerprint", "text_field", "on_decode_error",
+            "val_fraction", "tokenizer")  # build.json: what a store is for
+
+
+def _tokenizer_name(data_cfg: DataConfig) -> str:
+    return f"bpe-{data_cfg.tokenizer_vocab_size}" if data_cfg.tokenizer == "bpe" else data_cfg.tokenizer
+
+
+def _check_identity(target: StoreTarget, found: dict[str, Any], what: str, fingerprints: bool = True) -> None:
+    """One clear error when the store at target.path was made for other data or another tokenizer. Without
+    fingerprints, only what the recipe itself says is compared (the tokenizer by name, not content; the
+    source by name, not its files' sizes and times)."""
     want = target.build
     where = f"the token store at {target.path}"
     fix = "point data.store at another directory (or delete this one) and run pretrain-prepare-data"
     if found.get("format") != FORMAT or found.get("version") != FORMAT_VERSION:
         raise DataError(f"{where} holds {found.get('format')} version {found.get('version')}, not {FORMAT} "
                         f"version {FORMAT_VERSION}; {fix}")
-    if found["tokenizer"]["identity"] != want["tokenizer"]["identity"]:
+    compared = "identity" if fingerprints else "name"
+    if found["tokenizer"][compared] != want["tokenizer"][compared]:
         raise DataError(
             f"{where}: the {what} was made with tokenizer {found['tokenizer']['name']!r} (identity "
             f"{found['tokenizer']['identity']}), but this recipe's data.tokenizer is {want['tokenizer']['name']!r} "
-            f"(identity {want['tokenizer']['identity']}); token ids of one tokenizer mean nothing to another. "
-            f"Set data.tokenizer to the store's tokenizer, or {fix}"
+            f"(identity {want['tokenizer'].get('identity', 'not computed')}); token ids of one tokenizer mean "
+            f"nothing to another. Set data.tokenizer to the store's tokenizer, or {fix}"
         )
     differ = [k for k in ("source", "corpus_fingerprint", "text_field", "on_decode_error", "val_fraction")
-              if found.get(k) != want[k]]
+              if (fingerprints or k != "corpus_fingerprint") and found.get(k) != want[k]]
     if differ:
         pairs = ", ".join(f"{k} {found.get(k)!r} (recipe: {want[k]!r})" for k in differ)
         raise DataError(f"{where}: the {what} was made from other data: {pairs}; {fix}")
 
 
-def _manifest(target: StoreTarget) -> dict[str, Any] | None:
+def _manifest(target: StoreTarget, fingerprints: bool = True) -> dict[str, Any] | None:
     try:
         manifest = _read_json(target.path / MANIFEST)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
         raise DataError(f"{target.path / MANIFEST}: unreadable ({exc}); delete the store and prepare it again") from None
-    _check_identity(target, manifest, "store")
+    _check_identity(target, manifest, "store", fingerprints)
     return manifest
+
+
+def _named_store(data_cfg: DataConfig) -> StoreTarget | None:
+    """The complete store data.store names, opened from its manifest alone: what a rank does. The recipe's
+    source, tokenizer name, text field, decode policy and val_fraction are checked against it; the input
+    files are not stat-ed nor the tokenizer loaded (pretrain-prepare-data, pretrain-launch and
+    pretrain-slurm compare those fingerprints once, in one process). None if no store is named or it has
+    no manifest yet."""
+    if not data_cfg.store:
+        return None
+    path = Path(data_cfg.store).expanduser().absolute()
+    stated = {"format": FORMAT, "version": FORMAT_VERSION, "source": data_cfg.source,
+              "text_field": data_cfg.text_field, "on_decode_error": data_cfg.on_decode_error,
+              "val_fraction": data_cfg.val_fraction, "tokenizer": {"name": _tokenizer_name(data_cfg)}}
+    target = StoreTarget(path, stated, corpus=None, tokenizer=None)
+    manifest = _manifest(target, fingerprints=False)
+    if manifest is None:
+        return None
+    return StoreTarget(path, {k: manifest[k] for k in IDENTITY}, corpus=None, tokenizer=None)
+
+
+def find_store(data_cfg: DataConfig, log: Log = print) -> StoreTarget:
+    """The store a run opens: a named, complete one from its manifest alone, else located (locate_store)."""
+    return _named_store(data_cfg) or locate_store(data_cfg, log)
 
 
 @contextlib.contextmanager
@@ -126,6 +170,63 @@ def _store_lock(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _set_up(target: StoreTarget, data_cfg: DataConfig, log: Log) -> BuildSpec:
+    """build.json and the tokenizer written into the store (once; checked on a rerun): what every shard
+    needs. The caller holds the store's lock."""
+    target.path.mkdir(parents=True, exist_ok=True)
+    if (target.path / BUILD).is_file():
+        _check_identity(target, _read_json(target.path / BUILD), "partly built store")
+    else:
+        _write_json(target.path / BUILD, target.build)
+    tokenizer_dir = target.path / "tokenizer"
+    if not tokenizer_dir.is_dir():
+        tokenizer = target.tokenizer
+        if tokenizer is None:
+            tokenizer, _, _ = _get_tokenizer(data_cfg, target.corpus, log)
+        tmp = target.path / ".tmp-tokenizer"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tokenizer.save_pretrained(str(tmp))
+        tmp.rename(tokenizer_dir)
+    return _spec(target, data_cfg)
+
+
+def _spec(target: StoreTarget, data_cfg: DataConfig) -> BuildSpec:
+    """What the shard builders need, from a store whose build.json and tokenizer are written."""
+    if not (target.path / BUILD).is_file() or not (target.path / "tokenizer").is_dir():
+        raise StoreMissing(f"data: the token store at {target.path} has not been set up (no build.json or "
+                           "tokenizer/): pretrain-prepare-data --slurm writes them before it submits the array job")
+    _check_identity(target, _read_json(target.path / BUILD), "partly built store")
+    tokenizer = target.tokenizer or _load_saved_tokenizer(target.path / "tokenizer")
+    return BuildSpec(str(target.path), data_cfg, token_dtype(len(tokenizer)).str, target.build["tokenizer"]["name"],
+                     len(tokenizer), tokenizer.eos_token_id)
+
+
+def _finish(target: StoreTarget, spec: BuildSpec, records: list[dict[str, Any]], log: Log, start: float) -> None:
+    """The split's tie rules, then the manifest (written last: it marks the store complete)."""
+    records = apply_split_rules(spec, records)
+    dtype = np.dtype(spec.dtype)
+    build = {**target.build, "dtype": dtype.name, "byte_order": "little",
+             "tokenizer": {**target.build["tokenizer"], "vocab_size": spec.vocab_size,
+                           "eos_token_id": spec.eos_token_id},
+             "split": "val when sha1(text)[:8] as a fraction of 2**64 < val_fraction (pretrain/data/split.py)"}
+    m = write_manifest(target.path, build, records)
+    log(f"data: {m['num_documents']:,} documents ({m['num_train_documents']:,} train / "
+        f"{m['num_val_documents']:,} val), {_count_words(m['num_train_tokens'])} train / "
+        f"{_count_words(m['num_val_tokens'])} val tokens ({dtype.name}) in {len(records)} shard(s), "
+        f"built in {time.perf_counter() - start:.1f}s at {target.path}")
+
+
+def set_up_store(data_cfg: DataConfig, log: Log = print) -> tuple[StoreTarget, int]:
+    """Write the store's build.json and tokenizer (training a BPE if need be) without tokenizing anything:
+    what the tasks of a SLURM array need first. (target, number of shards); 0 shards: already complete."""
+    target = locate_store(data_cfg, log)
+    with _store_lock(target.path):
+        if _manifest(target) is not None:
+            return target, 0
+        _set_up(target, data_cfg, log)
+    return target, len(plan_shards(target.corpus, data_cfg))
+
+
 def prepare_store(data_cfg: DataConfig, num_workers: int | None = None, log: Log = print,
                   progress: bool = False, target: StoreTarget | None = None) -> StoreTarget:
     """Build the recipe's store unless it is complete; resume an interrupted build. A mixture's source
@@ -135,36 +236,53 @@ def prepare_store(data_cfg: DataConfig, num_workers: int | None = None, log: Log
         if _manifest(target) is not None:
             return target
         start = time.perf_counter()
-        target.path.mkdir(parents=True, exist_ok=True)
-        if (target.path / BUILD).is_file():
-            _check_identity(target, _read_json(target.path / BUILD), "partly built store")
-        else:
-            _write_json(target.path / BUILD, target.build)
-        tokenizer = target.tokenizer
-        if tokenizer is None:
-            tokenizer, _, _ = _get_tokenizer(data_cfg, target.corpus, log)
-        tokenizer_dir = target.path / "tokenizer"
-        if not tokenizer_dir.is_dir():
-            tmp = target.path / ".tmp-tokenizer"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tokenizer.save_pretrained(str(tmp))
-            tmp.rename(tokenizer_dir)
-        dtype = token_dtype(len(tokenizer))
-        spec = BuildSpec(str(target.path), data_cfg, dtype.str, target.build["tokenizer"]["name"])
+        spec = _set_up(target, data_cfg, log)
         shards = plan_shards(target.corpus, data_cfg)
         workers = num_workers or data_cfg.num_proc or _default_num_proc()
         log(f"data: tokenizing {target.corpus.description} into {len(shards)} shard(s) with {workers} "
             f"worker(s) -> {target.path}")
-        records = apply_split_rules(spec, build_shards(spec, shards, workers, log, progress))
-        build = {**target.build, "dtype": dtype.name, "byte_order": "little",
-                 "tokenizer": {**target.build["tokenizer"], "vocab_size": len(tokenizer),
-                               "eos_token_id": tokenizer.eos_token_id},
-                 "split": "val when sha1(text)[:8] as a fraction of 2**64 < val_fraction (pretrain/data/split.py)"}
-        m = write_manifest(target.path, build, records)
-        log(f"data: {m['num_documents']:,} documents ({m['num_train_documents']:,} train / "
-            f"{m['num_val_documents']:,} val), {_count_words(m['num_train_tokens'])} train / "
-            f"{_count_words(m['num_val_tokens'])} val tokens ({dtype.name}) in {len(records)} shard(s), "
-            f"built in {time.perf_counter() - start:.1f}s at {target.path}")
+        _finish(target, spec, build_shards(spec, shards, workers, log, progress), log, start)
+    return target
+
+
+def prepare_store_part(data_cfg: DataConfig, task_index: int, num_tasks: int, num_workers: int | None = None,
+                       log: Log = print, progress: bool = False) -> list[int]:
+    """One task of an array: tokenize the shards i with i mod num_tasks == task_index of a store that
+    set_up_store prepared, keeping complete ones. Tasks share no file, so they need no lock (which a
+    cluster filesystem may not give across nodes). The indices of this task's shards."""
+    target = locate_store(data_cfg, log)
+    if _manifest(target) is not None:
+        log(f"data: the token store at {target.path} is complete; nothing to do")
+        return []
+    spec = _spec(target, data_cfg)
+    shards = plan_shards(target.corpus, data_cfg)
+    mine = [s for s in shards if s.index % num_tasks == task_index]
+    workers = num_workers or data_cfg.num_proc or _default_num_proc()
+    log(f"data: task {task_index} of {num_tasks}: tokenizing {len(mine)} of {len(shards)} shard(s) of "
+        f"{target.corpus.description} with {workers} worker(s) -> {target.path}")
+    build_shards(spec, mine, workers, log, progress)
+    return [s.index for s in mine]
+
+
+def finish_store(data_cfg: DataConfig, log: Log = print) -> StoreTarget:
+    """The last step of an array build: the manifest, once every shard's record exists (nothing is
+    tokenized here; missing shards are an error naming them)."""
+    target = locate_store(data_cfg, log)
+    with _store_lock(target.path):
+        if _manifest(target) is not None:
+            return target
+        start = time.perf_counter()
+        spec = _spec(target, data_cfg)
+        shards = plan_shards(target.corpus, data_cfg)
+        records = complete_shards(spec, shards)
+        missing = [s.index for s in shards if s.index not in records]
+        if missing:
+            shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
+            raise DataError(f"data: {len(missing)} of {len(shards)} shards of the token store at {target.path} are "
+                            f"not complete (shards {shown}); a task of the array failed or is still running. Submit "
+                            "the array again (complete shards are kept), or prepare the rest on this machine with "
+                            "pretrain-prepare-data without --finish")
+        _finish(target, spec, [records[s.index] for s in shards], log, start)
     return target
 
 
@@ -182,7 +300,7 @@ def open_store(data_cfg: DataConfig, log: Log = print, target: StoreTarget | Non
     """The store's rows of seq_len + 1 tokens (memory-mapped) and its tokenizer; StoreMissing if it has not
     been prepared, DataError if it was made for other data or another tokenizer."""
     start = time.perf_counter()
-    target = target or locate_store(data_cfg, log)
+    target = target or find_store(data_cfg, log)
     manifest = _manifest(target)
     if manifest is None:
         raise StoreMissing(f"data: no token store at {target.path} for data.source = {data_cfg.source!r} "
@@ -230,8 +348,8 @@ def ensure_stores(targets: list[StoreTarget], launch, prepare: Callable[[], Any]
         where = ", ".join(f"{t.path} (data.source = {t.build['source']!r})" for t in missing)
         raise StoreMissing(
             f"data: no token store at {where}; a {launch.num_nodes}-node launch does not tokenize (every node "
-            f"would wait on one). Prepare it once, on a machine that sees the data and this path, then launch "
-            f"again:\n    {prepare_command}"
+            f"would wait on one). Prepare it once, on a machine that sees the data and this path (or as a SLURM "
+            f"array job), then launch again:\n    {prepare_command}"
         )
     if launch.local_rank == 0:
         prepare()
@@ -246,9 +364,38 @@ def ensure_stores(targets: list[StoreTarget], launch, prepare: Callable[[], Any]
         time.sleep(poll_s)
 
 
+def _multi_node_missing(target: StoreTarget, data_cfg: DataConfig, num_nodes: int, prepare_command: str):
+    return StoreMissing(
+        f"data: no token store at {target.path} for data.source = {data_cfg.source!r}; a {num_nodes}-node launch "
+        f"does not tokenize (every node would wait on one). Prepare it once, on a machine that sees the data and "
+        f"this path (or as a SLURM array job), then launch again:\n    {prepare_command}"
+    )
+
+
+def check_store(data_cfg: DataConfig, num_nodes: int, prepare_command: str) -> None:
+    """Before a launch, in one process (pretrain-launch, pretrain-slurm): a store made for other data is
+    refused (its fingerprints compared: the ranks only read its manifest), and so is a missing one for a
+    multi-node launch, with the command that prepares it. A single-node launch prepares a missing store
+    itself (ensure_store), so an unnamed store is left to it."""
+    named = Path(data_cfg.store).expanduser().absolute() if data_cfg.store else None
+    if named is not None and not (named / MANIFEST).is_file():
+        target = StoreTarget(named, {}, corpus=None, tokenizer=None)  # missing: nothing else to look at
+    elif named is None and num_nodes == 1:
+        return
+    else:
+        target = locate_store(data_cfg, log=lambda _: None)
+        if _manifest(target) is not None:
+            return
+    if num_nodes > 1:
+        raise _multi_node_missing(target, data_cfg, num_nodes, prepare_command)
+
+
 def ensure_store(data_cfg: DataConfig, launch, prepare_command: str, log: Log = print,
                  poll_s: float = 1.0) -> None:
-    """``ensure_stores`` for the single store of data_cfg."""
+    """``ensure_stores`` for the single store of data_cfg. A named store (data.store) is opened from its
+    manifest alone: the launchers checked it (check_store)."""
+    if _named_store(data_cfg) is not None:
+        return
     target = locate_store(data_cfg, log=lambda _: None)
     ensure_stores([target], launch, lambda: prepare_store(data_cfg, log=log, progress=launch.world_size == 1),
                   prepare_command, log, poll_s)
