@@ -191,6 +191,47 @@ def test_init_follows_transformers_rules():
     assert torch.all(block.attn.c_attn.bias == 0)
 
 
+@pytest.mark.parametrize(
+    "model_cfg",
+    [
+        small(),
+        small(tie_embeddings=True),
+        small(arch="qwen2"),
+        ModelConfig(arch="gpt2", hidden_size=32, num_layers=2, num_heads=4),
+        ModelConfig(arch="gpt_neox", hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64),
+    ],
+    ids=["llama", "llama-tied", "qwen2", "gpt2", "gpt_neox"],
+)
+def test_meta_build_equals_an_eager_build_redrawn(model_cfg):
+    """The meta build allocates and draws each tensor once; it must give what building every tensor on CPU
+    (transformers' construction-time init included) and re-drawing it with init_weights gives, buffers too."""
+    from transformers import AutoModelForCausalLM
+
+    eager = AutoModelForCausalLM.from_config(hf_config(model_cfg, VOCAB - 1, SEQ), dtype=torch.float32)
+    eager.tie_weights()
+    init_weights(eager, seed=4)
+    built = build_model(model_cfg, VOCAB - 1, SEQ, seed=4)  # an odd vocabulary: shards are uneven elsewhere
+    expected = weights(eager)
+    assert weights(built).keys() == expected.keys()
+    for key, value in weights(built).items():
+        assert torch.equal(value, expected[key]), key
+    assert {p.device.type for p in built.parameters()} == {"cpu"}
+
+
+def test_a_parameter_the_architecture_does_not_init_is_an_error(monkeypatch):
+    from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
+
+    rule = LlamaPreTrainedModel._init_weights
+
+    def skip_norms(self, module):
+        if "RMSNorm" not in type(module).__name__:
+            rule(self, module)
+
+    monkeypatch.setattr(LlamaPreTrainedModel, "_init_weights", skip_norms)
+    with pytest.raises(ConfigError, match=r"does not initialise model.layers.0.input_layernorm.weight"):
+        build_model(small(), VOCAB, SEQ, seed=0)
+
+
 @pytest.mark.parametrize("meta", [False, True])
 def test_tied_embeddings_stay_tied(meta):
     model = build_model(small(tie_embeddings=True), VOCAB, SEQ, seed=0, meta=meta)
