@@ -309,7 +309,16 @@ import os
 import deepspeed, torch
 from transformers.integrations import HfDeepSpeedConfig
 from pretrain.config import ModelConfig
+from transformers.models.gpt2.modeling_gpt2 import GPT2PreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
 from pretrain.model import build_model, count_parameters
+
+draws = []
+for base in (LlamaPreTrainedModel, GPT2PreTrainedModel):
+    def counted(self, module, rule=base._init_weights):
+        draws.append(module)
+        rule(self, module)
+    base._init_weights = counted
 
 deepspeed.init_distributed(dist_backend="gloo")
 for model_cfg in (
@@ -318,7 +327,10 @@ for model_cfg in (
 ):
     reference = build_model(model_cfg, 128, 16, seed=7)
     zero3 = HfDeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
+    draws.clear()
     model = build_model(model_cfg, 128, 16, seed=7)
+    # one draw per module: transformers' own gathered init at construction is skipped
+    assert len(draws) == len(list(model.named_modules())), (len(draws), len(list(model.named_modules())))
     params = list(model.parameters())
     assert all(hasattr(p, "ds_id") and p.ds_tensor.numel() < p.ds_numel for p in params), "not partitioned"
     assert count_parameters(model) == count_parameters(reference)
