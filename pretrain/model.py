@@ -246,11 +246,12 @@ def _module_seed(seed: int, name: str) -> int:
 def _full_on_cpu(modules: list[torch.nn.Module]):
     """Let the init draw full CPU tensors for these modules' own parameters, then put the values where each
     parameter lives: a ZeRO-3 partition is gathered (every rank draws the same values; rank 0's are
-    kept), a DTensor shard (FSDP2) is swapped for a full tensor on CPU and gets its slice of the draw
-    back, a tensor on another device is copied to CPU and back; one on CPU is drawn in place."""
+    kept), a DTensor shard (FSDP2) is swapped for its full tensor (all-gathered) on CPU and gets its
+    slice of the draw back, a tensor on another device is copied to CPU and back; one on CPU is drawn in place."""
     params = list({id(p): p for m in modules for p in m.parameters(recurse=False)}.values())
     with _gathered(params):
-        sharded = {id(p): torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+        # the current values too, not just the shape: a parent's rule may leave a child's tensor as it is
+        sharded = {id(p): torch.nn.Parameter(p.full_tensor().cpu(), requires_grad=p.requires_grad)
                    for p in params if isinstance(p, DTensor)}
         slots = [(m, key, p) for m in modules for key, p in m._parameters.items() if id(p) in sharded]
         moved = [(p, p.data) for p in params if id(p) not in sharded and p.device.type != "cpu"]

@@ -358,3 +358,56 @@ def test_zero3_partitioned_init_equals_the_unpartitioned_one(tmp_path):
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.stdout.count("ZERO3 OK") == 2
+
+
+FSDP2_SCRIPT = """
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from pretrain.config import ModelConfig
+from pretrain.model import build_model
+
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def shard(model):  # FSDP2 as accelerate wraps a transformers model: each decoder layer, then the root
+    assert {p.device.type for p in model.parameters()} == {"meta"}, "sharded before any storage exists"
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+for tied in (False, True):
+    model_cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                            tie_embeddings=tied)
+    reference = build_model(model_cfg, 127, 16, seed=7)  # 127 rows: the two shards are uneven
+    model = build_model(model_cfg, 127, 16, seed=7, shard=shard)
+    params = dict(model.named_parameters())
+    assert all(isinstance(p, DTensor) and p.to_local().shape[0] < p.shape[0] for p in params.values())
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    for name, param in params.items():
+        assert torch.equal(param.full_tensor(), reference.get_parameter(name)), (tied, name)
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, reference.get_buffer(name)), (tied, name)
+print("FSDP2 OK", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_fsdp2_sharded_init_equals_the_unsharded_one(tmp_path):
+    """FSDP runs on GPUs only in pretrain, but the shard -> materialize -> init path is torch's FSDP2 on any
+    device mesh: here on CPU over gloo, sharded while still on the meta device."""
+    script = tmp_path / "fsdp2_init.py"
+    script.write_text(textwrap.dedent(FSDP2_SCRIPT))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.stdout.count("FSDP2 OK") == 2
