@@ -192,7 +192,8 @@ def _partitioned_construction():
 
 
 def materialize(model: torch.nn.Module, device: torch.device | str) -> None:
-    """Give every meta tensor of ``model`` storage on ``device`` and move the others there.
+    """Give every meta tensor of ``model`` storage on ``device``; the others stay where they are (buffers
+    built on CPU, or moved to the GPU by fully_shard; accelerate's prepare places the model).
 
     A sharded parameter (FSDP2's DTensor) gets storage for this rank's shard only. The new storage is
     NaN, so a parameter the architecture's init does not draw is caught (``_require_drawn``) instead of
@@ -200,14 +201,12 @@ def materialize(model: torch.nn.Module, device: torch.device | str) -> None:
     ``swap_module_params_on_conversion``), so tied parameters stay one tensor with one allocation.
     """
     def allocate(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.is_meta:
-            return torch.full_like(tensor, float("nan"), device=device)
-        return tensor.to(device)
+        return torch.full_like(tensor, float("nan"), device=device) if tensor.is_meta else tensor
 
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
-        model._apply(allocate)  # what Module.to_empty does, keeping the buffers built on CPU (RoPE tables)
+        model._apply(allocate)  # Module.to_empty, for the meta tensors only (FSDP2 re-points its shards)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
 
