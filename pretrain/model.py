@@ -12,9 +12,11 @@ seed, the module's name and the config, whatever the layout.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import difflib
 import hashlib
 import itertools
+import sys
 from collections.abc import Callable
 
 import torch
@@ -150,6 +152,18 @@ def build_model(
     """
     config = hf_config(model_cfg, vocab_size, seq_len)
     partitioned = not meta and is_deepspeed_zero3_enabled()
+    with _freed_host_memory_returned():
+        model = _build(model_cfg, config, partitioned, meta, device, shard)
+        if not meta:
+            init_weights(model, seed)
+            if not partitioned:
+                _require_drawn(model)
+    return model
+
+
+def _build(model_cfg: ModelConfig, config: PreTrainedConfig, partitioned: bool, meta: bool,
+           device: torch.device | str, shard: Callable[[PreTrainedModel], PreTrainedModel] | None) -> PreTrainedModel:
+    """The model with its storage where it will live, nothing drawn yet."""
     with _partitioned_construction() if partitioned else init_empty_weights():
         try:
             model = AutoModelForCausalLM.from_config(
@@ -162,16 +176,36 @@ def build_model(
     model.tie_weights()  # init_empty_weights re-creates every parameter it registers, which unties them
     if model_cfg.activation_checkpointing:  # a flag on the layers: module names (the init seeds) do not change
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    if meta:
-        return model
-    if not partitioned:
+    if not meta and not partitioned:
         if shard is not None:
             model = shard(model)
         materialize(model, device)
-    init_weights(model, seed)
-    if not partitioned:
-        _require_drawn(model)
     return model
+
+
+# glibc's mallopt parameter, and the largest value its dynamic threshold reaches on 64-bit systems
+_M_MMAP_THRESHOLD, _DEFAULT_MMAP_THRESHOLD_MAX = -3, 32 << 20
+
+
+@contextlib.contextmanager
+def _freed_host_memory_returned():
+    """Let every host tensor of 1 MiB or more be its own memory mapping while the model is built.
+
+    Building allocates and frees one module's full tensors after another (zero.Init's construction, the
+    per-module draws). glibc serves blocks below its dynamic mmap threshold (which climbs to 32 MiB) from
+    the heap and keeps them when freed, so a model whose matrices are under 32 MiB (hidden size up to
+    ~2800) would keep a freed module's worth of resident memory for each module built: measured, 1.3x
+    the fp32 model under ZeRO-3 on 2 ranks instead of the rank's half. Afterwards the threshold is the
+    32 MiB that the dynamic one reaches anyway. Not glibc (macOS, musl): nothing to do.
+    """
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None) if sys.platform.startswith("linux") else None
+    if mallopt is None or not mallopt(_M_MMAP_THRESHOLD, 1 << 20):
+        yield
+        return
+    try:
+        yield
+    finally:
+        mallopt(_M_MMAP_THRESHOLD, _DEFAULT_MMAP_THRESHOLD_MAX)
 
 
 @contextlib.contextmanager
@@ -285,8 +319,9 @@ def _gathered(params: list[torch.nn.Parameter]):
 
 def _require_drawn(model: torch.nn.Module) -> None:
     """Every parameter ``materialize`` allocated (as NaN) must have been drawn by the architecture's init."""
+    # a sum is NaN if any element is (init values are far from overflowing); no tensor-sized mask
     missed = [name for name, p in model.named_parameters()
-              if (p.to_local() if isinstance(p, DTensor) else p).isnan().any()]  # device-to-host sync per tensor
+              if (p.to_local() if isinstance(p, DTensor) else p).sum().isnan()]  # device-to-host sync per tensor
     if missed:
         raise ConfigError(
             f"model.arch = {model.config.model_type}: transformers' _init_weights does not initialise "
