@@ -347,17 +347,22 @@ os._exit(0)
 """
 
 
-@pytest.mark.slow
-def test_zero3_partitioned_init_equals_the_unpartitioned_one(tmp_path):
-    script = tmp_path / "zero3_init.py"
-    script.write_text(textwrap.dedent(ZERO3_SCRIPT))
+def run_on_two_processes(script_text: str, tmp_path: Path) -> str:
+    """Run a script under torch.distributed.run on 2 CPU processes; its stdout (it must exit 0)."""
+    script = tmp_path / "two_processes.py"
+    script.write_text(textwrap.dedent(script_text))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert run.stdout.count("ZERO3 OK") == 2
+    return run.stdout
+
+
+@pytest.mark.slow
+def test_zero3_partitioned_init_equals_the_unpartitioned_one(tmp_path):
+    assert run_on_two_processes(ZERO3_SCRIPT, tmp_path).count("ZERO3 OK") == 2
 
 
 FSDP2_SCRIPT = """
@@ -402,12 +407,4 @@ dist.destroy_process_group()
 def test_fsdp2_sharded_init_equals_the_unsharded_one(tmp_path):
     """FSDP runs on GPUs only in pretrain, but the shard -> materialize -> init path is torch's FSDP2 on any
     device mesh: here on CPU over gloo, sharded while still on the meta device."""
-    script = tmp_path / "fsdp2_init.py"
-    script.write_text(textwrap.dedent(FSDP2_SCRIPT))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert run.stdout.count("FSDP2 OK") == 2
+    assert run_on_two_processes(FSDP2_SCRIPT, tmp_path).count("FSDP2 OK") == 2
