@@ -7,9 +7,11 @@ then the ``latest`` pointer is replaced atomically. The data cursor is the optim
 order is a pure function of (seed, step), see ``pretrain/loader.py``. Resume reads ``latest`` (or, if it
 is missing, the newest complete checkpoint by the step recorded inside it, never by folder name).
 
-Which checkpoint a run resumes from is decided by ``resume_checkpoint`` from plain file reads, before
-any process group exists; the ``Checkpointer`` is built once the accelerator is, and owns the save
-cadence (every N optimizer steps, and the last step).
+Which checkpoint a run resumes from is decided once, by rank 0 (``ResumeChoice.decide``: plain file
+reads, before any process group exists, because the trackers need the resume step); once the process
+group exists every rank takes that choice and checks that it sees the same checkpoint
+(``agree_on_resume``), so ranks never load different steps. The ``Checkpointer`` is built once the
+accelerator is, and owns the save cadence (every N optimizer steps, and the last step).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -25,6 +28,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 from pydantic import BaseModel
 
 from pretrain.config import CheckpointConfig, Recipe
@@ -37,9 +41,11 @@ from pretrain.rundir import (
     latest_checkpoint,
     read_state,
 )
+from pretrain.runtime import SHARED_FS_HINT, rank_problems
 
 # Recipe keys whose change makes a checkpoint unusable: the weights' shapes or the sample stream differ.
-# Anything else (horizon, lr, precision, kernels, logging) may change on resume, with a logged warning.
+# Anything else (horizon, lr, precision, kernels, data.document_masking, logging) may change on resume, with a
+# logged warning: document masking changes what the model attends to, not the weights or the sample stream.
 MUST_MATCH = (
     *(f"model.{k}" for k in ("arch", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                              "intermediate_size", "vocab_size", "tie_embeddings", "config_overrides")),
@@ -132,8 +138,7 @@ def check_compatible(path: Path, saved: dict[str, Any], recipe: dict[str, Any]) 
 def resume_checkpoint(output_dir: str | Path, cfg: CheckpointConfig) -> Path | None:
     """The checkpoint to resume from according to ``checkpoint.resume``, or None to start fresh.
 
-    Plain file reads, done alike on every rank (checkpoints live on a filesystem all ranks share), before
-    the accelerator exists: the trackers need the resume step to drop the metrics of redone steps.
+    Plain file reads, needing no accelerator. Run on rank 0 only, through ``ResumeChoice.decide``.
     """
     directory = Path(output_dir) / CHECKPOINTS_DIR
     if cfg.resume == "none":
@@ -150,6 +155,59 @@ def resume_checkpoint(output_dir: str | Path, cfg: CheckpointConfig) -> Path | N
         raise ConfigError(
             f"checkpoint.resume = {cfg.resume!r} is not a complete checkpoint directory (no {STATE_FILE}); "
             f"give a path like {directory}/step_00000100, or use auto / none"
+        )
+    return path
+
+
+@dataclass(frozen=True)
+class ResumeChoice:
+    """Rank 0's answer to "which checkpoint does this run resume from?", as every rank receives it."""
+
+    resume: str  # checkpoint.resume, for messages
+    host: str  # rank 0's host, for messages
+    path: str | None = None  # None: start fresh
+    step: int | None = None  # the step recorded inside ``path``
+    error: str | None = None  # the ConfigError deciding raised, held until every rank can raise it
+
+    @classmethod
+    def decide(cls, output_dir: str | Path, cfg: CheckpointConfig) -> ResumeChoice:
+        """Rank 0's decision, before the process group exists (the trackers need its step). A ConfigError is
+        kept, not raised: rank 0 leaving alone would leave the other ranks waiting for it."""
+        choice = cls(resume=cfg.resume, host=socket.gethostname())
+        try:
+            path = resume_checkpoint(output_dir, cfg)
+        except ConfigError as exc:
+            return replace(choice, error=str(exc))
+        if path is None:
+            return choice
+        return replace(choice, path=str(path), step=TrainerState.read(path).step)
+
+
+def agree_on_resume(accelerator: Accelerator, choice: ResumeChoice | None, output_dir: str | Path) -> Path | None:
+    """Every rank takes rank 0's ``choice`` (None on the other ranks) and checks that it sees that very
+    checkpoint, complete and at the same step; the checkpoint to load, or None to start fresh. Any problem
+    raises the same ConfigError on every rank. Collective: every rank calls it once the process group exists.
+    """
+    [choice] = broadcast_object_list([choice])
+    if choice.error is not None:
+        raise ConfigError(choice.error)
+    if choice.path is None:
+        return None
+    path = Path(choice.path)
+    state = TrainerState.read(path)
+    problem = None
+    if state is None or state.step != choice.step:
+        seen = "no complete checkpoint" if state is None else f"a checkpoint at step {state.step}"
+        newest = latest_checkpoint(output_dir)
+        own = (f"newest visible: {newest} at step {TrainerState.read(newest).step}" if newest is not None
+               else "no checkpoint visible in output_dir")
+        problem = f"found {seen} at {path.resolve()} ({own})"
+    problems = rank_problems(accelerator, problem)
+    if problems:
+        raise ConfigError(
+            f"the ranks do not see the same checkpoint to resume from: rank 0 (host {choice.host}) chose {path} "
+            f"at step {choice.step} (checkpoint.resume={choice.resume}), and {'; '.join(problems)}. Every rank "
+            f"must load the checkpoint rank 0 chose: {SHARED_FS_HINT}"
         )
     return path
 

@@ -86,6 +86,12 @@ class ModelConfig(Section):
         return self.hidden_size // self.num_heads
 
 
+# Architectures whose transformers model builds a block-causal mask from per-document position ids (and
+# whose position encoding reads them): tests/test_document_masking.py checks each against its documents
+# run one by one. Others are refused with data.document_masking rather than silently attending across.
+DOCUMENT_MASKING_ARCHS = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox")
+
+
 class DataConfig(Section):
     source: str = Field(
         "stdlib",
@@ -104,6 +110,23 @@ class DataConfig(Section):
         "tokenizer directory / tokenizer.json or a Hugging Face tokenizer name.",
     )
     tokenizer_vocab_size: int = Field(8192, ge=256, description="Vocabulary size (tokens) of a trained `bpe` tokenizer.")
+    tokenizer_train_bytes: int = Field(
+        1_000_000_000,
+        gt=0,
+        description="A `bpe` tokenizer is trained on at most this many bytes of training documents: all of a "
+        "corpus this small, else the first share of every input file (bytes).",
+    )
+    store: str | None = Field(
+        None,
+        description="Directory of the token store (written by `pretrain-prepare-data`, read by training); "
+        "null = cache_dir/stores/<key of source, tokenizer, val_fraction>.",
+    )
+    store_shard_bytes: int = Field(
+        64 * 2**20,
+        gt=0,
+        description="Input bytes per store shard: consecutive input files are grouped up to this size (a larger "
+        "file is a shard of its own); the unit of parallel tokenization and of resume.",
+    )
     seq_len: int = Field(256, gt=0, description="Sequence length of a training sample (tokens).")
     train_subset: int = Field(0, ge=0, description="Use only this many training sequences; 0 = all.")
     val_subset: int = Field(0, ge=0, description="Use only this many validation sequences; 0 = all.")
@@ -118,11 +141,22 @@ class DataConfig(Section):
     )
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
     prefetch_factor: int | None = positive_or_null("Batches prefetched per DataLoader worker (needs num_workers > 0).")
-    num_proc: int | None = positive_or_null("Processes for tokenization (`datasets.map`); null = min(CPU cores, 8).")
+    num_proc: int | None = positive_or_null(
+        "Processes that tokenize into the store (`pretrain-prepare-data --workers` overrides); "
+        "null = min(CPU cores, 8)."
+    )
     cache_dir: str | None = Field(
         None,
         description="Where tokenizers and tokenized data are cached; null = $PRETRAIN_CACHE_DIR or "
         "~/.cache/pretrain.",
+    )
+    document_masking: bool = Field(
+        False,
+        description="Tokens attend only within their own document of a packed sequence, with position ids "
+        "restarting at 0 after each eos (block-causal attention, no cross-document context). The eos still "
+        "predicts the next document's first token, so every position stays a target. Architectures: "
+        + ", ".join(f"`{a}`" for a in DOCUMENT_MASKING_ARCHS) + "; any attention kernel (use "
+        "`flash_attention_2` on GPUs: sdpa and eager build a MBS x s x s mask).",
     )
     on_decode_error: Literal["replace", "skip"] = Field(
         "replace",
@@ -184,7 +218,8 @@ class OptimConfig(Section):
     args: dict[str, Any] = Field(
         default_factory=dict,
         description="Other keyword arguments of the optimizer class, passed through (e.g. `{betas: [0.9, 0.95], "
-        "eps: 1.0e-8}`).",
+        "eps: 1.0e-8}`). On CUDA, optimizers with a fused kernel (Adam, AdamW, SGD, Adagrad) run fused unless "
+        "this sets `fused` or `foreach`.",
     )
     grad_clip: float | None = Field(
         1.0, ge=0, description="Clip the global gradient L2 norm to this value; 0 or null = no clipping."
@@ -310,6 +345,9 @@ class RuntimeConfig(Section):
     throughput_warmup_steps: int = Field(
         1, ge=0, description="Optimizer steps after each start or resume left out of throughput and MFU (warm-up, compile)."
     )
+    collective_timeout_s: float | None = positive_or_null(
+        "Timeout of the process group's collectives (seconds); null = torch's default (10 min NCCL, 30 min gloo)."
+    )
 
 
 class DeepSpeedSection(Section):
@@ -356,6 +394,15 @@ class Recipe(Section):
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
     output_dir: str | None = Field(None, description="Where the run writes; null = runs/<name>.")
+
+    @model_validator(mode="after")
+    def _document_masking_arch(self) -> Recipe:
+        if self.data.document_masking and self.model.arch not in DOCUMENT_MASKING_ARCHS:
+            raise ValueError(
+                f"data.document_masking=true is not supported for model.arch = {self.model.arch!r} (verified: "
+                f"{', '.join(DOCUMENT_MASKING_ARCHS)}); use one of those or set data.document_masking=false"
+            )
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

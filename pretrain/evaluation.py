@@ -38,7 +38,7 @@ class Evaluator:
         for batch in self.val_loader:
             batch = batch.to(device)
             out = model(input_ids=batch.input_ids, labels=batch.targets, shift_labels=batch.targets,
-                        num_items_in_batch=1.0)
+                        num_items_in_batch=1.0, **batch.attention_kwargs())
             totals[0] += out.loss.double()
             totals[1] += batch.targets.numel()
         model.train()

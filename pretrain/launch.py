@@ -65,6 +65,8 @@ class Launch:
     """Processes per node (one per GPU on a GPU cluster)."""
     rank: int = 0
     """This process's global rank (0 outside a launched process)."""
+    local_rank: int = 0
+    """This process's rank on its node (0 outside a launched process)."""
     mixed_precision: str = "no"
     """What the accelerate config says about precision; the recipe owns it, so this must agree or be 'no'."""
     fsdp_sharding: str | None = None
@@ -129,7 +131,7 @@ class Launch:
         if world_size % num_nodes:
             num_nodes = 1  # an unusual torchrun set-up: count processes, not nodes
         common = dict(num_nodes=num_nodes, gpus_per_node=world_size // num_nodes,
-                      rank=int(environ.get("RANK", "0") or 0),
+                      rank=int(environ.get("RANK", "0") or 0), local_rank=int(environ.get("LOCAL_RANK", "0") or 0),
                       mixed_precision=environ.get("ACCELERATE_MIXED_PRECISION", "no").lower())
         if environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
             ds = {key: environ.get(var) for key, var in _DEEPSPEED_ENV.items()}

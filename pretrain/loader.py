@@ -1,4 +1,5 @@
-"""Global sample order and each rank's slice of it.
+"""Global sample order, each rank's slice of it, and the batches (with per-document positions under
+``data.document_masking``).
 
 The training stream is a sequence of global batches that depends only on the seed and the recipe:
 epoch e is a permutation of the packed sequences drawn from ``(seed, e)``, and optimizer step k
@@ -10,7 +11,7 @@ optimizer step is the same on 1, 8 or 512 processes, and resuming needs nothing 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -107,29 +108,94 @@ class PackedSequences(Dataset):
         return self.tokens[np.asarray(indices)]
 
 
+@dataclass(frozen=True)
+class DocumentMasking:
+    """``data.document_masking``: each token attends only within its own document of a packed row.
+
+    A row of the store is a window of the eos-joined document stream, so documents are told apart by the
+    eos token: an eos ends its document (it is that document's last input, and its target is the next
+    document's first token: the loss keeps that target, so every position of a row stays a target and the
+    loss normalisation is unchanged), and the token after it starts a new document at position 0. The first
+    document of a row, usually the tail of one that began in an earlier row, starts at position 0 there.
+
+    transformers turns per-document position ids into a block-causal mask for sdpa and eager
+    (``masking_utils.find_packed_sequence_indices``); flash_attention_2 needs the varlen arguments
+    (``cu_seq_lens_*``, ``max_length_*``), because it reads packed position ids only when the batch has one
+    row. Both are computed here, in the collate function: on the CPU (in the DataLoader's workers when
+    data.num_workers > 0), with ``max_length`` a host int, so the loop adds no device read of its own.
+    transformers' packed-sequence detection still reads one flag back from the device per forward (once,
+    before the first layer; not under torch.compile).
+    """
+
+    eos_id: int
+    varlen: bool  # flash_attention_2: also the cumulative document lengths of the flattened batch
+
+
+def document_positions(input_ids: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids that restart at 0 at each document start, and the starts ([MBS, seq_len] bool)."""
+    starts = torch.zeros_like(input_ids, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[:, 1:] = input_ids[:, :-1] == eos_id
+    index = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    last_start = torch.where(starts, index, 0).cummax(dim=1).values
+    return index - last_start, starts
+
+
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # [MBS, seq_len]
     targets: torch.Tensor  # [MBS, seq_len]
+    position_ids: torch.Tensor | None = None  # [MBS, seq_len], per document (data.document_masking)
+    cu_seq_lens: torch.Tensor | None = None  # int32 [num_documents + 1], document starts of the flattened batch
+    max_length: int | None = None  # the longest document of the batch (tokens): a host int, no device read
+
+    def _map(self, fn) -> Batch:
+        tensors = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(self, **{name: fn(t) for name, t in tensors.items() if isinstance(t, torch.Tensor)})
 
     def pin_memory(self) -> Batch:
-        return Batch(self.input_ids.pin_memory(), self.targets.pin_memory())
+        return self._map(torch.Tensor.pin_memory)
 
     def to(self, device, non_blocking: bool = True) -> Batch:
-        return Batch(self.input_ids.to(device, non_blocking=non_blocking), self.targets.to(device, non_blocking=non_blocking))
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def attention_kwargs(self) -> dict:
+        """Model keyword arguments that keep attention within documents; empty without document masking."""
+        if self.position_ids is None:
+            return {}
+        if self.cu_seq_lens is None:
+            return {"position_ids": self.position_ids}
+        return {"position_ids": self.position_ids, "cu_seq_lens_q": self.cu_seq_lens,
+                "cu_seq_lens_k": self.cu_seq_lens, "max_length_q": self.max_length, "max_length_k": self.max_length}
 
 
-def collate(rows: np.ndarray | list[np.ndarray]) -> Batch:
-    tokens = torch.from_numpy(np.asarray(rows, dtype=np.int64))
-    return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+class Collate:
+    """Rows [MBS, seq_len + 1] -> a Batch of inputs [:-1] and targets [1:] (picklable for worker processes)."""
+
+    def __init__(self, masking: DocumentMasking | None = None):
+        self.masking = masking
+
+    def __call__(self, rows: np.ndarray | list[np.ndarray]) -> Batch:
+        tokens = torch.from_numpy(np.asarray(rows, dtype=np.int64))
+        batch = Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+        if self.masking is None:
+            return batch
+        batch.position_ids, starts = document_positions(batch.input_ids, self.masking.eos_id)
+        if self.masking.varlen:
+            flat_starts = starts.reshape(-1).nonzero().reshape(-1)
+            bounds = torch.cat([flat_starts, torch.tensor([starts.numel()])])
+            batch.cu_seq_lens = bounds.to(torch.int32)
+            batch.max_length = int(bounds.diff().max())
+        return batch
 
 
-def _loader(dataset: Dataset, batch_sampler, data_cfg: DataConfig, pin_memory: bool) -> DataLoader:
+def _loader(dataset: Dataset, batch_sampler, data_cfg: DataConfig, pin_memory: bool,
+            masking: DocumentMasking | None) -> DataLoader:
     extra = {"prefetch_factor": data_cfg.prefetch_factor} if data_cfg.num_workers > 0 else {}
     return DataLoader(
         dataset,
         batch_sampler=batch_sampler,
-        collate_fn=collate,
+        collate_fn=Collate(masking),
         num_workers=data_cfg.num_workers,
         pin_memory=pin_memory,
         persistent_workers=data_cfg.num_workers > 0,
@@ -138,11 +204,12 @@ def _loader(dataset: Dataset, batch_sampler, data_cfg: DataConfig, pin_memory: b
 
 
 def build_train_loader(
-    tokens: np.ndarray, data_cfg: DataConfig, plan: BatchPlan, rank: int, seed: int, start_step: int, pin_memory: bool
+    tokens: np.ndarray, data_cfg: DataConfig, plan: BatchPlan, rank: int, seed: int, start_step: int, pin_memory: bool,
+    masking: DocumentMasking | None = None,
 ) -> tuple[DataLoader, GlobalSampleOrder]:
     order = GlobalSampleOrder(len(tokens), plan.global_batch_size, seed, data_cfg.shuffle, data_cfg.drop_last)
     sampler = RankBatchSampler(order, plan, rank, start_step)
-    return _loader(PackedSequences(tokens), sampler, data_cfg, pin_memory), order
+    return _loader(PackedSequences(tokens), sampler, data_cfg, pin_memory, masking), order
 
 
 def eval_indices(num_val: int, eval_batches: int, plan: BatchPlan, rank: int) -> list[list[int]]:
@@ -167,5 +234,7 @@ def eval_indices(num_val: int, eval_batches: int, plan: BatchPlan, rank: int) ->
 
 
 def build_val_loader(tokens: np.ndarray, data_cfg: DataConfig, plan: BatchPlan, rank: int, eval_batches: int,
-                     pin_memory: bool) -> DataLoader:
-    return _loader(PackedSequences(tokens), eval_indices(len(tokens), eval_batches, plan, rank), data_cfg, pin_memory)
+                     pin_memory: bool, masking: DocumentMasking | None = None) -> DataLoader:
+    """Validation batches, with the training run's document masking so that val/loss measures the same task."""
+    indices = eval_indices(len(tokens), eval_batches, plan, rank)
+    return _loader(PackedSequences(tokens), indices, data_cfg, pin_memory, masking)

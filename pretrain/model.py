@@ -29,6 +29,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from pretrain.config import ModelConfig
 from pretrain.errors import ConfigError
+from pretrain.loss import chunked_causal_lm_loss
 from pretrain.shape import ModelShape, require_counted, resolve_vocab_size
 
 __all__ = ["build_model", "closed_form_num_params", "count_parameters", "hf_config", "init_weights",
@@ -174,6 +175,7 @@ def _build(model_cfg: ModelConfig, config: PreTrainedConfig, partitioned: bool, 
                 f"model.attention = {model_cfg.attention} cannot be used here: {exc}; try sdpa"
             ) from None
     model.tie_weights()  # init_empty_weights re-creates every parameter it registers, which unties them
+    model.loss_function = chunked_causal_lm_loss  # transformers' loss without the fp32 logits (pretrain/loss.py)
     if model_cfg.activation_checkpointing:  # a flag on the layers: module names (the init seeds) do not change
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if not meta and not partitioned:

@@ -67,12 +67,24 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float) -> torch.optim.Optimizer:
+def implementation_args(cfg: OptimConfig, device_type: str) -> dict:
+    """``optim.args`` plus the fastest implementation where the user chose none: on CUDA, optimizers that
+    take ``fused`` (Adam, AdamW, SGD, ...) run fused (one kernel for all parameters instead of a few per
+    tensor). On CPU nothing is added: torch's default there is exact to the runs recorded before, and the
+    fused CPU kernel differs in the last bits. ``optim.args.fused`` / ``foreach`` decide when given."""
+    args = dict(cfg.args)
+    accepted = inspect.signature(optimizer_class(cfg).__init__).parameters
+    if device_type == "cuda" and "fused" in accepted and not {"fused", "foreach"} & set(args):
+        args["fused"] = True
+    return args
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float, device_type: str = "cpu") -> torch.optim.Optimizer:
     check_optimizer_args(cfg)
     cls = optimizer_class(cfg)
     groups = [g for g in param_groups(model, cfg) if g["params"]]
     try:
-        return cls(groups, lr=lr, **cfg.args)
+        return cls(groups, lr=lr, **implementation_args(cfg, device_type))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"optim: torch.optim.{cfg.name} rejected its arguments {cfg.args}: {exc}") from None
 

@@ -3,6 +3,12 @@
 SLURM (``--signal``), Kubernetes and most schedulers send one of them some time before the kill. The
 handlers only set a flag; they are installed for the training loop and the previous ones are restored
 after it, also when the loop raises.
+
+Every rank must stop after the same step. With several processes the flags are summed by a non-blocking
+all-reduce on a host-side (gloo) group, started after step k and read after step k+1: the step never waits
+for the device or the network for it (Megatron all-reduces a device tensor every step, which is a
+device-to-host synchronisation per step). The price is one step of latency between the signal and the stop,
+well inside any scheduler's grace period.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import signal
 
 import torch
+import torch.distributed as dist
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -21,13 +28,18 @@ class StopSignals:
         self.signals = signals
         self.received: int | None = None
         self._previous: dict[int, object] = {}
+        self._group = None  # the gloo group of the agreement, made on the first multi-process call
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None
 
     def __enter__(self) -> StopSignals:
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, exc_type, *exc_info) -> None:
+        if self._pending is not None and exc_type is None:
+            self._pending[0].wait()  # every rank started it: it completes, and nothing is left in flight
+        self._pending = None
         for sig, handler in self._previous.items():
             # None: the previous handler was not installed from Python; the default is the closest.
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
@@ -38,12 +50,22 @@ class StopSignals:
         self.received = signum
 
     def agreed(self, accelerator) -> bool:
-        """Whether any rank was asked to stop. Every rank gets the same answer for this step, so every
-        rank must call this at the same steps."""
+        """Whether a rank was asked to stop, with the same answer on every rank. Every rank must call this
+        at the same steps. One process: this process's flag. Several: the flags as they were at the
+        previous call, summed over ranks (see the module docstring); once it says stop, nothing is left
+        in flight."""
         flag = 1.0 if self.received is not None else 0.0
         if accelerator.num_processes == 1:
             return flag > 0
-        # Expensive device-to-host synchronization (one scalar per optimizer step), as in Megatron's
-        # exit-signal handler: ranks are signalled microseconds apart, possibly in different steps.
-        agreed = accelerator.reduce(torch.tensor([flag], device=accelerator.device), reduction="sum")
-        return agreed.item() > 0
+        stop = False
+        if self._pending is not None:
+            work, total = self._pending
+            work.wait()  # started a whole step ago: done by now
+            stop = total.item() > 0  # a host tensor: no device synchronisation
+            self._pending = None
+        if not stop:
+            if self._group is None:
+                self._group = dist.new_group(backend="gloo")  # collective: every rank is here at this step
+            total = torch.tensor([flag])
+            self._pending = (dist.all_reduce(total, group=self._group, async_op=True), total)
+        return stop

@@ -12,7 +12,7 @@ import sys
 
 from pretrain.cli import add_recipe_arguments
 from pretrain.errors import EXIT_USAGE, ConfigError
-from pretrain.launch import Launch
+from pretrain.launch import Launch, shell_join
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from pretrain.train import Trainer
 
-        Trainer(recipe, launch).train()
+        prepare_command = shell_join(["pretrain-prepare-data", "--recipe", args.recipe, *args.overrides])
+        Trainer(recipe, launch, prepare_command).train()
         return 0
     except ConfigError as exc:
         if is_main:

@@ -34,6 +34,7 @@ class Trainer(Protocol):
     flops: Any
     peak: Any
     memory_estimate_gib: float | None
+    optimizer: Any
 
     def log(self, message: str) -> None: ...
 
@@ -55,6 +56,7 @@ def run_config(trainer: Trainer) -> dict[str, Any]:
         "memory": {"estimated_gib": trainer.memory_estimate_gib},
         "data": trainer.data.stats,
         "train": {"num_steps": trainer.num_steps, "lr": trainer.lr},
+        "optim": optimizer_implementation(trainer.optimizer),
         "perf": {
             "flops_per_token": flops.model_flops if flops else None,
             "hardware_flops_per_token": flops.hardware_flops if flops else None,
@@ -64,6 +66,15 @@ def run_config(trainer: Trainer) -> dict[str, Any]:
             "mfu_convention": CONVENTION,
         },
     }
+
+
+def optimizer_implementation(optimizer) -> dict[str, Any]:
+    """The optimizer class that steps (accelerate's and DeepSpeed's wrappers looked through) and whether
+    torch runs it fused or multi-tensor (``foreach``); None where the class has no such switch."""
+    while hasattr(optimizer, "optimizer") and optimizer.optimizer is not optimizer:
+        optimizer = optimizer.optimizer
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    return {"class": type(optimizer).__name__, "fused": group.get("fused"), "foreach": group.get("foreach")}
 
 
 def start_run_record(trainer: Trainer) -> None:

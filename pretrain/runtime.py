@@ -2,13 +2,19 @@
 
 The recipe owns precision and accumulation; the accelerate launch owns the layout (processes,
 machines, DDP / FSDP / DeepSpeed). Where the launch's config also names a precision, it must agree.
+Once the process group exists, ``check_shared_output_dir`` makes sure every process sees the one
+``output_dir`` rank 0 writes; ``rank_problems`` is how every rank learns what every other rank found.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
+import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -22,6 +28,8 @@ from accelerate.utils import (
     GradScalerKwargs,
     InitProcessGroupKwargs,
     TorchDynamoPlugin,
+    broadcast_object_list,
+    gather_object,
 )
 
 from pretrain.batching import BatchPlan
@@ -97,10 +105,14 @@ def build_accelerator(recipe: Recipe, plan: BatchPlan, launch: Launch, output_di
     plugin, ds_config, ds_optimizer = (deepspeed_plugin(recipe, plan, launch, lr) if launch.uses_deepspeed
                                        else (None, None, False))
     handlers = []
+    timeout = recipe.runtime.collective_timeout_s
+    group = {"timeout": timedelta(seconds=timeout)} if timeout else {}
     if not torch.cuda.is_available() and plan.world_size > 1:
         # A multi-process CPU launch needs an explicit gloo group; without it DeepSpeed and accelerate
         # can disagree about the world size. (A single process must not get one: it has no group.)
-        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+        handlers.append(InitProcessGroupKwargs(backend="gloo", **group))
+    elif group and plan.world_size > 1:
+        handlers.append(InitProcessGroupKwargs(**group))
     prec = recipe.precision
     if prec.dtype == "fp16":
         # torch's GradScaler (DDP / FSDP / single device). It has no hysteresis or floor: those two knobs
@@ -132,6 +144,73 @@ def build_accelerator(recipe: Recipe, plan: BatchPlan, launch: Launch, output_di
             "processes; check the accelerate config's num_processes / distributed_type"
         )
     return Runtime(accelerator, ds_config, ds_optimizer)
+
+
+SHARED_FS_HINT = (
+    "put output_dir (and any checkpoint.resume path) on a filesystem every node mounts at the same path "
+    "(NFS, Lustre, GPFS, ...), not on node-local disk"
+)
+# A file rank 0 has closed is visible on a shared filesystem as soon as another node opens it (close-to-open
+# consistency); a node that does not see it at once is given this long before it counts as not sharing.
+PROBE_WAIT_S = 3.0
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
+def rank_problems(accelerator: Accelerator, problem: str | None) -> list[str]:
+    """Every rank's problem (None: none), gathered onto every rank as ``"rank 3 (host b) <problem>"`` lines,
+    ranks with the same host and problem merged. Collective: every rank calls it, and every rank gets the
+    same list, so every rank raises (or goes on) together instead of some waiting forever for the others."""
+    gathered = gather_object([(socket.gethostname(), problem)])
+    merged: dict[tuple[str, str], list[int]] = {}
+    for rank, (host, found) in enumerate(gathered):
+        if found is not None:
+            merged.setdefault((host, found), []).append(rank)
+    return [f"{_ranks(ranks)} (host {host}) {found}" for (host, found), ranks in merged.items()]
+
+
+def _sees(probe: Path, token: str) -> bool:
+    try:
+        return probe.read_text() == token
+    except OSError:
+        return False
+
+
+def check_shared_output_dir(accelerator: Accelerator, output_dir: Path) -> None:
+    """Raise ConfigError on every rank unless every process sees the directory rank 0 writes as output_dir.
+
+    Rank 0 alone writes checkpoints, ``checkpoints/latest`` and the metrics, while every rank writes its
+    own part of a checkpoint (RNG state; DeepSpeed's shards) and reads it back on resume: node-local
+    output_dirs would make ranks resume from different steps, or hang. Rank 0 writes one small file with
+    a random name and content; every rank reads it back; rank 0 removes it. One process: nothing to check.
+    """
+    if accelerator.num_processes == 1:
+        return
+    written = None
+    if accelerator.is_main_process:
+        probe = output_dir / f".shared-probe-{secrets.token_hex(8)}"
+        probe.write_text(probe.name)
+        written = (probe.name, socket.gethostname(), str(probe.resolve()))
+    [(name, host, where)] = broadcast_object_list([written])
+    probe = output_dir / name
+    deadline = time.monotonic() + PROBE_WAIT_S
+    while not (seen := _sees(probe, name)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    problems = rank_problems(accelerator, None if seen else f"found no such file at {probe.resolve()}")
+    if accelerator.is_main_process:  # every rank has read (or given up on) the probe by now
+        probe.unlink(missing_ok=True)
+    if problems:
+        raise ConfigError(
+            f"output_dir = {str(output_dir)!r} is not one directory shared by every process: rank 0 (host {host}) "
+            f"wrote {where}, and {'; '.join(problems)}. Checkpoints, checkpoints/latest and metrics are written "
+            f"by rank 0 and read back by every rank: {SHARED_FS_HINT}"
+        )
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,17 @@ def round_vocab(num_tokens: int) -> int:
     return -(-num_tokens // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
+# The chunked loss (pretrain/loss.py) upcasts this many logits at a time: x 4 B = 256 MiB of fp32, large
+# enough that the per-chunk launches do not matter. Here, not in loss.py, because the estimator reads it
+# without importing torch.
+LOSS_CHUNK_ELEMENTS = 2**26
+
+
+def loss_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk of the chunked loss."""
+    return max(1, LOSS_CHUNK_ELEMENTS // vocab_size)
+
+
 def resolve_vocab_size(model_cfg: ModelConfig, tokenizer_vocab_size: int | None) -> int:
     """Embedding rows: ``model.vocab_size`` if set, else the tokenizer's vocabulary rounded up to a
     multiple of 64 (GPT-2's 50257 -> 50304); the padding rows are never targets."""
@@ -152,6 +163,10 @@ def _reader(config: Any) -> Callable[[str], Any]:
 # ---- The shape ------------------------------------------------------------------------------------
 
 
+# data.document_masking keeps this dense count: attention within documents does less work (per row,
+# sum of doc_len^2 instead of seq_len^2 scores; flash_attention_2 skips the rest, sdpa and eager compute and
+# mask them), but MFU counts the full seq_len, as Megatron-LM and most published MFU figures do, so that it
+# stays comparable across runs, corpora and code bases.
 CONVENTION = (
     "model FLOPs/token = 6 x N + 12 x L x H x head_dim x seq_len; N = matmul weights (attention, MLP, "
     "LM head whether tied or not; no embedding lookup, position table, bias or norm); attention counted "

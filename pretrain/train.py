@@ -28,14 +28,14 @@ import torch
 from accelerate.utils import set_seed
 
 from pretrain.batching import BatchPlan
-from pretrain.checkpoint import Checkpointer, TrainerState, resume_checkpoint
+from pretrain.checkpoint import Checkpointer, ResumeChoice, TrainerState, agree_on_resume
 from pretrain.config import Recipe
-from pretrain.data import prepare_data
+from pretrain.data import ensure_store, open_store
 from pretrain.errors import ConfigError
 from pretrain.evaluation import Evaluator
 from pretrain.hardware import gpu_for_device
 from pretrain.launch import Launch
-from pretrain.loader import build_train_loader, build_val_loader
+from pretrain.loader import DocumentMasking, build_train_loader, build_val_loader
 from pretrain.memory import estimate
 from pretrain.metrics import ThroughputMonitor, memory_metrics, resolve_peak
 from pretrain.model import build_model, count_parameters, resolve_vocab_size
@@ -43,7 +43,7 @@ from pretrain.optim import build_optimizer, build_scheduler, deepspeed_optimizer
 from pretrain.preemption import StopSignals
 from pretrain.preflight import check_run
 from pretrain.run_record import start_run_record
-from pretrain.runtime import build_accelerator, model_placement
+from pretrain.runtime import build_accelerator, check_shared_output_dir, model_placement
 from pretrain.shape import flops_per_token
 from pretrain.tracking import Console, StepLog, build_trackers
 
@@ -68,8 +68,21 @@ def write_json(path: Path, value: Any) -> None:
     os.replace(tmp, path)
 
 
+def document_masking(recipe: Recipe, tokenizer) -> DocumentMasking | None:
+    """``data.document_masking``: documents end at the tokenizer's eos (the token packing appends to each)."""
+    if not recipe.data.document_masking:
+        return None
+    return DocumentMasking(eos_id=tokenizer.eos_token_id, varlen=recipe.model.attention == "flash_attention_2")
+
+
 def throughput_reference(recipe: Recipe, hf_config, device: torch.device, log):
-    """FLOPs per token of this model and the device's peak, for tokens/s -> TFLOP/s -> MFU."""
+    """FLOPs per token of this model and the device's peak, for tokens/s -> TFLOP/s -> MFU.
+
+    The FLOPs keep the dense convention (``shape.CONVENTION``: attention over the whole seq_len) with
+    ``data.document_masking`` too, although attention within documents does less work (flash_attention_2
+    skips the blocks across documents; sdpa and eager compute them and mask them out), so MFU stays
+    comparable across runs and with other code bases.
+    """
     try:
         flops = flops_per_token(hf_config, recipe.data.seq_len,
                                 activation_checkpointing=recipe.model.activation_checkpointing)
@@ -107,7 +120,7 @@ class OptimizerStep:
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, launch: Launch | None = None):
+    def __init__(self, recipe: Recipe, launch: Launch | None = None, prepare_command: str | None = None):
         self.recipe = recipe
         self.output_dir = Path(recipe.output_dir)
         self.launch = launch or Launch.from_env()
@@ -120,19 +133,26 @@ class Trainer:
         self.num_steps = run_plan.num_steps
         self.lr = run_plan.lr
         check_output_dir(self.output_dir)
-        resume_from = resume_checkpoint(self.output_dir, recipe.checkpoint)
-        resume_step = TrainerState.read(resume_from).step if resume_from is not None else None
+        # Rank 0 decides which checkpoint to resume from, now: its trackers (main-process only) need the step
+        # to drop the metrics of redone steps. Every rank follows that choice once the process group exists.
+        choice = ResumeChoice.decide(self.output_dir, recipe.checkpoint) if self.is_main else None
 
-        trackers = build_trackers(recipe, self.output_dir, resume_step, self.is_main)
+        # The token store exists before the process group does: no rank ever waits for data in a collective.
+        prepare_command = prepare_command or f"pretrain-prepare-data --recipe <the recipe of {recipe.name!r}>"
+        ensure_store(recipe.data, self.launch, prepare_command, log=self.log)
+
+        trackers = build_trackers(recipe, self.output_dir, choice.step if choice else None, self.is_main)
         self.runtime = build_accelerator(recipe, self.plan, self.launch, self.output_dir, trackers, self.lr)
         self.accelerator = self.runtime.accelerator
         self.device = self.accelerator.device
+        # Collectives: every rank raises the same ConfigError, or none does.
+        check_shared_output_dir(self.accelerator, self.output_dir)
+        resume_from = agree_on_resume(self.accelerator, choice, self.output_dir)
         self.checkpointer = Checkpointer(self.accelerator, self.output_dir, recipe.checkpoint, self.num_steps,
                                          log=self.log)
         set_seed(recipe.train.seed)
 
-        with self.accelerator.main_process_first():
-            self.data = prepare_data(recipe.data, log=self.log)
+        self.data = open_store(recipe.data, log=self.log, prepare_command=prepare_command)
         self.tokenizer = self.data.tokenizer
 
         vocab = resolve_vocab_size(recipe.model, len(self.tokenizer))
@@ -146,7 +166,7 @@ class Trainer:
         if self.runtime.deepspeed_optimizer:
             optimizer, scheduler = deepspeed_optimizer(model, recipe, self.lr, self.num_steps)
         else:
-            optimizer = build_optimizer(model, recipe.optim, self.lr)
+            optimizer = build_optimizer(model, recipe.optim, self.lr, self.device.type)
             scheduler = build_scheduler(optimizer, recipe.lr_schedule, self.num_steps)
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
         if self.runtime.deepspeed_config is not None and self.is_main:
@@ -161,13 +181,17 @@ class Trainer:
             self.step, self.tokens_seen = state.step, state.tokens_seen
 
         pin = self.device.type == "cuda"
+        masking = document_masking(recipe, self.tokenizer)
         self.train_loader, self.sample_order = build_train_loader(
-            self.data.train, recipe.data, self.plan, self.accelerator.process_index, recipe.train.seed, self.step, pin
+            self.data.train, recipe.data, self.plan, self.accelerator.process_index, recipe.train.seed, self.step, pin,
+            masking,
         )
         val_loader = build_val_loader(
-            self.data.val, recipe.data, self.plan, self.accelerator.process_index, recipe.train.eval_batches, pin
+            self.data.val, recipe.data, self.plan, self.accelerator.process_index, recipe.train.eval_batches, pin,
+            masking,
         )
-        # Targets per global batch: packed sequences have no padding, so every position is a target.
+        # Targets per global batch: packed sequences have no padding, so every position is a target (with
+        # document masking too: an eos keeps the next document's first token as its target).
         self.global_target_tokens = self.plan.tokens_per_step
         self.loss_normaliser = self.global_target_tokens / (self.plan.world_size * self.plan.grad_accum_steps)
 
@@ -243,13 +267,15 @@ class Trainer:
         acc, model = self.accelerator, self.model
         grad_norm = None
         with acc.accumulate(model):
-            out = model(
+            # Only the loss is kept: the output's logits are freed before backward, not at the next forward.
+            loss = model(
                 input_ids=batch.input_ids,
                 labels=batch.targets,
                 shift_labels=batch.targets,
                 num_items_in_batch=self.loss_normaliser,
-            )
-            acc.backward(out.loss)
+                **batch.attention_kwargs(),
+            ).loss
+            acc.backward(loss)
             if acc.sync_gradients:
                 grad_norm = acc.clip_grad_norm_(model.parameters(), self.recipe.optim.grad_clip or float("inf"))
             self.optimizer.step()  # accelerate skips it on micro-steps that do not synchronise
@@ -259,7 +285,7 @@ class Trainer:
                 else:
                     self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return out.loss.detach(), grad_norm
+        return loss.detach(), grad_norm
 
     # ---- around the loop ----------------------------------------------------------------------------
     def log_train(self, result: OptimizerStep) -> dict[str, float]:

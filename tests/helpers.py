@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +30,13 @@ FAST = [
 ]
 
 
+def free_port() -> int:
+    """A TCP port free now on localhost, for a rendezvous (29500 may be held by another run or test)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def env(**extra: str | None) -> dict[str, str]:
     """The test environment: offline hub, CPU DeepSpeed, a shared data cache. A None value removes a variable."""
     out = dict(os.environ)
@@ -43,17 +52,28 @@ def env(**extra: str | None) -> dict[str, str]:
 
 
 def run_cmd(cmd: list[str], timeout: float = 600, extra_env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=ROOT, env=env(**(extra_env or {})), capture_output=True, text=True,
-                          timeout=timeout, **kwargs)
+    """Run ``cmd`` in a session of its own; on a timeout (or an interrupt) the whole session is killed, so the
+    workers of a hung ``accelerate launch`` do not outlive the test."""
+    with subprocess.Popen(cmd, cwd=ROOT, env=env(**(extra_env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True, **kwargs) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def train(args: list[str], recipe: str = TINY, timeout: float = 600, extra_env: dict | None = None):
     return run_cmd([sys.executable, RUN, "--recipe", recipe, *args], timeout=timeout, extra_env=extra_env)
 
 
-def accelerate_launch(config: str, args: list[str], recipe: str = TINY, extra: list[str] = (), timeout: float = 900):
+def accelerate_launch(config: str, args: list[str], recipe: str = TINY, extra: list[str] = (), timeout: float = 900,
+                      script: list[str] = (RUN,)):
+    """``accelerate launch`` of ``script`` (the entry point, or a test's wrapper of it and its arguments)."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
-           *extra, RUN, "--recipe", recipe, *args]
+           *extra, *script, "--recipe", recipe, *args]
     return run_cmd(cmd, timeout=timeout)
 
 

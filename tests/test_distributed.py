@@ -50,10 +50,13 @@ def test_layouts_report_their_real_world_size(curves):
         config = run_config(run_dir)
         expected = 1 if name.startswith("1 process") else 2
         assert config["dist/world_size"] == expected, name
+        assert list(run_dir.glob(".shared-probe-*")) == [], name  # the shared output_dir probe is removed
         assert config["plan/global_batch_size"] == 8
         assert config["plan/grad_accum_steps"] == 8 // (2 * expected)
         if "ZeRO" in name:
             assert config["dist/distributed_type"] == "DEEPSPEED"
+        # DeepSpeed steps the torch client optimizer (deepspeed.optimizer=auto, no optimizer in its JSON)
+        assert config["optim/class"] == "AdamW" and not config["optim/fused"], name
 
 
 def test_one_curve_on_every_layout(curves):

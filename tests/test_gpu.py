@@ -31,6 +31,7 @@ def test_bf16_single_gpu_run_logs_mfu_and_cuda_memory(tmp_path):
                                                    f"output_dir={out}"]))
     config = json.loads((out / "run_config.json").read_text())
     assert config["perf/peak_source"] == "table" and config["dist/device"].startswith("cuda")
+    assert config["optim/class"] == "AdamW" and config["optim/fused"] is True
     logged = [m for m in metrics(out) if "perf/mfu" in m]
     assert logged and all(0 < m["perf/mfu"] < 1 for m in logged)
     assert all(m["memory/peak_gib"] > 0 and "memory/reserved_gib" in m for m in logged)

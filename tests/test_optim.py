@@ -10,7 +10,14 @@ from torch import nn
 
 from pretrain.config import LRScheduleConfig, OptimConfig
 from pretrain.errors import ConfigError
-from pretrain.optim import build_optimizer, build_scheduler, check_optimizer_args, param_groups, scaled_lr
+from pretrain.optim import (
+    build_optimizer,
+    build_scheduler,
+    check_optimizer_args,
+    implementation_args,
+    param_groups,
+    scaled_lr,
+)
 
 
 class Tiny(nn.Module):
@@ -88,3 +95,25 @@ def test_warmup_longer_than_run_is_an_error():
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
     with pytest.raises(ConfigError, match=r"lr_schedule.warmup_steps \(50\) must be smaller than the run's 20"):
         build_scheduler(opt, LRScheduleConfig(warmup_steps=50), 20)
+
+
+def test_optimizers_run_fused_on_cuda_unless_the_recipe_chooses():
+    """On CUDA an optimizer with a fused kernel gets it; on CPU nothing changes (exact to the golden runs);
+    optim.args.fused / foreach always win; an optimizer without the switch gets nothing."""
+    adamw = OptimConfig(name="AdamW")
+    assert implementation_args(adamw, "cuda") == {"fused": True}
+    assert implementation_args(adamw, "cpu") == {}
+    assert implementation_args(OptimConfig(name="AdamW", args={"foreach": False}), "cuda") == {"foreach": False}
+    assert implementation_args(OptimConfig(name="AdamW", args={"fused": False}), "cuda") == {"fused": False}
+    assert implementation_args(OptimConfig(name="RMSprop"), "cuda") == {}
+    opt = build_optimizer(Tiny(), adamw, lr=1e-3)
+    assert opt.param_groups[0]["fused"] in (None, False)
+
+
+@pytest.mark.gpu
+def test_adamw_built_for_cuda_is_fused():
+    model = Tiny().cuda()
+    opt = build_optimizer(model, OptimConfig(name="AdamW"), lr=1e-3, device_type="cuda")
+    assert opt.param_groups[0]["fused"] is True
+    model.norm(model.proj(model.embed(torch.zeros(2, 4, dtype=torch.long, device="cuda")))).sum().backward()
+    opt.step()

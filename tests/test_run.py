@@ -51,6 +51,7 @@ def test_metrics_files_and_final_model(tmp_path):
     assert "hidden_size: 64" in resolved
     run_config = json.loads((out / "run_config.json").read_text())
     assert run_config["dist/world_size"] == 1 and run_config["plan/grad_accum_steps"] == 2
+    assert run_config["optim/class"] == "AdamW" and not run_config["optim/fused"]  # fused on CUDA only
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,10 +15,13 @@ import pytest
 from pydantic import BaseModel
 
 import pretrain.checkpoint as checkpoint
+import pretrain.runtime as runtime
 from pretrain.checkpoint import (
     MUST_MATCH,
     Checkpointer,
+    ResumeChoice,
     TrainerState,
+    agree_on_resume,
     check_compatible,
     recipe_field,
     resume_checkpoint,
@@ -28,7 +33,7 @@ from pretrain.metrics import ThroughputMonitor
 from pretrain.preemption import STOP_SIGNALS, StopSignals
 from pretrain.rundir import STATE_FILE, read_state
 from pretrain.tracking import StepLog
-from tests.helpers import TINY
+from tests.helpers import TINY, env, free_port
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +112,49 @@ def test_resume_decision_needs_no_accelerator(tmp_path):
     assert resume_checkpoint(tmp_path / "other", CheckpointConfig(resume=str(newest))) == newest
     with pytest.raises(ConfigError, match="is not a complete checkpoint directory"):
         resume_checkpoint(run, CheckpointConfig(resume=str(tmp_path)))
+
+
+def test_rank_0_decides_once_and_keeps_an_error_for_every_rank_to_raise(tmp_path):
+    run = tmp_path / "run"
+    assert ResumeChoice.decide(run, CheckpointConfig(resume="auto")).path is None
+    newest = _fake_checkpoint(run, 4)
+    choice = ResumeChoice.decide(run, CheckpointConfig(resume="auto"))
+    assert (choice.path, choice.step, choice.error, choice.resume) == (str(newest), 4, None, "auto")
+    refused = ResumeChoice.decide(run, CheckpointConfig(resume="none"))  # kept, not raised, before the group
+    assert refused.path is None and "already holds checkpoints" in refused.error
+
+
+def test_every_rank_follows_rank_0_or_every_rank_raises(tmp_path):
+    """One process (accelerate's collectives pass values through): the rank follows rank 0's choice, raises
+    rank 0's error, and refuses a checkpoint that it sees at another step than rank 0 recorded."""
+    from accelerate import PartialState
+
+    acc = PartialState()
+    run = tmp_path / "run"
+    older, newest = _fake_checkpoint(run, 2), _fake_checkpoint(run, 4)
+    choice = ResumeChoice.decide(run, CheckpointConfig(resume="auto"))
+    assert agree_on_resume(acc, choice, run) == newest
+    assert agree_on_resume(acc, ResumeChoice.decide(tmp_path / "fresh", CheckpointConfig()), tmp_path) is None
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        agree_on_resume(acc, ResumeChoice.decide(run, CheckpointConfig(resume="none")), run)
+    other_view = ResumeChoice(resume="auto", host="node-a", path=str(older), step=3)
+    with pytest.raises(ConfigError) as refused:
+        agree_on_resume(acc, other_view, run)
+    assert str(refused.value).startswith(
+        f"the ranks do not see the same checkpoint to resume from: rank 0 (host node-a) chose {older} at step 3 "
+        f"(checkpoint.resume=auto), and rank 0 (host ")
+    assert f"found a checkpoint at step 2 at {older.resolve()} (newest visible: {newest} at step 4)" in str(refused.value)
+    assert "not on node-local disk" in str(refused.value)
+
+
+def test_rank_problems_merge_ranks_with_the_same_host_and_problem(monkeypatch):
+    views = [("a", None), ("a", None), ("b", "does not see it"), ("b", "does not see it"), ("c", "does not see it"),
+             ("b", "sees step 2"), ("d", None), ("b", "does not see it")]
+    monkeypatch.setattr(runtime, "gather_object", lambda local: views)
+    assert runtime.rank_problems(None, None) == [
+        "ranks 2, 3, 7 (host b) does not see it", "rank 4 (host c) does not see it", "rank 5 (host b) sees step 2"]
+    monkeypatch.setattr(runtime, "gather_object", lambda local: [("a", None)] + [("b", "x")] * 8)
+    assert runtime.rank_problems(None, None) == ["ranks 1-8 (host b) x"]
 
 
 @pytest.mark.parametrize(
@@ -272,3 +320,39 @@ def test_step_log_drops_none_values():
 def test_eval_cadence(every, at_start, expected):
     evaluator = Evaluator(None, [], every_steps=every, num_steps=10, at_start=at_start, console=None)
     assert [step for step in range(0, 11) if evaluator.due(step)] == expected
+
+
+AGREEMENT_SCRIPT = """
+import os, signal, sys
+from types import SimpleNamespace
+import torch.distributed as dist
+from pretrain.preemption import StopSignals
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+answers = []
+with StopSignals() as stop:
+    for step in range(1, 7):
+        if rank == 1 and step == 3:
+            os.kill(os.getpid(), signal.SIGUSR1)  # only rank 1 is signalled, during step 3
+        answers.append(stop.agreed(SimpleNamespace(num_processes=2)))
+        if answers[-1]:
+            break
+with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
+    f.write(repr(answers))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_stop_agreement_gives_every_rank_the_same_step_without_blocking(tmp_path):
+    """Two gloo processes, only rank 1 signalled in step 3: both stop after step 4 (the agreement is read one
+    step after it started), and nothing is left in flight when the loop ends."""
+    script = tmp_path / "agree.py"
+    script.write_text(AGREEMENT_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(free_port()), str(script), str(tmp_path)],
+                          env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}.json").read_text() == "[False, False, False, True]", rank

@@ -68,7 +68,7 @@ def minimal_block(trainer, batches, num_steps: int) -> None:
             batch = next(batches).to(device)
             with acc.accumulate(model):
                 loss = model(input_ids=batch.input_ids, labels=batch.targets, shift_labels=batch.targets,
-                             num_items_in_batch=normaliser).loss
+                             num_items_in_batch=normaliser, **batch.attention_kwargs()).loss
                 acc.backward(loss)
                 if clip and acc.sync_gradients:
                     acc.clip_grad_norm_(model.parameters(), clip)

@@ -1,9 +1,10 @@
-"""Tokenize and pack a recipe's data ahead of training, and show what it holds.
+"""Tokenize a recipe's data into its token store ahead of training, and show what it holds.
 
-    pretrain-prepare-data --recipe recipes/tiny.yaml [key.path=value ...]
+    pretrain-prepare-data --recipe recipes/tiny.yaml [--workers N] [key.path=value ...]
 
-The result is cached exactly where training looks for it (see pretrain/data.py), so a run started
-afterwards loads it in well under a second.
+The store is written exactly where training looks for it (data.store, or the cache; see
+pretrain/data/__init__.py) by N processes on this machine, byte-identical for any N. A rerun after an
+interruption keeps the finished shards. A run started afterwards only opens it.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def format_stats(stats: dict) -> str:
             f"{seq_len + 1} tokens each (seq_len {seq_len} + 1)",
         ),
         ("non-UTF-8 documents", f"{stats['num_decode_errors']:,} ({stats['on_decode_error']})"),
-        ("cache", stats["cache_dir"]),
+        ("store", f"{stats['cache_dir']} ({stats['num_shards']} shard(s), {stats['dtype']} tokens)"),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
@@ -44,15 +45,19 @@ def format_stats(stats: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="prepare_data",
-        description="Tokenize and pack a recipe's data into the cache that training reads.",
+        description="Tokenize a recipe's data into the token store that training reads.",
     )
     add_recipe_arguments(parser, "recipes/tiny.yaml")
+    parser.add_argument("--workers", type=int, default=None, metavar="N",
+                        help="tokenizing processes on this machine (default: data.num_proc, else min(cores, 8))")
     args = parser.parse_args(argv)
     try:
+        if args.workers is not None and args.workers < 1:
+            raise ConfigError(f"--workers {args.workers}: give at least 1 process")
         recipe = load_recipe(args.recipe, args.overrides)
         from pretrain.data import prepare_data  # heavy imports only once the recipe is valid
 
-        data = prepare_data(recipe.data)
+        data = prepare_data(recipe.data, num_workers=args.workers, progress=True)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

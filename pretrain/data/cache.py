@@ -19,11 +19,10 @@ from pretrain.config import DataConfig
 # Bump a version when the code that produces the corresponding cache changes its output.
 DOCUMENTS_VERSION = 1
 TOKENIZER_VERSION = 1
-PACKED_VERSION = 1
 
 
 def cache_root(data_cfg: DataConfig) -> Path:
-    """Where tokenizers and packed data are cached: data.cache_dir, $PRETRAIN_CACHE_DIR or ~/.cache/pretrain."""
+    """Where tokenizers and token stores are cached: data.cache_dir, $PRETRAIN_CACHE_DIR or ~/.cache/pretrain."""
     root = data_cfg.cache_dir or os.environ.get("PRETRAIN_CACHE_DIR") or "~/.cache/pretrain"
     return Path(root).expanduser().absolute()
 

@@ -1,10 +1,12 @@
-"""The corpus as a ``datasets.Dataset`` of documents (one column ``text``), and its train / val split."""
+"""The corpus's documents: all of them as a ``datasets.Dataset`` (one column ``text``) with their train / val
+split, the documents of one input file or row range (a store shard), and a bounded sample of the
+training documents (what a BPE tokenizer is trained on)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -13,7 +15,7 @@ from pretrain.config import DataConfig
 from pretrain.data.cache import cache_root
 from pretrain.data.readers import _generate_documents
 from pretrain.data.sources import _Corpus, _resolve_corpus
-from pretrain.data.split import _split_hashes, _val_mask
+from pretrain.data.split import _doc_hash, _val_mask, _val_threshold
 from pretrain.errors import DataError
 
 Log = Callable[[str], Any]
@@ -147,17 +149,50 @@ def load_documents(data_cfg: DataConfig, log: Log = print):
     return _load_documents(data_cfg, _resolve_corpus(data_cfg), log)[0]
 
 
-class _Documents:
-    """The documents and their split, loaded on first use (a cache hit never needs them)."""
+def _file_documents(files: Sequence[tuple[str, str]], data_cfg: DataConfig) -> Iterator[tuple[str, bool]]:
+    """(text, had non-UTF-8 bytes) of each document of these files, in order; a document skipped for its
+    bytes (data.on_decode_error=skip) comes as ("", True) so that it is counted, and empty ones not at all."""
+    for row in _generate_documents(list(files), data_cfg.text_field, data_cfg.on_decode_error):
+        if row["text"] or row["decode_error"]:
+            yield row["text"], row["decode_error"]
 
-    def __init__(self, data_cfg: DataConfig, corpus: _Corpus, log: Log):
-        self.data_cfg, self.corpus, self.log = data_cfg, corpus, log
-        self._loaded = None
 
-    def get(self):
-        """(docs, is_val, num_decode_errors)."""
-        if self._loaded is None:
-            docs, num_bad = _load_documents(self.data_cfg, self.corpus, self.log)
-            is_val = _val_mask(_split_hashes(docs), self.data_cfg.val_fraction)
-            self._loaded = (docs, is_val, num_bad)
-        return self._loaded
+def _hf_documents(data_cfg: DataConfig, start: int, stop: int) -> Iterator[tuple[str, bool]]:
+    """Rows [start, stop) of an ``hf:`` dataset (already downloaded and filtered: a datasets cache hit)."""
+    ds = _load_hf(data_cfg, 1).select(range(start, stop))
+    for batch in ds.iter(batch_size=1000):
+        for text in batch["text"]:
+            yield text, False
+
+
+def _sample_train_texts(data_cfg: DataConfig, corpus: _Corpus, budget_bytes: int) -> list[str]:
+    """The training documents a BPE is trained on: all of them when the corpus is at most ``budget_bytes``
+    (by file size), else the first budget / number-of-files bytes of documents of every file (the first
+    ``budget_bytes`` of an ``hf:`` dataset). The split is the store's: by document hash."""
+    texts: list[str] = []
+    if corpus.kind == "hf":
+        ds = _load_hf(data_cfg, data_cfg.num_proc or _default_num_proc())
+        taken, whole = 0, True
+        for batch in ds.iter(batch_size=1000):
+            texts += batch["text"]
+            taken += sum(len(t.encode()) for t in batch["text"])
+            if taken >= budget_bytes:
+                whole = False
+                break
+    else:
+        whole = sum(os.path.getsize(path) for path, _ in corpus.files) <= budget_bytes
+        per_file = budget_bytes if whole else max(1, budget_bytes // len(corpus.files))
+        for file in corpus.files:
+            taken = 0
+            for text, _ in _file_documents([file], data_cfg):
+                if not text:
+                    continue
+                texts.append(text)
+                taken += len(text.encode())
+                if not whole and taken >= per_file:
+                    break
+    hashes = np.fromiter((_doc_hash(t) for t in texts), dtype=np.uint64, count=len(texts))
+    # Over the whole corpus the split's tie rules apply too (they matter only for tiny corpora).
+    is_val = _val_mask(hashes, data_cfg.val_fraction) if whole else hashes < np.uint64(
+        _val_threshold(data_cfg.val_fraction))
+    return [t for t, v in zip(texts, is_val, strict=True) if not v]

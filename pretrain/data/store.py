@@ -1,65 +1,229 @@
-"""The packed data on disk, in cache_root/packed/<key>/: train.npy and val.npy (int32 rows of
-seq_len + 1 tokens), stats.json and the tokenizer; written once, memory-mapped when loaded."""
+"""The token store on disk: sharded, memory-mapped token files with document boundaries and a manifest.
+
+    <store>/manifest.json                  written last: a store without it is incomplete
+    <store>/build.json                     what the store is for (key, tokenizer, corpus); written first
+    <store>/tokenizer/                     the tokenizer (save_pretrained)
+    <store>/shards/NNNNN.json              one shard's record, written after its files: its presence
+                                           marks the shard complete
+    <store>/shards/NNNNN.SPLIT.ds          tokens, little-endian uint16 (vocab <= 65536) or uint32
+    <store>/shards/NNNNN.SPLIT.ds.index    little-endian uint64 cumulative document ends, in tokens
+    <store>/shards/NNNNN.SPLIT.ds.metadata tokenizer name, token count, the count in words
+
+The ``.ds`` / ``.ds.index`` / ``.ds.metadata`` triple is datatrove's tokenized-file layout (its
+DocumentTokenizer writes it and nanotron reads it), so a split's shard files can be read by that
+tooling. Every document ends with the tokenizer's eos token. Every file is written under a temporary
+``.tmp-`` name and renamed when complete.
+
+Reading keeps O(number of shards) memory: each split is the concatenation of its shards' token files
+in shard order, and a row of ``row_len`` tokens is cut from that stream at ``i x row_len`` (a row may
+span two shards), memory-mapping a shard file on first use.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pretrain.config import DataConfig
-from pretrain.data.tokenizer import _load_saved_tokenizer
+FORMAT = "pretrain-token-store"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+BUILD = "build.json"
+SPLITS = ("train", "val")
+MAX_OPEN_SHARDS = 64  # memory maps each reader keeps open (each holds a file descriptor)
 
-TOKENS_DTYPE = np.int32
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every token id fits (vocab <= 65536), else uint32; little-endian either way."""
+    return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+
+
+def _count_words(n: float) -> str:
+    """Human-readable count: 734, 12.3k, 3.19M."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{int(n)}"
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    _write_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def shard_name(index: int) -> str:
+    return f"{index:05d}"
+
+
+class SplitWriter:
+    """One split of one shard: appends documents' tokens to ``.tmp-`` files; ``commit`` renames them."""
+
+    def __init__(self, directory: Path, name: str, dtype: np.dtype, tokenizer_name: str):
+        self.directory, self.name, self.dtype, self.tokenizer_name = directory, name, dtype, tokenizer_name
+        self.tmp = directory / f".tmp-{name}.ds"
+        self.file = open(self.tmp, "wb")
+        self.sha = hashlib.sha256()
+        self.doc_ends: list[int] = []
+        self.num_tokens = 0
+
+    def write(self, tokens: np.ndarray, doc_lengths: np.ndarray) -> None:
+        """Append documents (their concatenated tokens and each one's length)."""
+        data = np.ascontiguousarray(tokens, dtype=self.dtype).tobytes()
+        self.file.write(data)
+        self.sha.update(data)
+        self.doc_ends.extend((self.num_tokens + np.cumsum(doc_lengths)).tolist())
+        self.num_tokens += int(np.sum(doc_lengths))
+
+    def commit(self) -> dict[str, Any]:
+        """Write the index and metadata, rename all three into place; the split's record."""
+        self.file.close()
+        index = np.asarray(self.doc_ends, dtype="<u8").tobytes()
+        _write_atomic(self.directory / f"{self.name}.ds.index", index)
+        metadata = f"{self.tokenizer_name}\n{self.num_tokens}\n{_count_words(self.num_tokens)}T"
+        _write_atomic(self.directory / f"{self.name}.ds.metadata", metadata.encode())
+        os.replace(self.tmp, self.directory / f"{self.name}.ds")
+        return {
+            "file": f"{self.name}.ds",
+            "num_tokens": self.num_tokens,
+            "num_documents": len(self.doc_ends),
+            "num_bytes": self.num_tokens * self.dtype.itemsize,
+            "sha256": self.sha.hexdigest(),
+            "index_sha256": hashlib.sha256(index).hexdigest(),
+        }
+
+    def abort(self) -> None:
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def read_split_documents(shards_dir: Path, record: dict[str, Any], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, document ends) of one split file, read whole (used only to re-split tiny corpora)."""
+    if record["num_tokens"] == 0:
+        return np.zeros(0, dtype), np.zeros(0, np.uint64)
+    tokens = np.fromfile(shards_dir / record["file"], dtype=dtype)
+    ends = np.fromfile(shards_dir / f"{record['file']}.index", dtype="<u8")
+    return tokens, ends
+
+
+def split_files_intact(shards_dir: Path, record: dict[str, Any]) -> bool:
+    """Whether a split's files exist with the sizes its record gives (a cheap check: no reading)."""
+    path = shards_dir / record["file"]
+    index = shards_dir / f"{record['file']}.index"
+    try:
+        return path.stat().st_size == record["num_bytes"] and index.stat().st_size == 8 * record["num_documents"]
+    except OSError:
+        return False
+
+
+class TokenRows:
+    """Rows of ``row_len`` tokens cut from one split's token stream: row i is tokens [i x row_len,
+    (i+1) x row_len) of its shards' files concatenated in order. Indexing returns int64 arrays."""
+
+    def __init__(self, files: list[Path], num_tokens: list[int], dtype: np.dtype, row_len: int, limit: int = 0):
+        keep = [i for i, n in enumerate(num_tokens) if n > 0]
+        self.files = [files[i] for i in keep]
+        self.offsets = np.concatenate([[0], np.cumsum([num_tokens[i] for i in keep], dtype=np.int64)])
+        self.dtype, self.row_len = np.dtype(dtype), row_len
+        num_rows = int(self.offsets[-1]) // row_len
+        self.num_rows = min(num_rows, limit) if limit else num_rows
+        self._open: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.num_rows, self.row_len)
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def size(self) -> int:
+        return self.num_rows * self.row_len
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def __getstate__(self) -> dict[str, Any]:
+        # DataLoader workers get the file list, not the parent's memory maps.
+        return {**self.__dict__, "_open": OrderedDict()}
+
+    def _shard(self, index: int) -> np.ndarray:
+        tokens = self._open.get(index)
+        if tokens is None:
+            tokens = np.memmap(self.files[index], dtype=self.dtype, mode="r")
+            self._open[index] = tokens
+            if len(self._open) > MAX_OPEN_SHARDS:
+                self._open.popitem(last=False)
+        else:
+            self._open.move_to_end(index)
+        return tokens
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of the split's stream as int64."""
+        out = np.empty(stop - start, dtype=np.int64)
+        shard = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        filled = 0
+        while filled < len(out):
+            begin = start + filled - int(self.offsets[shard])
+            take = min(len(out) - filled, int(self.offsets[shard + 1]) - start - filled)
+            out[filled : filled + take] = self._shard(shard)[begin : begin + take]
+            filled += take
+            shard += 1
+        return out
+
+    def row(self, index: int) -> np.ndarray:
+        if not -self.num_rows <= index < self.num_rows:
+            raise IndexError(f"row {index} of {self.num_rows}")
+        index %= self.num_rows
+        return self.tokens(index * self.row_len, (index + 1) * self.row_len)
+
+    def __getitem__(self, index) -> np.ndarray:
+        if isinstance(index, (int, np.integer)):
+            return self.row(int(index))
+        if isinstance(index, slice):
+            index = range(*index.indices(self.num_rows))
+        indices = list(np.asarray(index).reshape(-1)) if not isinstance(index, range) else list(index)
+        out = np.empty((len(indices), self.row_len), dtype=np.int64)
+        for k, i in enumerate(indices):
+            out[k] = self.row(int(i))
+        return out
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        rows = self[:]
+        return rows if dtype is None else rows.astype(dtype)
 
 
 @dataclass
 class PackedData:
-    """Packed token sequences of both splits, the tokenizer that made them and what it took."""
+    """Rows of both splits read from a token store, the tokenizer that made them and the store's counts."""
 
-    train: np.ndarray  # int32 [num_train_sequences, seq_len + 1], usually a read-only memory map
-    val: np.ndarray  # int32 [num_val_sequences, seq_len + 1]
+    train: TokenRows  # [num_train_sequences, seq_len + 1], memory-mapped shard files
+    val: TokenRows  # [num_val_sequences, seq_len + 1]
     tokenizer: Any  # transformers.PreTrainedTokenizerFast with eos_token set
-    stats: dict[str, Any]  # JSON-serialisable counts and provenance, see prepare_data
+    stats: dict[str, Any]  # JSON-serialisable counts and provenance, see pretrain.data.prepare
 
 
-class _SequenceWriter:
-    """Fills an .npy file of shape [num_sequences, row_len] from a token stream; surplus is dropped."""
-
-    def __init__(self, path: Path, num_sequences: int, row_len: int):
-        self.array = np.lib.format.open_memmap(path, mode="w+", dtype=TOKENS_DTYPE, shape=(num_sequences, row_len))
-        self.flat = self.array.reshape(-1)
-        self.pos = 0
-
-    def write(self, tokens: np.ndarray):
-        n = min(len(tokens), len(self.flat) - self.pos)
-        self.flat[self.pos : self.pos + n] = tokens[:n]
-        self.pos += n
-
-    def close(self):
-        assert self.pos == len(self.flat), (self.pos, len(self.flat))
-        self.array.flush()
-        del self.flat, self.array
-
-
-def _load_packed(path: Path, data_cfg: DataConfig, tokenizer=None) -> PackedData:
-    stats = json.loads((path / "stats.json").read_text())
-    train = np.load(path / "train.npy", mmap_mode="r")
-    val = np.load(path / "val.npy", mmap_mode="r")
-    if data_cfg.train_subset:
-        train = train[: data_cfg.train_subset]
-    if data_cfg.val_subset:
-        val = val[: data_cfg.val_subset]
-    stats.update(
-        num_train_sequences=len(train),
-        num_val_sequences=len(val),
-        train_subset=data_cfg.train_subset,
-        val_subset=data_cfg.val_subset,
-        cache_dir=str(path),
-    )
-    if tokenizer is None:
-        tokenizer = _load_saved_tokenizer(path / "tokenizer")
-    return PackedData(train=train, val=val, tokenizer=tokenizer, stats=stats)
+def split_rows(store_dir: Path, manifest: dict[str, Any], split: str, row_len: int, limit: int = 0) -> TokenRows:
+    shards = manifest["shards"]
+    files = [store_dir / "shards" / shard[split]["file"] for shard in shards]
+    dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
+    return TokenRows(files, [shard[split]["num_tokens"] for shard in shards], dtype, row_len, limit)

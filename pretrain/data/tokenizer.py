@@ -1,5 +1,6 @@
 """The tokenizer: a pretrained one (local or from the hub) checked for what packing needs, or a byte-level
-BPE trained on the training documents and cached under cache_root/tokenizers/<key>/."""
+BPE trained on a bounded sample of the training documents (data.tokenizer_train_bytes) and cached under
+cache_root/tokenizers/<key>/."""
 
 from __future__ import annotations
 
@@ -9,11 +10,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
-
 from pretrain.config import DataConfig
 from pretrain.data.cache import TOKENIZER_VERSION, _hash, _make_tmp_dir, _publish, cache_root
-from pretrain.data.documents import Log, _Documents
+from pretrain.data.documents import Log, _sample_train_texts
 from pretrain.data.sources import _Corpus, _resolve_corpus
 from pretrain.errors import DataError
 
@@ -100,6 +99,7 @@ def _bpe_key(data_cfg: DataConfig, corpus: _Corpus) -> str:
             "documents": corpus.key,
             "vocab_size": data_cfg.tokenizer_vocab_size,
             "val_fraction": data_cfg.val_fraction,
+            "train_bytes": data_cfg.tokenizer_train_bytes,
         }
     )
 
@@ -126,22 +126,18 @@ def _train_bpe(texts: Iterator[list[str]], num_texts: int, vocab_size: int):
     )
 
 
-def _train_texts(docs, is_val: np.ndarray) -> Iterator[list[str]]:
-    start = 0
-    for batch in docs.iter(batch_size=1000):
-        texts = batch["text"]
-        mask = is_val[start : start + len(texts)]
-        start += len(texts)
-        yield [t for t, v in zip(texts, mask, strict=True) if not v]
-
-
 def _load_saved_tokenizer(path: Path):
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(str(path))
 
 
-def _get_tokenizer(data_cfg: DataConfig, corpus: _Corpus, documents: _Documents, log: Log):
+def _batches(texts: list[str], size: int = 1000) -> Iterator[list[str]]:
+    for start in range(0, len(texts), size):
+        yield texts[start : start + size]
+
+
+def _get_tokenizer(data_cfg: DataConfig, corpus: _Corpus | None, log: Log):
     """(tokenizer, identity string for cache keys, description)."""
     if data_cfg.tokenizer != "bpe":
         tok = _load_pretrained_tokenizer(data_cfg)
@@ -155,21 +151,21 @@ def _get_tokenizer(data_cfg: DataConfig, corpus: _Corpus, documents: _Documents,
         tok = _load_saved_tokenizer(target)
         log(f"tokenizer: cached byte-level BPE, {len(tok):,} tokens, at {target}")
         return tok, key, description
-    docs, is_val, _ = documents.get()
     start = time.perf_counter()
-    tok = _train_bpe(_train_texts(docs, is_val), int((~is_val).sum()), data_cfg.tokenizer_vocab_size)
+    texts = _sample_train_texts(data_cfg, corpus, data_cfg.tokenizer_train_bytes)
+    tok = _train_bpe(_batches(texts), len(texts), data_cfg.tokenizer_vocab_size)
     tmp = _make_tmp_dir(target.parent, key)
     tok.save_pretrained(str(tmp))
     _publish(tmp, target)
     log(
-        f"tokenizer: trained byte-level BPE on {int((~is_val).sum()):,} training documents in "
+        f"tokenizer: trained byte-level BPE on {len(texts):,} training documents in "
         f"{time.perf_counter() - start:.1f}s, {len(tok):,} tokens, cached at {target}"
     )
     return _load_saved_tokenizer(target), key, description
 
 
 def build_tokenizer(data_cfg: DataConfig, log: Log = print):
-    """The tokenizer of data.tokenizer: a byte-level BPE trained on the training documents (cached under
-    cache_root/tokenizers/<key>/), or a local / hub tokenizer. It always has an eos_token."""
+    """The tokenizer of data.tokenizer: a byte-level BPE trained on a sample of the training documents
+    (cached under cache_root/tokenizers/<key>/), or a local / hub tokenizer. It always has an eos_token."""
     corpus = _resolve_corpus(data_cfg) if data_cfg.tokenizer == "bpe" else None
-    return _get_tokenizer(data_cfg, corpus, _Documents(data_cfg, corpus, log), log)[0]
+    return _get_tokenizer(data_cfg, corpus, log)[0]

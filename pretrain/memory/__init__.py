@@ -19,8 +19,9 @@ offload, number of GPUs) give each term a device holds, in bytes, with the formu
   (sdpa / flash_attention_2: q, k, v, output and a logsumexp, no s² term; eager: the s² attention
   probabilities), for Llama-style blocks (RMSNorm with an fp32 upcast, RoPE, GQA, SwiGLU) and GPT-2
   blocks (LayerNorm, fused qkv, tanh-GELU, dropout masks), with and without activation checkpointing.
-- **logits and loss**: transformers' loss upcasts the logits to fp32 and log-softmax saves an fp32
-  MBS x seq x vocab tensor; its gradient is another two.
+- **logits and loss**: the logits (MBS x seq x vocab in the compute dtype) and the chunked loss's gradient
+  buffer of the same size and dtype, plus one fp32 chunk (pretrain/loss.py); the logits are freed before
+  backward.
 - **communication buckets**, an **autocast weight cache** (DDP in mixed precision), and an allowance for
   the CUDA context and the allocator.
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from pretrain.memory.terms import Term, gib, num
 from pretrain.memory.workload import PRECISION_BYTES, Workload
-from pretrain.shape import ModelShape
+from pretrain.shape import ModelShape, loss_chunk_tokens
 
 TANH_GELU_EAGER = {"gelu_new", "gelu_fast", "gelu_python_tanh"}
 """Activations that transformers computes op by op (tanh approximation): they save 3 more tensors."""
@@ -21,10 +21,11 @@ class ActivationEstimate:
     recompute_bytes: int
     """Activation checkpointing only: one block's activations, rebuilt during backward."""
     logits_saved_bytes: int
-    """fp32 log-softmax output saved by the cross-entropy (MBS x seq x vocab x 4 B)."""
+    """The loss's gradient buffer, saved for backward in the logits' dtype (MBS x seq x vocab x b B,
+    pretrain/loss.py)."""
     logits_peak_bytes: int
-    """All logits-sized tensors alive at once at the start of backward (the logits the model returns,
-    the saved fp32 log-softmax, and its incoming and outgoing fp32 gradients)."""
+    """All logits-sized tensors alive at once, inside the loss's forward: the logits, the gradient buffer
+    and one fp32 chunk (pretrain.shape.loss_chunk_tokens(vocab) tokens, or the micro-batch if fewer)."""
     per_layer_bytes: int
     """One block's saved tensors without checkpointing."""
     lines: tuple[str, ...]
@@ -35,14 +36,18 @@ class ActivationEstimate:
 
 
 def activation_memory(shape: ModelShape, micro_batch_size: int, seq_len: int, precision: str,
-                      attention: str = "sdpa", checkpointing: bool = False, device: str = "cuda") -> ActivationEstimate:
+                      attention: str = "sdpa", checkpointing: bool = False, device: str = "cuda",
+                      document_masking: bool = False) -> ActivationEstimate:
     """Saved-for-backward bytes of one micro-batch, from the per-block formula of the architecture.
 
     b is the activation dtype's size (2 in bf16/fp16: DeepSpeed runs the model in that dtype; 4 in fp32),
     T = MBS x seq tokens, d hidden, q = heads x head_dim, k = kv_heads x head_dim, f MLP width, h heads.
     ``device`` matters for dropout only: CUDA saves a 1-byte mask and its fused SDPA kernels apply attention
     dropout themselves; on CPU dropout saves a mask in the activation dtype and SDPA with attention
-    dropout falls back to the math kernel (s^2 terms, like eager).
+    dropout falls back to the math kernel (s^2 terms, like eager). ``document_masking`` (data.document_masking)
+    makes transformers build one boolean MBS x 1 x s x s block-causal mask for sdpa, which every layer's SDPA
+    keeps for backward; flash_attention_2 takes per-document lengths instead, and eager builds its float mask
+    either way.
     """
     b = PRECISION_BYTES[precision]
     mask = 1 if device == "cuda" else b
@@ -90,6 +95,9 @@ def activation_memory(shape: ModelShape, micro_batch_size: int, seq_len: int, pr
         extras_text = "ids and labels 16T, position ids 8s, final LayerNorm" + (
             f", embedding dropout mask {mask}Td" if shape.embd_dropout > 0 else "") + (
             ", causal mask MBS s^2 b" if causal_mask else "")
+    if document_masking and attention == "sdpa" and not eager:
+        extras += B * s * s
+        extras_text += ", document mask MBS s^2 (bool)"
     if dropout:
         lines.append(f"dropout masks per block: {gib(dropout)} ({mask} B per element"
                      + (", attention: mask and dropped probabilities" if attn_dropout else "") + ")")
@@ -111,8 +119,8 @@ def activation_memory(shape: ModelShape, micro_batch_size: int, seq_len: int, pr
         saved = L * per_layer + extras
         recompute = 0
         lines.append(f"{L} blocks x {gib(per_layer)} + {extras_text} {gib(extras)}")
-    logits_saved = 4 * T * V
-    logits_peak = (b + 12) * T * V
+    logits_saved = b * T * V
+    logits_peak = 2 * b * T * V + 4 * min(T, loss_chunk_tokens(V)) * V
     return ActivationEstimate(saved, recompute, logits_saved, logits_peak, per_layer, tuple(lines))
 
 
@@ -126,8 +134,9 @@ def activation_terms(acts: ActivationEstimate, shape: ModelShape, workload: Work
         f"saved for backward {gib(acts.saved_bytes)}"
         + (f" + one block recomputed {gib(acts.recompute_bytes)}" if acts.recompute_bytes else "")
         + " (formula below)")
+    chunk = min(T, loss_chunk_tokens(V))
     logits = Term(
         "logits", "logits and loss", acts.logits_peak_bytes,
-        f"T x V x ({b} B logits kept in the output + 4 B fp32 log-softmax saved + 4 + 4 B its gradients) "
-        f"= {num(T)} x {num(V)} x {b + 12}")
+        f"T x V x ({b} B logits + {b} B the loss's gradient buffer) + one fp32 chunk of {num(chunk)} tokens "
+        f"= {num(T)} x {num(V)} x {2 * b} + {num(chunk)} x {num(V)} x 4")
     return activations, logits

@@ -185,7 +185,7 @@ def estimate_shape(shape: ModelShape, workload: Workload, layout: Launch, *,
         raise ConfigError(f"seq_len {w.seq_len} is longer than the model's {shape.max_positions} positions")
     states = model_states(shape, w, layout, buffers)
     acts = activation_memory(shape, w.micro_batch_size, w.seq_len, w.precision, w.attention, w.activation_checkpointing,
-                             device)
+                             device, document_masking=w.document_masking)
     activations, logits = activation_terms(acts, shape, w)
     terms = {t.key: t for t in (states.params, states.grads, states.optimizer, activations, logits, states.comm,
                                 states.autocast) if t is not None}

@@ -47,6 +47,7 @@ class Workload:
     seq_len: int = 2048
     attention: str = "sdpa"
     activation_checkpointing: bool = False
+    document_masking: bool = False  # data.document_masking: sdpa then gets a MBS x s x s mask
     grad_accum_steps: int | None = None
     global_batch_size: int | None = None
 
@@ -70,6 +71,7 @@ class Workload:
             seq_len=plan.seq_len,
             attention=recipe.model.attention,
             activation_checkpointing=recipe.model.activation_checkpointing,
+            document_masking=recipe.data.document_masking,
             grad_accum_steps=plan.grad_accum_steps,
             global_batch_size=plan.global_batch_size,
         )

@@ -1,0 +1,346 @@
+"""Building a token store: the corpus cut into shards by input file (or row range), each shard tokenized by
+one of N worker processes, finished shards kept across a kill, and the manifest written last.
+
+A shard's content depends on its inputs and the tokenizer only, never on which worker wrote it or how
+many there were, so the store is byte-identical for any N. A shard is complete when its record
+(``shards/NNNNN.json``) exists with the inputs of the plan and its files have the recorded sizes; a
+rerun keeps those and redoes the rest (files of an interrupted shard are only ever ``.tmp-`` names).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import queue
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pretrain.config import DataConfig
+from pretrain.data.documents import Log, _file_documents, _hf_documents, _load_hf
+from pretrain.data.sources import _Corpus
+from pretrain.data.split import _doc_hash, _val_threshold
+from pretrain.data.store import (
+    MANIFEST,
+    SPLITS,
+    SplitWriter,
+    _read_json,
+    _write_json,
+    read_split_documents,
+    shard_name,
+    split_files_intact,
+)
+from pretrain.data.tokenizer import _load_saved_tokenizer
+from pretrain.errors import DataError
+
+HF_ROWS_PER_SHARD = 100_000
+ENCODE_BATCH_DOCS = 256
+PROGRESS_EVERY_DOCS = 2048
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """The inputs of one shard: (path, format, size, mtime_ns) of local files, or a row range of hf:."""
+
+    index: int
+    files: tuple[tuple[str, str, int, int], ...] = ()
+    rows: tuple[int, int] | None = None
+
+    @property
+    def inputs(self) -> list:
+        return [list(f) for f in self.files] if self.rows is None else [list(self.rows)]
+
+    @property
+    def num_input_bytes(self) -> int:
+        return sum(f[2] for f in self.files)
+
+
+def plan_shards(corpus: _Corpus, data_cfg: DataConfig) -> list[ShardPlan]:
+    """Consecutive input files grouped until a shard holds data.store_shard_bytes (a larger file is a shard
+    of its own); an hf: dataset in ranges of HF_ROWS_PER_SHARD rows. Depends on the corpus only."""
+    if corpus.kind == "hf":
+        num_rows = len(_load_hf(data_cfg, data_cfg.num_proc or 1))
+        starts = range(0, num_rows, HF_ROWS_PER_SHARD)
+        return [ShardPlan(i, rows=(s, min(s + HF_ROWS_PER_SHARD, num_rows))) for i, s in enumerate(starts)]
+    shards, group, size = [], [], 0
+    for path, fmt in corpus.files:
+        st = os.stat(path)
+        group.append((path, fmt, st.st_size, st.st_mtime_ns))
+        size += st.st_size
+        if size >= data_cfg.store_shard_bytes:
+            shards.append(ShardPlan(len(shards), tuple(group)))
+            group, size = [], 0
+    if group or not shards:
+        shards.append(ShardPlan(len(shards), tuple(group)))
+    return shards
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    """What every worker needs: picklable, and the same for every shard."""
+
+    store_dir: str
+    data_cfg: DataConfig
+    dtype: str
+    tokenizer_name: str
+
+
+Report = Callable[[int, int, int], Any]  # (documents, tokens, input bytes) done since the last report
+
+
+def _shard_complete(shards_dir: Path, shard: ShardPlan) -> dict[str, Any] | None:
+    path = shards_dir / f"{shard_name(shard.index)}.json"
+    try:
+        record = _read_json(path)
+    except (OSError, ValueError):
+        return None
+    if record.get("inputs") != shard.inputs:
+        return None
+    if not all(split_files_intact(shards_dir, record[split]) for split in SPLITS):
+        return None
+    return record
+
+
+def tokenize_shard(spec: BuildSpec, shard: ShardPlan, report: Report) -> dict[str, Any]:
+    """Tokenize one shard's documents (eos after each) into its train and val files; its record."""
+    data_cfg = spec.data_cfg
+    shards_dir = Path(spec.store_dir) / "shards"
+    tokenizer = _load_saved_tokenizer(Path(spec.store_dir) / "tokenizer")
+    backend, eos = tokenizer.backend_tokenizer, tokenizer.eos_token_id
+    threshold = _val_threshold(data_cfg.val_fraction)
+    name = shard_name(shard.index)
+    dtype = np.dtype(spec.dtype)
+    writers = {split: SplitWriter(shards_dir, f"{name}.{split}", dtype, spec.tokenizer_name) for split in SPLITS}
+    # For the split's tie rules (no val or no train document in the whole corpus): this shard's first
+    # train document of the smallest hash and first val document of the largest, by position in the split.
+    extreme: dict[str, list] = {"train": [None, -1], "val": [None, -1]}
+    num_decode_errors = 0
+    pending_docs = pending_tokens = 0
+    documents = (_hf_documents(data_cfg, *shard.rows) if shard.rows is not None
+                 else _file_documents([f[:2] for f in shard.files], data_cfg))
+
+    def flush(texts: list[str]):
+        nonlocal pending_docs, pending_tokens
+        encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
+        for split in SPLITS:
+            ids, lengths = [], []
+            for text, encoding in zip(texts, encodings, strict=True):
+                h = _doc_hash(text)
+                if (h < threshold) != (split == "val"):
+                    continue
+                best, position = extreme[split]
+                if best is None or (h < best if split == "train" else h > best):
+                    extreme[split] = [h, len(writers[split].doc_ends) + len(lengths)]
+                ids.append(encoding.ids + [eos])
+                lengths.append(len(encoding.ids) + 1)
+            if lengths:
+                writers[split].write(np.concatenate([np.asarray(i, dtype=np.int64) for i in ids]),
+                                     np.asarray(lengths, dtype=np.int64))
+                pending_tokens += int(sum(lengths))
+        pending_docs += len(texts)
+        if pending_docs >= PROGRESS_EVERY_DOCS:
+            report(pending_docs, pending_tokens, 0)
+            pending_docs = pending_tokens = 0
+
+    try:
+        batch: list[str] = []
+        for text, bad in documents:
+            num_decode_errors += bad
+            if not text:
+                continue
+            batch.append(text)
+            if len(batch) == ENCODE_BATCH_DOCS:
+                flush(batch)
+                batch = []
+        if batch:
+            flush(batch)
+        splits = {split: writers[split].commit() for split in SPLITS}
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
+    record = {
+        "name": name,
+        "inputs": shard.inputs,
+        "num_decode_errors": num_decode_errors,
+        "min_train_hash": extreme["train"],  # [hash, position of the document in the shard's train file]
+        "max_val_hash": extreme["val"],
+        **splits,
+    }
+    _write_json(shards_dir / f"{name}.json", record)
+    report(pending_docs, pending_tokens, shard.num_input_bytes)
+    return record
+
+
+# ---- the parallel build -----------------------------------------------------------------------------
+
+_worker_queue: Any = None
+
+
+def _init_worker(progress_queue) -> None:
+    global _worker_queue
+    _worker_queue = progress_queue
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # forked workers: one thread each, no fork warning
+
+
+def _worker(args: tuple[BuildSpec, ShardPlan]) -> dict[str, Any]:
+    spec, shard = args
+    return tokenize_shard(spec, shard, lambda *counts: _worker_queue.put(counts))
+
+
+class Progress:
+    """A progress bar over input bytes with documents and tokens/s (tqdm, on stderr)."""
+
+    def __init__(self, total_bytes: int, enabled: bool):
+        from tqdm import tqdm
+
+        # A log file (SLURM, nohup) gets a line every 30 s instead of a redraw every 0.5 s.
+        self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenize", disable=not enabled,
+                        dynamic_ncols=True, smoothing=0.1, mininterval=0.5 if sys.stderr.isatty() else 30)
+        self.docs = self.tokens = 0
+        self.start = time.perf_counter()
+
+    def __call__(self, docs: int, tokens: int, num_bytes: int) -> None:
+        self.docs += docs
+        self.tokens += tokens
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{self.docs:,} docs, {rate / 1e3:,.1f}k tokens/s", refresh=False)
+        self.bar.update(num_bytes)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def build_shards(spec: BuildSpec, shards: list[ShardPlan], num_workers: int, log: Log,
+                 progress: bool = True) -> list[dict[str, Any]]:
+    """Every shard's record: finished ones kept, the others tokenized by num_workers processes."""
+    shards_dir = Path(spec.store_dir) / "shards"
+    shards_dir.mkdir(parents=True, exist_ok=True)
+    for stale in shards_dir.glob(".tmp-*"):  # an interrupted build's partial files
+        stale.unlink()
+    records: dict[int, dict[str, Any]] = {}
+    for shard in shards:
+        record = _shard_complete(shards_dir, shard)
+        if record is not None:
+            records[shard.index] = record
+    todo = [s for s in shards if s.index not in records]
+    if records:
+        log(f"data: resuming: {len(records)} of {len(shards)} shards are complete, {len(todo)} to tokenize")
+    bar = Progress(sum(s.num_input_bytes for s in todo), progress)
+    try:
+        if num_workers <= 1 or len(todo) <= 1:
+            for shard in todo:
+                records[shard.index] = tokenize_shard(spec, shard, bar)
+        else:
+            _run_pool(spec, todo, num_workers, bar, records)
+    finally:
+        bar.close()
+    return [records[s.index] for s in shards]
+
+
+def _run_pool(spec: BuildSpec, todo: list[ShardPlan], num_workers: int, bar: Progress, records: dict) -> None:
+    ctx = multiprocessing.get_context("fork")
+    progress_queue = ctx.Queue()
+    with ctx.Pool(min(num_workers, len(todo)), initializer=_init_worker, initargs=(progress_queue,)) as pool:
+        results = pool.imap_unordered(_worker, [(spec, shard) for shard in todo])
+        done = 0
+        while done < len(todo):
+            with contextlib.suppress(multiprocessing.TimeoutError):
+                record = results.next(timeout=0.2)
+                records[int(record["name"])] = record
+                done += 1
+            while True:
+                try:
+                    bar(*progress_queue.get_nowait())
+                except queue.Empty:
+                    break
+
+
+# ---- the split's tie rules and the manifest ---------------------------------------------------------
+
+
+def _rewrite_split(spec: BuildSpec, record: dict[str, Any], split: str, tokens: np.ndarray,
+                   lengths: list[int]) -> dict[str, Any]:
+    writer = SplitWriter(Path(spec.store_dir) / "shards", f"{record['name']}.{split}", np.dtype(spec.dtype),
+                         spec.tokenizer_name)
+    writer.write(tokens, np.asarray(lengths, dtype=np.int64))
+    return writer.commit()
+
+
+def _documents(tokens: np.ndarray, ends: np.ndarray) -> list[np.ndarray]:
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+    return [tokens[s:e] for s, e in zip(starts, ends.astype(np.int64), strict=True)]
+
+
+def apply_split_rules(spec: BuildSpec, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The split's rules for tiny corpora (see the pretrain.data docstring), applied by rewriting the one
+    shard concerned: a single document is split inside its token stream; with no val document the train
+    document of the smallest hash moves to val; with no train document the val one of the largest to train."""
+    num_docs = {split: sum(r[split]["num_documents"] for r in records) for split in SPLITS}
+    total = num_docs["train"] + num_docs["val"]
+    if total == 0:
+        raise DataError(
+            f"data.source = {spec.data_cfg.source!r} has no text: every document is empty"
+            + (" or was skipped for non-UTF-8 bytes (data.on_decode_error=skip)"
+               if any(r["num_decode_errors"] for r in records) else "")
+            + "; point data.source at files with text"
+        )
+    shards_dir = Path(spec.store_dir) / "shards"
+    dtype = np.dtype(spec.dtype)
+    if total == 1:
+        (index, record, split), = [(i, r, s) for i, r in enumerate(records) for s in SPLITS
+                                   if r[s]["num_documents"]]
+        tokens, _ = read_split_documents(shards_dir, record[split], dtype)
+        # The one document's stream (text tokens + eos) is cut before its last val_fraction of text tokens.
+        num_text = len(tokens) - 1
+        num_val_text = max(1, round(num_text * spec.data_cfg.val_fraction)) if num_text >= 2 else 0
+        cut = num_text - num_val_text
+        train = np.concatenate([tokens[:cut], tokens[-1:]])
+        new = dict(record)
+        new["train"] = _rewrite_split(spec, record, "train", train, [len(train)])
+        new["val"] = _rewrite_split(spec, record, "val", tokens[cut:], [len(tokens) - cut] if num_val_text else [])
+        _write_json(shards_dir / f"{record['name']}.json", new)
+        return [new if i == index else r for i, r in enumerate(records)]
+    for empty, donor, key, better in (("val", "train", "min_train_hash", lambda a, b: a < b),
+                                      ("train", "val", "max_val_hash", lambda a, b: a > b)):
+        if num_docs[empty]:
+            continue
+        index = None
+        for i, r in enumerate(records):
+            h = r[key][0]
+            if h is not None and (index is None or better(h, records[index][key][0])):
+                index = i
+        record = records[index]
+        position = record[key][1]
+        tokens, ends = read_split_documents(shards_dir, record[donor], dtype)
+        docs = _documents(tokens, ends)
+        moved = docs.pop(position)
+        new = dict(record)
+        new[empty] = _rewrite_split(spec, record, empty, moved, [len(moved)])
+        new[donor] = _rewrite_split(spec, record, donor, np.concatenate(docs) if docs else tokens[:0],
+                                    [len(d) for d in docs])
+        new[key] = [None, -1]
+        _write_json(shards_dir / f"{record['name']}.json", new)
+        records = [new if i == index else r for i, r in enumerate(records)]
+        num_docs = {split: sum(r[split]["num_documents"] for r in records) for split in SPLITS}
+    return records
+
+
+def write_manifest(store_dir: Path, build: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
+    counts = {f"num_{split}_{what}": sum(r[split][f"num_{what}"] for r in records)
+              for split in SPLITS for what in ("documents", "tokens")}
+    manifest = {
+        **build,
+        "num_documents": counts["num_train_documents"] + counts["num_val_documents"],
+        **counts,
+        "num_decode_errors": sum(r["num_decode_errors"] for r in records),
+        "shards": [{k: r[k] for k in ("name", "inputs", "train", "val")} for r in records],
+    }
+    _write_json(store_dir / MANIFEST, manifest)
+    return manifest

@@ -1,0 +1,152 @@
+"""The token store: byte-identical for any number of workers, resumable after kill -9, refused when made
+with another tokenizer, and prepared before any process group exists."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pretrain.config import DataConfig
+from pretrain.data import StoreMissing, ensure_store, open_store, prepare_data
+from pretrain.errors import DataError
+from pretrain.launch import Launch
+from tests.helpers import FAST, ROOT, TINY, accelerate_launch, env, train, train_losses
+from tests.test_data import make_docs, write_corpus
+
+
+def store_config(tmp_path: Path, corpus: Path, store: Path, **kwargs) -> DataConfig:
+    defaults = dict(cache_dir=str(tmp_path / "cache"), seq_len=32, tokenizer_vocab_size=300, num_proc=1,
+                    store=str(store), store_shard_bytes=2000, val_fraction=0.2)
+    return DataConfig(source=str(corpus), **{**defaults, **kwargs})
+
+
+def checksums(store: Path) -> dict[str, str]:
+    """sha256 of every file of a store, by relative path."""
+    return {str(p.relative_to(store)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(store.rglob("*")) if p.is_file()}
+
+
+def test_one_and_two_workers_write_byte_identical_stores_readable_as_datatrove_files(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus", make_docs(60, seed=11))
+    one = tmp_path / "one"
+    two = tmp_path / "two"
+    data = prepare_data(store_config(tmp_path, corpus, one), log=lambda _: None, num_workers=1)
+    prepare_data(store_config(tmp_path, corpus, two), log=lambda _: None, num_workers=2)
+    manifest = json.loads((one / "manifest.json").read_text())
+    assert len(manifest["shards"]) > 3 and manifest["dtype"] == "uint16"
+    assert checksums(one) == checksums(two)  # every shard file, the tokenizer and the manifest
+
+    # The manifest's checksums are those of the files, and a shard read the way datatrove / nanotron read
+    # it (raw little-endian uint16 tokens, uint64 document ends) holds eos-terminated documents.
+    eos = data.tokenizer.eos_token_id
+    stream = []
+    for shard in manifest["shards"]:
+        path = one / "shards" / shard["train"]["file"]
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == shard["train"]["sha256"]
+        tokens = np.fromfile(path, dtype="<u2")
+        ends = np.fromfile(f"{path}.index", dtype="<u8")
+        assert len(ends) == shard["train"]["num_documents"] and (len(ends) == 0 or ends[-1] == len(tokens))
+        assert all(tokens[e - 1] == eos for e in ends)
+        stream += tokens.tolist()
+    rows = np.asarray(data.train)
+    assert rows.reshape(-1).tolist() == stream[: rows.size]  # rows span shard boundaries seamlessly
+
+
+def test_kill_9_mid_build_then_rerun_gives_the_uninterrupted_store(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus", make_docs(400, seed=12, words=200))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("batch: {global_batch_size: 8, micro_batch_size: 2}\ntrain: {max_steps: 10}\n"
+                      f"data: {{source: {corpus}, seq_len: 32, tokenizer_vocab_size: 300, store_shard_bytes: 4000}}\n")
+    cmd = [sys.executable, "-m", "pretrain.cli.prepare_data", "--recipe", str(recipe), "--workers", "1",
+           f"data.cache_dir={tmp_path / 'cache'}"]
+    killed, whole = tmp_path / "killed", tmp_path / "whole"
+
+    proc = subprocess.Popen([*cmd, f"data.store={killed}"], cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while not list((killed / "shards").glob("00001.json")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL and not (killed / "manifest.json").exists(), "killed too late"
+    finished = {p.name: p.stat().st_mtime_ns for p in (killed / "shards").glob("0000[01].*")}
+
+    rerun = subprocess.run([*cmd, f"data.store={killed}"], cwd=ROOT, env=env(), capture_output=True, text=True,
+                           timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    resumed = re.search(r"resuming: (\d+) of (\d+) shards are complete", rerun.stdout)
+    assert resumed and 2 <= int(resumed[1]) < int(resumed[2]), rerun.stdout
+    assert {p: (killed / "shards" / p).stat().st_mtime_ns for p in finished} == finished  # kept, not redone
+
+    assert subprocess.run([*cmd, f"data.store={whole}"], cwd=ROOT, env=env(), capture_output=True,
+                          timeout=300).returncode == 0
+    manifest_killed, manifest_whole = (json.loads((d / "manifest.json").read_text()) for d in (killed, whole))
+    assert [s["train"]["sha256"] for s in manifest_killed["shards"]] == [
+        s["train"]["sha256"] for s in manifest_whole["shards"]]
+    assert checksums(killed) == checksums(whole)
+
+
+def test_a_store_made_with_another_tokenizer_is_refused(tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "corpus", make_docs(30, seed=13))
+    store = tmp_path / "store"
+    prepare_data(store_config(tmp_path, corpus, store), log=lambda _: None)
+    other = store_config(tmp_path, corpus, store, tokenizer_vocab_size=320)
+    message = r"made with tokenizer 'bpe-300' .* this recipe's data\.tokenizer is 'bpe-320'"
+    with pytest.raises(DataError, match=message):
+        open_store(other, log=lambda _: None)
+    with pytest.raises(DataError, match=message):
+        prepare_data(other, log=lambda _: None)  # never overwritten either
+
+    from pretrain.cli.prepare_data import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("batch: {global_batch_size: 8, micro_batch_size: 2}\ntrain: {max_steps: 10}\n"
+                      f"data: {{source: {corpus}, store: {store}, tokenizer_vocab_size: 320, val_fraction: 0.2}}\n")
+    assert main(["--recipe", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(message, err) and "Traceback" not in err
+
+
+def test_multi_node_launch_without_a_store_stops_with_the_command(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus", make_docs(10, seed=14))
+    cfg = store_config(tmp_path, corpus, tmp_path / "store")
+    with pytest.raises(StoreMissing, match=r"2-node launch does not tokenize.*\n    pretrain-prepare-data --recipe x"):
+        ensure_store(cfg, Launch(num_nodes=2, gpus_per_node=2), "pretrain-prepare-data --recipe x", log=print)
+    assert not (tmp_path / "store").exists()
+
+    # The entry point on a node of a 2-node launch: exit 2 with the exact command, before any process group.
+    store = tmp_path / "store2"
+    overrides = [*FAST, "batch.micro_batch_size=2", f"data.store={store}", f"output_dir={tmp_path / 'run'}"]
+    proc = train(overrides, extra_env={"WORLD_SIZE": "4", "GROUP_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"},
+                 timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"pretrain-prepare-data --recipe {TINY} " in proc.stderr and f"data.store={store}" in proc.stderr
+    assert not store.exists()
+
+
+@pytest.mark.slow
+def test_two_process_launch_prepares_the_missing_store_before_the_process_group(tmp_path):
+    # Tokenizing the stdlib corpus takes far longer than this collective timeout: had rank 1 waited for
+    # rank 0 in a barrier (the old main_process_first), the run would die with a gloo timeout.
+    timeout_s = 10
+    store = tmp_path / "store"
+    out = tmp_path / "run"
+    proc = accelerate_launch("cpu_ddp.yaml", [*FAST, "batch.micro_batch_size=2", "train.max_steps=2",
+                                              f"runtime.collective_timeout_s={timeout_s}", f"data.store={store}",
+                                              f"output_dir={out}", "checkpoint.save_final_model=false"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logs = proc.stdout + proc.stderr
+    built = re.search(r"built in ([\d.]+)s at " + re.escape(str(store)), logs)
+    assert built and float(built[1]) > timeout_s, logs[-3000:]
+    assert logs.count("data: tokenizing") == 1  # local rank 0 prepared; rank 1 only waited
+    assert (store / "manifest.json").is_file() and sorted(train_losses(out)) == [1, 2]
