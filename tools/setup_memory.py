@@ -71,11 +71,9 @@ def trainer_worker(overrides: list[str]) -> None:
     train_module.build_model = measured_build
     from pretrain.config import load_recipe
 
-    with tempfile.TemporaryDirectory() as out:
-        recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", [*overrides, f"output_dir={out}"])
-        train_module.Trainer(recipe)
-        figures["setup"] = peak_rss_bytes()
-        report(figures)
+    train_module.Trainer(load_recipe(ROOT / "recipes" / "tiny.yaml", overrides))
+    figures["setup"] = peak_rss_bytes()
+    report(figures)
     # DeepSpeed on CPU/gloo can abort in C++ destructors at exit; the figures are out.
     os._exit(0)
 
@@ -127,7 +125,8 @@ def measure(layout: str, code: Path, shape: dict) -> list[dict]:
     else:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(ROOT / "accelerate_configs" / CONFIGS[layout]), "--num_processes", "2", *me, "--worker", "trainer"]
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory() as out:  # one output_dir shared by both processes, as a run's is
+        run = subprocess.run([*cmd, "--output-dir", out], cwd=ROOT, env=env, capture_output=True, text=True)
     rows = [json.loads(line[len(TAG):]) for line in run.stdout.splitlines() if line.startswith(TAG)]
     if len(rows) != 2:
         raise SystemExit(f"{layout}: the run did not report (exit {run.returncode}):\n{run.stdout[-3000:]}"
@@ -147,9 +146,10 @@ def main() -> None:
     parser.add_argument("--code", type=Path, default=ROOT, help="the checkout whose pretrain package is measured")
     parser.add_argument("--shape", type=json.loads, default=SHAPE, help="model section fields, as JSON")
     parser.add_argument("--worker", choices=("trainer", "fsdp"), help=argparse.SUPPRESS)
+    parser.add_argument("--output-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "trainer":
-        return trainer_worker(trainer_overrides(args.shape))
+        return trainer_worker([*trainer_overrides(args.shape), f"output_dir={args.output_dir}"])
     if args.worker == "fsdp":
         return fsdp_worker(args.shape)
 
