@@ -12,8 +12,10 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from accelerate.utils import (
     DDPCommunicationHookType,
     DeepSpeedPlugin,
     DistributedDataParallelKwargs,
+    DistributedType,
     DynamoBackend,
     FullyShardedDataParallelPlugin,
     GradScalerKwargs,
@@ -276,3 +279,48 @@ def check_shared_output_dir(accelerator: Accelerator, output_dir: Path) -> None:
             f"wrote {where}, and {'; '.join(problems)}. Checkpoints, checkpoints/latest and metrics are written "
             f"by rank 0 and read back by every rank: {SHARED_FS_HINT}"
         )
+
+
+@dataclass(frozen=True)
+class ModelPlacement:
+    """Where ``pretrain.model.build_model`` allocates this rank's parameters, and how it shards them first."""
+
+    device: torch.device
+    shard: Callable[[torch.nn.Module], torch.nn.Module] | None = None
+
+
+def model_placement(accelerator: Accelerator) -> ModelPlacement:
+    """The run's device, so a GPU run never holds a full fp32 copy of the model in host memory.
+
+    FSDP2 shards the model while it is still on the meta device (``shard_fsdp2``), so each rank allocates
+    only its shard, on the GPU, or on CPU when FSDP offloads parameters. FSDP1 wraps a built model: it is
+    built on CPU, as accelerate expects. DeepSpeed ZeRO-3 partitions at construction (zero.Init) and
+    ignores the device; ZeRO-0/1/2, DDP and a single device build the whole model on the run's device.
+    """
+    if accelerator.is_fsdp2:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        offload = isinstance(accelerator.state.fsdp_plugin.cpu_offload, CPUOffloadPolicy)
+        return ModelPlacement(torch.device("cpu") if offload else accelerator.device, partial(shard_fsdp2, accelerator))
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return ModelPlacement(torch.device("cpu"))
+    return ModelPlacement(accelerator.device)
+
+
+def shard_fsdp2(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """accelerate's own FSDP2 wrapping (``fsdp2_prepare_model``: the auto-wrap policy, the embedding and
+    output groups, mixed-precision and offload policies, the device mesh) applied to the model on the meta
+    device; ``accelerator.prepare`` then finds an FSDP module and keeps its sharding.
+
+    ``cpu_ram_efficient_loading`` (rank 0 broadcasts a full state dict to the shards) is for weights that
+    were loaded; here nothing is loaded yet (every rank draws its own shard), so it is off for this call.
+    """
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    plugin = accelerator.state.fsdp_plugin
+    loading = plugin.cpu_ram_efficient_loading
+    plugin.cpu_ram_efficient_loading = False
+    try:
+        return fsdp2_prepare_model(accelerator, model)
+    finally:
+        plugin.cpu_ram_efficient_loading = loading

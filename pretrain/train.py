@@ -43,7 +43,7 @@ from pretrain.preemption import StopSignals
 from pretrain.preflight import check_run
 from pretrain.reshard import prepare_resume
 from pretrain.run_record import start_run_record
-from pretrain.runtime import build_accelerator, check_shared_output_dir
+from pretrain.runtime import build_accelerator, check_shared_output_dir, model_placement
 from pretrain.shape import flops_per_token
 from pretrain.tracking import Console, StepLog, build_trackers
 
@@ -169,7 +169,10 @@ class Trainer:
         self.tokenizer = self.data.tokenizer
 
         vocab = resolve_vocab_size(recipe.model, len(self.tokenizer))
-        model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed)
+        # Built on the run's device (or partitioned, or sharded first): never a full fp32 copy per rank on CPU.
+        placement = model_placement(self.accelerator)
+        model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed,
+                            device=placement.device, shard=placement.shard)
         self.num_params = count_parameters(model)
         self.flops, self.peak = throughput_reference(recipe, model.config, self.device, self.log)
         self.memory_estimate_gib = memory_estimate(recipe, self.plan, self.launch, self.device, self.log)

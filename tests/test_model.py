@@ -191,6 +191,47 @@ def test_init_follows_transformers_rules():
     assert torch.all(block.attn.c_attn.bias == 0)
 
 
+@pytest.mark.parametrize(
+    "model_cfg",
+    [
+        small(),
+        small(tie_embeddings=True),
+        small(arch="qwen2"),
+        ModelConfig(arch="gpt2", hidden_size=32, num_layers=2, num_heads=4),
+        ModelConfig(arch="gpt_neox", hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64),
+    ],
+    ids=["llama", "llama-tied", "qwen2", "gpt2", "gpt_neox"],
+)
+def test_meta_build_equals_an_eager_build_redrawn(model_cfg):
+    """The meta build allocates and draws each tensor once; it must give what building every tensor on CPU
+    (transformers' construction-time init included) and re-drawing it with init_weights gives, buffers too."""
+    from transformers import AutoModelForCausalLM
+
+    eager = AutoModelForCausalLM.from_config(hf_config(model_cfg, VOCAB - 1, SEQ), dtype=torch.float32)
+    eager.tie_weights()
+    init_weights(eager, seed=4)
+    built = build_model(model_cfg, VOCAB - 1, SEQ, seed=4)  # an odd vocabulary: shards are uneven elsewhere
+    expected = weights(eager)
+    assert weights(built).keys() == expected.keys()
+    for key, value in weights(built).items():
+        assert torch.equal(value, expected[key]), key
+    assert {p.device.type for p in built.parameters()} == {"cpu"}
+
+
+def test_a_parameter_the_architecture_does_not_init_is_an_error(monkeypatch):
+    from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
+
+    rule = LlamaPreTrainedModel._init_weights
+
+    def skip_norms(self, module):
+        if "RMSNorm" not in type(module).__name__:
+            rule(self, module)
+
+    monkeypatch.setattr(LlamaPreTrainedModel, "_init_weights", skip_norms)
+    with pytest.raises(ConfigError, match=r"does not initialise model.layers.0.input_layernorm.weight"):
+        build_model(small(), VOCAB, SEQ, seed=0)
+
+
 @pytest.mark.parametrize("meta", [False, True])
 def test_tied_embeddings_stay_tied(meta):
     model = build_model(small(tie_embeddings=True), VOCAB, SEQ, seed=0, meta=meta)
@@ -268,7 +309,16 @@ import os
 import deepspeed, torch
 from transformers.integrations import HfDeepSpeedConfig
 from pretrain.config import ModelConfig
+from transformers.models.gpt2.modeling_gpt2 import GPT2PreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
 from pretrain.model import build_model, count_parameters
+
+draws = []
+for base in (LlamaPreTrainedModel, GPT2PreTrainedModel):
+    def counted(self, module, rule=base._init_weights):
+        draws.append(module)
+        rule(self, module)
+    base._init_weights = counted
 
 deepspeed.init_distributed(dist_backend="gloo")
 for model_cfg in (
@@ -277,7 +327,10 @@ for model_cfg in (
 ):
     reference = build_model(model_cfg, 128, 16, seed=7)
     zero3 = HfDeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
+    draws.clear()
     model = build_model(model_cfg, 128, 16, seed=7)
+    # one draw per module: transformers' own gathered init at construction is skipped
+    assert len(draws) == len(list(model.named_modules())), (len(draws), len(list(model.named_modules())))
     params = list(model.parameters())
     assert all(hasattr(p, "ds_id") and p.ds_tensor.numel() < p.ds_numel for p in params), "not partitioned"
     assert count_parameters(model) == count_parameters(reference)
@@ -294,14 +347,64 @@ os._exit(0)
 """
 
 
-@pytest.mark.slow
-def test_zero3_partitioned_init_equals_the_unpartitioned_one(tmp_path):
-    script = tmp_path / "zero3_init.py"
-    script.write_text(textwrap.dedent(ZERO3_SCRIPT))
+def run_on_two_processes(script_text: str, tmp_path: Path) -> str:
+    """Run a script under torch.distributed.run on 2 CPU processes; its stdout (it must exit 0)."""
+    script = tmp_path / "two_processes.py"
+    script.write_text(textwrap.dedent(script_text))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert run.stdout.count("ZERO3 OK") == 2
+    return run.stdout
+
+
+@pytest.mark.slow
+def test_zero3_partitioned_init_equals_the_unpartitioned_one(tmp_path):
+    assert run_on_two_processes(ZERO3_SCRIPT, tmp_path).count("ZERO3 OK") == 2
+
+
+FSDP2_SCRIPT = """
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from pretrain.config import ModelConfig
+from pretrain.model import build_model
+
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def shard(model):  # FSDP2 as accelerate wraps a transformers model: each decoder layer, then the root
+    assert {p.device.type for p in model.parameters()} == {"meta"}, "sharded before any storage exists"
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+for tied in (False, True):
+    model_cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                            tie_embeddings=tied)
+    reference = build_model(model_cfg, 127, 16, seed=7)  # 127 rows: the two shards are uneven
+    model = build_model(model_cfg, 127, 16, seed=7, shard=shard)
+    params = dict(model.named_parameters())
+    assert all(isinstance(p, DTensor) and p.to_local().shape[0] < p.shape[0] for p in params.values())
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    for name, param in params.items():
+        assert torch.equal(param.full_tensor(), reference.get_parameter(name)), (tied, name)
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, reference.get_buffer(name)), (tied, name)
+print("FSDP2 OK", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_fsdp2_sharded_init_equals_the_unsharded_one(tmp_path):
+    """FSDP runs on GPUs only in pretrain, but the shard -> materialize -> init path is torch's FSDP2 on any
+    device mesh: here on CPU over gloo, sharded while still on the meta device."""
+    assert run_on_two_processes(FSDP2_SCRIPT, tmp_path).count("FSDP2 OK") == 2
