@@ -198,7 +198,10 @@ def prepare_resume(checkpoint: Path, launch: Launch, log: Log = print) -> Resume
     assert state is not None, f"{checkpoint} is not a complete checkpoint"
     saved, target = saved_layout(checkpoint, state), Layout.of(launch)
     kind = conversion(checkpoint, saved, target)
-    if kind is None and saved.engine == "ddp":
+    if kind is None and saved.engine == "ddp" and saved != target:
+        # The same layout reads back what it wrote; a renaming is only for another process count (whether
+        # accelerate wrapped the model in DDP is not a function of the world size alone: a 2-node job of one
+        # process per node saves unprefixed keys).
         kind = _ddp_keys_kind(checkpoint, target)
     world_changed = saved.world_size != target.world_size
     if kind is None:

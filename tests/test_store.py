@@ -136,9 +136,10 @@ def test_multi_node_launch_without_a_store_stops_with_the_command(tmp_path):
 
 @pytest.mark.slow
 def test_two_process_launch_prepares_the_missing_store_before_the_process_group(tmp_path):
-    # Tokenizing the stdlib corpus takes far longer than this collective timeout: had rank 1 waited for
-    # rank 0 in a barrier (the old main_process_first), the run would die with a gloo timeout.
-    timeout_s = 10
+    # Tokenizing the stdlib corpus (6 s on an idle 2-core machine, more under load) takes longer than this
+    # collective timeout: had rank 1 waited for rank 0 in a barrier (the old main_process_first), the run
+    # would die with a gloo timeout. (Shorter would risk the run's ordinary collectives on a loaded machine.)
+    timeout_s = 4
     store = tmp_path / "store"
     out = tmp_path / "run"
     proc = accelerate_launch("cpu_ddp.yaml", [*FAST, "batch.micro_batch_size=2", "train.max_steps=2",

@@ -325,8 +325,11 @@ def open_store(data_cfg: DataConfig, log: Log = print, target: StoreTarget | Non
         val_subset=data_cfg.val_subset,
         cache_dir=str(target.path),
     )
+    bad = manifest.get("num_decode_errors", 0)
     log(f"data: {len(train):,} train / {len(val):,} val sequences of {row_len} tokens from the store at "
-        f"{target.path} ({len(manifest['shards'])} shard(s), {time.perf_counter() - start:.2f}s)")
+        f"{target.path} ({len(manifest['shards'])} shard(s), {time.perf_counter() - start:.2f}s)"
+        + (f"; {bad:,} document(s) had non-UTF-8 bytes ({'replaced with U+FFFD' if data_cfg.on_decode_error == 'replace' else 'skipped'}, data.on_decode_error)"
+           if bad else ""))
     return PackedData(train=train, val=val, tokenizer=tokenizer, stats=stats)
 
 
