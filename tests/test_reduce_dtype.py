@@ -73,9 +73,13 @@ def test_fp32_reduction_gradients_are_closer_to_the_fp32_reference_than_bf16_red
                          + f" {loss[-1]:10.6f} {dist[arm][0]:10.2e} {dist[arm][1]:10.2e}")
         verdicts.append((stage, dist["bf16, fp32 reduce"], dist["bf16, bf16 reduce"]))
     print("\n" + "\n".join(lines))
+    # Step 1 is the clean comparison: every arm computes its gradient on the same initial weights, so the
+    # accumulation and reduction dtype is the only difference from the reference. From step 2 on, the arms
+    # follow different trajectories (bf16 forward and backward), and at this size that noise is as large as
+    # the reduction's effect: the 5-step sums are printed (the closing note of issue 11 records them) but not
+    # ordered reliably (measured: ZeRO-2 2.27e-3 fp32 vs 3.10e-3 bf16, ZeRO-3 2.69e-3 vs 2.50e-3).
     for stage, fp32, bf16 in verdicts:
         assert fp32[2] < bf16[2], f"{stage}: step-1 grad-norm distance fp32 reduce {fp32[2]:.3e} >= bf16 {bf16[2]:.3e}"
-        assert fp32[0] < bf16[0], f"{stage}: grad-norm distance fp32 reduce {fp32[0]:.3e} >= bf16 reduce {bf16[0]:.3e}"
 
 
 @pytest.mark.slow
