@@ -10,6 +10,7 @@ rerun keeps those and redoes the rest (files of an interrupted shard are only ev
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing
 import os
 import queue
@@ -108,12 +109,25 @@ def _shard_complete(shards_dir: Path, shard: ShardPlan) -> dict[str, Any] | None
     return record
 
 
+def _shard_tokenizer(path: Path):
+    """The store's tokenizer (backend, eos id), loaded once per process for all the shards it tokenizes:
+    a load costs ~0.3 s, and the BPE's word cache stays warm across shards (a fresh one per shard made a
+    worker ~1.5x slower than the tokenizer itself on 3 MB shards)."""
+    stat = (path / "tokenizer.json").stat()
+    return _load_backend(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=1)
+def _load_backend(path: str, mtime_ns: int, size: int):
+    tokenizer = _load_saved_tokenizer(Path(path))
+    return tokenizer.backend_tokenizer, tokenizer.eos_token_id
+
+
 def tokenize_shard(spec: BuildSpec, shard: ShardPlan, report: Report) -> dict[str, Any]:
     """Tokenize one shard's documents (eos after each) into its train and val files; its record."""
     data_cfg = spec.data_cfg
     shards_dir = Path(spec.store_dir) / "shards"
-    tokenizer = _load_saved_tokenizer(Path(spec.store_dir) / "tokenizer")
-    backend, eos = tokenizer.backend_tokenizer, tokenizer.eos_token_id
+    backend, eos = _shard_tokenizer(Path(spec.store_dir) / "tokenizer")
     threshold = _val_threshold(data_cfg.val_fraction)
     name = shard_name(shard.index)
     dtype = np.dtype(spec.dtype)
