@@ -267,9 +267,10 @@ def init_weights(model: PreTrainedModel, seed: int) -> None:
     for tensor in itertools.chain(model.parameters(), model.buffers()):
         if hasattr(tensor, "_is_hf_initialized"):
             del tensor._is_hf_initialized
+    drawn: set[int] = set()  # ids of the parameters drawn so far
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         for name, module in reversed(list(model.named_modules())):
-            with _full_on_cpu([module, *module.children()]):
+            with _full_on_cpu([module, *module.children()], drawn):
                 torch.default_generator.manual_seed(_module_seed(seed, name))
                 model._init_weights(module)
 
@@ -281,22 +282,33 @@ def _module_seed(seed: int, name: str) -> int:
 
 
 @contextlib.contextmanager
-def _full_on_cpu(modules: list[torch.nn.Module]):
+def _full_on_cpu(modules: list[torch.nn.Module], drawn: set[int]):
     """Let the init draw full CPU tensors for these modules' own parameters, then put the values where each
-    parameter lives: a ZeRO-3 partition is gathered (every rank draws the same values; rank 0's are
-    kept), a DTensor shard (FSDP2) is swapped for its full tensor (all-gathered) on CPU and gets its
-    slice of the draw back, a tensor on another device is copied to CPU and back; one on CPU is drawn in place."""
+    parameter lives. Every rank draws the same values, so a rank keeps its part of the draw without
+    communication: a ZeRO-3 partition (DeepSpeed's own ``param.partition``) or a DTensor shard (FSDP2)
+    gets its slice, a tensor on another device is copied back; one on CPU is drawn in place.
+
+    A parameter not drawn yet (not in ``drawn``) holds nothing worth reading, so its full tensor is a new
+    NaN-filled CPU tensor: no all-gather, and at most one full module beside the rank's share. One drawn
+    before (a parent's rule may rescale a child's tensor, GPT-2's c_proj) is gathered with its current
+    values: ZeRO-3 through ``GatheredParameters`` (rank 0's values kept), FSDP2 through ``full_tensor``.
+    """
     params = list({id(p): p for m in modules for p in m.parameters(recurse=False)}.values())
-    with _gathered(params):
-        # the current values too, not just the shape: a parent's rule may leave a child's tensor as it is
-        sharded = {id(p): torch.nn.Parameter(p.full_tensor().cpu(), requires_grad=p.requires_grad)
+    fresh = {id(p) for p in params if id(p) not in drawn}
+
+    def new_full(param: torch.Tensor) -> torch.Tensor:
+        return torch.full(param.shape, float("nan"), dtype=param.dtype, device="cpu")
+
+    with _gathered([p for p in params if id(p) not in fresh]), _zero3_fresh([p for p in params if id(p) in fresh]):
+        sharded = {id(p): torch.nn.Parameter(new_full(p) if id(p) in fresh else p.full_tensor().cpu(),
+                                             requires_grad=p.requires_grad)
                    for p in params if isinstance(p, DTensor)}
         slots = [(m, key, p) for m in modules for key, p in m._parameters.items() if id(p) in sharded]
         moved = [(p, p.data) for p in params if id(p) not in sharded and p.device.type != "cpu"]
         for module, key, param in slots:
             module._parameters[key] = sharded[id(param)]
         for param, data in moved:
-            param.data = data.to("cpu")
+            param.data = new_full(data) if id(param) in fresh else data.to("cpu")
         try:
             yield
         finally:
@@ -310,16 +322,42 @@ def _full_on_cpu(modules: list[torch.nn.Module]):
             for param, data in moved:
                 data.copy_(param.data)
                 param.data = data
+    drawn.update(fresh)
 
 
 def _gathered(params: list[torch.nn.Parameter]):
     """Under DeepSpeed ZeRO-3 (zero.Init) parameters are partitioned at construction: gather the full
-    tensors for the init. Every rank draws the same values; rank 0's are kept."""
-    if not any(hasattr(p, "ds_id") for p in params):
+    tensors (their current values) for the init. Every rank draws the same values; rank 0's are kept."""
+    params = [p for p in params if hasattr(p, "ds_id")]
+    if not params:
         return contextlib.nullcontext()
     import deepspeed
 
     return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+
+
+@contextlib.contextmanager
+def _zero3_fresh(params: list[torch.nn.Parameter]):
+    """ZeRO-3 parameters not drawn yet: a full NaN CPU tensor each for the init to draw into, then
+    DeepSpeed's own ``partition(has_been_updated=True)`` copies this rank's slice into its partition and
+    frees the full tensor (what ``GatheredParameters`` does on exit, without the all-gather and the
+    broadcast: every rank drew the same values)."""
+    params = [p for p in params if hasattr(p, "ds_id")]
+    if not params:
+        yield
+        return
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    empty = [(param, param.data) for param in params]  # the partitioned state's placeholder, on its device
+    for param in params:
+        param.data = torch.full(param.ds_shape, float("nan"), dtype=param.dtype, device="cpu")
+        param.ds_status = ZeroParamStatus.AVAILABLE
+    try:
+        yield
+    finally:
+        for param, placeholder in empty:
+            param.partition(has_been_updated=True)
+            param.data = placeholder
 
 
 def _require_drawn(model: torch.nn.Module) -> None:
