@@ -62,7 +62,7 @@ class RunLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _holder_text(os.pread(fd, 4096, 0).decode(errors="replace"))
+            holder = _holder_text(os.pread(fd, 1 << 16, 0).decode(errors="replace"))
             os.close(fd)
             raise ConfigError(
                 f"output_dir = {str(output_dir)!r} is in use by another run ({holder}), which holds {path}. "
@@ -77,7 +77,7 @@ class RunLock:
             log(f"warning: the filesystem of {path} refuses flock ({exc.strerror}); running without the "
                 "one-run-per-output_dir lock (on Lustre, mount with -o flock)")
             return cls(path, None, None)
-        raw = os.pread(fd, 4096, 0).decode(errors="replace")
+        raw = os.pread(fd, 1 << 16, 0).decode(errors="replace")
         previous = _holder_text(raw) if raw.strip() else None
         if previous:
             log(f"run lock: taking over {path} from a run that ended without releasing it ({previous}); the "

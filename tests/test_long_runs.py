@@ -3,6 +3,7 @@ die with their launcher, full disks and damaged caches, and the diagnostics of a
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -32,7 +33,7 @@ from pretrain.integrity import (
     write_manifest,
 )
 from pretrain.rundir import STATE_FILE
-from pretrain.supervise import LOCK_FILE, RunLock
+from pretrain.supervise import RunLock
 from tests.helpers import FAST, ROOT, RUN, TINY, check_ok, env, free_port, train
 
 # ---- the manifest -------------------------------------------------------------------------------------------
@@ -77,7 +78,8 @@ def test_manifest_finds_truncation_by_size_and_a_bit_flip_by_checksum(tmp_path):
     assert check_sizes(ckpt) is None and verify_own(ckpt, 0, 2) is None and verify_all(ckpt) is None
     _flip(ckpt / "model.safetensors")
     assert check_sizes(ckpt) is None  # same size
-    assert "model.safetensors has crc32" in verify_own(ckpt, 0, 2) and verify_own(ckpt, 1, 2) is None
+    assert "model.safetensors has another crc32 than the manifest records (bytes from 0)" in verify_own(ckpt, 0, 2)
+    assert verify_own(ckpt, 1, 2) is None
     assert "model.safetensors" in verify_all(ckpt)
     os.truncate(ckpt / "random_states_1.pkl", 2)
     assert "random_states_1.pkl is 2 bytes, the manifest records 4" in check_sizes(ckpt)
@@ -87,6 +89,17 @@ def test_manifest_finds_truncation_by_size_and_a_bit_flip_by_checksum(tmp_path):
     with pytest.raises(Unverified):
         check_sizes(ckpt)
     assert verify_own(ckpt, 0, 1) is None  # written before manifests: resumed unverified
+
+
+def test_a_big_file_is_checksummed_in_segments_by_several_threads(tmp_path, monkeypatch):
+    import pretrain.integrity as integrity
+
+    monkeypatch.setattr(integrity, "SEGMENT_BYTES", 4096)
+    ckpt = _checkpoint_dir(tmp_path / "step_00000004", 4)  # model.safetensors: 3 x 4096 bytes
+    manifest = json.loads((ckpt / MANIFEST_FILE).read_text())
+    assert manifest["segment_bytes"] == 4096 and len(manifest["files"]["model.safetensors"]["crc32"]) == 3
+    _flip(ckpt / "model.safetensors", offset=2 * 4096 + 7)
+    assert "model.safetensors has another crc32 than the manifest records (bytes from 8,192)" in verify_all(ckpt)
 
 
 def test_rank_0_passes_over_a_truncated_newest_and_every_rank_over_a_corrupted_one(tmp_path):
@@ -110,7 +123,7 @@ def test_rank_0_passes_over_a_truncated_newest_and_every_rank_over_a_corrupted_o
     assert sorted(p.name for p in ckpts.iterdir()) == [".damaged-step_00000004", ".damaged-step_00000006", "latest",
                                                        "step_00000002"]
     assert any(f"{newest} is damaged" in m and "model.safetensors is 100 bytes" in m for m in logged)
-    assert any(f"{middle} is damaged" in m and "model.safetensors has crc32" in m for m in logged)
+    assert any(f"{middle} is damaged" in m and "model.safetensors has another crc32" in m for m in logged)
 
 
 def test_no_intact_checkpoint_is_an_error_and_leaves_them_in_place(tmp_path):
@@ -285,7 +298,7 @@ def test_a_damaged_newest_checkpoint_falls_back_and_a_damaged_only_one_stops(tmp
     _flip(only / "checkpoints" / "step_00000006" / "model.safetensors")
     proc = train([*args, f"output_dir={only}"], timeout=600)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "cannot resume: no checkpoint in" in proc.stderr and "model.safetensors has crc32" in proc.stderr
+    assert "cannot resume: no checkpoint in" in proc.stderr and "model.safetensors has another crc32" in proc.stderr
     assert "Traceback" not in proc.stderr and (only / "checkpoints" / "step_00000006").is_dir()
 
 
@@ -321,6 +334,7 @@ def test_workers_die_with_their_launcher(tmp_path):
     """kill -9 of the accelerate launch process group (torchrun put the workers in sessions of their own)."""
     out = tmp_path / "run"
     launcher = _launch("cpu_ddp.yaml", [*SMALL, "train.max_steps=100000", f"output_dir={out}"])
+    workers: list[int] = []
     try:
         deadline = time.time() + 300
         while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
@@ -335,12 +349,12 @@ def test_workers_die_with_their_launcher(tmp_path):
         while any(map(_alive, workers)) and time.time() < deadline:
             time.sleep(0.1)
         assert not any(map(_alive, workers)), f"workers {[w for w in workers if _alive(w)]} outlived the launcher"
-    finally:
-        with __import__("contextlib").suppress(ProcessLookupError):
-            os.killpg(launcher.pid, signal.SIGKILL)
-        for pid in _children(launcher.pid):
-            with __import__("contextlib").suppress(ProcessLookupError):
+    finally:  # whatever failed, no worker outlives the test
+        for pid in [*workers, *_children(launcher.pid)]:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
 
 
 @pytest.mark.slow
@@ -353,7 +367,7 @@ def test_two_processes_profile_log_per_rank_step_times_and_a_stalled_rank_dumps_
     try:
         output, _ = launcher.communicate(timeout=600)
     finally:
-        with __import__("contextlib").suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)
     assert launcher.returncode != 0, output[-4000:]
     traces = sorted((out / "profile").glob("*.json"))
@@ -370,3 +384,24 @@ def test_two_processes_profile_log_per_rank_step_times_and_a_stalled_rank_dumps_
         assert f"rank {rank} (host" in text and "runtime.hang_timeout_s = 30 s" in text and "most recent call first" in text
     assert "step_start" in stacks[1]  # the stalled rank sleeps in the test hook
     assert "step_time_metrics" in stacks[0] or "train_step" in stacks[0]  # the other waits for it in a collective
+
+
+def test_an_out_of_memory_step_dumps_the_allocator_history_first(tmp_path, monkeypatch):
+    """The CUDA path with the two CUDA calls replaced (no GPU here): record at start, dump on OOM, re-raise."""
+    import torch
+
+    from pretrain.config import RuntimeConfig
+    from pretrain.diagnostics import Diagnostics
+
+    recorded, logged = [], []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: recorded.append(kw))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: Path(path).write_text("snapshot"))
+    accelerator = type("Acc", (), {"process_index": 3, "device": torch.device("cuda", 0)})()
+    diagnostics = Diagnostics(accelerator, RuntimeConfig(memory_snapshot_on_oom=True), tmp_path, logged.append)
+    assert recorded and not logged
+    with pytest.raises(torch.OutOfMemoryError), diagnostics.oom_snapshot():
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    assert (tmp_path / "memory_snapshot_rank3.pickle").read_text() == "snapshot"
+    on_cpu = type("Acc", (), {"process_index": 0, "device": torch.device("cpu")})()
+    Diagnostics(on_cpu, RuntimeConfig(memory_snapshot_on_oom=True), tmp_path, logged.append)
+    assert "needs a CUDA device" in logged[-1]
