@@ -7,10 +7,16 @@ then the ``latest`` pointer is replaced atomically. The data cursor is the optim
 order is a pure function of (seed, step), see ``pretrain/loader.py``. Resume reads ``latest`` (or, if it
 is missing, the newest complete checkpoint by the step recorded inside it, never by folder name).
 
-Which checkpoint a run resumes from is decided once, by rank 0 (``ResumeChoice.decide``: plain file
-reads, before any process group exists, because the trackers need the resume step); once the process
-group exists every rank takes that choice and checks that it sees the same checkpoint
-(``agree_on_resume``), so ranks never load different steps. The ``Checkpointer`` is built once the
+Every checkpoint carries ``manifest.json`` (``pretrain/integrity.py``): each file's size and CRC-32, every
+rank hashing the files it wrote, written after every other file and before the rename. Which checkpoint a
+run resumes from is decided once, by rank 0 (``ResumeChoice.decide``: plain file reads, before any process
+group exists, because the trackers need the resume step): the newest whose files have the sizes its
+manifest records, the older ones kept as fallbacks. Once the process group exists every rank takes
+that choice, checks that it sees the same checkpoint and verifies the checksums of its share of the files
+(``agree_on_resume``); damage found there moves every rank on to the next fallback together, so ranks never
+load different steps. A damaged checkpoint that was passed over is moved aside to ``.damaged-step_X`` (never
+deleted: inspect it, then delete it); when no checkpoint is intact the run stops with exit 2 and leaves them
+in place. The ``Checkpointer`` is built once the
 accelerator is, and owns the save cadence (every N optimizer steps, and the last step).
 """
 
@@ -22,17 +28,19 @@ import shutil
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, set_seed
+from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from pydantic import BaseModel
 
 from pretrain.config import CheckpointConfig, Recipe
-from pretrain.errors import ConfigError
+from pretrain.errors import ConfigError, disk_full_error, is_disk_full
+from pretrain.integrity import MANIFEST_FILE, Unverified, check_sizes, record_own, verify_own, write_manifest
 from pretrain.reshard import ResumeSource, views
 from pretrain.rundir import (
     CHECKPOINTS_DIR,
@@ -138,9 +146,9 @@ def check_compatible(path: Path, saved: dict[str, Any], recipe: dict[str, Any]) 
 
 
 def resume_checkpoint(output_dir: str | Path, cfg: CheckpointConfig) -> Path | None:
-    """The checkpoint to resume from according to ``checkpoint.resume``, or None to start fresh.
+    """The checkpoint to resume from according to ``checkpoint.resume`` (not verified), or None to start fresh.
 
-    Plain file reads, needing no accelerator. Run on rank 0 only, through ``ResumeChoice.decide``.
+    Plain file reads, needing no accelerator. ``ResumeChoice.decide`` verifies it and finds the fallbacks.
     """
     directory = Path(output_dir) / CHECKPOINTS_DIR
     if cfg.resume == "none":
@@ -161,6 +169,25 @@ def resume_checkpoint(output_dir: str | Path, cfg: CheckpointConfig) -> Path | N
     return path
 
 
+def _candidates(output_dir: str | Path, cfg: CheckpointConfig) -> list[Path]:
+    """The checkpoint ``checkpoint.resume`` names, then (auto) every older complete one, newest first."""
+    path = resume_checkpoint(output_dir, cfg)
+    if path is None or cfg.resume != "auto":
+        return [] if path is None else [path]
+    step = TrainerState.read(path).step
+    return [path, *(p for s, p in reversed(complete_checkpoints(output_dir)) if s < step)]
+
+
+def no_intact_checkpoint(damaged: list[tuple[str, str]], resume: str) -> str:
+    found = "; ".join(f"{path}: {problem}" for path, problem in damaged)
+    if resume == "auto":
+        return (f"cannot resume: no checkpoint in {Path(damaged[0][0]).parent} is intact ({found}). Restore the "
+                "damaged files from a copy, or move the damaged checkpoints out of checkpoints/ to start this "
+                "output_dir afresh (nothing was changed)")
+    return (f"cannot resume from checkpoint.resume = {resume!r}: it is damaged ({found}); restore it from a copy "
+            "or give another checkpoint")
+
+
 @dataclass(frozen=True)
 class ResumeChoice:
     """Rank 0's answer to "which checkpoint does this run resume from?", as every rank receives it."""
@@ -170,47 +197,101 @@ class ResumeChoice:
     path: str | None = None  # None: start fresh
     step: int | None = None  # the step recorded inside ``path``
     error: str | None = None  # the ConfigError deciding raised, held until every rank can raise it
+    fallbacks: tuple[tuple[str, int], ...] = ()  # (path, step) of the older complete checkpoints, newest first
+    damaged: tuple[tuple[str, str], ...] = ()  # (path, problem) of newer checkpoints passed over
 
     @classmethod
     def decide(cls, output_dir: str | Path, cfg: CheckpointConfig) -> ResumeChoice:
-        """Rank 0's decision, before the process group exists (the trackers need its step). A ConfigError is
-        kept, not raised: rank 0 leaving alone would leave the other ranks waiting for it."""
+        """Rank 0's decision, before the process group exists (the trackers need its step): the newest
+        checkpoint whose files have the sizes its manifest records (one stat per file). Every rank decides
+        too (a conversion it waits for is the one of the checkpoint it sees) and takes rank 0's choice once
+        the process group exists. A ConfigError is kept, not raised: rank 0 leaving alone would leave the
+        other ranks waiting for it."""
         choice = cls(resume=cfg.resume, host=socket.gethostname())
         try:
-            path = resume_checkpoint(output_dir, cfg)
+            candidates = _candidates(output_dir, cfg)
         except ConfigError as exc:
             return replace(choice, error=str(exc))
-        if path is None:
+        if not candidates:
             return choice
-        return replace(choice, path=str(path), step=TrainerState.read(path).step)
+        damaged = []
+        for index, path in enumerate(candidates):
+            try:
+                problem = check_sizes(path)
+            except Unverified:
+                problem = None  # written before manifests existed: agree_on_resume warns
+            if problem is None:
+                # The older ones are not stat-ed now (every rank decides, and a 512-rank ZeRO checkpoint has
+                # ~1000 files): agree_on_resume's checksums find a missing or cut file there too.
+                fallbacks = tuple((str(p), TrainerState.read(p).step) for p in candidates[index + 1:])
+                return replace(choice, path=str(path), step=TrainerState.read(path).step, fallbacks=fallbacks,
+                               damaged=tuple(damaged))
+            damaged.append((str(path), problem))
+        return replace(choice, error=no_intact_checkpoint(damaged, cfg.resume))
 
 
-def agree_on_resume(accelerator: Accelerator, choice: ResumeChoice | None, output_dir: str | Path) -> Path | None:
-    """Every rank takes rank 0's ``choice`` (None on the other ranks) and checks that it sees that very
-    checkpoint, complete and at the same step; the checkpoint to load, or None to start fresh. Any problem
-    raises the same ConfigError on every rank. Collective: every rank calls it once the process group exists.
-    """
+def _sees(path: Path, step: int, output_dir: str | Path) -> str | None:
+    state = TrainerState.read(path)
+    if state is not None and state.step == step:
+        return None
+    seen = "no complete checkpoint" if state is None else f"a checkpoint at step {state.step}"
+    newest = latest_checkpoint(output_dir)
+    own = (f"newest visible: {newest} at step {TrainerState.read(newest).step}" if newest is not None
+           else "no checkpoint visible in output_dir")
+    return f"found {seen} at {path.resolve()} ({own})"
+
+
+def set_aside(path: Path) -> Path:
+    """Move a damaged checkpoint out of the way (kept for inspection, never counted, pruned or resumed);
+    its converted siblings are derived data and are deleted."""
+    for view in views(path):
+        shutil.rmtree(view, ignore_errors=True)
+    aside = path.with_name(f".damaged-{path.name}")
+    if aside.exists():
+        aside = path.with_name(f".damaged-{path.name}-{int(time.time())}")
+    os.rename(path, aside)
+    return aside
+
+
+def agree_on_resume(accelerator: Accelerator, choice: ResumeChoice | None, output_dir: str | Path,
+                    log: Callable[[str], None] = print) -> Path | None:
+    """Every rank takes rank 0's ``choice`` (None on the other ranks), checks that it sees that very
+    checkpoint, complete and at the same step, and verifies the checksums of its share of the files; damage
+    found by any rank moves every rank on to the next fallback. The checkpoint to load, or None to start
+    fresh. Any problem raises the same ConfigError on every rank. Collective: every rank calls it once the
+    process group exists. Rank 0 logs the damage and moves the damaged checkpoints passed over aside."""
     [choice] = broadcast_object_list([choice])
     if choice.error is not None:
         raise ConfigError(choice.error)
     if choice.path is None:
         return None
-    path = Path(choice.path)
-    state = TrainerState.read(path)
-    problem = None
-    if state is None or state.step != choice.step:
-        seen = "no complete checkpoint" if state is None else f"a checkpoint at step {state.step}"
-        newest = latest_checkpoint(output_dir)
-        own = (f"newest visible: {newest} at step {TrainerState.read(newest).step}" if newest is not None
-               else "no checkpoint visible in output_dir")
-        problem = f"found {seen} at {path.resolve()} ({own})"
-    problems = rank_problems(accelerator, problem)
-    if problems:
-        raise ConfigError(
-            f"the ranks do not see the same checkpoint to resume from: rank 0 (host {choice.host}) chose {path} "
-            f"at step {choice.step} (checkpoint.resume={choice.resume}), and {'; '.join(problems)}. Every rank "
-            f"must load the checkpoint rank 0 chose: {SHARED_FS_HINT}"
-        )
+    damaged = list(choice.damaged)
+    chosen = None
+    for name, step in ((choice.path, choice.step), *choice.fallbacks):
+        path = Path(name)
+        problems = rank_problems(accelerator, _sees(path, step, output_dir))
+        if problems:
+            raise ConfigError(
+                f"the ranks do not see the same checkpoint to resume from: rank 0 (host {choice.host}) chose "
+                f"{path} at step {step} (checkpoint.resume={choice.resume}), and {'; '.join(problems)}. Every "
+                f"rank must load the checkpoint rank 0 chose: {SHARED_FS_HINT}"
+            )
+        damage = rank_problems(accelerator, verify_own(path, accelerator.process_index, accelerator.num_processes))
+        if not damage:
+            chosen = (path, step)
+            break
+        damaged.append((name, "; ".join(damage)))
+    if chosen is None:
+        raise ConfigError(no_intact_checkpoint(damaged, choice.resume))
+    path, step = chosen
+    if accelerator.is_main_process:  # every rank has verified (and given up on) the damaged ones by now
+        for name, problem in damaged:
+            aside = set_aside(Path(name))
+            log(f"warning: checkpoint {name} is damaged ({problem}); resuming from the previous intact checkpoint "
+                f"{path} (step {step}) instead. The damaged one is moved to {aside}: inspect it, then delete it")
+        if not (path / MANIFEST_FILE).is_file():
+            log(f"warning: checkpoint {path} has no manifest (written before checkpoints were verified): resumed "
+                "without checking its files")
     return path
 
 
@@ -232,6 +313,10 @@ class Checkpointer:
         return self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
 
     def save(self, state: TrainerState) -> Path:
+        """``save_state`` into ``.tmp-step_X``, the trainer state, every rank's checksums of what it wrote
+        gathered into the manifest (written last), then the rename and ``latest``. A full disk on any rank
+        removes the partial checkpoint and raises the same ConfigError on every rank (exit 2): the previous
+        checkpoint is untouched and the same command resumes from it."""
         acc = self.accelerator
         name = f"step_{state.step:08d}"
         final, tmp = self.dir / name, self.dir / f".tmp-{name}"
@@ -241,11 +326,24 @@ class Checkpointer:
                 shutil.rmtree(tmp)  # left by a run killed while saving
         acc.wait_for_everyone()
         start = time.perf_counter()
-        acc.save_state(str(tmp), safe_serialization=True)
-        acc.wait_for_everyone()
+        files: dict[str, Any] = {}
+
+        def write_state() -> None:
+            if acc.is_main_process:
+                (tmp / STATE_FILE).write_text(replace(state, saved_at=time.time()).to_json())
+
+        def write_manifest_last() -> None:
+            if acc.is_main_process:
+                write_manifest(tmp, files, acc.num_processes)
+
+        self._written(state.step, tmp, lambda: acc.save_state(str(tmp), safe_serialization=True))
+        self._written(state.step, tmp, write_state)
+        hashing = time.perf_counter()
+        own = record_own(tmp, acc.process_index, acc.num_processes)  # reads back only what this rank wrote
+        files.update(entry for part in gather_object([own]) for entry in part.items())
+        hashing = time.perf_counter() - hashing
+        self._written(state.step, tmp, write_manifest_last)
         if acc.is_main_process:
-            # The state file is written last: a directory without it is never resumed from.
-            (tmp / STATE_FILE).write_text(replace(state, saved_at=time.time()).to_json())
             if final.exists():
                 shutil.rmtree(final)  # the same step saved again after a resume: the new one is equivalent
             for view in views(final):
@@ -255,11 +353,38 @@ class Checkpointer:
             pointer_tmp.write_text(name + "\n")
             os.replace(pointer_tmp, self.dir / LATEST_FILE)
             self._prune(keep=final)
-            self.log(f"checkpoint: saved step {state.step} to {final} ({time.perf_counter() - start:.1f}s)")
+            size_gib = sum(entry["size"] for entry in files.values()) / 2**30
+            self.log(f"checkpoint: saved step {state.step} to {final} ({size_gib:.2f} GiB, "
+                     f"{time.perf_counter() - start:.1f}s, of which checksums {hashing:.1f}s)")
         acc.wait_for_everyone()
         return final
 
+    def _written(self, step: int, tmp: Path, write: Callable[[], Any]) -> None:
+        """Run this rank's part of a checkpoint write; a full disk on any rank is one ConfigError on every
+        rank, after rank 0 removed the partial checkpoint (which frees the space it took). Collective."""
+        problem = None
+        try:
+            write()
+        except Exception as exc:
+            if not is_disk_full(exc, self.dir):
+                raise
+            problem = f"{type(exc).__name__}: {exc}"
+        problems = rank_problems(self.accelerator, problem)
+        if not problems:
+            return
+        if self.accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = latest_checkpoint(self.dir.parent)
+        kept = (f"{previous} (step {TrainerState.read(previous).step}) is intact and the same command resumes "
+                "from it" if previous is not None else "no earlier checkpoint exists")
+        raise disk_full_error(self.dir, f"the checkpoint of step {step} ({'; '.join(problems)})",
+                              f"its partial files are removed; {kept}. Free space there (or lower "
+                              "checkpoint.keep_last), then rerun the same command")
+
     def _prune(self, keep: Path) -> None:
+        """Keep the newest ``keep_last`` complete checkpoints, and always ``keep`` (the one just saved and
+        verified): a checkpoint is counted by the step recorded inside, so the newest verified one is
+        never pruned. Damaged ones passed over on resume are not counted (moved aside)."""
         if self.cfg.keep_last == 0:
             return
         complete = complete_checkpoints(self.dir.parent)

@@ -449,6 +449,18 @@ class LoggingConfig(Section):
         return value
 
 
+class ProfileConfig(Section):
+    """torch.profiler through accelerate (``accelerate.utils.ProfileKwargs``): one Chrome trace per rank."""
+
+    start_step: int = Field(
+        0, ge=0, description="First optimizer step traced; 0 = no profiling. Traces go to output_dir/profile/."
+    )
+    num_steps: int = Field(2, gt=0, description="Optimizer steps traced from start_step on.")
+    record_shapes: bool = Field(False, description="Record operator input shapes (larger traces).")
+    profile_memory: bool = Field(False, description="Record tensor allocations and frees.")
+    with_stack: bool = Field(False, description="Record the Python source line of each operator (larger traces).")
+
+
 class RuntimeConfig(Section):
     peak_tflops: float | None = positive_or_null(
         "Peak dense TFLOP/s of one device in the training dtype, for MFU; null = the built-in table "
@@ -459,6 +471,16 @@ class RuntimeConfig(Section):
     )
     collective_timeout_s: float | None = positive_or_null(
         "Timeout of the process group's collectives (seconds); null = torch's default (10 min NCCL, 30 min gloo)."
+    )
+    profile: ProfileConfig = Field(default_factory=ProfileConfig, description="Trace some optimizer steps.")
+    hang_timeout_s: float | None = positive_or_null(
+        "Hang watchdog: if no optimizer step (with its evaluation and checkpoint) completes within this many seconds, "
+        "every rank writes its Python stacks to output_dir/hang/ and exits 1; null = no watchdog. Set it above "
+        "the slowest step, evaluation or checkpoint save (and the first step's compilation)."
+    )
+    memory_snapshot_on_oom: bool = Field(
+        False, description="CUDA only: record allocator history and dump output_dir/memory_snapshot_rank<R>.pickle "
+        "(for pytorch.org/memory_viz) when a training step runs out of memory; ignored with a warning on CPU."
     )
 
 

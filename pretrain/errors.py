@@ -7,6 +7,11 @@ without a traceback and exit with status 2. Asserts are for internal invariants 
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import shutil
+
 EXIT_USAGE = 2
 
 
@@ -31,3 +36,30 @@ class DataError(ConfigError):
 
 class BatchConfigError(ConfigError):
     """The batch sizes do not divide for this world size."""
+
+
+# A write that failed on a nearly full filesystem is reported as disk full even when the library wraps the
+# OSError (torch.save: "file write failed"; safetensors: "os error 28").
+DISK_FULL_FREE_BYTES = 64 * 2**20
+
+
+def is_disk_full(exc: BaseException, path: str | os.PathLike) -> bool:
+    """Whether ``exc``, raised while writing under ``path``, means the filesystem is full."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if "No space left on device" in str(exc) or "os error 28" in str(exc):
+        return True
+    if not isinstance(exc, (OSError, RuntimeError)):
+        return False
+    try:
+        return shutil.disk_usage(path).free < DISK_FULL_FREE_BYTES
+    except OSError:
+        return False
+
+
+def disk_full_error(path: str | os.PathLike, writing: str, fix: str) -> ConfigError:
+    free = "unknown"
+    with contextlib.suppress(OSError):
+        free = f"{shutil.disk_usage(path).free / 2**30:.2f} GiB free"
+    return ConfigError(f"disk full: no space left on the filesystem of {path} ({free}) while writing {writing}; "
+                       f"{fix}")

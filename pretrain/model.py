@@ -31,7 +31,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from pretrain.config import ModelConfig
-from pretrain.errors import ConfigError
+from pretrain.errors import ConfigError, disk_full_error, is_disk_full
 from pretrain.loss import chunked_causal_lm_loss
 from pretrain.shape import ModelShape, require_counted, resolve_vocab_size
 
@@ -393,8 +393,16 @@ def save_pretrained_model(model: PreTrainedModel, state_dict: dict[str, torch.Te
     tmp = final.with_name(f".tmp-{final.name}")
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    try:
+        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+    except Exception as exc:
+        if not is_disk_full(exc, final.parent):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise disk_full_error(final.parent, f"the model to {final}", "the partial copy is removed and the checkpoints "
+                              "are untouched; free space there, then export the newest checkpoint with "
+                              f"pretrain-export <checkpoint> {final}") from None
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)

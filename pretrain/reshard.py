@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.errors import ConfigError
+from pretrain.integrity import MANIFEST_FILE
 from pretrain.launch import Launch
 from pretrain.rundir import STATE_FILE, read_state
 
@@ -259,7 +260,8 @@ def _convert(checkpoint: Path, view: Path, kind: str, stamp: dict, saved: Layout
         if tmp.exists():
             shutil.rmtree(tmp)  # left by a conversion that was killed
         tmp.mkdir(parents=True)
-        skip = {STATE_FILE, DEEPSPEED_DIR} if kind == UNIVERSAL else {STATE_FILE, MODEL_FILE}
+        # The manifest describes the checkpoint as saved, not the converted files: a view is derived data.
+        skip = {STATE_FILE, MANIFEST_FILE, DEEPSPEED_DIR if kind == UNIVERSAL else MODEL_FILE}
         for item in checkpoint.iterdir():
             if item.is_file() and item.name not in skip:
                 _link_or_copy(item, tmp / item.name)

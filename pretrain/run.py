@@ -61,6 +61,9 @@ def dry_run(recipe, launch: Launch) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pretrain.supervise import stop_with_launcher
+
+    stop_with_launcher()  # a worker of torchrun ends with its launcher (kill -9 of accelerate launch too)
     args = parse_args(argv)
     is_main = True
     try:

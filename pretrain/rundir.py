@@ -5,8 +5,12 @@
       run_config.json            the flattened run config (recipe, plan, launch, perf reference)
       recipe.resolved.yaml       the recipe after base: and overrides
       deepspeed_config.json      DeepSpeed runs only
-      checkpoints/step_XXXXXXXX/ accelerate save_state + trainer_state.json (written last)
+      checkpoints/step_XXXXXXXX/ accelerate save_state + trainer_state.json + manifest.json (sizes and
+                                 checksums, pretrain/integrity.py), written under .tmp- and renamed
       checkpoints/latest         the name of the newest complete checkpoint
+      checkpoints/.damaged-step_XXXXXXXX/  a damaged checkpoint a resume passed over (not a checkpoint)
+      run.lock                   flocked by the run's global rank 0 (pretrain/supervise.py)
+      profile/, hang/            runtime.profile traces, hang-watchdog stacks (pretrain/diagnostics.py)
       checkpoints/step_XXXXXXXX.universal/ (.ddp/, .single/)  a checkpoint converted for another layout
                                  (pretrain/reshard.py); no trainer_state.json, so never taken for a checkpoint
       final_model/               transformers save_pretrained + tokenizer

@@ -87,6 +87,14 @@ class JSONLTracker(GeneralTracker):
             self._file = None
 
 
+def set_resume_step(trackers: list[GeneralTracker], step: int) -> None:
+    """Before the trackers start: the run resumes from ``step`` after all (an older checkpoint than the
+    one they were built for turned out to be the intact one)."""
+    for tracker in trackers:
+        if isinstance(tracker, JSONLTracker):
+            tracker.resume_step = step
+
+
 def wandb_key_configured() -> bool:
     """Whether wandb could log in online (an env key or a netrc entry). The key itself is never read out."""
     if os.environ.get("WANDB_API_KEY"):

@@ -30,6 +30,7 @@ from pretrain.batching import BatchPlan
 from pretrain.checkpoint import Checkpointer, ResumeChoice, TrainerState, agree_on_resume
 from pretrain.config import Recipe
 from pretrain.data import ensure_data, open_data
+from pretrain.diagnostics import Diagnostics
 from pretrain.errors import ConfigError
 from pretrain.evaluation import Evaluator
 from pretrain.hardware import gpu_for_device
@@ -45,7 +46,8 @@ from pretrain.reshard import prepare_resume
 from pretrain.run_record import start_run_record
 from pretrain.runtime import build_accelerator, check_shared_output_dir, model_placement
 from pretrain.shape import flops_per_token
-from pretrain.tracking import Console, StepLog, build_trackers
+from pretrain.supervise import RunLock
+from pretrain.tracking import Console, StepLog, build_trackers, set_resume_step
 
 
 def check_output_dir(output_dir: Path) -> None:
@@ -133,6 +135,9 @@ class Trainer:
         self.num_steps = run_plan.num_steps
         self.lr = run_plan.lr
         check_output_dir(self.output_dir)
+        # One run per output_dir: global rank 0 holds the lock (a second run stops here with exit 2, and a
+        # rank 0 that stops takes its launch down with it).
+        self.lock = RunLock.acquire(self.output_dir, log=self.log) if self.is_main else None
         # Rank 0 decides which checkpoint to resume from, now: its trackers (main-process only) need the step
         # to drop the metrics of redone steps. Every rank follows that choice once the process group exists.
         # Every rank reads the same files now (errors are kept, not raised) for one purpose: a checkpoint of
@@ -154,15 +159,18 @@ class Trainer:
         self.device = self.accelerator.device
         # Collectives: every rank raises the same ConfigError, or none does.
         check_shared_output_dir(self.accelerator, self.output_dir)
-        resume_from = agree_on_resume(self.accelerator, choice, self.output_dir)
+        resume_from = agree_on_resume(self.accelerator, choice, self.output_dir, log=self.log)
         if resume_from is None:
             self.resume = None
         elif self.resume is None or self.resume.checkpoint != resume_from:
-            # This rank saw another checkpoint before the process group existed; it sees rank 0's too (agreed
-            # above), which rank 0 has already prepared: follow rank 0.
+            # This rank saw another checkpoint before the process group existed (or the checksums sent every
+            # rank to an older one); it sees rank 0's (agreed above): follow rank 0, which prepares it first.
             self.resume = prepare_resume(resume_from, self.launch, log=self.log)
+            # The trackers were built for the step of the checkpoint seen first.
+            set_resume_step(trackers, TrainerState.read(resume_from).step)
         self.checkpointer = Checkpointer(self.accelerator, self.output_dir, recipe.checkpoint, self.num_steps,
                                          log=self.log)
+        self.diagnostics = Diagnostics(self.accelerator, recipe.runtime, self.output_dir, self.log)
         set_seed(recipe.train.seed)
 
         self.data = open_data(recipe.data, log=self.log, prepare_command=prepare_command)
@@ -246,29 +254,44 @@ class Trainer:
             self.throughput.start(self.step)
             self.console.start(self.num_steps, self.step)
             first_step = self.step
-            while self.step < self.num_steps:
-                if self.data_stop_step is not None and self.step >= self.data_stop_step:
-                    self.stop_exhausted(first_step)
-                    return last_metrics
-                result = self.train_step(batches)
-                self.step += 1
-                self.tokens_seen += self.plan.tokens_per_step
-                self.throughput.step_done(self.step)
-                if self.step_log.due(self.step):
-                    last_metrics = self.log_train(result)
-                else:
-                    self.console.advance(self.step)
-                if self.evaluator.due(self.step):
-                    with self.throughput.excluded():
-                        self.evaluator.evaluate(self.model, self.step)
-                if self.checkpointer.should_save(self.step):
-                    with self.throughput.excluded():
-                        self.checkpointer.save(self.state())
-                elif stop.agreed(self.accelerator):
-                    self.stop_preempted()
-                    return last_metrics
-        self.finish()
+            with self.diagnostics.loop(first_step) as diagnostics:  # profiler window, hang watchdog
+                ended, last_metrics = self.loop(batches, stop, diagnostics)
+            # Outside the loop's diagnostics: the watchdog does not time the export or the preemption checkpoint.
+            if ended == "preempted":
+                self.stop_preempted()
+            elif ended == "exhausted":
+                self.stop_exhausted(first_step)
+            else:
+                self.finish()
         return last_metrics
+
+    def loop(self, batches, stop: StopSignals, diagnostics: Diagnostics) -> tuple[str, dict[str, float]]:
+        """Optimizer steps until the horizon ("done"), an agreed stop signal ("preempted") or
+        data.on_exhausted=stop ("exhausted"); the last logged train metrics."""
+        last_metrics: dict[str, float] = {}
+        while self.step < self.num_steps:
+            if self.data_stop_step is not None and self.step >= self.data_stop_step:
+                return "exhausted", last_metrics
+            diagnostics.step_start(self.step + 1, timed=self.step_log.due(self.step + 1))
+            with diagnostics.oom_snapshot():
+                result = self.train_step(batches)
+            self.step += 1
+            self.tokens_seen += self.plan.tokens_per_step
+            self.throughput.step_done(self.step)
+            if self.step_log.due(self.step):
+                last_metrics = self.log_train(result)
+            else:
+                self.console.advance(self.step)
+            if self.evaluator.due(self.step):
+                with self.throughput.excluded():
+                    self.evaluator.evaluate(self.model, self.step)
+            if self.checkpointer.should_save(self.step):
+                with self.throughput.excluded():
+                    self.checkpointer.save(self.state())
+            elif stop.agreed(self.accelerator):
+                return "preempted", last_metrics
+            diagnostics.step_done()
+        return "done", last_metrics
 
     def train_step(self, batches) -> OptimizerStep:
         """One optimizer step: GAS micro-steps; the last one synchronises gradients and updates."""
@@ -296,6 +319,8 @@ class Trainer:
                 num_items_in_batch=self.loss_normaliser,
                 **batch.attention_kwargs(),
             ).loss
+            if acc.sync_gradients:
+                self.diagnostics.before_sync()
             acc.backward(loss)
             if acc.sync_gradients:
                 grad_norm = acc.clip_grad_norm_(model.parameters(), self.recipe.optim.grad_clip or float("inf"))
@@ -324,6 +349,7 @@ class Trainer:
             **self.plan.as_metrics(),
             **self.loss_scale_metrics(),
             **self.sample_order.metrics(self.step),  # a mixture: data/tokens/<name>, data/epochs/<name>
+            **self.diagnostics.step_time_metrics(),  # collective: perf/step_time_max_s, _min_s, _slowest_rank
         }
         return self.step_log.write(self.step, metrics)
 
@@ -356,7 +382,7 @@ class Trainer:
         self.console.close()
         self.log(f"preempted: stopped after step {self.step}/{self.num_steps} with a checkpoint; "
                  "the same command resumes from it")
-        self.accelerator.end_training()
+        self.end()
 
     def stop_exhausted(self, first_step: int) -> None:
         """data.on_exhausted=stop: a source has been read once. Checkpoint (unless this step's is there), evaluate
@@ -376,7 +402,12 @@ class Trainer:
         self.console.close()
         if self.recipe.checkpoint.save_final_model:
             self.export_final_model()
+        self.end()
+
+    def end(self) -> None:
         self.accelerator.end_training()
+        if self.lock is not None:
+            self.lock.release()
 
     def export_final_model(self) -> None:
         acc = self.accelerator

@@ -173,6 +173,7 @@ class _FakeAccelerator:
 
     is_main_process = True
     num_processes = 1
+    process_index = 0
     gradient_accumulation_steps = 2
 
     def __init__(self):

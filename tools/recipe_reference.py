@@ -59,6 +59,10 @@ def reference() -> str:
         section: type[BaseModel] = field.annotation
         lines += ["", f"### `{name}`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         for key, sub in section.model_fields.items():
+            if _is_section(sub.annotation):  # a section inside a section (runtime.profile): its keys
+                lines += [f"| `{name}.{key}.{k}` | {_type_name(f.annotation)} | {_default(f)} | {f.description} |"
+                          for k, f in sub.annotation.model_fields.items()]
+                continue
             lines.append(f"| `{name}.{key}` | {_type_name(sub.annotation)} | {_default(sub)} | {sub.description} |")
             item = _list_item(sub.annotation)
             for item_key, item_field in (item.model_fields.items() if item else ()):

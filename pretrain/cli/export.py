@@ -42,6 +42,12 @@ def check_paths(checkpoint: Path, out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} already exists and is not an empty directory; choose a new OUT (nothing is "
                           "overwritten)")
+    from pretrain.integrity import verify_all
+
+    damage = verify_all(checkpoint)  # reads the checkpoint once more, in this one process
+    if damage:
+        raise ConfigError(f"{checkpoint} is damaged ({damage}); export an older checkpoint, or restore this one "
+                          "from a copy")
 
 
 def export(checkpoint: Path, out: Path, log=print) -> None:

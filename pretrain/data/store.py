@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from pretrain.errors import DataError
+
 FORMAT = "pretrain-token-store"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -169,13 +171,32 @@ class TokenRows:
     def _shard(self, index: int) -> np.ndarray:
         tokens = self._open.get(index)
         if tokens is None:
-            tokens = np.memmap(self.files[index], dtype=self.dtype, mode="r")
+            tokens = self._map(index)
             self._open[index] = tokens
             if len(self._open) > MAX_OPEN_SHARDS:
                 self._open.popitem(last=False)
         else:
             self._open.move_to_end(index)
         return tokens
+
+    def _map(self, index: int) -> np.ndarray:
+        """A shard's memory map, checked against the token count the store's manifest records (the stat is
+        free: mapping needs the size anyway). A truncated file is one DataError naming the rebuild."""
+        path, expected = self.files[index], int(self.offsets[index + 1] - self.offsets[index])
+        try:
+            found = path.stat().st_size // self.dtype.itemsize
+        except OSError as exc:
+            found, reason = 0, exc.strerror
+        else:
+            reason = f"{found:,} tokens, the manifest records {expected:,}"
+        if found != expected:
+            store = path.parent.parent
+            raise DataError(
+                f"data: the token store at {store} is damaged: {path} ({reason}). Rebuild the damaged shard: "
+                f"delete {store / MANIFEST} and prepare the store again (the same run command on one node, or "
+                "pretrain-prepare-data with the same recipe); intact shards are kept"
+            )
+        return np.memmap(path, dtype=self.dtype, mode="r")
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the split's stream as int64."""

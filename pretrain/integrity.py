@@ -1,0 +1,189 @@
+"""Verified checkpoints: a manifest of every file's size and checksum, written last, checked on resume.
+
+Every rank hashes the files it wrote itself (while they are still in its page cache), in parallel with the
+others, and rank 0 writes the union as ``manifest.json``, after every other file and before the checkpoint
+directory is renamed into place. Which rank wrote a file follows from accelerate's names: ``random_states_<i>``
+(process i), DeepSpeed's ``*zero_pp_rank_<r>_*`` (data-parallel rank r), torch.distributed.checkpoint's
+``__<r>_<k>.distcp`` (rank r, FSDP); everything else (the DDP model and optimizer, DeepSpeed's model states,
+the scheduler, ``trainer_state.json``) is rank 0's. Resume verifies the same split: rank r checks the files
+rank r would have written (their index modulo the world size after a resize).
+
+Checksum: CRC-32 (``zlib.crc32``) of every 256 MiB segment of a file, streamed in 8 MiB chunks, the segments
+of a rank's files hashed by up to 8 threads (zlib releases the GIL), so one big file is hashed in parallel
+too. Measured here: ~1 GiB/s per thread on a file in the page cache (blake2b 0.42, sha256 0.49 GiB/s).
+It detects every burst error up to 32 bits and any other damage of a segment with probability
+1 - 2^-32; it is not a defence against tampering. The manifest names its algorithm, so another can be added without breaking
+older checkpoints.
+
+Two levels of checking, both cheap: ``check_sizes`` (one stat per file: catches missing and truncated
+files) runs on rank 0 before any process group exists, over every candidate checkpoint; ``verify_own``
+(the checksums of this rank's files) runs on every rank once the process group does, for the checkpoint
+about to be loaded. A checkpoint written before manifests existed has none; it is resumed unverified, with
+a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import zlib
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+MANIFEST_FILE = "manifest.json"
+FORMAT = "pretrain-checkpoint-manifest"
+VERSION = 1
+ALGORITHM = "crc32"
+CHUNK_BYTES = 8 * 2**20
+# A file is checksummed in segments, each its own CRC, so that the threads share one big file too: rank 0's
+# DeepSpeed ZeRO-1/2 model states are the whole bf16 model (140 GB at 70B).
+SEGMENT_BYTES = 256 * 2**20
+MAX_HASH_THREADS = min(8, os.cpu_count() or 1)
+
+# A file's writer, from accelerate's / DeepSpeed's / DCP's names; anything else is rank 0's.
+_RANK_PATTERNS = (
+    re.compile(r"^random_states_(\d+)\.pkl$"),
+    re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_"),
+    re.compile(r"^__(\d+)_\d+\.distcp$"),
+)
+
+
+def crc32_segment(path: Path, start: int, length: int) -> str:
+    """CRC-32 of bytes [start, start + length) of ``path`` (fewer at the end of the file)."""
+    crc = 0
+    buffer = bytearray(CHUNK_BYTES)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        f.seek(start)
+        while length > 0 and (n := f.readinto(view[: min(CHUNK_BYTES, length)])):
+            crc = zlib.crc32(view[:n], crc)
+            length -= n
+    return f"{crc:08x}"
+
+
+CHECKSUMS = {"crc32": crc32_segment}
+
+
+def owner(relpath: str, world_size: int) -> int:
+    """The rank that writes (and verifies) the checkpoint file ``relpath`` in a world of ``world_size``."""
+    name = relpath.rsplit("/", 1)[-1]
+    for pattern in _RANK_PATTERNS:
+        if match := pattern.search(name):
+            return int(match.group(1)) % world_size
+    return 0
+
+
+def checkpoint_files(directory: Path) -> list[str]:
+    """Every file of a checkpoint directory (relative, '/'-separated, sorted), the manifest left out."""
+    out = []
+    for root, _, names in os.walk(directory):
+        for name in names:
+            rel = (Path(root) / name).relative_to(directory).as_posix()
+            if rel != MANIFEST_FILE:
+                out.append(rel)
+    return sorted(out)
+
+
+def _checksums(directory: Path, relpaths: Iterable[str], algorithm: str, segment_bytes: int) -> dict[str, list[str]]:
+    """Each file's segment checksums, the segments of all files hashed by a pool of threads."""
+    checksum = CHECKSUMS[algorithm]
+    segments = [(rel, start) for rel in relpaths
+                for start in range(0, max(1, (directory / rel).stat().st_size), segment_bytes)]
+    out: dict[str, list[str]] = {rel: [] for rel in relpaths}
+    if segments:
+        with ThreadPoolExecutor(max_workers=min(MAX_HASH_THREADS, len(segments))) as pool:
+            found = pool.map(lambda seg: checksum(directory / seg[0], seg[1], segment_bytes), segments)
+            for (rel, _), value in zip(segments, found, strict=True):
+                out[rel].append(value)
+    return out
+
+
+def record_own(directory: Path, rank: int, world_size: int) -> dict[str, dict[str, Any]]:
+    """Size and checksum of every file of ``directory`` this rank wrote."""
+    mine = [rel for rel in checkpoint_files(directory) if owner(rel, world_size) == rank]
+    sums = _checksums(directory, mine, ALGORITHM, SEGMENT_BYTES)
+    return {rel: {"size": (directory / rel).stat().st_size, ALGORITHM: sums[rel]} for rel in mine}
+
+
+def write_manifest(directory: Path, files: dict[str, dict[str, Any]], world_size: int) -> None:
+    """The manifest, atomically (a temporary name, then a rename)."""
+    manifest = {"format": FORMAT, "version": VERSION, "algorithm": ALGORITHM, "segment_bytes": SEGMENT_BYTES,
+                "world_size": world_size, "files": dict(sorted(files.items()))}
+    tmp = directory / f".{MANIFEST_FILE}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, directory / MANIFEST_FILE)
+
+
+class Unverified(Exception):
+    """The checkpoint has no manifest (written before manifests existed)."""
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """The manifest; Unverified if there is none; ValueError naming the problem if it is unreadable."""
+    path = directory / MANIFEST_FILE
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise Unverified(str(directory)) from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path} is unreadable ({exc})") from None
+    if (not isinstance(manifest, dict) or manifest.get("format") != FORMAT
+            or manifest.get("algorithm") not in CHECKSUMS or not isinstance(manifest.get("files"), dict)
+            or not isinstance(manifest.get("segment_bytes"), int) or manifest["segment_bytes"] <= 0):
+        raise ValueError(f"{path} is not a checkpoint manifest this version reads")
+    return manifest
+
+
+def check_sizes(directory: Path) -> str | None:
+    """The damage one stat per file finds (missing, truncated or grown files, an unreadable manifest), or
+    None. Unverified if the checkpoint has no manifest."""
+    try:
+        manifest = read_manifest(directory)
+    except ValueError as exc:
+        return str(exc)
+    problems = []
+    for rel, entry in manifest["files"].items():
+        try:
+            size = (directory / rel).stat().st_size
+        except OSError:
+            problems.append(f"{directory / rel} is missing")
+            continue
+        if size != entry["size"]:
+            problems.append(f"{directory / rel} is {size:,} bytes, the manifest records {entry['size']:,}")
+    return "; ".join(problems) or None
+
+
+def verify_own(directory: Path, rank: int, world_size: int) -> str | None:
+    """The checksum damage among the files ``rank`` verifies, or None (also when there is no manifest)."""
+    try:
+        manifest = read_manifest(directory)
+    except Unverified:
+        return None
+    except ValueError as exc:
+        return str(exc)
+    algorithm = manifest["algorithm"]
+    mine = {rel: entry for rel, entry in manifest["files"].items() if owner(rel, world_size) == rank}
+    present = {rel for rel in mine if (directory / rel).is_file()}
+    problems = [f"{directory / rel} is missing" for rel in mine if rel not in present]
+    for rel, found in _checksums(directory, sorted(present), algorithm, manifest["segment_bytes"]).items():
+        recorded = mine[rel][algorithm]
+        if found != recorded:
+            bad = next((i for i, (a, b) in enumerate(zip(found, recorded, strict=False)) if a != b), None)
+            where = (f"bytes from {bad * manifest['segment_bytes']:,}" if bad is not None
+                     else f"{len(found)} segments, {len(recorded)} recorded")
+            problems.append(f"{directory / rel} has another {algorithm} than the manifest records ({where})")
+    return "; ".join(problems) or None
+
+
+def verify_all(directory: Path) -> str | None:
+    """Every file's size and checksum, in this one process (pretrain-export); None when intact or unverified."""
+    try:
+        read_manifest(directory)
+    except Unverified:
+        return None
+    except ValueError as exc:
+        return str(exc)
+    return check_sizes(directory) or verify_own(directory, 0, 1)

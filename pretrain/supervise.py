@@ -1,0 +1,111 @@
+"""One run per output_dir, and no worker outliving its launcher.
+
+**The run lock.** Global rank 0 holds an exclusive ``fcntl.flock`` on ``<output_dir>/run.lock`` for the
+whole run, and writes its pid, host and start time into it. A second run on the same output_dir (from any
+node, as long as the filesystem gives flock across nodes) is refused with exit 2 naming the holder. Only
+global rank 0 takes it: the other processes of the same launch follow rank 0 (a rank 0 that stops takes its
+launch down: torchrun ends the other workers), and a second launch, wherever it starts, has a rank 0 of its
+own that finds the lock held. The kernel releases a flock when its holder dies, however it dies
+(``kill -9`` too), so a lock left by a dead run is simply taken over; the file's old contents are then
+reported. NFSv4 gives flock across clients (a dead client's lock lapses with its lease, ~90 s); Lustre only
+when mounted with ``-o flock`` (``localflock`` locks within one node only); where the filesystem refuses
+flock the run warns and goes on unlocked.
+
+**Workers stop with their launcher.** torchrun (which ``accelerate launch`` runs in its own process) starts
+each worker in a session of its own, so ``kill -9`` of the launcher's process group leaves the workers
+training, and a relaunch would then write into the same output_dir. A worker started by torchrun's elastic
+agent (``TORCHELASTIC_RUN_ID`` set) therefore asks the kernel for SIGKILL when its parent — the agent's
+main thread, which started it — exits (``prctl(PR_SET_PDEATHSIG)``, Linux). A process started any other
+way (``python pretrain/run.py`` under nohup, say) keeps running when its parent exits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from pretrain.errors import ConfigError
+
+LOCK_FILE = "run.lock"
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+def _holder_text(raw: str) -> str:
+    try:
+        holder = json.loads(raw)
+        return f"pid {holder['pid']} on host {holder['host']}, started {holder['started']}"
+    except (ValueError, KeyError, TypeError):
+        return "a process that has not written its name yet" if not raw.strip() else f"{raw.strip()!r}"
+
+
+class RunLock:
+    """``RunLock.acquire(output_dir)``: the output_dir's lock, held until ``release()`` or the process ends."""
+
+    def __init__(self, path: Path, fd: int | None, previous: str | None):
+        self.path = path
+        self.fd = fd  # None: the filesystem gives no flock; running unlocked
+        self.previous = previous  # the holder a dead run left in the file, if any
+
+    @classmethod
+    def acquire(cls, output_dir: str | Path, log=print) -> RunLock:
+        path = Path(output_dir) / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder_text(os.pread(fd, 1 << 16, 0).decode(errors="replace"))
+            os.close(fd)
+            raise ConfigError(
+                f"output_dir = {str(output_dir)!r} is in use by another run ({holder}), which holds {path}. "
+                "Two runs in one output_dir would overwrite each other's checkpoints and metrics: wait for it "
+                "to end or stop it, or choose another output_dir. (A lock whose holder died is released by the "
+                "operating system and taken over automatically; nothing needs deleting.)"
+            ) from None
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in _UNSUPPORTED:
+                raise
+            log(f"warning: the filesystem of {path} refuses flock ({exc.strerror}); running without the "
+                "one-run-per-output_dir lock (on Lustre, mount with -o flock)")
+            return cls(path, None, None)
+        raw = os.pread(fd, 1 << 16, 0).decode(errors="replace")
+        previous = _holder_text(raw) if raw.strip() else None
+        if previous:
+            log(f"run lock: taking over {path} from a run that ended without releasing it ({previous}); the "
+                "operating system released its lock when it died")
+        holder = {"pid": os.getpid(), "host": socket.gethostname(),
+                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        return cls(path, fd, previous)
+
+    def release(self) -> None:
+        """Empty the file (so the next run does not report a dead holder) and unlock."""
+        if self.fd is None:
+            return
+        os.ftruncate(self.fd, 0)
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = None
+
+
+def stop_with_launcher() -> bool:
+    """Under torchrun, have the kernel SIGKILL this process when the launcher that started it dies. Whether
+    it was set (Linux, started by torchrun's elastic agent)."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return False
+    if os.getppid() == 1:  # the launcher died before the request was made: nothing would signal us now
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
