@@ -31,3 +31,12 @@ class DataError(ConfigError):
 
 class BatchConfigError(ConfigError):
     """The batch sizes do not divide for this world size."""
+
+
+EXIT_DIVERGED = 3
+
+
+class TrainingDiverged(Exception):
+    """The run stopped itself: its updates kept being unusable (stability.max_consecutive_skips) or its state
+    turned non-finite. Printed without a traceback, exit status 3 (not 0: a scheduler must not take the run for
+    finished; not 2: the recipe was valid). The newest checkpoint on disk holds the last healthy state."""

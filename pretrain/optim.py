@@ -118,6 +118,21 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduleConfig, num
     )
 
 
+def set_peak_lr(scheduler, lr: float) -> float:
+    """Make ``lr`` the schedule's peak after a resume; returns the lr the next step uses.
+
+    A checkpoint restores the optimizer's param groups (their lr and initial_lr) and the LambdaLR's base_lrs,
+    so without this the peak lr of the run that saved it would win over the recipe's. The schedule's shape
+    and length are this run's already (the LambdaLR's lambdas are built from the recipe, not loaded)."""
+    inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's (and its DeepSpeed) wrapper
+    inner.base_lrs = [lr] * len(inner.base_lrs)
+    values = [base * fn(inner.last_epoch) for base, fn in zip(inner.base_lrs, inner.lr_lambdas, strict=True)]
+    for group, value in zip(inner.optimizer.param_groups, values, strict=True):
+        group["initial_lr"], group["lr"] = lr, value
+    inner._last_lr = values
+    return values[0]
+
+
 def deepspeed_optimizer(model: nn.Module, recipe, lr: float, num_steps: int):
     """Placeholders that let DeepSpeed build its own (fused / CPU) Adam on our parameter groups.
 

@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from pretrain.cli import add_recipe_arguments
-from pretrain.errors import EXIT_USAGE, ConfigError
+from pretrain.errors import EXIT_DIVERGED, EXIT_USAGE, ConfigError, TrainingDiverged
 from pretrain.launch import Launch
 
 
@@ -85,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         if is_main:
             print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except TrainingDiverged as exc:
+        if is_main:
+            print(f"error: {exc}", file=sys.stderr)
+        return EXIT_DIVERGED
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
