@@ -364,7 +364,9 @@ class PrecisionConfig(Section):
     loss_scale: Literal["dynamic"] | float = Field(
         "dynamic", description="fp16 only: `dynamic` loss scaling or a fixed scale (> 0)."
     )
-    initial_scale_power: int = Field(16, ge=0, description="fp16 dynamic scaling: the initial scale is 2**power.")
+    initial_scale_power: int = Field(
+        16, ge=0, le=64, description="fp16 dynamic scaling: the initial scale is 2**power (0 to 64)."
+    )
     loss_scale_window: int = Field(1000, gt=0, description="fp16 dynamic scaling: steps without overflow before the scale grows.")
     hysteresis: int = Field(2, gt=0, description="fp16 dynamic scaling: overflows tolerated before the scale shrinks.")
     min_loss_scale: float = Field(1.0, gt=0, description="fp16 dynamic scaling: the scale never goes below this.")
@@ -437,7 +439,7 @@ class StabilityConfig(Section):
         128,
         ge=2,
         description="Optimizer steps in the rolling window of losses and gradient norms (skipped steps are left "
-        "out); the spike rule applies once the window is full.",
+        "out); the spike rule applies once the window is half full.",
     )
     max_consecutive_skips: int = Field(
         5,
@@ -499,8 +501,10 @@ class RuntimeConfig(Section):
     throughput_warmup_steps: int = Field(
         1, ge=0, description="Optimizer steps after each start or resume left out of throughput and MFU (warm-up, compile)."
     )
-    collective_timeout_s: float | None = positive_or_null(
-        "Timeout of the process group's collectives (seconds); null = torch's default (10 min NCCL, 30 min gloo)."
+    collective_timeout_s: float | None = Field(
+        None, gt=0, le=30 * 86400,
+        description="Timeout of the process group's collectives (seconds, at most 30 days); null = torch's default "
+        "(10 min NCCL, 30 min gloo).",
     )
 
 

@@ -36,7 +36,7 @@ from pretrain.loss import chunked_causal_lm_loss
 from pretrain.shape import ModelShape, require_counted, resolve_vocab_size
 
 __all__ = ["build_model", "closed_form_num_params", "count_parameters", "hf_config", "init_weights",
-           "materialize", "resolve_vocab_size", "save_pretrained_model"]
+           "materialize", "meta_model", "resolve_vocab_size", "save_pretrained_model"]
 
 # Our field -> the config attributes that can hold it, first match wins. GPT-2's config maps hidden_size,
 # num_hidden_layers, num_attention_heads and max_position_embeddings to n_embd, n_layer, n_head and
@@ -75,8 +75,14 @@ def hf_config(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> PreTrain
     default = AutoConfig.for_model(arch)
     kwargs, problems = _mapped_fields(model_cfg, default, vocab_size, seq_len)
     attributes = sorted({*default.to_dict(), *default.attribute_map})
+    recipe_owned = {default.attribute_map.get(name, name): field for field, names in _CONFIG_NAMES.items()
+                    for name in names if name in kwargs or (name == "rope_parameters" and "rope_theta" in kwargs)}
     for key in model_cfg.config_overrides:
-        if not hasattr(default, key):
+        owner = recipe_owned.get(default.attribute_map.get(key, key))
+        if owner is not None:
+            problems.append(f"model.config_overrides.{key} would replace what model.{owner} says (the shapes the "
+                            f"estimator, MFU and checkpoints read); set model.{owner} instead")
+        elif not hasattr(default, key):
             near = difflib.get_close_matches(key, attributes, n=3, cutoff=0.6)
             hint = f"did you mean {' or '.join(near)}?" if near else f"see transformers' {type(default).__name__}"
             problems.append(f"model.config_overrides.{key} is not an attribute of the {arch} config; {hint}")
@@ -129,6 +135,22 @@ def _mapped_fields(
     return kwargs, problems
 
 
+def meta_model(recipe) -> tuple[PreTrainedModel, int]:
+    """The recipe's model on the meta device (no memory, no init) and its vocabulary size: what --dry-run
+    prints and pretrain-launch builds, so that a config transformers cannot build is refused before launch.
+    A pretrained tokenizer is loaded for its size; a BPE's is the recipe's."""
+    if recipe.model.vocab_size is not None:
+        tokenizer_vocab = None
+    elif recipe.data.tokenizer == "bpe":
+        tokenizer_vocab = recipe.data.tokenizer_vocab_size
+    else:
+        from pretrain.data import build_tokenizer
+
+        tokenizer_vocab = len(build_tokenizer(recipe.data))
+    vocab = resolve_vocab_size(recipe.model, tokenizer_vocab)
+    return build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed, meta=True), vocab
+
+
 def build_model(
     model_cfg: ModelConfig,
     vocab_size: int,
@@ -176,6 +198,12 @@ def _build(model_cfg: ModelConfig, config: PreTrainedConfig, partitioned: bool, 
         except ImportError as exc:
             raise ConfigError(
                 f"model.attention = {model_cfg.attention} cannot be used here: {exc}; try sdpa"
+            ) from None
+        except (KeyError, ValueError, TypeError, AttributeError) as exc:
+            # A config transformers accepted but cannot build (e.g. config_overrides.hidden_act = 'nope').
+            raise ConfigError(
+                f"model (arch {config.model_type}): transformers cannot build the model from this config "
+                f"({type(exc).__name__}: {exc}); check model.config_overrides {model_cfg.config_overrides}"
             ) from None
     model.tie_weights()  # init_empty_weights re-creates every parameter it registers, which unties them
     model.loss_function = chunked_causal_lm_loss  # transformers' loss without the fp32 logits (pretrain/loss.py)

@@ -5,8 +5,9 @@ last backward) and gradient norm (the global norm, as the engine computes it) ar
 
 - ``skip_nonfinite``: a NaN or infinite loss or gradient norm skips the update;
 - ``spike_sigma``: so does a loss or gradient norm more than k standard deviations above the mean of the
-  last ``window_steps`` applied updates (OLMo-core's ``SkipStepOptimizer`` rule; the rule waits until the
-  window is full, and skipped steps never enter it);
+  last ``window_steps`` applied updates (OLMo-core's ``SkipStepOptimizer`` rule; as there, the rule waits
+  until the window is half full; unlike there, skipped steps never enter it, so a spike does not widen the
+  band the next one is judged by);
 - ``max_consecutive_skips``: that many skipped updates in a row stop the run (``TrainingDiverged``, exit 3),
   like llm-foundry's kill-loss-spike callback, leaving the newest checkpoint (always healthy: see
   ``pretrain/checkpoint.py``) to resume from with other settings.
@@ -91,7 +92,7 @@ class SkipPolicy:
                 return Verdict(False, left_to_scaler=True)
             if cfg.skip_nonfinite:
                 return Verdict(True, "stability.skip_nonfinite", f"gradient norm is {grad_norm}")
-        if cfg.spike_sigma is not None and len(self.losses) == cfg.window_steps:
+        if cfg.spike_sigma is not None and len(self.losses) >= max(2, cfg.window_steps // 2):
             for name, value, window in (("loss", loss, self.losses), ("gradient norm", grad_norm, self.grad_norms)):
                 if value is None or not math.isfinite(value):
                     continue
@@ -187,9 +188,9 @@ class DeepSpeedGate:
         base = getattr(wrapper, "optimizer", None) or wrapper  # the torch optimizer DeepSpeed steps
 
         def grad_norm():
-            norm = getattr(wrapper, "_global_grad_norm", None)
-            # ZeRO-0 fp32 keeps no norm of its own: the gradients' (after DeepSpeed's clipping, if any).
-            return _grad_norm_of(base) if norm is None or wrapper is base else norm
+            if wrapper is base:  # ZeRO-0 fp32: no wrapper keeps a norm; the gradients' (after DeepSpeed's clip)
+                return _grad_norm_of(base)
+            return getattr(wrapper, "_global_grad_norm", None)  # None: the loss alone is judged
 
         step = base.step
 

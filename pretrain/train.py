@@ -280,16 +280,7 @@ class Trainer:
                     self.step += 1
                     self.tokens_seen += self.plan.tokens_per_step
                     self.throughput.step_done(self.step)
-                    diverged = self.record_verdict(result.verdict)
-                    skipped = result.verdict is not None and result.verdict.skip
-                    if self.step_log.due(self.step) or skipped:
-                        last_metrics = self.log_train(result)
-                    else:
-                        self.console.advance(self.step)
-                    if skipped:
-                        self.log_skip(result.verdict)
-                    if diverged is not None:
-                        raise diverged
+                    last_metrics = self.report(result) or last_metrics  # TrainingDiverged: too many skips
                     if self.evaluator.due(self.step):
                         with self.throughput.excluded():
                             self.evaluator.evaluate(self.model, self.step)
@@ -427,15 +418,26 @@ class Trainer:
             out["train/loss_scale"] = float(scale)
         return out
 
-    def record_verdict(self, verdict: Verdict | None) -> TrainingDiverged | None:
-        """Count the step's verdict; the TrainingDiverged to raise once the step is logged, if any."""
-        if verdict is None:
-            return None
-        try:
-            self.policy.record(self.step, verdict, *self.gate.values)
-        except TrainingDiverged as exc:
-            return exc
-        return None
+    def report(self, result: OptimizerStep) -> dict[str, float] | None:
+        """Count the step's verdict, log the step (on logging steps, and always when its update was skipped);
+        the metrics logged, if any. Raises TrainingDiverged, once the step is logged, after too many skips."""
+        diverged = None
+        if result.verdict is not None:
+            try:
+                self.policy.record(self.step, result.verdict, *self.gate.values)
+            except TrainingDiverged as exc:
+                diverged = exc
+        skipped = result.verdict is not None and result.verdict.skip
+        logged = None
+        if self.step_log.due(self.step) or skipped:
+            logged = self.log_train(result)
+        else:
+            self.console.advance(self.step)
+        if skipped:
+            self.log_skip(result.verdict)
+        if diverged is not None:
+            raise diverged
+        return logged
 
     def state(self) -> TrainerState:
         """What a checkpoint records besides the accelerator's state."""

@@ -237,6 +237,12 @@ def planned_data_identity(data_cfg: DataConfig, log: Log = print) -> dict[str, t
     return {f"mixture:{s.name}": (planned_identity(s.target), s.data_cfg) for s in locate_mixture(data_cfg, log)}
 
 
+def _stream_value(identity: dict[str, Any], key: str) -> Any:
+    """A field of an identity as compared: a tokenizer by its name and identity (a manifest adds its counts)."""
+    value = identity.get(key)
+    return (value["name"], value["identity"]) if key == "tokenizer" and isinstance(value, dict) else value
+
+
 def _label(name: str) -> str:
     return "data.source" if name == SINGLE else f"data.mixture source {name.partition(':')[2]!r}"
 
@@ -254,7 +260,7 @@ def data_changes(saved: dict[str, dict[str, Any]], planned: dict[str, tuple[dict
             continue
         old, (new, source_cfg) = saved[name], planned[name]
         for key in STREAM_FIELDS:
-            if old.get(key) == new.get(key):
+            if _stream_value(old, key) == _stream_value(new, key):
                 continue
             if key == "corpus_fingerprint":
                 files = corpus_file_changes(old["store"], source_cfg)
