@@ -75,14 +75,8 @@ def hf_config(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> PreTrain
     default = AutoConfig.for_model(arch)
     kwargs, problems = _mapped_fields(model_cfg, default, vocab_size, seq_len)
     attributes = sorted({*default.to_dict(), *default.attribute_map})
-    recipe_owned = {default.attribute_map.get(name, name): field for field, names in _CONFIG_NAMES.items()
-                    for name in names if name in kwargs or (name == "rope_parameters" and "rope_theta" in kwargs)}
     for key in model_cfg.config_overrides:
-        owner = recipe_owned.get(default.attribute_map.get(key, key))
-        if owner is not None:
-            problems.append(f"model.config_overrides.{key} would replace what model.{owner} says (the shapes the "
-                            f"estimator, MFU and checkpoints read); set model.{owner} instead")
-        elif not hasattr(default, key):
+        if not hasattr(default, key):
             near = difflib.get_close_matches(key, attributes, n=3, cutoff=0.6)
             hint = f"did you mean {' or '.join(near)}?" if near else f"see transformers' {type(default).__name__}"
             problems.append(f"model.config_overrides.{key} is not an attribute of the {arch} config; {hint}")

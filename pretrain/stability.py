@@ -155,21 +155,25 @@ class StepGate:
     def __init__(self, policy: SkipPolicy):
         self.policy = policy
         self.loss: torch.Tensor | None = None
+        self.divisor = 1
         self.verdict: Verdict | None = None
         self.values: tuple[float, float | None] = (math.nan, None)
 
-    def begin(self, loss: torch.Tensor) -> None:
-        self.loss, self.verdict, self.values = loss, None, (math.nan, None)
+    def begin(self, loss_sum: torch.Tensor, num_micro_steps: int) -> None:
+        """The step's all-reduced sum of micro-step losses (the loss is that / GAS, divided on the host as the
+        logged loss always was)."""
+        self.loss, self.divisor, self.verdict, self.values = loss_sum, num_micro_steps, None, (math.nan, None)
 
     def judge(self, grad_norm) -> Verdict:
         """The verdict (taken once per step; later calls return it)."""
         if self.verdict is None:
             norm = grad_norm if isinstance(grad_norm, torch.Tensor) or grad_norm is None else torch.tensor(grad_norm)
+            # Expensive device-to-host synchronization: the step's loss and gradient norm, once per step.
             if norm is None:
                 loss, value = self.loss.item(), None
             else:
-                # Expensive device-to-host synchronization: the step's loss and gradient norm, once per step.
                 loss, value = torch.stack([self.loss.float(), norm.float().to(self.loss.device)]).tolist()
+            loss /= self.divisor
             self.values = (loss, value)
             self.verdict = self.policy.judge(loss, value)
         return self.verdict
@@ -217,15 +221,15 @@ def nonfinite_state(optimizer) -> str | None:
     optimizer state), or None. Read before a checkpoint is written."""
     while hasattr(optimizer, "optimizer") and optimizer.optimizer is not optimizer:
         optimizer = optimizer.optimizer
-    flags = []
+    flags: dict[torch.device, list[torch.Tensor]] = {}  # by device: offloaded state lives on the CPU
     for group in optimizer.param_groups:
         for p in group["params"]:
-            local = p.to_local() if hasattr(p, "to_local") else p
-            flags.append(torch.isfinite(local.detach()).all())
-            for value in optimizer.state.get(p, {}).values():
-                if isinstance(value, torch.Tensor) and value.is_floating_point():
-                    local = value.to_local() if hasattr(value, "to_local") else value
-                    flags.append(torch.isfinite(local).all())
-    if not flags:
+            tensors = [p.detach(), *(v for v in optimizer.state.get(p, {}).values()
+                                     if isinstance(v, torch.Tensor) and v.is_floating_point())]
+            for tensor in tensors:
+                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # an FSDP2 shard
+                flags.setdefault(local.device, []).append(torch.isfinite(local).all())
+    # Expensive device-to-host synchronization: once per device, before a checkpoint.
+    if all(bool(torch.stack(found).all()) for found in flags.values()):
         return None
-    return None if bool(torch.stack(flags).all()) else "the parameters or optimizer state hold NaN or inf"
+    return "the parameters or optimizer state hold NaN or inf"

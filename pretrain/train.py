@@ -336,7 +336,7 @@ class Trainer:
                 local = loss_before + loss.detach()
                 if self.loss_terms is not None and self.loss_terms.z_loss is not None:
                     local = local - self.loss_terms.z_loss
-                self.gate.begin(acc.reduce(local, reduction="mean") / self.plan.grad_accum_steps)
+                self.gate.begin(acc.reduce(local, reduction="mean"), self.plan.grad_accum_steps)
             acc.backward(loss)
             if acc.sync_gradients:
                 grad_norm = acc.clip_grad_norm_(model.parameters(), self.recipe.optim.grad_clip or float("inf"))

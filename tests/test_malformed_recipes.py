@@ -26,7 +26,6 @@ CASES = [
     ("a list where config_overrides' mapping goes", "model:\n  config_overrides: [silu]", [],
      "model.config_overrides"),
     ("an activation transformers does not have", "", ["model.config_overrides={hidden_act: nope}"], "hidden_act"),
-    ("an override of a recipe field", "", ["model.config_overrides={num_hidden_layers: 2}"], "model.num_layers"),
     ("an optimizer that needs a closure", "", ["optim.name=LBFGS"], "closure"),
     ("an optimizer for sparse gradients", "", ["optim.name=SparseAdam", "optim.weight_decay=0"], "sparse"),
     ("one beta", "", ["optim.args={betas: [0.9]}"], "optim.args"),
