@@ -129,10 +129,11 @@ def _mapped_fields(
     return kwargs, problems
 
 
-def meta_model(recipe) -> tuple[PreTrainedModel, int]:
+def meta_model(recipe, attention: str | None = None) -> tuple[PreTrainedModel, int]:
     """The recipe's model on the meta device (no memory, no init) and its vocabulary size: what --dry-run
     prints and pretrain-launch builds, so that a config transformers cannot build is refused before launch.
-    A pretrained tokenizer is loaded for its size; a BPE's is the recipe's."""
+    A pretrained tokenizer is loaded for its size; a BPE's is the recipe's. ``attention``: another kernel to
+    build with (pretrain-launch: a login node may lack the GPU nodes' flash-attn)."""
     if recipe.model.vocab_size is not None:
         tokenizer_vocab = None
     elif recipe.data.tokenizer == "bpe":
@@ -142,7 +143,8 @@ def meta_model(recipe) -> tuple[PreTrainedModel, int]:
 
         tokenizer_vocab = len(build_tokenizer(recipe.data))
     vocab = resolve_vocab_size(recipe.model, tokenizer_vocab)
-    return build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed, meta=True), vocab
+    model_cfg = recipe.model.model_copy(update={"attention": attention}) if attention else recipe.model
+    return build_model(model_cfg, vocab, recipe.data.seq_len, seed=recipe.train.seed, meta=True), vocab
 
 
 def build_model(

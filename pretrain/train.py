@@ -340,12 +340,12 @@ class Trainer:
             acc.backward(loss)
             if acc.sync_gradients:
                 grad_norm = acc.clip_grad_norm_(model.parameters(), self.recipe.optim.grad_clip or float("inf"))
-                if self.gate is not None:
-                    # DeepSpeed judged inside its step; no verdict there: its own non-finite check skipped it.
-                    if not self.deepspeed:
-                        verdict = self.gate.judge(grad_norm)
-                    else:  # judged inside DeepSpeed's step; no verdict there: its own non-finite check skipped
-                        verdict = self.gate.verdict or self.gate.judge(float("inf"))
+                if self.gate is not None and not self.deepspeed:
+                    verdict = self.gate.judge(grad_norm)
+                elif self.gate is not None:
+                    # Judged inside DeepSpeed's step (DeepSpeedGate); no verdict: DeepSpeed's own non-finite
+                    # check skipped the update before the torch optimizer's step was reached.
+                    verdict = self.gate.verdict or self.gate.judge(float("inf"))
             if verdict is not None and verdict.skip and not self.deepspeed:
                 self.skip_update()
             else:
