@@ -48,8 +48,10 @@ class ModelConfig(Section):
     intermediate_size: int | None = positive_or_null(
         "MLP hidden width (features); null = the architecture's default (gpt2: 4 x hidden)."
     )
-    vocab_size: int | None = positive_or_null(
-        "Embedding rows (tokens); null = the tokenizer's vocabulary rounded up to a multiple of 64."
+    vocab_size: int | None = Field(
+        None, gt=0, le=2**32,
+        description="Embedding rows (tokens, at most 2**32: the token store's uint32); null = the tokenizer's "
+        "vocabulary rounded up to a multiple of 64.",
     )
     max_position_embeddings: int | None = positive_or_null(
         "Longest sequence the positions support (tokens); null = data.seq_len."
@@ -165,7 +167,10 @@ class DataConfig(Section):
         description="`bpe` trains a byte-level BPE on the training corpus (cached); otherwise a local "
         "tokenizer directory / tokenizer.json or a Hugging Face tokenizer name.",
     )
-    tokenizer_vocab_size: int = Field(8192, ge=256, description="Vocabulary size (tokens) of a trained `bpe` tokenizer.")
+    tokenizer_vocab_size: int = Field(
+        8192, ge=256, le=2**32,
+        description="Vocabulary size (tokens, 256 to 2**32: the token store's uint32) of a trained `bpe` tokenizer.",
+    )
     tokenizer_train_bytes: int = Field(
         1_000_000_000,
         gt=0,

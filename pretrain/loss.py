@@ -117,6 +117,6 @@ def chunked_causal_lm_loss(
         normaliser = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=flat.device)
     loss, z_part = _ChunkedCrossEntropy.apply(flat, targets, normaliser, ignore_index,
                                               shape.loss_chunk_tokens(flat.shape[-1]), z_loss)
-    if terms is not None and z_loss:
+    if terms is not None and z_loss and flat.requires_grad:  # training: evaluation adds no z-loss
         terms.add(z_part)
     return loss

@@ -84,7 +84,7 @@ def hf_config(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> PreTrain
         raise ConfigError(problems)
     try:
         return AutoConfig.for_model(arch, **{**kwargs, "use_cache": False, **model_cfg.config_overrides})
-    except (StrictDataclassError, ValueError, TypeError) as exc:
+    except (StrictDataclassError, ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"model (arch {arch}): transformers rejects the config: {exc}") from None
 
 
@@ -194,6 +194,15 @@ def _build(model_cfg: ModelConfig, config: PreTrainedConfig, partitioned: bool, 
         except ImportError as exc:
             raise ConfigError(
                 f"model.attention = {model_cfg.attention} cannot be used here: {exc}; try sdpa"
+            ) from None
+        except (RuntimeError, MemoryError) as exc:
+            if not meta:
+                raise
+            # On the meta device only buffers take memory: sizes no machine could hold (model.hidden_size=1e9).
+            raise ConfigError(
+                f"model (arch {config.model_type}): even its description does not fit in memory ({exc}); check "
+                f"model.hidden_size ({model_cfg.hidden_size}), the vocabulary ({config.vocab_size}) and "
+                f"model.config_overrides {model_cfg.config_overrides}"
             ) from None
         except (KeyError, ValueError, TypeError, AttributeError) as exc:
             # A config transformers accepted but cannot build (e.g. config_overrides.hidden_act = 'nope').

@@ -57,7 +57,7 @@ def check_optimizer_args(cfg: OptimConfig, lr: float | None = None) -> None:
         groups = [{"params": g["params"]} for g in groups]
     try:
         cls(groups, lr=cfg.lr if lr is None else lr, **args)
-    except (TypeError, ValueError, RuntimeError) as exc:
+    except (TypeError, ValueError, RuntimeError, IndexError, KeyError) as exc:
         raise ConfigError(f"optim: torch.optim.{cfg.name} rejects optim.args = {cfg.args} (lr {cfg.lr}): {exc}; "
                           "fix the value it names") from None
 
@@ -107,7 +107,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float, device_type: 
     groups = [g for g in param_groups(model, cfg) if g["params"]]
     try:
         return cls(groups, lr=lr, **implementation_args(cfg, device_type))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, IndexError, KeyError) as exc:
         raise ConfigError(f"optim: torch.optim.{cfg.name} rejected its arguments {cfg.args}: {exc}") from None
 
 
