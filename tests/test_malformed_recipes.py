@@ -5,6 +5,7 @@ escapes fails the test as a traceback would."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,6 @@ def test_dry_run_and_launch_checks_refuse_with_one_message(tmp_path, capsys, tex
     assert main(["--recipe", recipe, "--dry-run", *overrides, f"output_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err, err
-    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         preflight(["--config_file", str(ROOT / "accelerate_configs" / "cpu.yaml")],
                   ["--recipe", recipe, *overrides, f"output_dir={tmp_path / 'run'}"])
