@@ -19,7 +19,8 @@ It costs one device-to-host synchronisation per optimizer step (the two numbers)
 
 Under DeepSpeed the update happens inside ``accelerator.backward`` (``engine.step()``): ``DeepSpeedGate``
 puts the decision between DeepSpeed's gradient norm and its call of the wrapped torch optimizer's ``step``,
-and holds back the LR schedule's step; DeepSpeed's own non-finite check (fp16 always, bf16
+and marks a held-back update as DeepSpeed marks its own skips (so the LR schedule holds still); DeepSpeed's
+own non-finite check (fp16 always, bf16
 ``check_grad_overflow``, fp32 ZeRO) may skip first, which is counted the same way. Under fp16 a non-finite
 gradient norm is the loss scaler's business (it skips the step and lowers the scale; ``train/skipped_steps``).
 """
@@ -180,14 +181,14 @@ class StepGate:
 
 
 class DeepSpeedGate:
-    """The gate inside ``engine.step()``: the wrapped torch optimizer's ``step`` and the LR schedule's ``step``
-    run only when the gate lets the update through. DeepSpeed computes the global gradient norm
-    (``_global_grad_norm``) before it calls the torch optimizer; ZeRO-1/2 with offload and ZeRO-3 call it once
-    per group or sub-group, which all share the step's one verdict. A skipped update leaves DeepSpeed's fp32
-    master partitions unchanged, and it copies them to the model's parameters as after any step."""
+    """The gate inside ``engine.step()``: the torch optimizer DeepSpeed steps runs only when the gate lets the
+    update through. DeepSpeed computes the global gradient norm (``_global_grad_norm``) before it calls the
+    torch optimizer; ZeRO-1/2 with offload and ZeRO-3 call it once per group or sub-group, which all share the
+    step's one verdict. A held-back update leaves DeepSpeed's fp32 master partitions unchanged (it copies them
+    to the model's parameters as after any step), and is marked as DeepSpeed marks its own skipped steps
+    (``overflow``), so that neither the engine nor accelerate steps the LR schedule."""
 
-    def __init__(self, gate: StepGate, engine, scheduler):
-        self.gate = gate
+    def __init__(self, gate: StepGate, engine):
         wrapper = engine.optimizer
         base = getattr(wrapper, "optimizer", None) or wrapper  # the torch optimizer DeepSpeed steps
 
@@ -199,20 +200,13 @@ class DeepSpeedGate:
         step = base.step
 
         def gated_step(*args, **kwargs):
-            if gate.judge(grad_norm()).skip:
-                return None
-            return step(*args, **kwargs)
+            skip = gate.judge(grad_norm()).skip
+            # Read by the engine after the optimizer's step (and by accelerate's step_was_skipped); ZeRO's
+            # optimizers reset it at their next step, a plain one is set here every step.
+            wrapper.overflow = skip
+            return None if skip else step(*args, **kwargs)
 
         base.step = gated_step
-        inner = getattr(scheduler, "scheduler", scheduler)  # the LambdaLR DeepSpeed steps
-        scheduler_step = inner.step
-
-        def gated_scheduler_step(*args, **kwargs):
-            if gate.verdict is not None and gate.verdict.skip:
-                return None
-            return scheduler_step(*args, **kwargs)
-
-        inner.step = gated_scheduler_step
 
 
 def nonfinite_state(optimizer) -> str | None:

@@ -196,7 +196,7 @@ class Trainer:
         self.policy = SkipPolicy(recipe.stability, fp16=fp16)
         self.gate = StepGate(self.policy) if recipe.stability.checks_steps else None
         if self.gate is not None and self.deepspeed:
-            DeepSpeedGate(self.gate, self.model, self.scheduler)  # the update happens inside DeepSpeed's step
+            DeepSpeedGate(self.gate, self.model)  # the update happens inside DeepSpeed's step
         self.loss_factors = injected_loss_factors()  # a test hook: {} in any real run
         if self.runtime.deepspeed_config is not None and self.is_main:
             write_json(self.output_dir / "deepspeed_config.json", self.runtime.deepspeed_config)
@@ -346,7 +346,7 @@ class Trainer:
                     # Judged inside DeepSpeed's step (DeepSpeedGate); no verdict: DeepSpeed's own non-finite
                     # check skipped the update before the torch optimizer's step was reached.
                     verdict = self.gate.verdict or self.gate.judge(float("inf"))
-            if verdict is not None and verdict.skip and not self.deepspeed:
+            if verdict is not None and verdict.skip:
                 self.skip_update()
             else:
                 self.optimizer.step()  # accelerate skips it on micro-steps that do not synchronise
@@ -359,9 +359,10 @@ class Trainer:
         return loss.detach(), grad_norm, verdict
 
     def skip_update(self) -> None:
-        """No update, no schedule step; the gradients are dropped by the caller's zero_grad. fp16: clipping
-        unscaled the gradients, and the scaler needs its update() before it unscales again."""
-        if self.accelerator.scaler is not None:
+        """No update, no schedule step; the gradients are dropped by zero_grad (DeepSpeed: the gate held the
+        update back inside its step, which dropped them). fp16 without DeepSpeed: clipping unscaled the
+        gradients, and the scaler needs its update() before it unscales again."""
+        if self.accelerator.scaler is not None and not self.deepspeed:
             self.accelerator.scaler.update()
 
     def log_skip(self, verdict: Verdict) -> None:
