@@ -184,7 +184,7 @@ def test_set_peak_lr_overrides_the_loaded_schedule_state():
     assert new.param_groups[0]["lr"] == pytest.approx(expected[6])
 
 
-# ---- end to end, one process ---------------------------------------------------------------------------
+# ---- end to end, one process (subprocess runs: slow, as tests/test_run.py) -------------------------------
 
 
 def _finite_checkpoint(path: Path) -> None:
@@ -196,6 +196,7 @@ def _finite_checkpoint(path: Path) -> None:
             assert not torch.is_tensor(value) or torch.isfinite(value).all(), path
 
 
+@pytest.mark.slow
 def test_diverging_run_skips_then_stops_naming_step_and_rule_with_finite_checkpoints(tmp_path):
     out = tmp_path / "nan"
     proc = train([*P, "checkpoint.every_steps=5", "optim.lr=1e6", f"output_dir={out}"])
@@ -224,6 +225,7 @@ def test_diverging_run_skips_then_stops_naming_step_and_rule_with_finite_checkpo
         _finite_checkpoint(path)
 
 
+@pytest.mark.slow
 def test_an_injected_nan_at_step_7_of_20_is_skipped_and_training_goes_on(tmp_path):
     out = tmp_path / "run"
     proc = train([*FAST, "train.max_steps=20", f"output_dir={out}"],
@@ -240,6 +242,7 @@ def test_an_injected_nan_at_step_7_of_20_is_skipped_and_training_goes_on(tmp_pat
     assert all(torch.isfinite(t).all() for t in weights.values())
 
 
+@pytest.mark.slow
 def test_a_resume_applies_a_new_lr_and_horizon_and_records_them(tmp_path):
     out = tmp_path / "run"
     check_ok(train([*FAST, "train.max_steps=6", "checkpoint.every_steps=3", f"output_dir={out}"]))
@@ -267,6 +270,7 @@ def _corpus(directory: Path, names: list[str]) -> None:
         (directory / f"{name}.txt").write_text((stdlib / f"{name}.py").read_text())
 
 
+@pytest.mark.slow
 def test_a_resume_after_the_corpus_changed_is_refused_naming_the_change(tmp_path):
     corpus, out = tmp_path / "corpus", tmp_path / "run"
     _corpus(corpus, ["shutil", "tempfile", "argparse", "inspect"])
