@@ -21,6 +21,7 @@ from pretrain.optim import build_scheduler, set_peak_lr
 from pretrain.stability import LOSS_FACTORS_ENV, SkipPolicy
 from pretrain.tracking import JSONLTracker
 from tests.helpers import FAST, TINY, accelerate_launch, check_ok, metrics, train
+from tests.test_optim import _lrs  # every optimizer step's lr of a schedule
 
 # The issue's command: the tiny recipe at tiny shapes.
 P = ["train.max_steps=10", "data.seq_len=64", "batch.global_batch_size=8", "batch.micro_batch_size=2",
@@ -153,18 +154,6 @@ def test_z_loss_is_added_chunk_by_chunk_with_its_gradient_and_only_in_training(m
 # ---- the resumed lr ------------------------------------------------------------------------------------
 
 
-def _schedule_lrs(recipe, lr: float, num_steps: int) -> list[float]:
-    """The lr of every optimizer step (1-based index - 1) of ``recipe``'s schedule at peak ``lr``."""
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
-    scheduler = build_scheduler(optimizer, recipe.lr_schedule, num_steps)
-    lrs = []
-    for _ in range(num_steps):
-        lrs.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
-    return lrs
-
-
 def test_set_peak_lr_overrides_the_loaded_schedule_state():
     recipe = load_recipe(TINY, ["lr_schedule.warmup_steps=2"])
     old = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=3e-3)
@@ -177,7 +166,7 @@ def test_set_peak_lr_overrides_the_loaded_schedule_state():
     new.load_state_dict(old.state_dict())
     new_scheduler.load_state_dict(old_scheduler.state_dict())
     assert new.param_groups[0]["lr"] == pytest.approx(old.param_groups[0]["lr"])  # the checkpoint's peak wins
-    expected = _schedule_lrs(recipe, 1e-3, 20)
+    expected = _lrs(recipe.lr_schedule, 20, 1e-3)
     assert set_peak_lr(new_scheduler, 1e-3) == pytest.approx(expected[5])
     new.step()
     new_scheduler.step()
@@ -250,7 +239,7 @@ def test_a_resume_applies_a_new_lr_and_horizon_and_records_them(tmp_path):
     check_ok(proc)
     assert "resume: applying the recipe's optim.lr: 0.003 -> 0.001; train.max_steps: 6 -> 10" in proc.stdout
     recipe = load_recipe(TINY, [*FAST, "train.max_steps=10", "optim.lr=1e-3"])
-    expected = _schedule_lrs(recipe, 1e-3, 10)
+    expected = _lrs(recipe.lr_schedule, 10, 1e-3)
     logged = {r["step"]: r["train/lr"] for r in metrics(out) if "train/lr" in r}
     for step in range(7, 11):
         assert logged[step] == pytest.approx(expected[step - 1], rel=1e-9), step
