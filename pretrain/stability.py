@@ -121,8 +121,8 @@ class SkipPolicy:
             raise TrainingDiverged(
                 f"step {step}: {self.consecutive} updates in a row skipped (the last by {verdict.rule}: "
                 f"{verdict.reason}); stopping at stability.max_consecutive_skips = {limit}. The newest checkpoint "
-                "holds the last healthy state: lower optim.lr (a resume applies it), raise optim.grad_clip's "
-                "strictness or stability.spike_sigma, then run the same command again"
+                "holds the last healthy state: lower optim.lr (a resume applies it) or optim.grad_clip, then run "
+                "the same command again"
             )
 
     def metrics(self, verdict: Verdict | None) -> dict[str, Any]:
