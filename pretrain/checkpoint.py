@@ -38,8 +38,9 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from pydantic import BaseModel
 
-from pretrain.config import CheckpointConfig, Recipe
-from pretrain.errors import ConfigError, disk_full_error, is_disk_full
+from pretrain.config import CheckpointConfig, DataConfig, Recipe
+from pretrain.data import data_changes, planned_data_identity
+from pretrain.errors import ConfigError, TrainingDiverged, disk_full_error, is_disk_full
 from pretrain.integrity import MANIFEST_FILE, Unverified, check_sizes, record_own, verify_own, write_manifest
 from pretrain.reshard import ResumeSource, views
 from pretrain.rundir import (
@@ -52,18 +53,27 @@ from pretrain.rundir import (
 )
 from pretrain.runtime import SHARED_FS_HINT, rank_problems
 
-# Recipe keys whose change makes a checkpoint unusable: the weights' shapes or the sample stream differ.
-# Anything else (horizon, lr, precision, kernels, data.document_masking, logging) may change on resume, with a
-# logged warning: document masking changes what the model attends to, not the weights or the sample stream.
+# Recipe keys whose change makes a checkpoint unusable: the weights' shapes or meaning, the sample stream, or
+# optimizer hyper-parameters the checkpoint's optimizer state would silently override (its param groups carry
+# weight decay, betas, eps) differ. The data behind the stream (the store, its sources' fingerprints, the
+# tokenizer) is checked apart (check_resume_data). APPLIED_ON_RESUME changes take effect, logged and recorded
+# (run_config.json's ``resume``); anything else (precision, kernels, data.document_masking, cadences, logging)
+# may change with a logged note: document masking changes what the model attends to, not the weights or stream.
 MUST_MATCH = (
     *(f"model.{k}" for k in ("arch", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                             "intermediate_size", "vocab_size", "tie_embeddings", "config_overrides")),
+                             "intermediate_size", "vocab_size", "max_position_embeddings", "rope_theta",
+                             "norm_eps", "tie_embeddings", "config_overrides")),
     *(f"data.{k}" for k in ("source", "format", "text_field", "hf_config", "hf_split", "tokenizer",
                             "tokenizer_vocab_size", "seq_len", "train_subset", "val_fraction", "shuffle",
                             "drop_last", "on_decode_error", "mixture", "normalize_weights")),
+    *(f"optim.{k}" for k in ("name", "weight_decay", "args", "decay_embeddings")),
     "batch.global_batch_size",
     "train.seed",
 )
+# Changes a resume applies: the peak lr replaces the checkpoint's (optim.set_peak_lr), the schedule is rebuilt
+# for the new horizon and shape, clipping and the stability rules are read every step.
+APPLIED_ON_RESUME = ("optim.lr", "optim.lr_scaling", "optim.reference_global_batch_size", "optim.grad_clip",
+                     "lr_schedule.", "train.max_steps", "train.max_tokens", "stability.")
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,8 @@ class TrainerState:
     plan: dict[str, Any]  # BatchPlan.to_dict() when saved
     recipe: dict[str, Any]  # the resolved recipe when saved: the compatibility check reads it
     layout: dict[str, Any] | None = None  # Launch.to_dict() when saved (None: saved before it was recorded)
+    data: dict[str, Any] | None = None  # the token store(s) trained on (pretrain.data.data_identity; None: older)
+    stability: dict[str, Any] | None = None  # SkipPolicy.state_dict(): the rolling window and skip counts
     python: str = field(default_factory=lambda: sys.version.split()[0])
     torch: str = field(default_factory=lambda: torch.__version__)
     saved_at: float | None = None  # time.time() of the save
@@ -143,6 +155,27 @@ def check_compatible(path: Path, saved: dict[str, Any], recipe: dict[str, Any]) 
             "or delete the checkpoints"
         )
     return [d for d in _diff(saved, recipe) if not d.startswith(("checkpoint.", "logging."))]
+
+
+def _data_refusal(path: Path, changes: list[str]) -> ConfigError:
+    return ConfigError(
+        f"cannot resume from {path}: the data it was trained on differs from this run's ({'; '.join(changes)}); "
+        "its weights would continue on other token ids or another sample order. Restore that data (or point "
+        "data.store at the store it names), or train on the new data as a new run: a new output_dir"
+    )
+
+
+def check_resume_data(path: Path, data_cfg: DataConfig) -> None:
+    """Refuse to resume ``path`` when the data this run would read is not what it was trained on: the store's
+    sources (their files' fingerprints), tokenizer, split. Every rank, before any store is prepared (a changed
+    corpus would otherwise be tokenized, and a BPE retrained, first); every rank reads the same files, so every
+    rank raises together. A checkpoint that recorded no data (older) is not checked here."""
+    state = TrainerState.read(path)
+    if state is None or state.data is None:
+        return
+    changes = data_changes(state.data, planned_data_identity(data_cfg, log=lambda _: None))
+    if changes:
+        raise _data_refusal(path, changes)
 
 
 def resume_checkpoint(output_dir: str | Path, cfg: CheckpointConfig) -> Path | None:
@@ -312,12 +345,25 @@ class Checkpointer:
             return True
         return self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
 
-    def save(self, state: TrainerState) -> Path:
+    def save(self, state: TrainerState, optimizer=None) -> Path:
         """``save_state`` into ``.tmp-step_X``, the trainer state, every rank's checksums of what it wrote
         gathered into the manifest (written last), then the rename and ``latest``. A full disk on any rank
         removes the partial checkpoint and raises the same ConfigError on every rank (exit 2): the previous
-        checkpoint is untouched and the same command resumes from it."""
+        checkpoint is untouched and the same command resumes from it. With ``optimizer``, its parameters and
+        state are checked for NaN / inf on every rank first: a non-finite state is never written (nor are
+        healthy ones pruned for it); TrainingDiverged instead."""
         acc = self.accelerator
+        if optimizer is not None:
+            from pretrain.stability import nonfinite_state
+
+            problems = rank_problems(acc, nonfinite_state(optimizer))
+            if problems:
+                newest = latest_checkpoint(self.dir.parent)
+                raise TrainingDiverged(
+                    f"step {state.step}: not saving a checkpoint: {'; '.join(problems)}. The newest checkpoint, "
+                    f"{newest or 'none'}, is kept; set stability.skip_nonfinite=true (skipped updates keep the "
+                    "state finite) or lower optim.lr, then resume from it"
+                )
         name = f"step_{state.step:08d}"
         final, tmp = self.dir / name, self.dir / f".tmp-{name}"
         if acc.is_main_process:
@@ -394,14 +440,24 @@ class Checkpointer:
                     shutil.rmtree(view, ignore_errors=True)
                 shutil.rmtree(path, ignore_errors=True)
 
-    def load(self, path: Path, recipe: dict[str, Any], source: ResumeSource | None = None) -> TrainerState:
-        """Restore everything from ``path``; returns its trainer state. Refuses an incompatible recipe.
-        ``source``: the checkpoint as ``reshard.prepare_resume`` prepared it for this launch (where the state
-        is read, whether the RNG is re-seeded); None: as saved."""
+    def load(self, path: Path, recipe: dict[str, Any], source: ResumeSource | None = None,
+             data: dict[str, Any] | None = None) -> tuple[TrainerState, list[str]]:
+        """Restore everything from ``path``; returns its trainer state and the APPLIED_ON_RESUME changes.
+        Refuses an incompatible recipe, and (``data``: the opened stores' ``data_identity``) a store holding
+        other tokens. ``source``: the checkpoint as ``reshard.prepare_resume`` prepared it for this launch
+        (where the state is read, whether the RNG is re-seeded); None: as saved."""
         source = source or ResumeSource(path, path, saved=None)
         state = TrainerState.read(path)
         assert state is not None
         other = check_compatible(path, state.recipe, recipe)
+        if state.data is not None and data is not None:
+            changes = data_changes(state.data, {name: (found, None) for name, found in data.items()}, opened=data)
+            if changes:
+                raise _data_refusal(path, changes)
+        applied = [d for d in other if d.startswith(APPLIED_ON_RESUME)]
+        other = [d for d in other if d not in applied]
+        if applied:
+            self.log(f"resume: applying the recipe's {'; '.join(applied)}")
         if other:
             self.log(f"resume: recipe differs from the checkpoint's in: {'; '.join(other)}")
         self.accelerator.load_state(str(source.load_dir))
@@ -415,4 +471,4 @@ class Checkpointer:
             self.log(f"resume: world size {source.saved.world_size} -> {self.accelerator.num_processes}: "
                      "each process's random stream re-seeded from (train.seed, step, process index)")
         self.log(f"resume: continuing from {path} at step {state.step}")
-        return state
+        return state, applied

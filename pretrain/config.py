@@ -29,7 +29,8 @@ def positive_or_null(description: str):
 class Section(BaseModel):
     """Base of every recipe section: unknown keys are errors and a loaded recipe is immutable."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # allow_inf_nan=False: `.inf` / `.nan` in a recipe (optim.lr=.inf) is refused like any invalid number.
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 class ModelConfig(Section):
@@ -47,8 +48,10 @@ class ModelConfig(Section):
     intermediate_size: int | None = positive_or_null(
         "MLP hidden width (features); null = the architecture's default (gpt2: 4 x hidden)."
     )
-    vocab_size: int | None = positive_or_null(
-        "Embedding rows (tokens); null = the tokenizer's vocabulary rounded up to a multiple of 64."
+    vocab_size: int | None = Field(
+        None, gt=0, le=2**32,
+        description="Embedding rows (tokens, at most 2**32: the token store's uint32); null = the tokenizer's "
+        "vocabulary rounded up to a multiple of 64.",
     )
     max_position_embeddings: int | None = positive_or_null(
         "Longest sequence the positions support (tokens); null = data.seq_len."
@@ -164,7 +167,10 @@ class DataConfig(Section):
         description="`bpe` trains a byte-level BPE on the training corpus (cached); otherwise a local "
         "tokenizer directory / tokenizer.json or a Hugging Face tokenizer name.",
     )
-    tokenizer_vocab_size: int = Field(8192, ge=256, description="Vocabulary size (tokens) of a trained `bpe` tokenizer.")
+    tokenizer_vocab_size: int = Field(
+        8192, ge=256, le=2**32,
+        description="Vocabulary size (tokens, 256 to 2**32: the token store's uint32) of a trained `bpe` tokenizer.",
+    )
     tokenizer_train_bytes: int = Field(
         1_000_000_000,
         gt=0,
@@ -363,7 +369,9 @@ class PrecisionConfig(Section):
     loss_scale: Literal["dynamic"] | float = Field(
         "dynamic", description="fp16 only: `dynamic` loss scaling or a fixed scale (> 0)."
     )
-    initial_scale_power: int = Field(16, ge=0, description="fp16 dynamic scaling: the initial scale is 2**power.")
+    initial_scale_power: int = Field(
+        16, ge=0, le=64, description="fp16 dynamic scaling: the initial scale is 2**power (0 to 64)."
+    )
     loss_scale_window: int = Field(1000, gt=0, description="fp16 dynamic scaling: steps without overflow before the scale grows.")
     hysteresis: int = Field(2, gt=0, description="fp16 dynamic scaling: overflows tolerated before the scale shrinks.")
     min_loss_scale: float = Field(1.0, gt=0, description="fp16 dynamic scaling: the scale never goes below this.")
@@ -403,7 +411,8 @@ class TrainConfig(Section):
         0, ge=0, description="Validation global batches (GBS sequences each) per evaluation; 0 = the whole split."
     )
     eval_at_start: bool = Field(True, description="Evaluate the untrained model at step 0 (logged like the others).")
-    seed: int = Field(1234, description="Seed of weight init and data order.")
+    seed: int = Field(1234, ge=0, le=2**32 - 1, description="Seed of weight init and data order (0 to 2**32 - 1: "
+                      "numpy's seed range).")
     log_every_steps: int = Field(10, gt=0, description="Log metrics at step 1 and every N optimizer steps.")
 
     @model_validator(mode="after")
@@ -414,6 +423,46 @@ class TrainConfig(Section):
                 f"(got max_steps={self.max_steps}, max_tokens={self.max_tokens})"
             )
         return self
+
+
+class StabilityConfig(Section):
+    """What a run does about updates that would damage it (see pretrain/stability.py)."""
+
+    skip_nonfinite: bool = Field(
+        True,
+        description="Skip the optimizer update (and the LR schedule's step) of an optimizer step whose loss or "
+        "gradient norm is NaN or infinite; the weights stay as they were. fp16: a non-finite gradient norm is "
+        "left to the loss scaler, which skips it and lowers the scale.",
+    )
+    spike_sigma: float | None = Field(
+        6.0,
+        gt=0,
+        description="Also skip an update whose loss or gradient norm is more than this many standard deviations "
+        "above the mean of the last window_steps updates (OLMo-core's skip-step rule); null = no spike rule.",
+    )
+    window_steps: int = Field(
+        128,
+        ge=2,
+        description="Optimizer steps in the rolling window of losses and gradient norms (skipped steps are left "
+        "out); the spike rule applies once the window is half full.",
+    )
+    max_consecutive_skips: int = Field(
+        5,
+        ge=0,
+        description="Stop the run (exit 3, a message naming the step and the rule) after this many skipped updates "
+        "in a row; its newest checkpoint holds the last healthy state. 0 = never stop.",
+    )
+    z_loss: float = Field(
+        0.0,
+        ge=0,
+        description="Coefficient of the z-loss z x mean(logsumexp(logits)^2) added to the training loss (PaLM; "
+        "1e-4 is common), logged as train/z_loss; train/loss and val/loss stay the cross-entropy. 0 = off.",
+    )
+
+    @property
+    def checks_steps(self) -> bool:
+        """Whether every optimizer step's loss and gradient norm are read (one device-to-host sync per step)."""
+        return self.skip_nonfinite or self.spike_sigma is not None
 
 
 class CheckpointConfig(Section):
@@ -469,8 +518,10 @@ class RuntimeConfig(Section):
     throughput_warmup_steps: int = Field(
         1, ge=0, description="Optimizer steps after each start or resume left out of throughput and MFU (warm-up, compile)."
     )
-    collective_timeout_s: float | None = positive_or_null(
-        "Timeout of the process group's collectives (seconds); null = torch's default (10 min NCCL, 30 min gloo)."
+    collective_timeout_s: float | None = Field(
+        None, gt=0, le=30 * 86400,
+        description="Timeout of the process group's collectives (seconds, at most 30 days); null = torch's default "
+        "(10 min NCCL, 30 min gloo).",
     )
     profile: ProfileConfig = Field(default_factory=ProfileConfig, description="Trace some optimizer steps.")
     hang_timeout_s: float | None = positive_or_null(
@@ -526,6 +577,7 @@ class Recipe(Section):
     lr_schedule: LRScheduleConfig = Field(default_factory=LRScheduleConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     train: TrainConfig
+    stability: StabilityConfig = Field(default_factory=StabilityConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)

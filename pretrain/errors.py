@@ -63,3 +63,12 @@ def disk_full_error(path: str | os.PathLike, writing: str, fix: str) -> ConfigEr
         free = f"{shutil.disk_usage(path).free / 2**30:.2f} GiB free"
     return ConfigError(f"disk full: no space left on the filesystem of {path} ({free}) while writing {writing}; "
                        f"{fix}")
+
+
+EXIT_DIVERGED = 3
+
+
+class TrainingDiverged(Exception):
+    """The run stopped itself: its updates kept being unusable (stability.max_consecutive_skips) or its state
+    turned non-finite. Printed without a traceback, exit status 3 (not 0: a scheduler must not take the run for
+    finished; not 2: the recipe was valid). The newest checkpoint on disk holds the last healthy state."""

@@ -8,12 +8,19 @@ computes the same loss ``shape.loss_chunk_tokens(vocab)`` tokens at a time: each
 Peak: the logits, that buffer and one fp32 chunk. The value and the gradient are those of the plain loss
 up to float summation order (tests/test_loss.py).
 
+The z-loss (``stability.z_loss``, PaLM / OLMo-core): z x logsumexp(logits)^2 per target token, added to the
+same sum chunk by chunk (its gradient 2 z lse x softmax joins the chunk's), so it costs no memory. It applies
+only where the logits need a gradient (training): evaluation's loss stays the cross-entropy. Its share of
+the returned loss is added to a ``LossTerms`` for logging (``train/z_loss``).
+
 It replaces the model's ``loss_function`` (transformers calls it from the model's forward, so DDP, FSDP
 and DeepSpeed hooks are untouched) with the same signature. Without autograd (evaluation) no gradient is
 computed.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -22,13 +29,16 @@ from pretrain import shape
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Sum over tokens of -log softmax(logits)[target] / normaliser; gradient computed in forward."""
+    """Sum over tokens of -log softmax(logits)[target] (+ z_loss x lse^2 when training) / normaliser, and the
+    z-loss part of it (not differentiable); gradient computed in forward."""
 
     @staticmethod
-    def forward(ctx, logits, targets, normaliser, ignore_index, chunk):
+    def forward(ctx, logits, targets, normaliser, ignore_index, chunk, z_loss=0.0):
         needs_grad = ctx.needs_input_grad[0]
+        z_loss = z_loss if needs_grad else 0.0
         grad = torch.empty_like(logits) if needs_grad else None
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        z_total = torch.zeros((), dtype=torch.float32, device=logits.device)
         with torch.autocast(logits.device.type, enabled=False):
             for start in range(0, logits.shape[0], chunk):
                 x = logits[start : start + chunk].float()
@@ -38,20 +48,48 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 lse = torch.logsumexp(x, dim=-1)
                 picked = x.gather(1, safe[:, None]).squeeze(1)
                 total += torch.where(valid, lse - picked, 0.0).sum()
+                if z_loss:
+                    z_total += torch.where(valid, lse.square(), 0.0).sum() * z_loss
                 if needs_grad:
                     x.sub_(lse[:, None]).exp_()  # softmax, in place of the fp32 chunk
+                    if z_loss:
+                        x.mul_((1 + 2 * z_loss * lse)[:, None])  # + d(z lse^2)/dlogits = 2 z lse softmax
                     x.scatter_add_(1, safe[:, None], -valid[:, None].to(x.dtype))
                     x.mul_(valid[:, None] / normaliser)
                     grad[start : start + chunk] = x
         if needs_grad:
             ctx.save_for_backward(grad)
-        return total / normaliser
+        z_part = z_total / normaliser
+        ctx.mark_non_differentiable(z_part)
+        return (total + z_total) / normaliser, z_part
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output, _grad_z_part):
         (grad,) = ctx.saved_tensors
         # In place: the buffer is not needed again (no double backward), and a copy would double the peak.
-        return grad.mul_(grad_output.to(grad.dtype)), None, None, None, None
+        return grad.mul_(grad_output.to(grad.dtype)), None, None, None, None, None
+
+
+class LossTerms:
+    """The z-loss part of the training losses computed since the last ``take()`` (a device tensor: no sync)."""
+
+    def __init__(self):
+        self.z_loss: torch.Tensor | None = None
+
+    def add(self, z_part: torch.Tensor) -> None:
+        self.z_loss = z_part if self.z_loss is None else self.z_loss + z_part
+
+    def take(self) -> torch.Tensor | None:
+        value, self.z_loss = self.z_loss, None
+        return value
+
+
+def install_z_loss(model: nn.Module, z_loss: float) -> LossTerms:
+    """Make the model's loss (pretrain's chunked loss, model.build_model) add ``z_loss`` x lse^2; the terms to
+    read the z-loss part from."""
+    terms = LossTerms()
+    model.loss_function = functools.partial(chunked_causal_lm_loss, z_loss=z_loss, terms=terms)
+    return terms
 
 
 def chunked_causal_lm_loss(
@@ -61,10 +99,13 @@ def chunked_causal_lm_loss(
     num_items_in_batch: torch.Tensor | float | None = None,
     ignore_index: int = -100,
     shift_labels: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    terms: LossTerms | None = None,
     **kwargs,
 ) -> torch.Tensor:
     """Drop-in for transformers' ``ForCausalLMLoss`` (same arguments, same value and gradient): the sum of
-    token losses divided by ``num_items_in_batch``, or their mean over non-ignored targets without it."""
+    token losses divided by ``num_items_in_batch``, or their mean over non-ignored targets without it.
+    ``z_loss`` > 0 adds the z-loss (training only), whose part is added to ``terms``."""
     if shift_labels is None:
         labels = nn.functional.pad(labels, (0, 1), value=ignore_index)
         shift_labels = labels[..., 1:]
@@ -74,4 +115,8 @@ def chunked_causal_lm_loss(
         normaliser = (targets != ignore_index).sum().float()
     else:
         normaliser = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=flat.device)
-    return _ChunkedCrossEntropy.apply(flat, targets, normaliser, ignore_index, shape.loss_chunk_tokens(flat.shape[-1]))
+    loss, z_part = _ChunkedCrossEntropy.apply(flat, targets, normaliser, ignore_index,
+                                              shape.loss_chunk_tokens(flat.shape[-1]), z_loss)
+    if terms is not None and z_loss and flat.requires_grad:  # training: evaluation adds no z-loss
+        terms.add(z_part)
+    return loss

@@ -36,7 +36,7 @@ from pretrain.loss import chunked_causal_lm_loss
 from pretrain.shape import ModelShape, require_counted, resolve_vocab_size
 
 __all__ = ["build_model", "closed_form_num_params", "count_parameters", "hf_config", "init_weights",
-           "materialize", "resolve_vocab_size", "save_pretrained_model"]
+           "materialize", "meta_model", "resolve_vocab_size", "save_pretrained_model"]
 
 # Our field -> the config attributes that can hold it, first match wins. GPT-2's config maps hidden_size,
 # num_hidden_layers, num_attention_heads and max_position_embeddings to n_embd, n_layer, n_head and
@@ -84,7 +84,7 @@ def hf_config(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> PreTrain
         raise ConfigError(problems)
     try:
         return AutoConfig.for_model(arch, **{**kwargs, "use_cache": False, **model_cfg.config_overrides})
-    except (StrictDataclassError, ValueError, TypeError) as exc:
+    except (StrictDataclassError, ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"model (arch {arch}): transformers rejects the config: {exc}") from None
 
 
@@ -127,6 +127,24 @@ def _mapped_fields(
         else:
             problems.append(f"model.arch = {arch} is not supported: its config has no `{names[0]}` (model.{field})")
     return kwargs, problems
+
+
+def meta_model(recipe, attention: str | None = None) -> tuple[PreTrainedModel, int]:
+    """The recipe's model on the meta device (no memory, no init) and its vocabulary size: what --dry-run
+    prints and pretrain-launch builds, so that a config transformers cannot build is refused before launch.
+    A pretrained tokenizer is loaded for its size; a BPE's is the recipe's. ``attention``: another kernel to
+    build with (pretrain-launch: a login node may lack the GPU nodes' flash-attn)."""
+    if recipe.model.vocab_size is not None:
+        tokenizer_vocab = None
+    elif recipe.data.tokenizer == "bpe":
+        tokenizer_vocab = recipe.data.tokenizer_vocab_size
+    else:
+        from pretrain.data import build_tokenizer
+
+        tokenizer_vocab = len(build_tokenizer(recipe.data))
+    vocab = resolve_vocab_size(recipe.model, tokenizer_vocab)
+    model_cfg = recipe.model.model_copy(update={"attention": attention}) if attention else recipe.model
+    return build_model(model_cfg, vocab, recipe.data.seq_len, seed=recipe.train.seed, meta=True), vocab
 
 
 def build_model(
@@ -176,6 +194,21 @@ def _build(model_cfg: ModelConfig, config: PreTrainedConfig, partitioned: bool, 
         except ImportError as exc:
             raise ConfigError(
                 f"model.attention = {model_cfg.attention} cannot be used here: {exc}; try sdpa"
+            ) from None
+        except (RuntimeError, MemoryError) as exc:
+            if not meta:
+                raise
+            # On the meta device only buffers take memory: sizes no machine could hold (model.hidden_size=1e9).
+            raise ConfigError(
+                f"model (arch {config.model_type}): even its description does not fit in memory ({exc}); check "
+                f"model.hidden_size ({model_cfg.hidden_size}), the vocabulary ({config.vocab_size}) and "
+                f"model.config_overrides {model_cfg.config_overrides}"
+            ) from None
+        except (KeyError, ValueError, TypeError, AttributeError) as exc:
+            # A config transformers accepted but cannot build (e.g. config_overrides.hidden_act = 'nope').
+            raise ConfigError(
+                f"model (arch {config.model_type}): transformers cannot build the model from this config "
+                f"({type(exc).__name__}: {exc}); check model.config_overrides {model_cfg.config_overrides}"
             ) from None
     model.tie_weights()  # init_empty_weights re-creates every parameter it registers, which unties them
     model.loss_function = chunked_causal_lm_loss  # transformers' loss without the fp32 logits (pretrain/loss.py)

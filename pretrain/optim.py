@@ -26,9 +26,21 @@ def optimizer_class(cfg: OptimConfig) -> type[torch.optim.Optimizer]:
     return cls
 
 
-def check_optimizer_args(cfg: OptimConfig) -> None:
-    """Fail before any compute if optim.args names an argument the optimizer class does not take."""
+# Optimizers the loop cannot step: it calls step() without a closure, on dense gradients, with param groups.
+UNSUPPORTED = {"SparseAdam": "it takes sparse gradients only, and a transformer's are dense"}
+DEVICE_ARGS = ("fused", "foreach", "capturable", "differentiable")  # checked on the run's device, not here
+
+
+def check_optimizer_args(cfg: OptimConfig, lr: float | None = None) -> None:
+    """Fail before any compute if the optimizer cannot run here: a class the loop cannot step, an argument the
+    class does not take, or values it rejects (the class is built on a one-element parameter, in two param
+    groups as the run's, without the device-dependent arguments)."""
     cls = optimizer_class(cfg)
+    step = inspect.signature(cls.step).parameters.get("closure")
+    if cfg.name in UNSUPPORTED or (step is not None and step.default is inspect.Parameter.empty):
+        why = UNSUPPORTED.get(cfg.name, "its step() needs a closure that re-evaluates the loss")
+        raise ConfigError(f"optim.name = {cfg.name!r} cannot be used by this training loop: {why}; use AdamW, "
+                          "Adam, SGD, Adafactor or another torch.optim optimizer that steps on dense gradients")
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
     unknown = sorted(set(cfg.args) - accepted)
     if unknown:
@@ -38,6 +50,16 @@ def check_optimizer_args(cfg: OptimConfig) -> None:
         )
     if "weight_decay" not in accepted and cfg.weight_decay:
         raise ConfigError(f"torch.optim.{cfg.name} has no weight decay; set optim.weight_decay=0")
+    args = {k: v for k, v in cfg.args.items() if k not in DEVICE_ARGS}
+    groups = [{"params": [nn.Parameter(torch.zeros(2, 2))], "weight_decay": cfg.weight_decay},
+              {"params": [nn.Parameter(torch.zeros(2))], "weight_decay": 0.0}]
+    if "weight_decay" not in accepted:
+        groups = [{"params": g["params"]} for g in groups]
+    try:
+        cls(groups, lr=cfg.lr if lr is None else lr, **args)
+    except (TypeError, ValueError, RuntimeError, IndexError, KeyError) as exc:
+        raise ConfigError(f"optim: torch.optim.{cfg.name} rejects optim.args = {cfg.args} (lr {cfg.lr}): {exc}; "
+                          "fix the value it names") from None
 
 
 def scaled_lr(cfg: OptimConfig, global_batch_size: int) -> float:
@@ -85,7 +107,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float, device_type: 
     groups = [g for g in param_groups(model, cfg) if g["params"]]
     try:
         return cls(groups, lr=lr, **implementation_args(cfg, device_type))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, IndexError, KeyError) as exc:
         raise ConfigError(f"optim: torch.optim.{cfg.name} rejected its arguments {cfg.args}: {exc}") from None
 
 
@@ -116,6 +138,21 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduleConfig, num
         num_training_steps=num_steps,
         scheduler_specific_kwargs=extra,
     )
+
+
+def set_peak_lr(scheduler, lr: float) -> float:
+    """Make ``lr`` the schedule's peak after a resume; returns the lr the next step uses.
+
+    A checkpoint restores the optimizer's param groups (their lr and initial_lr) and the LambdaLR's base_lrs,
+    so without this the peak lr of the run that saved it would win over the recipe's. The schedule's shape
+    and length are this run's already (the LambdaLR's lambdas are built from the recipe, not loaded)."""
+    inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's (and its DeepSpeed) wrapper
+    inner.base_lrs = [lr] * len(inner.base_lrs)
+    values = [base * fn(inner.last_epoch) for base, fn in zip(inner.base_lrs, inner.lr_lambdas, strict=True)]
+    for group, value in zip(inner.optimizer.param_groups, values, strict=True):
+        group["initial_lr"], group["lr"] = lr, value
+    inner._last_lr = values
+    return values[0]
 
 
 def deepspeed_optimizer(model: nn.Module, recipe, lr: float, num_steps: int):

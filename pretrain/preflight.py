@@ -31,10 +31,10 @@ def check_run(recipe: Recipe, launch: Launch) -> RunPlan:
 
     batch = plan_batches(recipe.batch, launch.world_size, recipe.data.seq_len)
     num_steps = num_training_steps(recipe.train.max_steps, recipe.train.max_tokens, batch)
-    check_optimizer_args(recipe.optim)
+    lr = scaled_lr(recipe.optim, batch.global_batch_size)
+    check_optimizer_args(recipe.optim, lr)
     check_schedule(recipe.lr_schedule, num_steps)
     check_precision(recipe, launch)
-    lr = scaled_lr(recipe.optim, batch.global_batch_size)
     if launch.uses_deepspeed:
         deepspeed_config(recipe, batch, launch, lr)  # the user's JSON against the recipe: conflicts are errors
     return RunPlan(launch, batch, num_steps, lr)

@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from pretrain.cli import add_recipe_arguments
-from pretrain.errors import EXIT_USAGE, ConfigError
+from pretrain.errors import EXIT_DIVERGED, EXIT_USAGE, ConfigError, TrainingDiverged
 from pretrain.launch import Launch
 
 
@@ -33,21 +33,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def dry_run(recipe, launch: Launch) -> None:
-    from pretrain.model import build_model, count_parameters, resolve_vocab_size
+    from pretrain.model import count_parameters, meta_model
     from pretrain.preflight import check_run
 
     run_plan = check_run(recipe, launch)
     plan, steps = run_plan.batch, run_plan.num_steps
-    if recipe.model.vocab_size is not None:
-        tokenizer_vocab = None
-    elif recipe.data.tokenizer == "bpe":
-        tokenizer_vocab = recipe.data.tokenizer_vocab_size
-    else:
-        from pretrain.data import build_tokenizer
-
-        tokenizer_vocab = len(build_tokenizer(recipe.data))
-    vocab = resolve_vocab_size(recipe.model, tokenizer_vocab)
-    model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed, meta=True)
+    model, vocab = meta_model(recipe)
     num_params = count_parameters(model)
     print(f"recipe           {recipe.name}")
     print(f"model            {recipe.model.arch}, {num_params:,} parameters (vocab {vocab:,})")
@@ -88,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         if is_main:
             print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except TrainingDiverged as exc:
+        if is_main:
+            print(f"error: {exc}", file=sys.stderr)
+        return EXIT_DIVERGED
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -36,6 +36,7 @@ class Trainer(Protocol):
     peak: Any
     memory_estimate_gib: float | None
     optimizer: Any
+    resumed: dict[str, Any] | None
 
     def log(self, message: str) -> None: ...
 
@@ -59,6 +60,9 @@ def run_config(trainer: Trainer) -> dict[str, Any]:
         "memory": {"estimated_gib": trainer.memory_estimate_gib},
         "data": trainer.data.stats,
         "train": {"num_steps": trainer.num_steps, "lr": trainer.lr},
+        # A resume: the checkpoint, its step, the recipe changes applied (checkpoint.APPLIED_ON_RESUME) and the
+        # lr in force at that step (this recipe's schedule, not the checkpoint's).
+        "resume": trainer.resumed,
         "optim": optimizer_implementation(trainer.optimizer),
         "perf": {
             "flops_per_token": flops.model_flops if flops else None,

@@ -7,6 +7,7 @@ accelerate ``GeneralTracker`` of our own so that call sites never branch on whic
 from __future__ import annotations
 
 import json
+import math
 import netrc
 import os
 import sys
@@ -33,6 +34,14 @@ def flatten(values: dict[str, Any], prefix: str = "", sep: str = "/") -> dict[st
         else:
             flat[name] = value
     return flat
+
+
+def finite_or_none(value: Any) -> Any:
+    """A value as metrics.jsonl holds it: strict JSON has no NaN or Infinity, so a non-finite number is null
+    (a skipped step says why in ``stability/skip_reason``)."""
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        value = value.item()
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 class JSONLTracker(GeneralTracker):
@@ -77,8 +86,8 @@ class JSONLTracker(GeneralTracker):
 
     @on_main_process
     def log(self, values: dict, step: int | None = None, **kwargs):
-        record = {"step": step, **values, "time": round(time.time(), 3)}
-        self._file.write(json.dumps(record, default=float) + "\n")
+        record = {"step": step, **{k: finite_or_none(v) for k, v in values.items()}, "time": round(time.time(), 3)}
+        self._file.write(json.dumps(record, default=float, allow_nan=False) + "\n")
 
     @on_main_process
     def finish(self):

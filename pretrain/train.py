@@ -27,25 +27,28 @@ import torch
 from accelerate.utils import set_seed
 
 from pretrain.batching import BatchPlan
-from pretrain.checkpoint import Checkpointer, ResumeChoice, TrainerState, agree_on_resume
+from pretrain.checkpoint import Checkpointer, ResumeChoice, TrainerState, agree_on_resume, check_resume_data
 from pretrain.config import Recipe
-from pretrain.data import ensure_data, open_data
+from pretrain.data import data_identity, ensure_data, open_data
 from pretrain.diagnostics import Diagnostics
-from pretrain.errors import ConfigError
+from pretrain.errors import ConfigError, TrainingDiverged
 from pretrain.evaluation import Evaluator
 from pretrain.hardware import gpu_for_device
 from pretrain.launch import Launch
 from pretrain.loader import DocumentMasking, build_train_loader, build_val_loaders, data_horizon
+from pretrain.loss import install_z_loss
 from pretrain.memory import estimate
 from pretrain.metrics import ThroughputMonitor, memory_metrics, resolve_peak
 from pretrain.model import build_model, count_parameters, resolve_vocab_size, save_pretrained_model
-from pretrain.optim import build_optimizer, build_scheduler, deepspeed_optimizer
+from pretrain.optim import build_optimizer, build_scheduler, deepspeed_optimizer, set_peak_lr
 from pretrain.preemption import StopSignals
 from pretrain.preflight import check_run
 from pretrain.reshard import prepare_resume
 from pretrain.run_record import start_run_record
+from pretrain.rundir import latest_checkpoint
 from pretrain.runtime import build_accelerator, check_shared_output_dir, model_placement
 from pretrain.shape import flops_per_token
+from pretrain.stability import DeepSpeedGate, SkipPolicy, StepGate, Verdict, injected_loss_factors
 from pretrain.supervise import RunLock
 from pretrain.tracking import Console, StepLog, build_trackers, set_resume_step
 
@@ -116,9 +119,12 @@ def memory_estimate(recipe: Recipe, plan: BatchPlan, launch: Launch, device: tor
 class OptimizerStep:
     """What an optimizer step leaves for logging; device tensors, read only on logging steps."""
 
-    loss_sum: torch.Tensor  # this process's micro-step losses, summed
+    loss_sum: torch.Tensor  # this process's micro-step losses, summed (with the z-loss, if any)
     grad_norm: torch.Tensor | float | None
     lr: float  # the lr this step used
+    verdict: Verdict | None = None  # the stability rules' (None: stability checks off)
+    loss: float | None = None  # the global loss when the rules read it (else reduced on logging steps)
+    z_loss_sum: torch.Tensor | None = None  # this process's z-loss part of loss_sum (stability.z_loss)
 
 
 class Trainer:
@@ -145,6 +151,8 @@ class Trainer:
         # ranks wait for the conversion of the checkpoint they see; agree_on_resume checks below that it is
         # rank 0's.
         seen = ResumeChoice.decide(self.output_dir, recipe.checkpoint)
+        if seen.path:
+            check_resume_data(Path(seen.path), recipe.data)  # before the store is prepared: exit 2 at once
         choice = seen if self.is_main else None
         self.resume = prepare_resume(Path(seen.path), self.launch, log=self.log) if seen.path else None
 
@@ -182,6 +190,7 @@ class Trainer:
         model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed,
                             device=placement.device, shard=placement.shard)
         self.num_params = count_parameters(model)
+        self.loss_terms = install_z_loss(model, recipe.stability.z_loss) if recipe.stability.z_loss else None
         self.flops, self.peak = throughput_reference(recipe, model.config, self.device, self.log)
         self.memory_estimate_gib = memory_estimate(recipe, self.plan, self.launch, self.device, self.log)
         if self.runtime.deepspeed_optimizer:
@@ -190,6 +199,13 @@ class Trainer:
             optimizer = build_optimizer(model, recipe.optim, self.lr, self.device.type)
             scheduler = build_scheduler(optimizer, recipe.lr_schedule, self.num_steps)
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        self.deepspeed = self.runtime.deepspeed_config is not None
+        fp16 = recipe.precision.dtype == "fp16"
+        self.policy = SkipPolicy(recipe.stability, fp16=fp16)
+        self.gate = StepGate(self.policy) if recipe.stability.checks_steps else None
+        if self.gate is not None and self.deepspeed:
+            DeepSpeedGate(self.gate, self.model)  # the update happens inside DeepSpeed's step
+        self.loss_factors = injected_loss_factors()  # a test hook: {} in any real run
         if self.runtime.deepspeed_config is not None and self.is_main:
             write_json(self.output_dir / "deepspeed_config.json", self.runtime.deepspeed_config)
 
@@ -197,9 +213,18 @@ class Trainer:
         self.tokens_seen = 0
         self.skipped_steps = 0  # fp16 overflow: the optimizer step (and the schedule) were skipped
         self.preempted = False
+        self.resumed: dict | None = None  # what run_config.json records of the resume
         if self.resume is not None:
-            state = self.checkpointer.load(self.resume.checkpoint, recipe.to_dict(), self.resume)
+            state, applied = self.checkpointer.load(self.resume.checkpoint, recipe.to_dict(), self.resume,
+                                                    data=data_identity(self.data))
             self.step, self.tokens_seen = state.step, state.tokens_seen
+            self.policy.load_state_dict(state.stability)
+            # The checkpoint's scheduler and optimizer state carry its peak lr: this recipe's is the one in force.
+            lr_now = set_peak_lr(self.scheduler, self.lr)
+            if applied:
+                self.log(f"resume: lr {lr_now:.4g} at step {self.step} (peak {self.lr:.4g}, {self.num_steps} steps)")
+            self.resumed = {"from": str(self.resume.checkpoint), "step": self.step, "applied": applied,
+                            "lr": lr_now}
 
         pin = self.device.type == "cuda"
         masking = document_masking(recipe, self.tokenizer)
@@ -255,7 +280,13 @@ class Trainer:
             self.console.start(self.num_steps, self.step)
             first_step = self.step
             with self.diagnostics.loop(first_step) as diagnostics:  # profiler window, hang watchdog
-                ended, last_metrics = self.loop(batches, stop, diagnostics)
+                try:
+                    ended, last_metrics = self.loop(batches, stop, diagnostics)
+                except TrainingDiverged as exc:
+                    self.console.close()
+                    newest = latest_checkpoint(self.output_dir)
+                    self.accelerator.end_training()
+                    raise TrainingDiverged(f"{exc} (newest checkpoint: {newest or 'none'})") from None
             # Outside the loop's diagnostics: the watchdog does not time the export or the preemption checkpoint.
             if ended == "preempted":
                 self.stop_preempted()
@@ -278,38 +309,39 @@ class Trainer:
             self.step += 1
             self.tokens_seen += self.plan.tokens_per_step
             self.throughput.step_done(self.step)
-            if self.step_log.due(self.step):
-                last_metrics = self.log_train(result)
-            else:
-                self.console.advance(self.step)
+            last_metrics = self.report(result) or last_metrics  # TrainingDiverged: too many skips
             if self.evaluator.due(self.step):
                 with self.throughput.excluded():
                     self.evaluator.evaluate(self.model, self.step)
             if self.checkpointer.should_save(self.step):
                 with self.throughput.excluded():
-                    self.checkpointer.save(self.state())
+                    self.save_checkpoint()
             elif stop.agreed(self.accelerator):
                 return "preempted", last_metrics
             diagnostics.step_done()
         return "done", last_metrics
 
     def train_step(self, batches) -> OptimizerStep:
-        """One optimizer step: GAS micro-steps; the last one synchronises gradients and updates."""
+        """One optimizer step: GAS micro-steps; the last one synchronises gradients and updates (or, by the
+        stability rules, skips the update)."""
         loss_sum = torch.zeros((), device=self.device)
         lr = self.optimizer.param_groups[0]["lr"]  # the lr this step uses
         for _micro_step in range(self.plan.grad_accum_steps):
             with self.throughput.data_wait():
                 batch = next(batches).to(self.device)
-            loss, grad_norm = self.micro_step(batch)
+            loss, grad_norm, verdict = self.micro_step(batch, loss_sum)
             loss_sum += loss
         assert self.accelerator.sync_gradients, "the last micro-step of an optimizer step must synchronise gradients"
-        return OptimizerStep(loss_sum, grad_norm, lr)
+        z_loss_sum = self.loss_terms.take() if self.loss_terms is not None else None
+        loss = self.gate.values[0] if verdict is not None else None
+        return OptimizerStep(loss_sum, grad_norm, lr, verdict, loss, z_loss_sum)
 
-    def micro_step(self, batch) -> tuple[torch.Tensor, Any]:
+    def micro_step(self, batch, loss_before: torch.Tensor) -> tuple[torch.Tensor, Any, Verdict | None]:
         """Forward and backward of one micro-batch; on the micro-step that synchronises gradients also clip,
-        update and step the schedule. Returns the detached loss, and the gradient norm (None on the others)."""
+        judge (stability), update and step the schedule. Returns the detached loss, and the gradient norm and
+        the verdict (None on the other micro-steps). ``loss_before``: this step's earlier micro-step losses."""
         acc, model = self.accelerator, self.model
-        grad_norm = None
+        grad_norm = verdict = None
         with acc.accumulate(model):
             # Only the loss is kept: the output's logits are freed before backward, not at the next forward.
             loss = model(
@@ -321,24 +353,66 @@ class Trainer:
             ).loss
             if acc.sync_gradients:
                 self.diagnostics.before_sync()
+            if self.step + 1 in self.loss_factors:
+                loss = loss * self.loss_factors[self.step + 1]  # the test hook (stability.LOSS_FACTORS_ENV)
+            if acc.sync_gradients and self.gate is not None:
+                # The step's global loss (cross-entropy), reduced before the last backward: DeepSpeed updates
+                # inside it. Every rank gets the same value, so every rank takes the same decision.
+                local = loss_before + loss.detach()
+                if self.loss_terms is not None and self.loss_terms.z_loss is not None:
+                    local = local - self.loss_terms.z_loss
+                self.gate.begin(acc.reduce(local, reduction="mean"), self.plan.grad_accum_steps)
             acc.backward(loss)
             if acc.sync_gradients:
                 grad_norm = acc.clip_grad_norm_(model.parameters(), self.recipe.optim.grad_clip or float("inf"))
-            self.optimizer.step()  # accelerate skips it on micro-steps that do not synchronise
-            if acc.sync_gradients:
-                if acc.optimizer_step_was_skipped:
-                    self.skipped_steps += 1
-                else:
-                    self.scheduler.step()
+                if self.gate is not None and not self.deepspeed:
+                    verdict = self.gate.judge(grad_norm)
+                elif self.gate is not None:
+                    # Judged inside DeepSpeed's step (DeepSpeedGate); no verdict: DeepSpeed's own non-finite
+                    # check skipped the update before the torch optimizer's step was reached.
+                    verdict = self.gate.verdict or self.gate.judge(float("inf"))
+            if verdict is not None and verdict.skip:
+                self.skip_update()
+            else:
+                self.optimizer.step()  # accelerate skips it on micro-steps that do not synchronise
+                if acc.sync_gradients:
+                    if acc.optimizer_step_was_skipped:
+                        self.skipped_steps += 1
+                    else:
+                        self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach(), grad_norm
+        return loss.detach(), grad_norm, verdict
+
+    def skip_update(self) -> None:
+        """No update, no schedule step; the gradients are dropped by zero_grad (DeepSpeed: the gate held the
+        update back inside its step, which dropped them). fp16 without DeepSpeed: clipping unscaled the
+        gradients, and the scaler needs its update() before it unscales again."""
+        if self.accelerator.scaler is not None and not self.deepspeed:
+            self.accelerator.scaler.update()
+
+    def log_skip(self, verdict: Verdict) -> None:
+        limit = self.recipe.stability.max_consecutive_skips
+        self.log(f"step {self.step}: update skipped by {verdict.rule}: {verdict.reason} "
+                 f"({self.policy.consecutive} in a row, {self.policy.skipped} in the run"
+                 + (f"; the run stops at {limit} in a row)" if limit else ")"))
 
     # ---- around the loop ----------------------------------------------------------------------------
     def log_train(self, result: OptimizerStep) -> dict[str, float]:
-        # Expensive device-to-host synchronization: only on logging steps.
-        loss = self.accelerator.reduce(result.loss_sum, reduction="mean").item() / self.plan.grad_accum_steps
+        z_loss = None
+        if result.z_loss_sum is not None:
+            # Expensive device-to-host synchronization: only on logging steps.
+            loss_sum, z_sum = self.accelerator.reduce(torch.stack([result.loss_sum, result.z_loss_sum]),
+                                                      reduction="mean").tolist()
+            z_loss = z_sum / self.plan.grad_accum_steps
+            loss = (loss_sum - z_sum) / self.plan.grad_accum_steps
+        elif result.loss is not None:
+            loss = result.loss  # the stability rules read it this step
+        else:
+            # Expensive device-to-host synchronization: only on logging steps.
+            loss = self.accelerator.reduce(result.loss_sum, reduction="mean").item() / self.plan.grad_accum_steps
         metrics = {
             "train/loss": loss,
+            "train/z_loss": z_loss,
             "train/ppl": math.exp(min(loss, 50.0)),
             "train/lr": result.lr,
             "train/grad_norm": float(result.grad_norm) if result.grad_norm is not None else None,
@@ -350,6 +424,7 @@ class Trainer:
             **self.loss_scale_metrics(),
             **self.sample_order.metrics(self.step),  # a mixture: data/tokens/<name>, data/epochs/<name>
             **self.diagnostics.step_time_metrics(),  # collective: perf/step_time_max_s, _min_s, _slowest_rank
+            **(self.policy.metrics(result.verdict) if self.gate is not None else {}),
         }
         return self.step_log.write(self.step, metrics)
 
@@ -370,14 +445,40 @@ class Trainer:
             out["train/loss_scale"] = float(scale)
         return out
 
+    def report(self, result: OptimizerStep) -> dict[str, float] | None:
+        """Count the step's verdict, log the step (on logging steps, and always when its update was skipped);
+        the metrics logged, if any. Raises TrainingDiverged, once the step is logged, after too many skips."""
+        diverged = None
+        if result.verdict is not None:
+            try:
+                self.policy.record(self.step, result.verdict, *self.gate.values)
+            except TrainingDiverged as exc:
+                diverged = exc
+        skipped = result.verdict is not None and result.verdict.skip
+        logged = None
+        if self.step_log.due(self.step) or skipped:
+            logged = self.log_train(result)
+        else:
+            self.console.advance(self.step)
+        if skipped:
+            self.log_skip(result.verdict)
+        if diverged is not None:
+            raise diverged
+        return logged
+
     def state(self) -> TrainerState:
         """What a checkpoint records besides the accelerator's state."""
         return TrainerState(step=self.step, tokens_seen=self.tokens_seen, num_steps=self.num_steps,
-                            plan=self.plan.to_dict(), recipe=self.recipe.to_dict(), layout=self.launch.to_dict())
+                            plan=self.plan.to_dict(), recipe=self.recipe.to_dict(), layout=self.launch.to_dict(),
+                            data=data_identity(self.data), stability=self.policy.state_dict())
+
+    def save_checkpoint(self) -> None:
+        """A checkpoint of the step just done, unless the training state is not finite (TrainingDiverged)."""
+        self.checkpointer.save(self.state(), optimizer=self.optimizer)
 
     def stop_preempted(self) -> None:
         """A stop signal reached every rank: checkpoint the step just done and end; the same command resumes."""
-        self.checkpointer.save(self.state())
+        self.save_checkpoint()
         self.preempted = True
         self.console.close()
         self.log(f"preempted: stopped after step {self.step}/{self.num_steps} with a checkpoint; "
@@ -388,7 +489,7 @@ class Trainer:
         """data.on_exhausted=stop: a source has been read once. Checkpoint (unless this step's is there), evaluate
         and end like a finished run; the same command would stop here again."""
         if self.step > first_step and not self.checkpointer.should_save(self.step):
-            self.checkpointer.save(self.state())
+            self.save_checkpoint()
         if not self.evaluator.due(self.step):
             self.evaluator.evaluate(self.model, self.step)
         _, source = self.sample_order.steps_available()

@@ -71,11 +71,11 @@ def train(args: list[str], recipe: str = TINY, timeout: float = 600, extra_env: 
 
 
 def accelerate_launch(config: str, args: list[str], recipe: str = TINY, extra: list[str] = (), timeout: float = 900,
-                      script: list[str] = (RUN,)):
+                      script: list[str] = (RUN,), extra_env: dict | None = None):
     """``accelerate launch`` of ``script`` (the entry point, or a test's wrapper of it and its arguments)."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
            *extra, *script, "--recipe", recipe, *args]
-    return run_cmd(cmd, timeout=timeout)
+    return run_cmd(cmd, timeout=timeout, extra_env=extra_env)
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -81,7 +81,8 @@ def test_trainer_state_round_trips_and_reads_old_checkpoints(tmp_path, recipe):
     state = TrainerState(step=7, tokens_seen=7 * 512, num_steps=20, plan={"global_batch_size": 8}, recipe=recipe)
     assert TrainerState.from_json(state.to_json()) == state
     written = json.loads(state.to_json())
-    assert {"step", "tokens_seen", "num_steps", "plan", "recipe", "layout", "saved_at", "python", "torch"} == set(written)
+    assert {"step", "tokens_seen", "num_steps", "plan", "recipe", "layout", "data", "stability", "saved_at", "python",
+            "torch"} == set(written)
 
     old = {k: v for k, v in written.items() if k != "layout"}  # written before the layout was recorded
     old = {**old, "samples_seen": 56, "data_cursor": {"kind": "global_step", "step": 7, "seed": 1234},
@@ -198,7 +199,8 @@ def test_checkpointer_saves_typed_state_and_loads_it_back(tmp_path, recipe):
         path = checkpointer.save(TrainerState(step=step, tokens_seen=step * 512, num_steps=10, plan={}, recipe=recipe))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_00000006"]
     assert read_state(path)["saved_at"] > 0 and "checkpoint: saved step 6" in logged[-1]
-    state = checkpointer.load(path, recipe)
+    state, applied = checkpointer.load(path, recipe)
+    assert applied == []
     assert (state.step, state.tokens_seen, acc.loaded) == (6, 3072, str(path))
     assert acc.step == 12  # accelerate's micro-step counter, in this launch's GAS
     assert f"resume: continuing from {path} at step 6" in logged[-1]

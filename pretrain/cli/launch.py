@@ -196,6 +196,7 @@ def preflight(accelerate_args: list[str], run_args: list[str], options: argparse
     """Raise ConfigError for anything that would fail inside the launched processes, or not fit their GPUs."""
     from pretrain.config import load_recipe
     from pretrain.launch import Launch
+    from pretrain.model import meta_model
     from pretrain.preflight import check_run
 
     options = options or own_options([])[0]
@@ -204,6 +205,9 @@ def preflight(accelerate_args: list[str], run_args: list[str], options: argparse
     recipe_overrides = [o for o in overrides if not o.startswith("--")]
     recipe = load_recipe(recipe_path, recipe_overrides)
     run_plan = check_run(recipe, launch)
+    # A model config transformers cannot build is refused here, not in every process; the attention kernel is
+    # the nodes' to check (this machine may lack flash-attn).
+    meta_model(recipe, attention="sdpa")
     check_memory(recipe, run_plan, options, accelerate_args, recipe_path, recipe_overrides)
     check_data(recipe, launch, recipe_path, recipe_overrides)
 

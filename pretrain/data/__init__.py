@@ -52,7 +52,17 @@ The modules, in the order of the flow (each imports only those listed before it)
 
 from pretrain.data.cache import cache_root
 from pretrain.data.documents import load_documents
-from pretrain.data.mixture import MixtureData, MixtureRows, check_data, ensure_data, open_data, prepare_data
+from pretrain.data.mixture import (
+    MixtureData,
+    MixtureRows,
+    check_data,
+    data_changes,
+    data_identity,
+    ensure_data,
+    open_data,
+    planned_data_identity,
+    prepare_data,
+)
 from pretrain.data.prepare import StoreMissing, ensure_store, locate_store, open_store, prepare_store
 from pretrain.data.store import PackedData
 from pretrain.data.tokenizer import build_tokenizer
@@ -65,12 +75,15 @@ __all__ = [
     "build_tokenizer",
     "cache_root",
     "check_data",
+    "data_changes",
+    "data_identity",
     "ensure_data",
     "ensure_store",
     "load_documents",
     "locate_store",
     "open_data",
     "open_store",
+    "planned_data_identity",
     "prepare_data",
     "prepare_store",
 ]

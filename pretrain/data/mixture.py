@@ -27,15 +27,18 @@ from pretrain.data.prepare import (
     StoreMissing,
     StoreTarget,
     check_store,
+    corpus_file_changes,
     ensure_store,
     ensure_stores,
+    find_store,
     locate_store,
     open_store,
+    planned_identity,
     prepare_store,
     store_ready,
 )
 from pretrain.data.sources import _resolve_corpus
-from pretrain.data.store import PackedData, TokenRows
+from pretrain.data.store import STREAM_FIELDS, PackedData, TokenRows
 from pretrain.data.tokenizer import _get_mixture_tokenizer, _mixture_bpe_key
 from pretrain.errors import DataError
 
@@ -212,3 +215,66 @@ def check_data(data_cfg: DataConfig, num_nodes: int, prepare_command: str) -> No
             "tokenize (every node would wait on one). Prepare them once, on a machine that sees the data and "
             f"these paths, then launch again:\n    {prepare_command.splitlines()[0]}"
         )
+
+
+# ---- what a checkpoint was trained on ----------------------------------------------------------------
+
+SINGLE = "data"  # the name of a single source's store in an identity; a mixture's are "mixture:<name>"
+
+
+def data_identity(data: PackedData | MixtureData) -> dict[str, dict[str, Any]]:
+    """Every opened store's ``store_identity``, by name: what a checkpoint records as the data it was trained on."""
+    if isinstance(data, MixtureData):
+        return {f"mixture:{name}": packed.identity for name, packed in data.sources.items()}
+    return {SINGLE: data.identity}
+
+
+def planned_data_identity(data_cfg: DataConfig, log: Log = print) -> dict[str, tuple[dict[str, Any], DataConfig]]:
+    """What the recipe's store(s) are made from, before any is built or opened (a stat of the corpus, the
+    tokenizer's identity; a named store's manifest), by name, each with its single-source data section."""
+    if not data_cfg.mixture:
+        return {SINGLE: (planned_identity(find_store(data_cfg, log)), data_cfg)}
+    return {f"mixture:{s.name}": (planned_identity(s.target), s.data_cfg) for s in locate_mixture(data_cfg, log)}
+
+
+def _stream_value(identity: dict[str, Any], key: str) -> Any:
+    """A field of an identity as compared: a tokenizer by its name and identity (a manifest adds its counts)."""
+    value = identity.get(key)
+    return (value["name"], value["identity"]) if key == "tokenizer" and isinstance(value, dict) else value
+
+
+def _label(name: str) -> str:
+    return "data.source" if name == SINGLE else f"data.mixture source {name.partition(':')[2]!r}"
+
+
+def data_changes(saved: dict[str, dict[str, Any]], planned: dict[str, tuple[dict[str, Any], DataConfig]],
+                 opened: dict[str, dict[str, Any]] | None = None) -> list[str]:
+    """How the data a checkpoint was trained on (``saved``: its ``data_identity``) differs from what this run
+    reads: ``planned`` (before building), and with ``opened`` (the opened stores' identities) their contents.
+    [] when the token stream is the same."""
+    changes = []
+    for name in sorted(set(saved) | set(planned)):
+        label = _label(name)
+        if name not in planned or name not in saved:
+            changes.append(f"{label}: {'only in the checkpoint' if name not in planned else 'not in the checkpoint'}")
+            continue
+        old, (new, source_cfg) = saved[name], planned[name]
+        for key in STREAM_FIELDS:
+            if _stream_value(old, key) == _stream_value(new, key):
+                continue
+            if key == "corpus_fingerprint":
+                files = corpus_file_changes(old["store"], source_cfg)
+                changes.append(f"{label}: the files of {old['corpus']} changed since the checkpoint"
+                               + (f" ({files})" if files else f" (fingerprint {old[key]} -> {new[key]}; the store "
+                                  f"trained on, {old['store']}, no longer lists them)"))
+            elif key == "tokenizer":
+                changes.append(f"{label}: tokenizer {old[key]['name']} (identity {old[key]['identity']}) -> "
+                               f"{new[key]['name']} (identity {new[key]['identity']})"
+                               + (": a BPE trained on the changed files" if old[key]["name"].startswith("bpe-")
+                                  and old.get("corpus_fingerprint") != new.get("corpus_fingerprint") else ""))
+            else:
+                changes.append(f"{label}: {key} {old.get(key)!r} -> {new.get(key)!r}")
+        if opened is not None and not changes and name in opened and old.get("content") != opened[name]["content"]:
+            changes.append(f"{label}: the token store at {opened[name]['store']} holds other tokens than the one "
+                           f"trained on (content {old.get('content')} -> {opened[name]['content']}: shard checksums)")
+    return changes

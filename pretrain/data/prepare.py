@@ -32,11 +32,13 @@ from pretrain.data.store import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
+    STREAM_FIELDS,
     PackedData,
     _count_words,
     _read_json,
     _write_json,
     split_rows,
+    store_identity,
     token_dtype,
 )
 from pretrain.data.tokenizer import _bpe_key, _get_tokenizer, _load_saved_tokenizer
@@ -330,7 +332,40 @@ def open_store(data_cfg: DataConfig, log: Log = print, target: StoreTarget | Non
         f"{target.path} ({len(manifest['shards'])} shard(s), {time.perf_counter() - start:.2f}s)"
         + (f"; {bad:,} document(s) had non-UTF-8 bytes ({'replaced with U+FFFD' if data_cfg.on_decode_error == 'replace' else 'skipped'}, data.on_decode_error)"
            if bad else ""))
-    return PackedData(train=train, val=val, tokenizer=tokenizer, stats=stats)
+    return PackedData(train=train, val=val, tokenizer=tokenizer, stats=stats,
+                      identity=store_identity(target.path, manifest))
+
+
+def planned_identity(target: StoreTarget) -> dict[str, Any]:
+    """What the store a run is about to open (or build) is made from, before anything is built: the fields of
+    ``store_identity`` that build.json holds (a named store's: from its manifest)."""
+    build = target.build
+    return {"store": str(target.path), "key": build["key"], "corpus": build["corpus"],
+            **{k: build[k] for k in STREAM_FIELDS}}
+
+
+def corpus_file_changes(saved_store: str, data_cfg: DataConfig | None) -> str | None:
+    """Which input files differ between the store at ``saved_store`` (its manifest's shard inputs) and
+    data.source now: added, removed, changed (size or mtime); None if that store's manifest is gone (or no
+    data section is given)."""
+    if data_cfg is None:
+        return None
+    try:
+        manifest = _read_json(Path(saved_store) / MANIFEST)
+    except (OSError, ValueError):
+        return None
+    old = {f[0]: (f[2], f[3]) for shard in manifest["shards"] for f in shard["inputs"] if f[0] != "hf"}
+    new = {}
+    for path, _ in _resolve_corpus(data_cfg).files:
+        st = Path(path).stat()
+        new[path] = (st.st_size, st.st_mtime_ns)
+    parts = []
+    for what, names in (("added", sorted(set(new) - set(old))), ("removed", sorted(set(old) - set(new))),
+                        ("changed (size or mtime)", sorted(p for p in set(old) & set(new) if old[p] != new[p]))):
+        if names:
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            parts.append(f"{len(names)} file(s) {what}: {shown}")
+    return "; ".join(parts) or None
 
 
 def store_ready(target: StoreTarget) -> bool:

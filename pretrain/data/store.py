@@ -25,7 +25,7 @@ import hashlib
 import json
 import os
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +241,27 @@ class PackedData:
     val: TokenRows  # [num_val_sequences, seq_len + 1]
     tokenizer: Any  # transformers.PreTrainedTokenizerFast with eos_token set
     stats: dict[str, Any]  # JSON-serialisable counts and provenance, see pretrain.data.prepare
+    identity: dict[str, Any] = field(default_factory=dict)  # store_identity(): what a checkpoint records
+
+
+# What a store was made from (build.json / the manifest): a resume compares these (pretrain.data.data_changes).
+STREAM_FIELDS = ("source", "corpus_fingerprint", "tokenizer", "val_fraction", "text_field", "on_decode_error")
+
+
+def store_identity(store_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """What determines a store's token stream, small enough for every checkpoint: where it is, what it was made
+    from (STREAM_FIELDS, the key), its size, and a digest of every shard file's checksum (``content``)."""
+    checksums = [[shard[split]["sha256"], shard[split]["index_sha256"]] for shard in manifest["shards"]
+                 for split in SPLITS]
+    return {
+        "store": str(store_dir),
+        "key": manifest["key"],
+        **{k: manifest[k] for k in STREAM_FIELDS if k != "tokenizer"},
+        "corpus": manifest["corpus"],
+        "tokenizer": {k: manifest["tokenizer"][k] for k in ("name", "identity", "vocab_size")},
+        "num_train_tokens": manifest["num_train_tokens"],
+        "content": hashlib.sha256(json.dumps(checksums).encode()).hexdigest()[:16],
+    }
 
 
 def split_rows(store_dir: Path, manifest: dict[str, Any], split: str, row_len: int, limit: int = 0) -> TokenRows:
