@@ -33,6 +33,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from pretrain.config import ModelConfig
 from pretrain.errors import ConfigError
 from pretrain.loss import chunked_causal_lm_loss
+from pretrain.quiet import no_progress_bars
 from pretrain.shape import ModelShape, require_counted, resolve_vocab_size
 
 __all__ = ["build_model", "closed_form_num_params", "count_parameters", "hf_config", "init_weights",
@@ -355,7 +356,8 @@ def save_pretrained_model(model: PreTrainedModel, state_dict: dict[str, torch.Te
     tmp = final.with_name(f".tmp-{final.name}")
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    with no_progress_bars():  # the caller prints one line; a bar garbles a log file
+        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     if final.exists():
         shutil.rmtree(final)

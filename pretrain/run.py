@@ -13,6 +13,7 @@ import sys
 from pretrain.cli import add_recipe_arguments
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import Launch
+from pretrain.quiet import install_warning_filters
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,6 +62,7 @@ def dry_run(recipe, launch: Launch) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    install_warning_filters()  # before the libraries are imported: some warn on import
     args = parse_args(argv)
     is_main = True
     try:
