@@ -130,6 +130,10 @@ def test_mfu_panel_marks_100_percent_and_uses_the_final_peak(tmp_path):
     (mfu_line, hundred) = ax.get_lines()
     assert list(mfu_line.get_ydata()) == pytest.approx([45.0, 50.0])  # 0.9 of 0.1 TFLOP/s is 45% of 0.2
     assert list(hundred.get_ydata()) == [100, 100] and ax.get_ylim() == (0, 105)
+    assert hundred.get_label() == "100% = peak 0.2 TFLOP/s per device"
+    low = panels({"perf/mfu": ([10, 20], [0.02, 0.03])})["Model FLOPs utilisation"]
+    assert len(low.get_lines()) == 1 and low.get_ylim() == pytest.approx((0, 3.9))  # zoomed in, 100% said
+    assert [t.get_text() for t in low.texts] == ["100% = the device's peak (above this scale)"]
 
 
 def test_smoothing_keeps_the_raw_line_faint_behind(tmp_path):

@@ -91,10 +91,15 @@ class Figure:
                   if self._has(*self._keys[p.__name__])]
         num_rows = -(-len(panels) // 2)
         self.fig, axes = plt.subplots(num_rows, 2, figsize=(13, 3.6 * num_rows), squeeze=False)
+        from matplotlib.ticker import MaxNLocator
+
+        last_step = max(steps[-1] for steps, _ in series.values())
         for ax, draw in zip(axes.flat, panels, strict=False):  # spare axes are hidden below
             ax.set_xlabel("optimizer step")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.grid(True, alpha=0.3)
             draw(ax)
+            ax.set_xlim(0, last_step * 1.02)  # every panel on the same steps
             if len(ax.get_legend_handles_labels()[0]) > 1:
                 ax.legend(fontsize=8)
         for ax in list(axes.flat)[len(panels) :]:
@@ -211,19 +216,23 @@ class Figure:
         ax.set_ylabel("% of the device's peak")
         peaks = self.series.get("perf/peak_tflops")
         final_peak = max(peaks[1]) if peaks else None
+        top = 0.0
         for key, label in (("perf/mfu", "MFU"), ("perf/hfu", "HFU (with recomputation)")):
             if key not in self.series:
                 continue
             steps, values = self.series[key]
             if peaks and peaks[0] == steps:
                 values = [v * p / final_peak for v, p in zip(values, peaks[1], strict=True)]
+            top = max(top, *(v * 100 for v in values))
             ax.plot(steps, [v * 100 for v in values], label=label, marker="o" if len(steps) < 30 else None,
                     markersize=3, linewidth=1.2)
-        ax.axhline(100, color="grey", linestyle="--", linewidth=1, label="100% (peak)")
-        ax.set_ylim(0, 105)
-        if final_peak is not None:
-            ax.text(0.01, 0.97, f"peak {final_peak:.3g} TFLOP/s per device", transform=ax.transAxes, fontsize=8,
-                    va="top")
+        peak = f"100% = peak {final_peak:.3g} TFLOP/s per device" if final_peak else "100% = the device's peak"
+        if top >= 40:
+            ax.axhline(100, color="grey", linestyle="--", linewidth=1, label=peak)
+            ax.set_ylim(0, 105)
+        else:  # a 0-100 scale would flatten the line: zoom in, and say where 100% is
+            ax.set_ylim(0, max(top * 1.3, 1.0))
+            ax.text(0.01, 0.97, f"{peak} (above this scale)", transform=ax.transAxes, fontsize=8, va="top")
 
     def memory(self, ax) -> None:
         """Per-device memory, every line saying what it measures: on CPU the measured lines are the whole
