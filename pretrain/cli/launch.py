@@ -234,12 +234,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     command = accelerate_command(run_args[1], run_args[2:], accelerate_args=accelerate_args)
-    threads = ""
-    if "OMP_NUM_THREADS" not in os.environ:  # else torchrun sets 1 and warns that it should be tuned
-        os.environ["OMP_NUM_THREADS"] = str(threads_per_process(launch.world_size // launch.num_nodes))
-        threads = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} "
+    environment, threads = dict(os.environ), ""
+    if "OMP_NUM_THREADS" not in environment:  # else torchrun sets 1 and warns that it should be tuned
+        environment["OMP_NUM_THREADS"] = str(threads_per_process(launch.world_size // launch.num_nodes))
+        threads = f"OMP_NUM_THREADS={environment['OMP_NUM_THREADS']} "
     print(f"launch: {threads}" + " ".join(shlex.quote(c) for c in command), flush=True)
-    os.execv(sys.executable, command)
+    os.execve(sys.executable, command, environment)
     return 0  # not reached
 
 
