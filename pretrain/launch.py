@@ -297,6 +297,21 @@ def option_value(args: Sequence[str], name: str) -> str | None:
     return found
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask: a SLURM or cgroup allocation, not the machine)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def threads_per_process(processes_per_node: int) -> int:
+    """``OMP_NUM_THREADS`` for each of a node's processes: the usable cores shared out.
+
+    torchrun sets 1 when the variable is unset and warns that the user should tune it; on CPU one thread per
+    process leaves cores idle, and on a GPU node it starves the host-side work of each rank. Sharing the cores
+    out is what that warning asks for; pretrain-launch sets it unless the user has.
+    """
+    return max(1, usable_cores() // max(1, processes_per_node))
+
+
 def accelerate_command(recipe: str | os.PathLike, overrides: Sequence[str] = (), *,
                        accelerate_args: Sequence[str] = (), config_file: str | os.PathLike | None = None,
                        num_processes: int | str | None = None,

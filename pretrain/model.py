@@ -33,6 +33,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from pretrain.config import ModelConfig
 from pretrain.errors import ConfigError, disk_full_error, is_disk_full
 from pretrain.loss import chunked_causal_lm_loss
+from pretrain.quiet import no_progress_bars
 from pretrain.shape import ModelShape, require_counted, resolve_vocab_size
 
 __all__ = ["build_model", "closed_form_num_params", "count_parameters", "hf_config", "init_weights",
@@ -427,7 +428,8 @@ def save_pretrained_model(model: PreTrainedModel, state_dict: dict[str, torch.Te
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
-        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        with no_progress_bars():  # the caller prints one line; a bar garbles a log file
+            model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
     except Exception as exc:
         if not is_disk_full(exc, final.parent):

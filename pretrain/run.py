@@ -13,6 +13,7 @@ import sys
 from pretrain.cli import add_recipe_arguments
 from pretrain.errors import EXIT_DIVERGED, EXIT_USAGE, ConfigError, TrainingDiverged
 from pretrain.launch import Launch
+from pretrain.quiet import install_warning_filters
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,6 +53,7 @@ def dry_run(recipe, launch: Launch) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    install_warning_filters()  # before the libraries are imported: some warn on import
     from pretrain.supervise import stop_with_launcher
 
     stop_with_launcher()  # a worker of torchrun ends with its launcher (kill -9 of accelerate launch too)

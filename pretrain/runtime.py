@@ -35,6 +35,7 @@ from accelerate.utils import (
     gather_object,
 )
 
+from pretrain import quiet
 from pretrain.batching import BatchPlan
 from pretrain.config import Recipe
 from pretrain.deepspeed_config import build_deepspeed_config, read_user_config
@@ -190,22 +191,23 @@ def build_accelerator(recipe: Recipe, plan: BatchPlan, launch: Launch, output_di
     if ddp is not None:  # on CUDA only (check_precision)
         handlers.append(ddp)
     dynamo = TorchDynamoPlugin(backend=DynamoBackend.INDUCTOR) if recipe.model.compile else None
-    accelerator = Accelerator(
-        # No CUDA and not DeepSpeed: run as MULTI_CPU over gloo. Without this, processes started by
-        # torchrun on a CPU box would each become an unrelated single-process run.
-        cpu=not torch.cuda.is_available() and plugin is None,
-        mixed_precision=MIXED_PRECISION[prec.dtype],
-        gradient_accumulation_steps=plan.grad_accum_steps,
-        # The trainer steps the LR scheduler once per optimizer step itself. By default accelerate's
-        # AcceleratedScheduler would step it num_processes times per optimizer step.
-        step_scheduler_with_optimizer=False,
-        log_with=trackers or None,
-        project_dir=str(output_dir),
-        kwargs_handlers=handlers,
-        dynamo_plugin=dynamo,
-        deepspeed_plugin=plugin,
-        fsdp_plugin=fsdp,
-    )
+    with quiet.dropping_stdout_lines(quiet.DEEPSPEED_BUILT):  # the process group starts here
+        accelerator = Accelerator(
+            # No CUDA and not DeepSpeed: run as MULTI_CPU over gloo. Without this, processes started by
+            # torchrun on a CPU box would each become an unrelated single-process run.
+            cpu=not torch.cuda.is_available() and plugin is None,
+            mixed_precision=MIXED_PRECISION[prec.dtype],
+            gradient_accumulation_steps=plan.grad_accum_steps,
+            # The trainer steps the LR scheduler once per optimizer step itself. By default accelerate's
+            # AcceleratedScheduler would step it num_processes times per optimizer step.
+            step_scheduler_with_optimizer=False,
+            log_with=trackers or None,
+            project_dir=str(output_dir),
+            kwargs_handlers=handlers,
+            dynamo_plugin=dynamo,
+            deepspeed_plugin=plugin,
+            fsdp_plugin=fsdp,
+        )
     if accelerator.num_processes != plan.world_size:
         raise ConfigError(
             f"the launch reported WORLD_SIZE={plan.world_size} but accelerate started {accelerator.num_processes} "

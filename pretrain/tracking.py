@@ -13,6 +13,7 @@ import os
 import sys
 import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +148,11 @@ def build_trackers(recipe: Recipe, output_dir: Path, resume_step: int | None, is
     return trackers
 
 
+def format_duration(seconds: float) -> str:
+    """``H:MM:SS`` (``D days, H:MM:SS`` past a day), whole seconds."""
+    return str(timedelta(seconds=round(max(seconds, 0.0))))
+
+
 class Console:
     """Main-process console output: a rich progress bar on a terminal, plain lines in a log file.
 
@@ -161,6 +167,8 @@ class Console:
         self.mode = mode if enabled else "none"
         self._progress = None
         self._task = None
+        self._started = time.monotonic()
+        self._last_line = (self._started, 0)  # (time, step) of the previous step line: the recent step time
 
     def print(self, message: str) -> None:
         if self.mode == "none":
@@ -171,6 +179,9 @@ class Console:
             print(message, flush=True)
 
     def start(self, total_steps: int, first_step: int) -> None:
+        """Training (re)starts after optimizer step ``first_step``: elapsed time counts from here."""
+        self._started = time.monotonic()
+        self._last_line = (self._started, first_step)
         if self.mode != "bar":
             return
         from rich.progress import (
@@ -212,12 +223,26 @@ class Console:
         ):
             if metrics.get(key) is not None:
                 parts.append(f"{label} {fmt.format(metrics[key])}")
+        parts += self._timing(step, total_steps)
         line = " | ".join(parts)
         if self._progress is not None:
-            info = " ".join(p for p in parts[1:] if not p.startswith(("lr", "gnorm", "mem")))
+            # the bar has its own elapsed and remaining-time columns
+            info = " ".join(p for p in parts[1:] if not p.startswith(("lr", "gnorm", "mem", "elapsed", "eta")))
             self._progress.update(self._task, completed=step, info=info)
         elif self.mode == "plain":
             print(line, flush=True)
+
+    def _timing(self, step: int, total_steps: int) -> list[str]:
+        """``elapsed H:MM:SS`` since training (re)started and ``eta H:MM:SS``: the steps left at the step time
+        since the previous step line (wall time, so evaluations and checkpoints, which recur, are in it)."""
+        now = time.monotonic()
+        last_time, last_step = self._last_line
+        parts = [f"elapsed {format_duration(now - self._started)}"]
+        if step > last_step:
+            recent_step_s = (now - last_time) / (step - last_step)
+            parts.append(f"eta {format_duration(recent_step_s * max(total_steps - step, 0))}")
+            self._last_line = (now, step)
+        return parts
 
     def close(self) -> None:
         if self._progress is not None:

@@ -43,6 +43,7 @@ from pretrain.model import build_model, count_parameters, resolve_vocab_size, sa
 from pretrain.optim import build_optimizer, build_scheduler, deepspeed_optimizer, set_peak_lr
 from pretrain.preemption import StopSignals
 from pretrain.preflight import check_run
+from pretrain.quiet import TiedWeightsSaved
 from pretrain.reshard import prepare_resume
 from pretrain.run_record import start_run_record
 from pretrain.rundir import latest_checkpoint
@@ -191,6 +192,7 @@ class Trainer:
                             device=placement.device, shard=placement.shard)
         self.num_params = count_parameters(model)
         self.loss_terms = install_z_loss(model, recipe.stability.z_loss) if recipe.stability.z_loss else None
+        TiedWeightsSaved.install(model)  # checkpoints leave out the tied LM head copy; loading ties it again
         self.flops, self.peak = throughput_reference(recipe, model.config, self.device, self.log)
         self.memory_estimate_gib = memory_estimate(recipe, self.plan, self.launch, self.device, self.log)
         if self.runtime.deepspeed_optimizer:
@@ -256,12 +258,22 @@ class Trainer:
             warmup_steps=recipe.runtime.throughput_warmup_steps, peak_tflops=self.peak.tflops,
             flops_per_token=flops.model_flops if flops else None,
             hardware_flops_per_token=flops.hardware_flops if flops and recomputes else None,
+            on_peak_raised=self.peak_raised,
         )
         start_run_record(self)
 
     def log(self, message: str) -> None:
         if self.is_main:
             self.console.print(message)
+
+    def peak_raised(self, peak_tflops: float, achieved_tflops: float) -> None:
+        """This run beat the peak it was given; MFU now uses the achieved rate (ThroughputMonitor). A CPU peak
+        measured while other processes held the cores is expected to be beaten: nothing to act on. A table or
+        recipe peak that is beaten is wrong: said once."""
+        if self.peak.source != "measured" and peak_tflops == self.peak.tflops:
+            self.log(f"warning: this run computes {achieved_tflops:.4g} TFLOP/s per device, above the peak it was "
+                     f"given ({self.peak.detail}); MFU uses the achieved rate as the peak from now on. Set "
+                     "runtime.peak_tflops to this device's dense peak for the training dtype")
 
     # ---- the loop -----------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -28,13 +29,14 @@ def curves(tmp_path_factory):
     runs = {}
     proc = train([*CURVE, f"output_dir={root / 'single'}"])
     check_ok(proc)
-    runs["1 process, GAS 4"] = root / "single"
+    runs["1 process, GAS 4"] = keep_console(proc, root / "single")
     for name, config in [("cpu_ddp, GAS 2", "cpu_ddp.yaml"), ("ZeRO-1", "zero1.yaml"), ("ZeRO-2", "zero2.yaml"),
                          ("ZeRO-3", "zero3.yaml")]:
         out = root / config.removesuffix(".yaml")
         extra = [] if config == "cpu_ddp.yaml" else ["--num_processes", "2"]
-        check_ok(accelerate_launch(config, [*CURVE, f"output_dir={out}"], extra=extra))
-        runs[name] = out
+        proc = accelerate_launch(config, [*CURVE, f"output_dir={out}"], extra=extra)
+        check_ok(proc)
+        runs[name] = keep_console(proc, out)
     # Resume from the step-3 checkpoint of the ZeRO-2 / ZeRO-3 runs into a fresh directory.
     for name, config in [("ZeRO-2 resumed at 3", "zero2.yaml"), ("ZeRO-3 resumed at 3", "zero3.yaml")]:
         source = runs[name.split(" resumed")[0]] / "checkpoints" / "step_00000003"
@@ -43,14 +45,29 @@ def curves(tmp_path_factory):
                                  extra=["--num_processes", "2"])
         check_ok(proc)
         assert "at step 3" in proc.stdout
-        runs[name] = out
+        runs[name] = keep_console(proc, out)
     # The 2-process DDP checkpoint continues in one process: model keys renamed, RNG re-seeded, GAS 2 -> 4.
     out = root / "cpu_ddp_resumed_1"
     proc = train([*CURVE, f"output_dir={out}", f"checkpoint.resume={runs['cpu_ddp, GAS 2'] / 'checkpoints' / 'step_00000003'}"])
     check_ok(proc)
     assert "at step 3" in proc.stdout and "re-seeded" in proc.stdout
-    runs["cpu_ddp resumed at 3 in 1 process"] = out
+    runs["cpu_ddp resumed at 3 in 1 process"] = keep_console(proc, out)
     return runs
+
+
+def keep_console(proc, run_dir):
+    """The run's console (stdout, then stderr) beside its files, for test_no_library_noise_on_any_layout."""
+    (run_dir / "console.txt").write_text(proc.stdout + proc.stderr)
+    return run_dir
+
+
+def test_no_library_noise_on_any_layout(curves):
+    """No library warning, tied-weight save warning, DeepSpeed op print or progress bar on any layout, fresh or
+    resumed (tests/test_console.py reads one launch line by line, through pretrain-launch)."""
+    noise = re.compile(r"Warning|Removed shared tensor|built successfully|\d+%\||\r")
+    for name, run_dir in curves.items():
+        console = (run_dir / "console.txt").read_text()
+        assert not noise.search(console), f"{name}:\n{console}"
 
 
 def test_layouts_report_their_real_world_size(curves):

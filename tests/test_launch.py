@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -138,7 +139,7 @@ def execv(monkeypatch):
     from pretrain.cli import launch as launch_cli
 
     calls = []
-    monkeypatch.setattr(launch_cli.os, "execv", lambda path, argv: calls.append(argv))
+    monkeypatch.setattr(launch_cli.os, "execve", lambda path, argv, environment: calls.append(argv))
     return calls
 
 
@@ -189,6 +190,24 @@ def test_force_launches_anyway_with_one_warning_and_keeps_its_options_from_accel
     assert "--gpu=H100-80GB" not in command and "--force" not in command and "--gpu" not in command
     assert command[command.index("--config_file") + 1] == str(CONFIGS / "ddp.yaml")
     assert "launch: " in out
+
+
+@pytest.mark.parametrize("given", [None, "3"])
+def test_threads_per_process_are_the_cores_shared_out_unless_set(capsys, monkeypatch, given):
+    """torchrun would set OMP_NUM_THREADS=1 and warn; pretrain-launch shares the cores out (or keeps the user's)."""
+    from pretrain.cli import launch as launch_cli
+
+    environments = []
+    monkeypatch.setattr(launch_cli.os, "execve", lambda path, argv, environment: environments.append(environment))
+    monkeypatch.setattr("pretrain.launch.usable_cores", lambda: 16)
+    if given is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", given)
+    code, out, _ = launch_in_process(capsys, "--config_file", str(CONFIGS / "cpu_ddp.yaml"), "--recipe", TINY)
+    assert code == 0 and environments[0]["OMP_NUM_THREADS"] == (given or "8")  # 16 cores, 2 processes
+    assert out.startswith("launch: OMP_NUM_THREADS=8 ") == (given is None)
+    assert os.environ.get("OMP_NUM_THREADS") == given  # this process's environment is left alone
 
 
 def test_a_layout_that_fits_passes_the_check(capsys, execv):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 import subprocess
 import sys
 import zipfile
@@ -17,10 +18,13 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
 def test_wheel_installs_pretrain_and_nothing_named_tools(tmp_path):
-    """What `pip install .` puts in site-packages: the pretrain package, its metadata, no top-level tools."""
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+    """What `pip install .` puts in site-packages: the pretrain package, its metadata, no top-level tools; and
+    setuptools has nothing to say about pyproject.toml (-v shows what a quiet install hides)."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v",
                            "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+    build_log = proc.stdout + proc.stderr
+    assert not re.search(r"deprecat|BuildBackendWarning|SetuptoolsWarning", build_log, re.IGNORECASE), build_log
     (wheel,) = tmp_path.glob("pretrain-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {name.split("/")[0] for name in names}

@@ -8,19 +8,26 @@ import subprocess
 import sys
 
 import matplotlib.image
+import numpy as np
+import pytest
 
-from pretrain.cli.plot import main, read_metrics
+from pretrain.cli.plot import Figure, main, read_metrics, smooth
 
 
-def write_metrics(run_dir, num_steps: int = 60, mfu: bool = True) -> None:
+def write_metrics(run_dir, num_steps: int = 60, mfu: bool = True, world: int = 1) -> None:
     lines = []
     for step in [1, *range(5, num_steps + 1, 5)]:
         record = {
             "step": step,
-            "train/loss": 3.0 + 7.0 * math.exp(-step / 20),
+            "train/loss": 3.0 + 7.0 * math.exp(-step / 20) + 0.2 * (-1) ** step,
             "train/lr": 1e-3 * min(1.0, step / 10),
-            "perf/tokens_per_s": 5000.0 + step,
+            "train/grad_norm": 5.0 * math.exp(-step / 10) + 0.3,
+            "train/tokens_seen": step * 4096,
+            "perf/tokens_per_s": 5000.0 * world + step,
+            "perf/tokens_per_s_per_device": (5000.0 * world + step) / world,
             "memory/peak_gib": 1.5,
+            "memory/rss_gib": 1.2,
+            "memory/estimated_gib": 0.4,
             "time": 1700000000.0 + step,
         }
         if mfu:
@@ -84,3 +91,67 @@ def test_runs_as_a_script(tmp_path):
                             capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr
+
+
+def panels(series, config=None, smoothing=0.0) -> dict:
+    figure = Figure(series, "run", config, smoothing)
+    return {ax.get_title(): ax for ax in figure.fig.axes if ax.get_visible() and ax.get_title()}
+
+
+def labels(ax) -> list[str]:
+    return [line.get_label() for line in ax.get_lines()]
+
+
+def test_single_device_throughput_is_one_line_and_every_panel_is_there(tmp_path):
+    write_metrics(tmp_path)
+    axes = panels(read_metrics(tmp_path / "metrics.jsonl"), {"dist/world_size": 1, "dist/device": "cpu",
+                                                            "recipe/optim/grad_clip": 1.0})
+    assert set(axes) == {"Loss", "Learning rate", "Gradient norm (before clipping)", "Throughput",
+                         "Model FLOPs utilisation", "Memory per process (CPU)"}
+    assert labels(axes["Throughput"]) == ["tokens/s"] and axes["Throughput"].get_ylabel() == "tokens/s (1 device)"
+    # tokens seen on a secondary (top) axis of the loss panel
+    assert any(child.get_xlabel() == "tokens seen" for child in axes["Loss"].child_axes)
+    assert "clipped to 1 (optim.grad_clip)" in labels(axes["Gradient norm (before clipping)"])
+    memory = labels(axes["Memory per process (CPU)"])
+    assert any("whole process" in label for label in memory) and any("tensors only" in label for label in memory)
+
+
+def test_several_devices_one_line_with_a_per_device_axis(tmp_path):
+    write_metrics(tmp_path, world=4)
+    ax = panels(read_metrics(tmp_path / "metrics.jsonl"))["Throughput"]
+    assert labels(ax) == ["tokens/s"] and ax.get_ylabel() == "tokens/s, all 4 devices"
+    (right,) = ax.child_axes
+    assert right.get_ylabel() == "tokens/s per device"
+
+
+def test_mfu_panel_marks_100_percent_and_uses_the_final_peak(tmp_path):
+    series = {"perf/mfu": ([10, 20], [0.9, 0.5]), "perf/peak_tflops": ([10, 20], [0.1, 0.2])}
+    ax = panels(series)["Model FLOPs utilisation"]
+    (mfu_line, hundred) = ax.get_lines()
+    assert list(mfu_line.get_ydata()) == pytest.approx([45.0, 50.0])  # 0.9 of 0.1 TFLOP/s is 45% of 0.2
+    assert list(hundred.get_ydata()) == [100, 100] and ax.get_ylim() == (0, 105)
+    assert hundred.get_label() == "100% = peak 0.2 TFLOP/s per device"
+    low = panels({"perf/mfu": ([10, 20], [0.02, 0.03])})["Model FLOPs utilisation"]
+    assert len(low.get_lines()) == 1 and low.get_ylim() == pytest.approx((0, 3.9))  # zoomed in, 100% said
+    assert [t.get_text() for t in low.texts] == ["100% = the device's peak (above this scale)"]
+
+
+def test_smoothing_keeps_the_raw_line_faint_behind(tmp_path):
+    assert smooth([1.0, 3.0], 0.0) == [1.0, 3.0]
+    assert smooth([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])  # debiased: no pull towards 0
+    write_metrics(tmp_path)
+    ax = panels(read_metrics(tmp_path / "metrics.jsonl"), smoothing=0.6)["Loss"]
+    raw, smoothed, validation = ax.get_lines()
+    assert raw.get_alpha() == 0.25 and smoothed.get_label() == "train (smoothed 0.6)"
+    assert validation.get_label() == "validation"  # evaluations are not smoothed
+    # the +-0.2 zig-zag of the raw loss is damped
+    assert (np.diff(raw.get_ydata()[-6:]) > 0).any() and (np.diff(smoothed.get_ydata()[-6:]) < 0).all()
+    assert main([str(tmp_path), "--smooth", "0.9"]) == 0
+
+
+@pytest.mark.parametrize("weight", ["1", "-0.1", "high"])
+def test_bad_smoothing_weight_is_a_usage_error(tmp_path, capsys, weight):
+    write_metrics(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path), "--smooth", weight])
+    assert exit_info.value.code == 2 and "--smooth takes an averaging weight" in capsys.readouterr().err

@@ -32,7 +32,7 @@ from pretrain.evaluation import Evaluator
 from pretrain.metrics import ThroughputMonitor
 from pretrain.preemption import STOP_SIGNALS, StopSignals
 from pretrain.rundir import STATE_FILE, read_state
-from pretrain.tracking import StepLog
+from pretrain.tracking import Console, StepLog, format_duration
 from tests.helpers import TINY, env, free_port
 
 
@@ -305,12 +305,42 @@ def test_throughput_without_peak_has_no_mfu_and_with_recomputation_an_hfu(clock)
     assert perf["perf/hfu"] == pytest.approx(1.3 * perf["perf/mfu"])
 
 
+def test_mfu_never_exceeds_100_percent_a_beaten_peak_becomes_the_achieved_rate(clock):
+    raised = []
+    # 1e6 FLOPs/token x 512 tokens/s = 0.000512 TFLOP/s achieved against a "peak" of 0.0001
+    monitor = ThroughputMonitor(512, 8, 1, flops_per_token=1e6, hardware_flops_per_token=1.5e6, peak_tflops=1e-4,
+                                on_peak_raised=lambda old, new: raised.append((old, new)))
+    _steps(monitor, clock, 1, 2, 1.0)
+    perf = monitor.metrics(2)
+    assert perf["perf/hfu"] == pytest.approx(1.0) and perf["perf/mfu"] == pytest.approx(1 / 1.5)
+    assert perf["perf/peak_tflops"] == pytest.approx(1.5e6 * 512 / 1e12)
+    assert raised == [(1e-4, pytest.approx(1.5e6 * 512 / 1e12))]
+    _steps(monitor, clock, 3, 4, 2.0)  # half as fast: half the raised peak, which stays
+    perf = monitor.metrics(4)
+    assert perf["perf/hfu"] == pytest.approx(0.5) and len(raised) == 1
+
+
 # ---- log and eval cadence ---------------------------------------------------------------------------------
 
 
 def test_log_cadence_is_step_one_every_n_and_the_last():
     log = StepLog(None, None, every_steps=4, num_steps=10)
     assert [step for step in range(1, 11) if log.due(step)] == [1, 4, 8, 10]
+
+
+def test_plain_log_line_has_elapsed_time_and_an_eta_from_the_recent_step_time(monkeypatch, capsys):
+    now = [1000.0]
+    monkeypatch.setattr("pretrain.tracking.time.monotonic", lambda: now[0])
+    console = Console("plain", enabled=True)
+    console.start(total_steps=1000, first_step=0)
+    now[0] += 30.0  # step 1: compile and first batches
+    console.step_summary(1, 1000, {"train/loss": 2.0})
+    now[0] += 9 * 2.0  # steps 2-10 at 2 s each
+    console.step_summary(10, 1000, {"train/loss": 1.5})
+    first, second = capsys.readouterr().out.splitlines()
+    assert first == "step 1/1000 | loss 2.0000 | elapsed 0:00:30 | eta 8:19:30"  # 999 steps x 30 s
+    assert second == "step 10/1000 | loss 1.5000 | elapsed 0:00:48 | eta 0:33:00"  # 990 steps x 2 s
+    assert format_duration(2 * 86400 + 61) == "2 days, 0:01:01"
 
 
 def test_step_log_drops_none_values():

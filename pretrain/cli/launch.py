@@ -32,7 +32,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from pretrain.errors import EXIT_USAGE, ConfigError
-from pretrain.launch import accelerate_command, option_value
+from pretrain.launch import accelerate_command, option_value, threads_per_process
 
 if TYPE_CHECKING:
     from pretrain.hardware import GpuSpec
@@ -192,8 +192,9 @@ def check_memory(recipe, run_plan, options: argparse.Namespace, accelerate_args:
     ]))
 
 
-def preflight(accelerate_args: list[str], run_args: list[str], options: argparse.Namespace | None = None) -> None:
-    """Raise ConfigError for anything that would fail inside the launched processes, or not fit their GPUs."""
+def preflight(accelerate_args: list[str], run_args: list[str], options: argparse.Namespace | None = None) -> Launch:
+    """Raise ConfigError for anything that would fail inside the launched processes, or not fit their GPUs;
+    returns the launch."""
     from pretrain.config import load_recipe
     from pretrain.launch import Launch
     from pretrain.model import meta_model
@@ -210,6 +211,7 @@ def preflight(accelerate_args: list[str], run_args: list[str], options: argparse
     meta_model(recipe, attention="sdpa")
     check_memory(recipe, run_plan, options, accelerate_args, recipe_path, recipe_overrides)
     check_data(recipe, launch, recipe_path, recipe_overrides)
+    return launch
 
 
 def check_data(recipe, launch: Launch, recipe_path: str, overrides: list[str]) -> None:
@@ -231,13 +233,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         accelerate_args, run_args = split_args(argv)
         options, accelerate_args = own_options(accelerate_args)
-        preflight(accelerate_args, run_args, options)
+        launch = preflight(accelerate_args, run_args, options)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     command = accelerate_command(run_args[1], run_args[2:], accelerate_args=accelerate_args)
-    print("launch: " + " ".join(shlex.quote(c) for c in command), flush=True)
-    os.execv(sys.executable, command)
+    environment, threads = dict(os.environ), ""
+    if "OMP_NUM_THREADS" not in environment:  # else torchrun sets 1 and warns that it should be tuned
+        environment["OMP_NUM_THREADS"] = str(threads_per_process(launch.world_size // launch.num_nodes))
+        threads = f"OMP_NUM_THREADS={environment['OMP_NUM_THREADS']} "
+    print(f"launch: {threads}" + " ".join(shlex.quote(c) for c in command), flush=True)
+    os.execve(sys.executable, command, environment)
     return 0  # not reached
 
 
