@@ -77,7 +77,7 @@ def format_duration(seconds: float) -> str:
     """Seconds, minutes, hours, days or years, whichever reads best."""
     for unit, size, below in (("s", 1, 120), ("min", 60, 7200), ("h", 3600, 72 * 3600), ("days", 86400, 730 * 86400)):
         if seconds < below:
-            return f"{seconds / size:,.{0 if unit == 's' else 1}f} {unit}"
+            return f"{seconds:.3g} s" if unit == "s" else f"{seconds / size:,.1f} {unit}"
     return f"{seconds / (365 * 86400):,.1f} years"
 
 
@@ -108,8 +108,8 @@ def report(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu, 
            detected: bool = False) -> list[str]:
     """The dry run's lines. ``gpu``: the GPU to check against (None: a CPU process); ``detected``: it is this
     machine's, not one named on the command line."""
-    from pretrain.cli.launch import best_layout, does_not_fit
-    from pretrain.cli.plan import plan, throughput
+    from pretrain.cli.launch import best_layout, does_not_fit, planner_gpu
+    from pretrain.cli.plan import BASE_MFU, plan, throughput
     from pretrain.memory import estimate
     from pretrain.preflight import check_run
 
@@ -138,18 +138,21 @@ def report(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu, 
     if gpu is None:
         return lines
     lines.append("")
-    if gpu.bf16_tflops is not None and gpu.intra_node_gb_s is not None:
+    _, plan_gpu = planner_gpu(gpu)  # a detected GPU the table lacks: its capacity, the default card's rates
+    if gpu.bf16_tflops is not None and gpu.intra_node_gb_s is not None:  # a card whose rates the table has
         *_, tokens_per_s = throughput(est, gpu)
         step_s = batch.tokens_per_step / (tokens_per_s * batch.world_size)
-        lines.append(f"speed            ~{tokens_per_s:,.0f} tokens/s per GPU if matmuls reach 50% of the {gpu.name}'s "
-                     f"dense bf16 peak (pretrain-plan's model, for ranking layouts, not a measurement): "
-                     f"~{format_duration(step_s)} per optimizer step, {steps:,} steps in ~{format_duration(steps * step_s)}")
+        lines += [f"speed            ~{tokens_per_s:,.0f} tokens/s per GPU: ~{format_duration(step_s)} per optimizer step, "
+                  f"the run's {steps:,} steps in ~{format_duration(steps * step_s)}",
+                  f"                 (pretrain-plan's step-time model: matmuls at {BASE_MFU:.0%} of the {gpu.name}'s dense "
+                  "bf16 peak, less for small micro-batches, plus exposed communication; it ranks layouts, it does not "
+                  "measure them)"]
     if not est.fits:
         lines.append("verdict          " + does_not_fit(recipe, est, detected)
                      + ": pretrain-launch refuses this launch")
         lines.append(best_layout(recipe, recipe_path, overrides, launch, gpu))
         return lines
-    ranked, considered = plan(recipe, launch.num_nodes, launch.gpus_per_node, gpu)
+    ranked, considered = plan(recipe, launch.num_nodes, launch.gpus_per_node, plan_gpu)
     if ranked:
         lines.append(f"pretrain-plan    best of {len(ranked)} layouts that fit {launch.num_nodes} x {launch.gpus_per_node} "
                      f"{gpu.name} (of {considered}): {ranked[0].describe()}")

@@ -280,12 +280,12 @@ def nothing_fits(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, considere
     if offloaded:
         best = offloaded[0]
         need = best.estimate.host_bytes_per_node / memory.GIB
-        lines.append(f"- CPU offload on these {nodes * gpus} GPUs: {best.name}, MBS {best.micro_batch_size}, "
+        lines.append(f"- CPU offload on {nodes} x {gpus} {gpu.name}: {best.name}, MBS {best.micro_batch_size}, "
                      f"{'recompute' if best.checkpointing else 'no recompute'}: {best.estimate.total_gib:,.1f} GiB per "
                      f"GPU and {need:,.0f} GiB of CPU memory per node (--host-memory-gib {math.ceil(need)} if the "
                      "nodes have it; slow: the optimizer steps on the CPU)")
     else:
-        lines.append(f"- CPU offload on these {nodes * gpus} GPUs: does not fit either, whatever the CPU memory")
+        lines.append(f"- CPU offload on {nodes} x {gpus} {gpu.name}: does not fit either, whatever the CPU memory")
     larger = [g for g in hardware.GPUS.values() if g.memory_mib > gpu.memory_mib and g.bf16_tflops]
     for other in sorted(larger, key=lambda g: g.memory_mib):
         ranked, _ = plan(recipe, nodes, gpus, other, host_memory_gib=host_memory_gib)

@@ -93,7 +93,7 @@ def plot(series: dict[str, tuple[list[int], list[float]]], out: Path, title: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="pretrain-plot", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="run directory holding metrics.jsonl")
     parser.add_argument("--out", type=Path, default=None, help="PNG to write (default RUN_DIR/metrics.png)")
     args = parser.parse_args(argv)
