@@ -152,11 +152,11 @@ def test_a_cpu_accelerate_config_requests_no_gpus_by_itself(capsys, tmp_path, st
     multi_cpu.write_text((CONFIGS / "cpu_ddp.yaml").read_text().replace("distributed_type: MULTI_GPU",
                                                                           "distributed_type: MULTI_CPU"))
     script = dry_run(capsys, "--recipe", TINY, "--accelerate-config", str(multi_cpu), "--nodes", "2",
-                     "--processes-per-node", "2", *store)
+                     "--processes-per-node", "2", "batch.micro_batch_size=8", *store)
     assert not any(line.startswith("--gpus") for line in sbatch_lines(script)), script
     # a GPU config still requests one GPU per process, and --gpus-per-node still wins
     script = dry_run(capsys, "--recipe", TINY, "--accelerate-config", str(CONFIGS / "ddp.yaml"), "--nodes", "2",
-                     "--processes-per-node", "2", *store)
+                     "--processes-per-node", "2", "batch.micro_batch_size=8", *store)
     assert "--gpus-per-node=2" in sbatch_lines(script)
     script = dry_run(capsys, "--recipe", TINY, "--accelerate-config", str(CONFIGS / "cpu.yaml"), "--nodes", "1",
                      "--processes-per-node", "1", "--gpus-per-node", "1")

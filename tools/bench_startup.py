@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             "minimal": lambda i: command(args.launcher, [str(Path(__file__).resolve()), "--minimal"]),
         }
         print("warm-up (untimed): the token store, tokenizer and other caches of a first run", flush=True)
-        for name, cmd in runs.items():
+        for cmd in runs.values():
             timed(cmd("warmup"))
         first: dict[str, list[float]] = {name: [] for name in runs}
         whole: dict[str, list[float]] = {name: [] for name in runs}

@@ -134,7 +134,7 @@ def report(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu, 
         return [*lines, f"memory           no estimate: {exc}"]
     device = f"GPU ({gpu.name})" if gpu else "process (CPU: no GPU named or seen; --gpu NAME plans for one)"
     lines += [f"memory per {device}, pretrain-estimate's estimate (--explain there shows each formula):"]
-    lines += ["  " + line for line in est.summary().splitlines()[3:]]  # model, layout, workload: above
+    lines += [f"  {line}".rstrip() for line in est.summary().splitlines()[3:]]  # model, layout, workload: above
     if gpu is None:
         return lines
     lines.append("")

@@ -267,23 +267,30 @@ def nothing_fits(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, considere
              "every power-of-two MBS down to 1, with and without activation checkpointing). The smallest is "
              f"{lowest}. What would fit:"]
     found = _smallest_fit(recipe, nodes, gpus, gpu, host_memory_gib)
-    if found:
-        n, g, best, exhaustive = found
+    if found and found[2].offload_s > 0:  # the fewest GPUs need offload: also the fewest that do not
+        found = [found, _smallest_fit(recipe, found[0], found[1], gpu, host_memory_gib=0.0)]
+    else:
+        found = [found]
+    for fit in found:
+        if fit is None:
+            lines.append(f"- more GPUs: no world of up to {MAX_SEARCH_GPUS:,} {gpu.name} that divides the global batch "
+                         f"fits{' without offload' if len(found) > 1 else ''}")
+            continue
+        n, g, best, exhaustive = fit
         fewest = "the fewest that fit" if exhaustive else "doubling the nodes"
-        lines.append(f"- more GPUs: {n} x {g} {gpu.name} ({n * g} GPUs, {fewest}): {best.name}, MBS "
+        lines.append(f"- more GPUs: {n} x {g} {gpu.name} ({n * g} GPUs, {fewest}"
+                     f"{' without offload' if best.offload_s == 0 and len(found) > 1 else ''}): {best.name}, MBS "
                      f"{best.micro_batch_size}, GAS {best.grad_accum_steps}, "
                      f"{'recompute' if best.checkpointing else 'no recompute'}: {best.estimate.total_gib:,.1f} GiB per "
-                     f"GPU (pretrain-plan --nodes {n} --gpus-per-node {g} --gpu {gpu.name} writes its config)")
-    else:
-        lines.append(f"- more GPUs: no world of up to {MAX_SEARCH_GPUS:,} {gpu.name} that divides the global batch fits")
+                     f"GPU (pretrain-plan with --nodes {n} --gpus-per-node {g} writes its config)")
     offloaded, _ = plan(recipe, nodes, gpus, gpu, host_memory_gib=float("inf"))
     if offloaded:
         best = offloaded[0]
         need = best.estimate.host_bytes_per_node / memory.GIB
         lines.append(f"- CPU offload on {nodes} x {gpus} {gpu.name}: {best.name}, MBS {best.micro_batch_size}, "
                      f"{'recompute' if best.checkpointing else 'no recompute'}: {best.estimate.total_gib:,.1f} GiB per "
-                     f"GPU and {need:,.0f} GiB of CPU memory per node (--host-memory-gib {math.ceil(need)} if the "
-                     "nodes have it; slow: the optimizer steps on the CPU)")
+                     f"GPU and {need:,.0f} GiB of CPU memory per node (if the nodes have it: pretrain-plan with "
+                     f"--host-memory-gib {math.ceil(need)}; slow: the optimizer steps on the CPU)")
     else:
         lines.append(f"- CPU offload on {nodes} x {gpus} {gpu.name}: does not fit either, whatever the CPU memory")
     larger = [g for g in hardware.GPUS.values() if g.memory_mib > gpu.memory_mib and g.bf16_tflops]
