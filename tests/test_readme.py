@@ -158,6 +158,7 @@ def test_every_readme_command_is_run_or_skipped_with_a_reason():
     print("skipped:\n" + "\n".join(f"  {c!r}: {skip_reason(c)}" for c in COMMANDS if skip_reason(c)))
 
 
+@pytest.mark.slow  # a process each: a minute or two for all of them
 @pytest.mark.parametrize("command", RUN, ids=[f"line{c.line}" for c in RUN])
 def test_readme_command_runs_as_written(command):
     path = f"{VENV_BIN}:{env()['PATH']}"  # as `. .venv/bin/activate` leaves it
