@@ -33,6 +33,16 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
+# Config attributes named like a dropout that are not one of the causal LM's own (heads it does not use).
+_NOT_MODEL_DROPOUT = ("classifier_dropout", "summary_first_dropout")
+
+
+def is_dropout_attribute(name: str) -> bool:
+    """Whether a transformers config attribute holds a dropout probability of the causal LM (attn_pdrop,
+    attention_dropout, hidden_dropout, resid_pdrop, embd_pdrop, ...): ``model.dropout`` sets them all."""
+    return ("dropout" in name or "pdrop" in name) and name not in _NOT_MODEL_DROPOUT
+
+
 class ModelConfig(Section):
     arch: str = Field(
         "llama",
@@ -59,6 +69,13 @@ class ModelConfig(Section):
     rope_theta: float | None = positive_or_null("RoPE base; null = the architecture's default.")
     norm_eps: float | None = positive_or_null("Epsilon of the normalisation layers; null = default.")
     init_std: float = Field(0.02, gt=0, description="Standard deviation of the normal weight init.")
+    dropout: float = Field(
+        0.0, ge=0, lt=1,
+        description="Probability of every dropout in the model: attention, residual / hidden and embedding dropout, "
+        "under the names the architecture's config gives them (GPT-2's attn_pdrop, resid_pdrop, embd_pdrop; "
+        "Llama's attention_dropout; GPT-NeoX's hidden_dropout, ...). 0 = none, the pretraining default for "
+        "every architecture (transformers' GPT-2 config defaults to 0.1, meant for fine-tuning).",
+    )
     tie_embeddings: bool = Field(False, description="Share the input embedding and LM-head weights.")
     activation_checkpointing: bool = Field(
         False, description="Recompute each block's activations in backward (less memory, ~33% more compute)."
@@ -71,6 +88,15 @@ class ModelConfig(Section):
         default_factory=dict,
         description="Extra attributes of the transformers config (e.g. `{hidden_act: silu}`); each must exist.",
     )
+
+    @field_validator("config_overrides")
+    @classmethod
+    def _no_dropout_overrides(cls, overrides: dict[str, Any]) -> dict[str, Any]:
+        named = sorted(key for key in overrides if is_dropout_attribute(key))
+        if named:
+            raise ValueError(f"config_overrides sets {', '.join(named)}: every dropout of the model is model.dropout "
+                             "(one probability, mapped to each architecture's names); set model.dropout instead")
+        return overrides
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:

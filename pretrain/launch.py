@@ -286,6 +286,14 @@ def read_accelerate_config(path: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
+def config_uses_cpu(config: Mapping[str, Any]) -> bool:
+    """Whether an accelerate config (as ``read_accelerate_config`` returns it) runs on CPUs: ``use_cpu: true``
+    or ``distributed_type: MULTI_CPU``. (``cpu_ddp.yaml`` is MULTI_GPU on purpose and says use_cpu: false:
+    on a CPU machine pretrain joins its processes over gloo itself.)"""
+    return (str(config.get("use_cpu", False)).lower() == "true"
+            or str(config.get("distributed_type", "NO")).upper() == "MULTI_CPU")
+
+
 def option_value(args: Sequence[str], name: str) -> str | None:
     """The value of ``--name value`` or ``--name=value`` in a command line (the last one wins)."""
     found = None

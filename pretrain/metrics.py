@@ -9,11 +9,16 @@ caller reduces.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
 import resource
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -63,23 +68,29 @@ def _cuda_fp32_uses_tf32() -> bool:
 
 
 def resolve_peak(
-    device_type: str, device_name: str | None, dtype: str | torch.dtype, recipe_peak_tflops: float | None = None
+    device_type: str, device_name: str | None, dtype: str | torch.dtype, recipe_peak_tflops: float | None = None,
+    cache_dir: str | os.PathLike | None = None,
 ) -> Peak:
     """This device's peak TFLOP/s for MFU.
 
     The recipe's value wins when given. A GPU is looked up by name in ``pretrain.hardware``'s table (fp32
     training reads the tf32 row when PyTorch lets fp32 matmuls use TF32); an unknown GPU or a dtype its
     table row lacks gives ``tflops=None``: no MFU, and the caller warns once. On CPU the peak is measured
-    here (``measure_cpu_peak_tflops``).
+    here (``measure_cpu_peak_tflops``), or read from ``cache_dir`` where an earlier run measured it
+    (``cached_cpu_peak_tflops``).
     """
     if recipe_peak_tflops is not None:
         return Peak(float(recipe_peak_tflops), "recipe", f"recipe: {recipe_peak_tflops} TFLOP/s")
     dtype = normalize_dtype(dtype)
     if device_type == "cpu":
-        core_tflops, threads = measure_cpu_core_tflops(dtype), cpu_compute_threads()
-        return Peak(threads * core_tflops, "measured",
-                    f"measured: {threads * core_tflops:.3g} TFLOP/s = {threads} thread{'s' * (threads > 1)} x {core_tflops:.3g} "
-                    f"(the fastest of many short one-thread {dtype} matmuls on this CPU)")
+        tflops, cached = cached_cpu_peak_tflops(dtype, cache_dir)
+        threads = cpu_compute_threads()
+        return Peak(
+            tflops, "measured",
+            f"measured: {tflops:.3g} TFLOP/s = {threads} thread{'s' * (threads > 1)} x {tflops / threads:.3g} (the fastest "
+            f"of many short one-thread {dtype} matmuls on this CPU)"
+            + (f"; by an earlier run: {cached}, delete it to measure again" if cached else "")
+        )
     if device_type != "cuda":  # ROCm reports "cuda" too
         return Peak(None, "unknown", f"no peak table for device type {device_type!r}; set the recipe's peak")
     key = match_device(device_name or "")
@@ -141,6 +152,47 @@ def measure_cpu_peak_tflops(dtype: str | torch.dtype = "fp32", budget_s: float =
     (about 0.8-0.9 of it: threads share caches and memory bandwidth, and one core alone may clock higher).
     """
     return cpu_compute_threads() * measure_cpu_core_tflops(dtype, budget_s)
+
+
+def _cpu_identity(dtype: str) -> dict[str, object]:
+    """What a CPU matmul peak depends on: the processor, the cores this process may use, torch's threads and
+    build, the dtype."""
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), model)
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    # "probe": the measurement's method; a figure an older method measured is measured again.
+    return {"probe": "threads x fastest short one-thread matmul", "cpu": model, "cores": cores, "threads": cpu_compute_threads(), "torch": torch.__version__,
+            "dtype": dtype}
+
+
+def cached_cpu_peak_tflops(dtype: str, cache_dir: str | os.PathLike | None) -> tuple[float, Path | None]:
+    """(TFLOP/s, the cache file it was read from, or None when measured now). ``measure_cpu_peak_tflops`` costs
+    its budget (0.3 s) at every start; the figure depends only on ``_cpu_identity``, so it is kept in
+    ``cache_dir/cpu_peak/`` (written atomically) and read back by later runs. No ``cache_dir``: measured."""
+    if cache_dir is None:
+        return measure_cpu_peak_tflops(dtype), None
+    identity = _cpu_identity(dtype)
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / "cpu_peak" / f"{key}.json"
+    try:
+        tflops = float(json.loads(path.read_text())["tflops"])
+        if tflops > 0:
+            return tflops, path
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # absent or unreadable: measure, and replace it
+    tflops = measure_cpu_peak_tflops(dtype)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**identity, "tflops": tflops, "measured_at": time.time()}))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache: measure every time, as without one
+    return tflops, None
 
 
 def mfu(flops_per_token: float, tokens_per_s_per_device: float, peak_tflops: float | None) -> float | None:

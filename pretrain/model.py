@@ -30,14 +30,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, Pre
 from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from pretrain.config import ModelConfig
+from pretrain.config import ModelConfig, is_dropout_attribute
 from pretrain.errors import ConfigError, disk_full_error, is_disk_full
 from pretrain.loss import chunked_causal_lm_loss
 from pretrain.quiet import no_progress_bars
 from pretrain.shape import ModelShape, require_counted, resolve_vocab_size
 
-__all__ = ["build_model", "closed_form_num_params", "count_parameters", "hf_config", "init_weights",
-           "materialize", "meta_model", "resolve_vocab_size", "save_pretrained_model"]
+__all__ = ["build_model", "closed_form_num_params", "count_parameters", "dropout_attributes", "hf_config",
+           "init_weights", "materialize", "meta_model", "resolve_vocab_size", "save_pretrained_model"]
 
 # Our field -> the config attributes that can hold it, first match wins. GPT-2's config maps hidden_size,
 # num_hidden_layers, num_attention_heads and max_position_embeddings to n_embd, n_layer, n_head and
@@ -81,12 +81,25 @@ def hf_config(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> PreTrain
             near = difflib.get_close_matches(key, attributes, n=3, cutoff=0.6)
             hint = f"did you mean {' or '.join(near)}?" if near else f"see transformers' {type(default).__name__}"
             problems.append(f"model.config_overrides.{key} is not an attribute of the {arch} config; {hint}")
+    dropouts = dropout_attributes(default)
+    if model_cfg.dropout and not dropouts:
+        problems.append(f"model.dropout = {model_cfg.dropout}, but the {arch} config has no dropout; set model.dropout "
+                        "to 0")
+    kwargs.update(dict.fromkeys(dropouts, model_cfg.dropout))
     if problems:
         raise ConfigError(problems)
     try:
         return AutoConfig.for_model(arch, **{**kwargs, "use_cache": False, **model_cfg.config_overrides})
     except (StrictDataclassError, ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"model (arch {arch}): transformers rejects the config: {exc}") from None
+
+
+def dropout_attributes(config: PreTrainedConfig) -> list[str]:
+    """The attributes of an architecture's config that hold one of its dropout probabilities (every one is
+    set to ``model.dropout``): GPT-2's attn_pdrop / resid_pdrop / embd_pdrop, Llama's attention_dropout,
+    GPT-NeoX's attention_dropout / hidden_dropout, ..."""
+    return sorted(key for key, value in config.to_dict().items()
+                  if is_dropout_attribute(key) and isinstance(value, int | float) and not isinstance(value, bool))
 
 
 def _mapped_fields(

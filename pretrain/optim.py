@@ -11,7 +11,6 @@ import math
 
 import torch
 from torch import nn
-from transformers import get_scheduler
 
 from pretrain.config import LRScheduleConfig, OptimConfig
 from pretrain.errors import ConfigError
@@ -120,6 +119,9 @@ def check_schedule(cfg: LRScheduleConfig, num_steps: int) -> None:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduleConfig, num_steps: int):
+    # Imported here: the checks above are what launchers and --dry-run need, without transformers' 0.9 s import.
+    from transformers import get_scheduler
+
     check_schedule(cfg, num_steps)
     if cfg.name == "cosine":
         name, extra = "cosine_with_min_lr", {"min_lr_rate": cfg.min_lr_ratio}

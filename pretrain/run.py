@@ -11,14 +11,14 @@ import argparse
 import sys
 
 from pretrain.cli import add_recipe_arguments
+from pretrain.cli.dry_run import add_dry_run_arguments, check_options, dry_run
 from pretrain.errors import EXIT_DIVERGED, EXIT_USAGE, ConfigError, TrainingDiverged
 from pretrain.launch import Launch
 from pretrain.quiet import install_warning_filters
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="pretrain",
+    parser = argparse.ArgumentParser(  # prog: as invoked (run.py, pretrain-train, pretrain train)
         description="Pretrain a language model from a recipe YAML.",
         epilog="Overrides: trailing key.path=value pairs, e.g. train.max_steps=40 optim.lr=1e-3 output_dir=/tmp/run1",
     )
@@ -28,28 +28,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mode.add_argument(
         "--dry-run",
         action="store_true",
-        help="resolve recipe and batch plan, build the model on the meta device, print the plan and exit",
+        help="check the recipe on a launch and exit: batch plan, parameters, the memory estimate per GPU and whether "
+        "it fits, the speed pretrain-plan's model expects, the best layout (or what would fit); see the options below",
     )
+    add_dry_run_arguments(parser)
     return parser.parse_args(argv)
-
-
-def dry_run(recipe, launch: Launch) -> None:
-    from pretrain.model import count_parameters, meta_model
-    from pretrain.preflight import check_run
-
-    run_plan = check_run(recipe, launch)
-    plan, steps = run_plan.batch, run_plan.num_steps
-    model, vocab = meta_model(recipe)
-    num_params = count_parameters(model)
-    print(f"recipe           {recipe.name}")
-    print(f"model            {recipe.model.arch}, {num_params:,} parameters (vocab {vocab:,})")
-    print(
-        f"batch plan       world {plan.world_size}: GBS {plan.global_batch_size} = MBS {plan.micro_batch_size} "
-        f"x GAS {plan.grad_accum_steps} x world {plan.world_size}"
-    )
-    print(f"tokens per step  {plan.tokens_per_step:,} ({plan.global_batch_size} x {plan.seq_len} tokens)")
-    print(f"optimizer steps  {steps:,} ({steps * plan.tokens_per_step:,} tokens)")
-    print(f"output_dir       {recipe.output_dir}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,12 +47,14 @@ def main(argv: list[str] | None = None) -> int:
 
         launch = Launch.from_env()
         is_main = launch.is_main
+        check_options(args)
         recipe = load_recipe(args.recipe, args.overrides)
         if args.print_config:
             print(recipe.to_yaml(), end="")
             return 0
         if args.dry_run:
-            dry_run(recipe, launch)
+            if is_main:
+                dry_run(recipe, args, launch)
             return 0
         from pretrain.cli.prepare_data import prepare_commands
         from pretrain.train import Trainer

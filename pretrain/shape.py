@@ -139,9 +139,11 @@ def model_attributes(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> d
     }
     if arch == "gpt2":
         attributes["n_inner"] = model_cfg.intermediate_size  # null: 4 x hidden
+        attributes.update(dict.fromkeys(("attn_pdrop", "resid_pdrop", "embd_pdrop"), model_cfg.dropout))
     else:
         attributes["intermediate_size"] = model_cfg.intermediate_size
         attributes["num_key_value_heads"] = model_cfg.num_kv_heads or model_cfg.num_heads
+        attributes["attention_dropout"] = model_cfg.dropout  # the Llama family's only dropout
     attributes.update(over)
     return {names.get(key, key): value for key, value in attributes.items()}
 

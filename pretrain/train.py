@@ -29,7 +29,7 @@ from accelerate.utils import set_seed
 from pretrain.batching import BatchPlan
 from pretrain.checkpoint import Checkpointer, ResumeChoice, TrainerState, agree_on_resume, check_resume_data
 from pretrain.config import Recipe
-from pretrain.data import data_identity, ensure_data, open_data
+from pretrain.data import cache_root, data_identity, ensure_data, open_data
 from pretrain.diagnostics import Diagnostics
 from pretrain.errors import ConfigError, TrainingDiverged
 from pretrain.evaluation import Evaluator
@@ -96,7 +96,8 @@ def throughput_reference(recipe: Recipe, hf_config, device: torch.device, log):
         log(f"warning: no FLOPs count, so no TFLOP/s or MFU: {exc}")
         flops = None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    peak = resolve_peak(device.type, name, recipe.precision.dtype, recipe.runtime.peak_tflops)
+    peak = resolve_peak(device.type, name, recipe.precision.dtype, recipe.runtime.peak_tflops,
+                        cache_dir=cache_root(recipe.data))
     if peak.tflops is None:
         log(f"warning: perf/mfu is not logged: {peak.detail} (runtime.peak_tflops=<dense TFLOP/s>)")
     return flops, peak

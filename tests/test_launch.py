@@ -233,7 +233,8 @@ def test_nothing_fits_says_so_with_the_planners_advice(capsys, execv):
     code, _, err = launch_in_process(capsys, "--config_file", str(CONFIGS / "single_gpu.yaml"), "--gpu", "T4-16GB",
                                      "--recipe", str(ROOT / "recipes" / "70b.yaml"))
     assert code == 2 and execv == []
-    assert "no layout of 70b fits 1 x 1 T4-16GB" in err and "add GPUs, use a larger GPU" in err, err
+    assert "no layout of 70b fits 1 x 1 T4-16GB" in err and "What would fit:" in err, err
+    assert "- more GPUs: " in err and "- CPU offload on 1 x 1 T4-16GB" in err and "data.seq_len" in err, err
 
 
 @pytest.mark.parametrize("gpu, message", [

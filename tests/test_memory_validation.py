@@ -32,9 +32,8 @@ PROBE = ROOT / "tests" / "ds_memory_probe.py"
 VOCAB = 1024
 LLAMA = dict(arch="llama", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=352,
              vocab_size=VOCAB)
-GPT2 = dict(arch="gpt2", hidden_size=128, num_layers=2, num_heads=4, vocab_size=VOCAB, tie_embeddings=True,
-            config_overrides={"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0})
-GPT2_DROPOUT = {**GPT2, "config_overrides": {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}}
+GPT2 = dict(arch="gpt2", hidden_size=128, num_layers=2, num_heads=4, vocab_size=VOCAB, tie_embeddings=True)
+GPT2_DROPOUT = {**GPT2, "dropout": 0.1}
 
 
 def _saved_bytes(model_kwargs: dict, seq_len: int, micro_batch_size: int, precision: str) -> int:

@@ -287,3 +287,25 @@ def test_memory_metrics_on_cpu():
     metrics = memory_metrics("cpu")
     assert set(metrics) == {"memory/peak_gib", "memory/rss_gib"}
     assert 0 < metrics["memory/rss_gib"] <= metrics["memory/peak_gib"] * 1.01 < 1024
+
+
+def test_cpu_peak_is_measured_once_per_cpu_and_read_back(tmp_path, monkeypatch):
+    """The measurement costs its 2 s budget; a later run on the same CPU, threads and torch reads the figure."""
+    from pretrain import metrics
+
+    calls = []
+    monkeypatch.setattr(metrics, "measure_cpu_peak_tflops", lambda dtype: calls.append(dtype) or 0.125)
+    assert metrics.cached_cpu_peak_tflops("fp32", tmp_path) == (0.125, None)
+    (path,) = (tmp_path / "cpu_peak").iterdir()
+    assert metrics.cached_cpu_peak_tflops("fp32", tmp_path) == (0.125, path) and calls == ["fp32"]
+    peak = resolve_peak("cpu", None, "fp32", None, cache_dir=tmp_path)
+    assert peak.tflops == 0.125 and str(path) in peak.detail and calls == ["fp32"]
+    metrics.cached_cpu_peak_tflops("bf16", tmp_path)  # another dtype: its own measurement
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 97)  # other threads: another figure
+    metrics.cached_cpu_peak_tflops("fp32", tmp_path)
+    assert calls == ["fp32", "bf16", "fp32"]
+    path.write_text("{torn")  # a damaged file is measured again and replaced
+    monkeypatch.undo()
+    monkeypatch.setattr(metrics, "measure_cpu_peak_tflops", lambda dtype: 0.5)
+    assert metrics.cached_cpu_peak_tflops("fp32", tmp_path) == (0.5, None)
+    assert metrics.cached_cpu_peak_tflops("fp32", tmp_path) == (0.5, path)

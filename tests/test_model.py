@@ -408,3 +408,67 @@ def test_fsdp2_sharded_init_equals_the_unsharded_one(tmp_path):
     """FSDP runs on GPUs only in pretrain, but the shard -> materialize -> init path is torch's FSDP2 on any
     device mesh: here on CPU over gloo, sharded while still on the meta device."""
     assert run_on_two_processes(FSDP2_SCRIPT, tmp_path).count("FSDP2 OK") == 2
+
+
+# --- dropout -----------------------------------------------------------------------------------------
+
+
+def test_a_gpt2_recipe_builds_with_dropout_0():
+    """transformers' GPT-2 config defaults to 0.1 (attention, residual, embedding); pretraining recipes get 0."""
+    from transformers import GPT2Config
+
+    assert GPT2Config().attn_pdrop == GPT2Config().resid_pdrop == GPT2Config().embd_pdrop == 0.1
+    model = build_model(small(arch="gpt2", num_kv_heads=None, intermediate_size=None), VOCAB, SEQ, seed=0)
+    config = model.config
+    assert (config.attn_pdrop, config.resid_pdrop, config.embd_pdrop) == (0.0, 0.0, 0.0)
+    dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert dropouts and all(m.p == 0.0 for m in dropouts)
+    model.train()
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # training mode, yet deterministic: nothing is dropped
+        assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("arch, names", [
+    ("gpt2", {"attn_pdrop", "resid_pdrop", "embd_pdrop"}),
+    ("llama", {"attention_dropout"}),
+    ("qwen2", {"attention_dropout"}),
+    ("gpt_neox", {"attention_dropout", "hidden_dropout"}),
+    ("phi3", {"attention_dropout", "resid_pdrop", "embd_pdrop"}),
+    ("opt", {"dropout", "attention_dropout"}),  # OPT defaults to dropout 0.1 too
+    ("gpt_neo", {"attention_dropout", "resid_dropout", "embed_dropout"}),
+])
+def test_model_dropout_sets_every_dropout_of_each_architecture(arch, names):
+    from transformers import AutoConfig
+
+    from pretrain.model import dropout_attributes
+
+    assert names <= set(dropout_attributes(AutoConfig.for_model(arch)))
+    if arch == "opt":
+        return  # pretrain cannot build OPT (its config has no initializer_range); its dropouts are still found
+    kwargs = dict(num_kv_heads=None) if arch in ("gpt2", "opt", "gpt_neo", "gpt_neox") else {}
+    if arch == "gpt_neo":
+        kwargs["config_overrides"] = {"attention_types": [[["global"], 2]]}
+    for p in (0.0, 0.25):
+        config = hf_config(small(arch=arch, dropout=p, **kwargs), VOCAB, SEQ)
+        assert {name: getattr(config, name) for name in names} == dict.fromkeys(names, p)
+
+
+def test_dropout_is_one_field_not_a_config_override():
+    from pretrain.config import load_recipe
+
+    with pytest.raises(ConfigError, match="config_overrides sets attn_pdrop, resid_pdrop: every dropout of the model "
+                                          "is model.dropout"):
+        load_recipe(REPO / "recipes" / "gpt2-124m.yaml", ["model.config_overrides={attn_pdrop: 0.1, resid_pdrop: 0.1}"])
+    with pytest.raises(ConfigError, match="model.dropout"):
+        load_recipe(REPO / "recipes" / "tiny.yaml", ["model.dropout=1.5"])
+
+
+def test_the_estimator_follows_model_dropout():
+    from pretrain.config import load_recipe
+    from pretrain.shape import ModelShape
+
+    recipe = load_recipe(REPO / "recipes" / "gpt2-124m.yaml")
+    assert ModelShape.from_recipe(recipe).resid_dropout == 0.0
+    dropped = ModelShape.from_recipe(load_recipe(REPO / "recipes" / "gpt2-124m.yaml", ["model.dropout=0.1"]))
+    assert (dropped.resid_dropout, dropped.embd_dropout, dropped.attn_dropout) == (0.1, 0.1, 0.1)

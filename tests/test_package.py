@@ -12,6 +12,7 @@ import zipfile
 import pytest
 import tomllib
 
+from pretrain.cli import COMMANDS
 from tests.helpers import ROOT, TINY, env
 
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -80,3 +81,18 @@ def test_accelerate_launch_starts_the_entry_point_as_a_script_or_a_module(form):
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "batch plan       world 1: GBS 32 = MBS 16 x GAS 2 x world 1" in proc.stdout
+
+
+@pytest.mark.parametrize("name", [n for n in COMMANDS if n != "train"])
+def test_each_command_names_itself_in_its_usage(name, capsys, monkeypatch):
+    """`--help` says `pretrain-<name>` whatever the process is called (the sweep's once said sweep_batch_size).
+    `train` is left out: pretrain/run.py, pretrain-train and `pretrain train` all start it, and its usage
+    names the one used."""
+    monkeypatch.setattr(sys, "argv", ["some_module.py"])
+    try:
+        code = importlib.import_module(COMMANDS[name][0]).main(["--help"])
+    except SystemExit as exc:  # argparse's --help
+        code = exc.code
+    out = capsys.readouterr().out
+    assert code == 0 and f"pretrain-{name}" in out.split("\n\n")[0] and "some_module" not in out, out[:300]
+    assert f'pretrain-{name} = "{COMMANDS[name][0]}:main"' in (ROOT / "pyproject.toml").read_text()

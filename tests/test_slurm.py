@@ -143,6 +143,26 @@ def test_cpu_nodes_request_no_gpus(capsys):
     assert not any(line.startswith("--gpus") for line in sbatch_lines(script))
 
 
+def test_a_cpu_accelerate_config_requests_no_gpus_by_itself(capsys, tmp_path, store):
+    """use_cpu: true (cpu.yaml) or MULTI_CPU: no --gpus-per-node, which a cluster without GPUs refuses."""
+    script = dry_run(capsys, "--recipe", TINY, "--accelerate-config", str(CONFIGS / "cpu.yaml"), "--nodes", "1",
+                     "--processes-per-node", "1")
+    assert not any(line.startswith("--gpus") for line in sbatch_lines(script)), script
+    multi_cpu = tmp_path / "multi_cpu.yaml"
+    multi_cpu.write_text((CONFIGS / "cpu_ddp.yaml").read_text().replace("distributed_type: MULTI_GPU",
+                                                                          "distributed_type: MULTI_CPU"))
+    script = dry_run(capsys, "--recipe", TINY, "--accelerate-config", str(multi_cpu), "--nodes", "2",
+                     "--processes-per-node", "2", "batch.micro_batch_size=8", *store)
+    assert not any(line.startswith("--gpus") for line in sbatch_lines(script)), script
+    # a GPU config still requests one GPU per process, and --gpus-per-node still wins
+    script = dry_run(capsys, "--recipe", TINY, "--accelerate-config", str(CONFIGS / "ddp.yaml"), "--nodes", "2",
+                     "--processes-per-node", "2", "batch.micro_batch_size=8", *store)
+    assert "--gpus-per-node=2" in sbatch_lines(script)
+    script = dry_run(capsys, "--recipe", TINY, "--accelerate-config", str(CONFIGS / "cpu.yaml"), "--nodes", "1",
+                     "--processes-per-node", "1", "--gpus-per-node", "1")
+    assert "--gpus-per-node=1" in sbatch_lines(script)
+
+
 def test_each_node_evaluates_its_own_rank_and_the_first_nodes_address(tmp_path, monkeypatch, store):
     """Run the generated script with stand-in srun/scontrol: every node's launch gets its own rank."""
     fake_programs(tmp_path / "bin", tmp_path)

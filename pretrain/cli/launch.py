@@ -104,9 +104,9 @@ def launch_gpu(options: argparse.Namespace, accelerate_args: list[str]) -> GpuSp
 
 
 def _config_uses_cpu(path: str | None) -> bool:
-    from pretrain.launch import read_accelerate_config
+    from pretrain.launch import config_uses_cpu, read_accelerate_config
 
-    return path is not None and str(read_accelerate_config(path).get("use_cpu", False)).lower() == "true"
+    return path is not None and config_uses_cpu(read_accelerate_config(path))
 
 
 def planner_gpu(gpu: GpuSpec) -> tuple[list[str], GpuSpec]:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,17 @@ FSDP_CONFIG = """fsdp_config:
 FULL_SHARD, false SHARD_GRAD_OP."""
 
 
+def layout_name(lay: Launch) -> str:
+    """The planner's short name of a layout: DDP, ZeRO-3 +offload opt, FSDP FULL_SHARD, ..."""
+    if lay.engine == "ddp":
+        return "DDP"
+    if lay.engine == "fsdp":
+        return f"FSDP {lay.fsdp_sharding}" + (" +offload params" if lay.offload_params != "none" else "")
+    if lay.offload_params != "none":
+        return f"ZeRO-{lay.zero_stage} +offload opt+params"
+    return f"ZeRO-{lay.zero_stage}" + (" +offload opt" if lay.offload_optimizer != "none" else "")
+
+
 @dataclass(frozen=True)
 class Candidate:
     layout: Launch
@@ -90,18 +102,7 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        lay = self.layout
-        if lay.engine == "ddp":
-            base = "DDP"
-        elif lay.engine == "fsdp":
-            base = f"FSDP {lay.fsdp_sharding}" + (" +offload params" if lay.offload_params != "none" else "")
-        else:
-            base = f"ZeRO-{lay.zero_stage}"
-            if lay.offload_params != "none":
-                base += " +offload opt+params"
-            elif lay.offload_optimizer != "none":
-                base += " +offload opt"
-        return base
+        return layout_name(self.layout)
 
     def describe(self) -> str:
         est = self.estimate
@@ -185,9 +186,8 @@ def throughput(est: memory.MemoryEstimate, gpu: hardware.GpuSpec) -> tuple[float
     return compute, comm, volume, offload, tokens_per_step / (compute + comm + offload)
 
 
-def plan(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: memory.DeepSpeedBuffers | None = None,
-         host_memory_gib: float = 1024.0):
-    """(feasible candidates best first, number considered). Offload must also fit the host's memory."""
+def _estimates(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: memory.DeepSpeedBuffers | None = None):
+    """(layout, recompute, MBS, GAS, estimate) for every combination the planner considers, fitting or not."""
     shape = ModelShape.from_recipe(recipe)
     buffers = buffers or memory.DeepSpeedBuffers.from_recipe(recipe)
     world = nodes * gpus
@@ -196,31 +196,113 @@ def plan(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: memory.D
         seq_len=recipe.data.seq_len, attention=recipe.model.attention, reduce_dtype=recipe.precision.reduce_dtype,
     )
     gbs = recipe.batch.global_batch_size or recipe.batch.local_batch_size * world
-    feasible, considered = [], 0
     for layout in layouts(nodes, gpus):
         if layout.uses_deepspeed and layout.zero_stage == 0 and base.fp32_grads:
             continue  # ZeRO-0 cannot accumulate bf16 gradients in fp32 (the launch refuses it)
         for ckpt in (False, True):
             for mbs in _mbs_values(recipe, world):
-                considered += 1
                 gas = gbs // (mbs * world)
                 workload = memory.Workload(**{**base.__dict__, "micro_batch_size": mbs, "activation_checkpointing": ckpt,
                                               "grad_accum_steps": gas, "global_batch_size": gbs})
-                est = memory.estimate_shape(shape, workload, layout, buffers=buffers, gpu=gpu)
-                if not est.fits or est.host_bytes_per_node > host_memory_gib * memory.GIB:
-                    continue
-                compute, comm, volume, offload, rate = throughput(est, gpu)
-                feasible.append(Candidate(layout, ckpt, mbs, gas, est, compute, comm, volume, offload, rate))
+                yield layout, ckpt, mbs, gas, memory.estimate_shape(shape, workload, layout, buffers=buffers, gpu=gpu)
+
+
+def plan(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: memory.DeepSpeedBuffers | None = None,
+         host_memory_gib: float = 1024.0):
+    """(feasible candidates best first, number considered). Offload must also fit the host's memory."""
+    feasible, considered = [], 0
+    for layout, ckpt, mbs, gas, est in _estimates(recipe, nodes, gpus, gpu, buffers):
+        considered += 1
+        if not est.fits or est.host_bytes_per_node > host_memory_gib * memory.GIB:
+            continue
+        compute, comm, volume, offload, rate = throughput(est, gpu)
+        feasible.append(Candidate(layout, ckpt, mbs, gas, est, compute, comm, volume, offload, rate))
     feasible.sort(key=lambda c: (c.tight, c.offload_s > 0, -round(c.tokens_per_s, 6), c.comm_volume, -c.micro_batch_size))
     return feasible, considered
 
 
+MAX_SEARCH_GPUS = 16384
+"""The largest world the search for a cluster that fits looks at."""
+
+
+def _larger_worlds(recipe, nodes: int, gpus: int) -> tuple[list[tuple[int, int]], bool]:
+    """(nodes, GPUs per node) for worlds larger than the given one, smallest first: more GPUs in a single node
+    (up to 8), more nodes of ``gpus`` GPUs. With a global batch only the worlds it divides by (all of them, so
+    the first that fits is the fewest GPUs); with local_batch_size the node count doubles (not exhaustive).
+    And whether the list is exhaustive."""
+    gbs = recipe.batch.global_batch_size
+    out = [(1, g) for g in range(gpus + 1, 9)] if nodes == 1 else []
+    if gbs is None:
+        out += [(nodes * 2**k, gpus) for k in range(1, 32) if nodes * 2**k * gpus <= MAX_SEARCH_GPUS]
+    else:
+        out += [(n, gpus) for n in range(nodes + 1, MAX_SEARCH_GPUS // gpus + 1)]
+        out = [(n, g) for n, g in out if gbs % (n * g) == 0]
+    return sorted(out, key=lambda w: (w[0] * w[1], w[0])), gbs is not None
+
+
+def _smallest_fit(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, host_memory_gib: float):
+    """(nodes, GPUs per node, best candidate, exhaustive) for the first of ``_larger_worlds`` that some layout
+    fits, or None. A larger world only shrinks what each GPU holds, so the first that fits is the smallest."""
+    worlds, exhaustive = _larger_worlds(recipe, nodes, gpus)
+    for n, g in worlds:
+        ranked, _ = plan(recipe, n, g, gpu, host_memory_gib=host_memory_gib)
+        if ranked:
+            return n, g, ranked[0], exhaustive
+    return None
+
+
 def nothing_fits(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, considered: int,
                  host_memory_gib: float = 1024.0) -> str:
-    """What to say when ``plan`` finds no layout (pretrain-plan's error, pretrain-launch's suggestion)."""
-    return (f"no layout of {recipe.name} fits {nodes} x {gpus} {gpu.name} ({considered} considered, offload with "
-            f"{host_memory_gib:g} GiB of host memory per node and recompute included): add GPUs, use a larger GPU, "
-            "or shorten data.seq_len")
+    """What to say when ``plan`` finds no layout (pretrain-plan's error, pretrain-launch's and --dry-run's
+    advice): the smallest layout's need, then what would fit: more GPUs (the fewest), CPU offload with more
+    host memory, a larger GPU."""
+    smallest = min(_estimates(recipe, nodes, gpus, gpu), key=lambda e: (e[4].total_bytes, e[4].host_bytes_per_node))
+    layout, ckpt, mbs, gas, est = smallest
+    lowest = (f"{layout_name(layout)}, MBS {mbs}, GAS {gas}, {'recompute' if ckpt else 'no recompute'}: "
+              f"{est.total_gib:,.1f} GiB per GPU")
+    if est.host:
+        lowest += f" and {est.host_bytes_per_node / memory.GIB:,.0f} GiB of CPU memory per node"
+    lines = [f"no layout of {recipe.name} fits {nodes} x {gpus} {gpu.name} ({gpu.memory_gib:,.1f} GiB; {considered} "
+             f"considered: DDP, ZeRO-0 to 3, FSDP, CPU offload with {host_memory_gib:g} GiB of CPU memory per node, "
+             "every power-of-two MBS down to 1, with and without activation checkpointing). The smallest is "
+             f"{lowest}. What would fit:"]
+    found = _smallest_fit(recipe, nodes, gpus, gpu, host_memory_gib)
+    if found and found[2].offload_s > 0:  # the fewest GPUs need offload: also the fewest that do not
+        found = [found, _smallest_fit(recipe, found[0], found[1], gpu, host_memory_gib=0.0)]
+    else:
+        found = [found]
+    for fit in found:
+        if fit is None:
+            lines.append(f"- more GPUs: no world of up to {MAX_SEARCH_GPUS:,} {gpu.name} that divides the global batch "
+                         f"fits{' without offload' if len(found) > 1 else ''}")
+            continue
+        n, g, best, exhaustive = fit
+        fewest = "the fewest that fit" if exhaustive else "doubling the nodes"
+        lines.append(f"- more GPUs: {n} x {g} {gpu.name} ({n * g} GPUs, {fewest}"
+                     f"{' without offload' if best.offload_s == 0 and len(found) > 1 else ''}): {best.name}, MBS "
+                     f"{best.micro_batch_size}, GAS {best.grad_accum_steps}, "
+                     f"{'recompute' if best.checkpointing else 'no recompute'}: {best.estimate.total_gib:,.1f} GiB per "
+                     f"GPU (pretrain-plan with --nodes {n} --gpus-per-node {g} writes its config)")
+    offloaded, _ = plan(recipe, nodes, gpus, gpu, host_memory_gib=float("inf"))
+    if offloaded:
+        best = offloaded[0]
+        need = best.estimate.host_bytes_per_node / memory.GIB
+        lines.append(f"- CPU offload on {nodes} x {gpus} {gpu.name}: {best.name}, MBS {best.micro_batch_size}, "
+                     f"{'recompute' if best.checkpointing else 'no recompute'}: {best.estimate.total_gib:,.1f} GiB per "
+                     f"GPU and {need:,.0f} GiB of CPU memory per node (if the nodes have it: pretrain-plan with "
+                     f"--host-memory-gib {math.ceil(need)}; slow: the optimizer steps on the CPU)")
+    else:
+        lines.append(f"- CPU offload on {nodes} x {gpus} {gpu.name}: does not fit either, whatever the CPU memory")
+    larger = [g for g in hardware.GPUS.values() if g.memory_mib > gpu.memory_mib and g.bf16_tflops]
+    for other in sorted(larger, key=lambda g: g.memory_mib):
+        ranked, _ = plan(recipe, nodes, gpus, other, host_memory_gib=host_memory_gib)
+        if ranked:
+            best = ranked[0]
+            lines.append(f"- a larger GPU: {nodes} x {gpus} {other.name}: {best.name}, MBS {best.micro_batch_size}, "
+                         f"{best.estimate.total_gib:,.1f} GiB per GPU")
+            break
+    lines.append("- or a shorter data.seq_len (activations and logits shrink with it)")
+    return "\n".join(lines)
 
 
 def default_output(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec) -> Path:

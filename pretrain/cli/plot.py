@@ -283,7 +283,7 @@ def smoothing_weight(text: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="pretrain-plot", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="run directory holding metrics.jsonl")
     parser.add_argument("--out", type=Path, default=None, help="PNG to write (default RUN_DIR/metrics.png)")
     parser.add_argument("--smooth", type=smoothing_weight, default=0.0, metavar="W",

@@ -33,7 +33,7 @@ from pathlib import Path
 from pretrain import rundir
 from pretrain.cli import add_recipe_arguments
 from pretrain.errors import EXIT_USAGE, ConfigError
-from pretrain.launch import RUN_PY, accelerate_command, read_accelerate_config, shell_join
+from pretrain.launch import RUN_PY, accelerate_command, config_uses_cpu, read_accelerate_config, shell_join
 
 SLURM_SUBDIR = "slurm"  # inside the run's output_dir: job.sbatch, jobs.jsonl, slurm-<jobid>.out
 # Environment variables copied into the script when set at submission, so that a requeued job (or
@@ -139,8 +139,8 @@ def add_submit_arguments(submit: argparse.ArgumentParser) -> None:
     submit.add_argument("--processes-per-node", type=int, required=True,
                         help="training processes per node: the GPUs per node on a GPU cluster")
     submit.add_argument("--gpus-per-node", type=int, default=None,
-                        help="GPUs to request per node (#SBATCH --gpus-per-node); default: --processes-per-node; "
-                        "0 = request none (CPU nodes)")
+                        help="GPUs to request per node (#SBATCH --gpus-per-node); default: none when the accelerate "
+                        "config runs on CPUs (use_cpu: true or MULTI_CPU), else --processes-per-node; 0 = request none")
     submit.add_argument("--cpus-per-node", type=int, default=None,
                         help="CPU cores to request per node (#SBATCH --cpus-per-task); default: SLURM's default "
                         "for the partition (often DefCpuPerGPU x GPUs)")
@@ -208,7 +208,8 @@ def check_job(args: argparse.Namespace) -> Job:
     config_path = Path(args.accelerate_config).resolve()
     world_size = args.nodes * args.processes_per_node
     launch = Launch.from_accelerate_config(config_path, num_nodes=args.nodes, gpus_per_node=args.processes_per_node)
-    distributed_type = str(read_accelerate_config(config_path).get("distributed_type", "NO")).upper()
+    config = read_accelerate_config(config_path)
+    distributed_type = str(config.get("distributed_type", "NO")).upper()
     if world_size > 1 and distributed_type == "NO":
         raise ConfigError(
             f"accelerate config {args.accelerate_config} runs one process (distributed_type: NO) but the job has "
@@ -230,7 +231,7 @@ def check_job(args: argparse.Namespace) -> Job:
         distributed_type=distributed_type,
         num_nodes=args.nodes,
         processes_per_node=args.processes_per_node,
-        gpus_per_node=args.processes_per_node if args.gpus_per_node is None else args.gpus_per_node,
+        gpus_per_node=requested_gpus(args, config),
         cpus_per_node=args.cpus_per_node,
         job_name=args.job_name or recipe.name,
         output_dir=output_dir,
@@ -241,6 +242,14 @@ def check_job(args: argparse.Namespace) -> Job:
         stop_grace_s=max(60, args.signal_lead_s - 60),
         sbatch_options=options,
     )
+
+
+def requested_gpus(args: argparse.Namespace, config: dict) -> int:
+    """GPUs per node to request: --gpus-per-node if given, else none for a CPU accelerate config (use_cpu: true,
+    MULTI_CPU; SLURM refuses a GPU request on a cluster without GPUs) and one per process otherwise."""
+    if args.gpus_per_node is not None:
+        return args.gpus_per_node
+    return 0 if config_uses_cpu(config) else args.processes_per_node
 
 
 def check_data(args: argparse.Namespace, recipe, recipe_path: Path) -> None:

@@ -1,0 +1,155 @@
+"""`--dry-run`: will this recipe run on N x GPU, with which layout, how fast, with how much memory?
+
+    python pretrain/run.py --recipe recipes/7b.yaml --dry-run --num-processes 8 --gpu H100-80GB
+    python pretrain/run.py --recipe recipes/7b.yaml --dry-run --config_file accelerate_configs/fsdp.yaml --gpu H100-80GB
+    python pretrain/run.py --recipe recipes/70b.yaml --dry-run --nodes 4 --num-processes 32 --gpu H100-80GB
+
+One answer from the pieces every launcher uses, before any process exists: the recipe's checks and batch
+plan on the launch (``preflight.check_run``), the parameter count (transformers' model on the meta device, as
+pretrain-launch builds it), the memory estimate of this very layout (``pretrain/memory``, as
+``pretrain-estimate`` prints it), the fit against the GPU with pretrain-launch's verdict and pretrain-plan's
+best layout for the same GPUs (``cli/launch.py``'s ``best_layout``: the same text pretrain-launch refuses a
+launch with), and the planner's step-time model for this layout (``cli/plan.py``'s ``throughput``). When no
+layout fits, pretrain-plan's advice says what would: the fewest GPUs, CPU offload and the memory it needs, a
+larger GPU.
+
+The launch: ``--config_file`` (an accelerate config: DDP, FSDP or DeepSpeed), with ``--num-processes`` /
+``--nodes`` overriding its counts as accelerate's options do; without a config file, DDP on
+``--num-processes``; without any of them, the launch this process was started by (``accelerate launch``'s
+environment, or one process). The GPU: ``--gpu NAME`` / ``--gpu-memory-gib``, else this machine's GPU 0,
+else none (the estimate is then for a CPU process and nothing is checked against a capacity).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pretrain.errors import ConfigError
+from pretrain.launch import Launch
+
+DRY_RUN_OPTIONS = ("num_processes", "nodes", "config_file", "gpu", "gpu_memory_gib")
+
+
+def add_dry_run_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("--dry-run: the launch and the GPU to plan for")
+    group.add_argument("--num-processes", "--num_processes", type=int, dest="num_processes",
+                       help="processes (GPUs) in all, as accelerate launch's --num_processes")
+    group.add_argument("--nodes", "--num_machines", type=int, dest="nodes", help="machines (default 1)")
+    group.add_argument("--config_file", "--accelerate-config", dest="config_file",
+                       help="an accelerate config (DDP, FSDP, DeepSpeed ZeRO): the layout; default DDP")
+    group.add_argument("--gpu", help="GPU model, a name from pretrain-estimate --list-gpus (default: this machine's)")
+    group.add_argument("--gpu-memory-gib", type=float, help="a device capacity the GPU table lacks (GiB)")
+
+
+def check_options(args: argparse.Namespace) -> None:
+    given = [name for name in DRY_RUN_OPTIONS if getattr(args, name) is not None]
+    if given and not args.dry_run:
+        names = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise ConfigError(f"{names} describe the launch a --dry-run plans for; add --dry-run (a training launch takes "
+                          "them from accelerate launch: accelerate launch --config_file F --num_processes N "
+                          "pretrain/run.py ...)")
+
+
+def accelerate_options(args: argparse.Namespace) -> list[str]:
+    """The options as ``accelerate launch`` would take them."""
+    out = ["--config_file", args.config_file] if args.config_file else []
+    if args.num_processes is not None:
+        out += ["--num_processes", str(args.num_processes)]
+    if args.nodes is not None:
+        out += ["--num_machines", str(args.nodes)]
+    return out
+
+
+def planned_launch(args: argparse.Namespace, started_by: Launch) -> Launch:
+    """The launch to plan for: the options' (the accelerate config's, with counts overridden), else the one
+    this process was started by."""
+    options = accelerate_options(args)
+    if not options:
+        return started_by
+    for name in ("num_processes", "nodes"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    return Launch.from_accelerate_config(args.config_file, options)
+
+
+def format_duration(seconds: float) -> str:
+    """Seconds, minutes, hours, days or years, whichever reads best."""
+    for unit, size, below in (("s", 1, 120), ("min", 60, 7200), ("h", 3600, 72 * 3600), ("days", 86400, 730 * 86400)):
+        if seconds < below:
+            return f"{seconds:.3g} s" if unit == "s" else f"{seconds / size:,.1f} {unit}"
+    return f"{seconds / (365 * 86400):,.1f} years"
+
+
+def parameter_count(recipe) -> tuple[int, int]:
+    """(parameters, vocabulary rows) of transformers' model built on the meta device (``model.meta_model``), as
+    pretrain-launch builds it: a config transformers cannot build (a config override it rejects, a size no
+    machine holds) is refused here, before anything is queued."""
+    from pretrain.model import count_parameters, meta_model
+
+    model, vocab = meta_model(recipe)
+    return count_parameters(model), vocab
+
+
+def report(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu, config_file: str | None,
+           detected: bool = False) -> list[str]:
+    """The dry run's lines. ``gpu``: the GPU to check against (None: a CPU process); ``detected``: it is this
+    machine's, not one named on the command line."""
+    from pretrain.cli.launch import best_layout, does_not_fit, planner_gpu
+    from pretrain.cli.plan import BASE_MFU, plan, throughput
+    from pretrain.memory import estimate
+    from pretrain.preflight import check_run
+
+    run_plan = check_run(recipe, launch)
+    batch, steps = run_plan.batch, run_plan.num_steps
+    num_params, vocab = parameter_count(recipe)
+    where = f" ({config_file})" if config_file else ""
+    lines = [
+        f"recipe           {recipe.name}",
+        f"model            {recipe.model.arch}, {num_params:,} parameters (vocab {vocab:,})",
+        f"layout           {launch.describe()}{where}",
+        f"batch plan       world {batch.world_size}: GBS {batch.global_batch_size} = MBS {batch.micro_batch_size} "
+        f"x GAS {batch.grad_accum_steps} x world {batch.world_size}",
+        f"tokens per step  {batch.tokens_per_step:,} ({batch.global_batch_size} x {batch.seq_len} tokens)",
+        f"optimizer steps  {steps:,} ({steps * batch.tokens_per_step:,} tokens)",
+        f"output_dir       {recipe.output_dir}",
+        "",
+    ]
+    try:
+        est = estimate(recipe, batch, launch, gpu=gpu, device="cuda" if gpu else "cpu")
+    except ConfigError as exc:
+        return [*lines, f"memory           no estimate: {exc}"]
+    device = f"GPU ({gpu.name})" if gpu else "process (CPU: no GPU named or seen; --gpu NAME plans for one)"
+    lines += [f"memory per {device}, pretrain-estimate's estimate (--explain there shows each formula):"]
+    lines += [f"  {line}".rstrip() for line in est.summary().splitlines()[3:]]  # model, layout, workload: above
+    if gpu is None:
+        return lines
+    lines.append("")
+    _, plan_gpu = planner_gpu(gpu)  # a detected GPU the table lacks: its capacity, the default card's rates
+    if gpu.bf16_tflops is not None and gpu.intra_node_gb_s is not None:  # a card whose rates the table has
+        *_, tokens_per_s = throughput(est, gpu)
+        step_s = batch.tokens_per_step / (tokens_per_s * batch.world_size)
+        lines += [f"speed            ~{tokens_per_s:,.0f} tokens/s per GPU: ~{format_duration(step_s)} per optimizer step, "
+                  f"the run's {steps:,} steps in ~{format_duration(steps * step_s)}",
+                  f"                 (pretrain-plan's step-time model: matmuls at {BASE_MFU:.0%} of the {gpu.name}'s dense "
+                  "bf16 peak, less for small micro-batches, plus exposed communication; it ranks layouts, it does not "
+                  "measure them)"]
+    if not est.fits:
+        lines.append("verdict          " + does_not_fit(recipe, est, detected)
+                     + ": pretrain-launch refuses this launch")
+        lines.append(best_layout(recipe, recipe_path, overrides, launch, gpu))
+        return lines
+    ranked, considered = plan(recipe, launch.num_nodes, launch.gpus_per_node, plan_gpu)
+    if ranked:
+        lines.append(f"pretrain-plan    best of {len(ranked)} layouts that fit {launch.num_nodes} x {launch.gpus_per_node} "
+                     f"{gpu.name} (of {considered}): {ranked[0].describe()}")
+    return lines
+
+
+def dry_run(recipe, args: argparse.Namespace, started_by: Launch) -> None:
+    from pretrain.cli.launch import launch_gpu
+
+    launch = planned_launch(args, started_by)
+    gpu = launch_gpu(args, accelerate_options(args))
+    detected = args.gpu is None and args.gpu_memory_gib is None
+    print("\n".join(report(recipe, args.recipe, list(args.overrides), launch, gpu, args.config_file, detected)))

@@ -1,0 +1,185 @@
+"""Every command in the README runs as written, from the repository's root with .venv active.
+
+The README's commands are extracted from its code blocks (bash blocks: one command per line, `\\`
+continuations joined; `$ ` lines of console and plain blocks, with the output shown under them) and from
+inline code that is a whole command (a program and its arguments, no placeholder such as `[...]`, `<...>`
+or `…`). Each is either run here, because it takes seconds (`--help`, `--dry-run`, `--print-config`, the
+estimator and the planner, a launch refused before it starts), or listed in SKIPPED with the reason. A
+command in neither is a failure (a new README command must be classified), and so is a SKIPPED entry that no
+longer matches a command. Where the README shows a command's output, the output must be what the command
+prints now; where it shows `$ echo $?`, that exit status. The sample SLURM script must be what
+`pretrain-slurm submit --dry-run` writes.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pretrain.cli import slurm
+from tests.helpers import ROOT, env
+
+README = ROOT / "README.md"
+VENV_BIN = str(Path(sys.executable).parent)
+INLINE_PROGRAMS = ("python ", "accelerate ", "pretrain-", "pretrain ")
+PLACEHOLDERS = ("[", "<", "…", "...", "JOBID")
+SAMPLE_ROOT = "/home/me/pretrain"
+"""Where the README's sample SLURM script was written from (the repository's root is replaced by it)."""
+
+# Commands the test does not run, by the start of their text, and why.
+SKIPPED = {
+    "bash tools/install.sh": "installs packages (network, minutes); CI's fresh-clone job runs it",
+    "accelerate launch --config_file accelerate_configs/cpu.yaml pretrain/run.py --recipe recipes/tiny.yaml":
+        "the demo: a 400-step training (minutes); tests/test_golden.py runs its first steps",
+    "python pretrain/run.py --recipe recipes/tiny.yaml train.max_steps=40":
+        "a training run (a minute); tests/test_run.py runs the entry point",
+    "python pretrain/run.py --recipe recipes/tiny.yaml\n": "a 400-step training (minutes)",
+    "accelerate launch --config_file accelerate_configs/cpu_ddp.yaml pretrain/run.py":
+        "a 2-process training (minutes); tests/test_distributed.py runs one",
+    "accelerate launch --config_file accelerate_configs/zero2.yaml":
+        "a ZeRO-2 training (minutes); tests/test_distributed.py and tests/test_reshard.py run them",
+    "accelerate launch --config_file accelerate_configs/zero1.yaml":
+        "a ZeRO-1 resume on 3 processes (minutes); tests/test_reshard.py runs it",
+    "pretrain-launch --config_file accelerate_configs/zero3.yaml --num_processes 2 --recipe recipes/tiny.yaml":
+        "a 2-process ZeRO-3 training (minutes)",
+    "pretrain-launch --config_file accelerate_configs/zero3.yaml --recipe recipes/7b.yaml":
+        "needs 8 GPUs and the 7B token store",
+    "pretrain-prepare-data --recipe recipes/7b.yaml": "tokenizes FineWeb from the hub (network, hours)",
+    "pretrain-export runs/tiny/checkpoints/step_00000200": "needs the demo's checkpoint at step 200",
+    "pretrain-plot runs/tiny": "needs the demo's metrics.jsonl",
+    "pretrain-sweep --recipe recipes/tiny.yaml": "measures real runs per MBS (minutes; machine-dependent numbers)",
+    "pretrain-bench --recipe recipes/tiny.yaml": "times training steps (a minute)",
+    "pretrain-slurm submit --recipe recipes/7b.yaml --accelerate-config accelerate_configs/zero3.yaml "
+    "--nodes 4 --processes-per-node 8 --partition": "submits to SLURM (tests/test_slurm.py runs a real one)",
+    "pretrain-slurm submit ... --dry-run": "the sample script below is that command's output, compared below",
+    "pretrain-slurm status runs/7b": "needs a submitted job",
+    "squeue": "SLURM (tests/test_slurm.py runs jobs on a real SLURM)",
+    "scancel": "SLURM (tests/test_slurm.py preempts a job with USR1)",
+    "tail -f runs/7b/slurm": "follows a job's log",
+    "python -m pytest tests": "the test suite itself",
+    "ruff check": "the linter (CI)",
+    "python tools/recipe_reference.py --write": "rewrites the README; tests/test_tools.py checks the reference",
+    "pretrain-prepare-data --workers": "an option named in the recipe reference, not a command",
+    "python -m tests.golden_losses --write": "rewrites the golden losses",
+    "accelerate launch --cpu --num_processes 2": "the trap the text warns about, not a command to run",
+    "accelerate launch --config_file accelerate_configs/zero3.yaml pretrain/run.py --recipe recipes/7b.yaml":
+        "the 7B on 8 GPUs (the README's first example)",
+}
+CHEAP = ("--help", "--dry-run", "--print-config", "--list-gpus")
+CHEAP_PROGRAMS = ("pretrain-estimate", "pretrain-plan")
+
+
+class Command:
+    def __init__(self, text: str, line: int, output: str | None = None):
+        self.text, self.line, self.output, self.exit_code = text, line, output, 0
+
+    def __repr__(self) -> str:
+        return f"README.md:{self.line}: {self.text}"
+
+
+def _join_continuations(lines: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    out: list[tuple[int, str]] = []
+    pending: tuple[int, str] | None = None
+    for number, line in lines:
+        if pending is not None:
+            number, line = pending[0], pending[1] + " " + line.strip()
+        if line.rstrip().endswith("\\"):
+            pending = (number, line.rstrip()[:-1].rstrip())
+            continue
+        pending = None
+        out.append((number, line))
+    return out
+
+
+def _mask_blocks(text: str) -> str:
+    """The text with every fenced block blanked (its newlines kept, so line numbers hold)."""
+    return re.sub(r"^```.*?^```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S | re.M)
+
+
+def readme_commands() -> tuple[list[Command], list[tuple[int, str]]]:
+    """(the README's commands, the shell scripts it shows: (line, text))."""
+    text = README.read_text()
+    commands, scripts = [], []
+    for block in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.S | re.M):
+        lang, body = block.group(1), block.group(2)
+        first_line = text.count("\n", 0, block.start(2)) + 1
+        lines = [(first_line + i, line) for i, line in enumerate(body.splitlines())]
+        console = lang == "console" or (lang == "" and any(line.startswith("$ ") for _, line in lines))
+        if lang == "bash" and body.startswith("#!"):
+            scripts.append((first_line, body))
+        elif lang in ("bash", "") and not console:
+            for number, line in _join_continuations(lines):
+                if line.strip() and not line.lstrip().startswith("#"):
+                    commands.append(Command(line.strip(), number))
+        elif console:
+            current = None
+            for number, line in lines:
+                if line.startswith("$ echo $?") and current is not None:
+                    current.exit_code = None  # the status is the next output line
+                elif line.startswith("$ "):
+                    current = Command(line[2:].strip(), number, "")
+                    commands.append(current)
+                elif current is not None:
+                    if current.exit_code is None:
+                        current.exit_code = int(line.strip())
+                    else:
+                        current.output += line + "\n"
+    masked = _mask_blocks(text)
+    for span in re.finditer(r"`([^`\n]+)`", masked):
+        code = span.group(1)
+        if code.startswith(INLINE_PROGRAMS) and " -" in code and not any(p in code for p in PLACEHOLDERS):
+            commands.append(Command(code, masked.count("\n", 0, span.start()) + 1))
+    return commands, scripts
+
+
+def skip_reason(command: Command) -> str | None:
+    return next((why for start, why in SKIPPED.items() if (command.text + "\n").startswith(start)), None)
+
+
+def is_cheap(command: Command) -> bool:
+    return (any(flag in command.text.split() for flag in CHEAP) or command.text.startswith(CHEAP_PROGRAMS)
+            or command.exit_code == 2)  # refused before anything starts, as the README shows
+
+
+COMMANDS, SCRIPTS = readme_commands()
+RUN = [c for c in COMMANDS if skip_reason(c) is None]
+
+
+def test_every_readme_command_is_run_or_skipped_with_a_reason():
+    assert len(COMMANDS) > 20, COMMANDS  # the extraction works
+    unclassified = [c for c in RUN if not is_cheap(c)]
+    assert not unclassified, f"neither cheap nor in SKIPPED (add the reason): {unclassified}"
+    stale = [start for start in SKIPPED if not any((c.text + "\n").startswith(start) for c in COMMANDS)]
+    assert not stale, f"SKIPPED entries that match no README command: {stale}"
+    print("skipped:\n" + "\n".join(f"  {c!r}: {skip_reason(c)}" for c in COMMANDS if skip_reason(c)))
+
+
+@pytest.mark.slow  # a process each: a minute or two for all of them
+@pytest.mark.parametrize("command", RUN, ids=[f"line{c.line}" for c in RUN])
+def test_readme_command_runs_as_written(command):
+    path = f"{VENV_BIN}:{env()['PATH']}"  # as `. .venv/bin/activate` leaves it
+    proc = subprocess.run(["bash", "-c", command.text], cwd=ROOT, env=env(PATH=path), capture_output=True,
+                          text=True, timeout=300)
+    shown = f"exit {proc.returncode}\n{proc.stdout}{proc.stderr}"[-3000:]
+    assert proc.returncode == command.exit_code, shown
+    assert "Traceback" not in proc.stderr, shown
+    if command.output:
+        assert (proc.stdout + proc.stderr).rstrip() == command.output.rstrip(), (
+            f"{command!r}: the README shows another output than the command prints now; paste its output:\n"
+            + proc.stdout + proc.stderr)
+
+
+def test_the_sample_slurm_script_is_what_the_tool_writes(monkeypatch):
+    (line, shown), = SCRIPTS
+    monkeypatch.chdir(ROOT)
+    args = slurm.parse_args(["submit", "--recipe", "recipes/7b.yaml", "--accelerate-config",
+                             "accelerate_configs/zero3.yaml", "--nodes", "4", "--processes-per-node", "8", "--dry-run"])
+    job = slurm.check_job(args)
+    for name in slurm.PASSTHROUGH_ENV:  # the submitting shell's settings, copied only when set
+        monkeypatch.delenv(name, raising=False)
+    script = slurm.render_script(job, python=f"{ROOT}/.venv/bin/python").replace(str(ROOT), SAMPLE_ROOT)
+    assert shown == script, f"README.md:{line}: regenerate the sample SLURM script; the tool writes:\n{script}"
