@@ -290,7 +290,7 @@ def test_memory_metrics_on_cpu():
 
 
 def test_cpu_peak_is_measured_once_per_cpu_and_read_back(tmp_path, monkeypatch):
-    """The measurement costs its 2 s budget; a later run on the same CPU, threads and torch reads the figure."""
+    """The measurement costs its budget (0.3 s); a later run on the same CPU, threads and torch reads the figure."""
     from pretrain import metrics
 
     calls = []
@@ -301,7 +301,7 @@ def test_cpu_peak_is_measured_once_per_cpu_and_read_back(tmp_path, monkeypatch):
     peak = resolve_peak("cpu", None, "fp32", None, cache_dir=tmp_path)
     assert peak.tflops == 0.125 and str(path) in peak.detail and calls == ["fp32"]
     metrics.cached_cpu_peak_tflops("bf16", tmp_path)  # another dtype: its own measurement
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 97)  # other threads: another figure
+    monkeypatch.setattr(metrics, "cpu_compute_threads", lambda: 97)  # other threads: another figure
     metrics.cached_cpu_peak_tflops("fp32", tmp_path)
     assert calls == ["fp32", "bf16", "fp32"]
     path.write_text("{torn")  # a damaged file is measured again and replaced

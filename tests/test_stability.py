@@ -98,6 +98,8 @@ def test_a_non_finite_state_is_never_checkpointed_and_the_healthy_one_is_kept(tm
 
     class Accelerator:  # what Checkpointer.save uses, one process
         is_main_process = True
+        num_processes = 1
+        process_index = 0
 
         def wait_for_everyone(self):
             pass

@@ -189,7 +189,7 @@ def _rank(rank: int, cfg, seconds: float, queue) -> None:
 
     data = open_store(cfg, log=lambda _: None)
     plan = plan_batches(BatchConfig(global_batch_size=16, micro_batch_size=8), 2, cfg.seq_len)
-    loader, _ = build_train_loader(data.train, cfg, plan, rank, seed=0, start_step=0, pin_memory=False)
+    loader, _ = build_train_loader(data, cfg, plan, rank, seed=0, start_step=0, pin_memory=False)
     tokens, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         for batch in loader:
@@ -234,11 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=32000, help="BPE vocabulary size (default 32000)")
     parser.add_argument("--tokenizer-train-mb", type=int, default=64, help="BPE training sample, MiB (default 64)")
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence for (b) (default 2048)")
+    parser.add_argument("--loader-from", type=Path, default=None,
+                        help="skip (a): tile this store (made by an earlier run of (a)) for (b)")
     parser.add_argument("--loader-seconds", type=float, default=20.0, help="seconds each rank reads (default 20)")
     args = parser.parse_args(argv)
     args.workdir = args.workdir.absolute()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    source = bench_prepare(args)
+    source = args.loader_from.absolute() if args.loader_from else bench_prepare(args)
     if args.loader_gb:
         bench_loader(args, source)
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import multiprocessing
 import os
 import queue
@@ -143,20 +144,22 @@ def tokenize_shard(spec: BuildSpec, shard: ShardPlan, report: Report) -> dict[st
     def flush(texts: list[str]):
         nonlocal pending_docs, pending_tokens
         encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
+        hashes = [_doc_hash(text) for text in texts]
         for split in SPLITS:
             ids, lengths = [], []
-            for text, encoding in zip(texts, encodings, strict=True):
-                h = _doc_hash(text)
+            for h, encoding in zip(hashes, encodings, strict=True):
                 if (h < threshold) != (split == "val"):
                     continue
                 best, position = extreme[split]
                 if best is None or (h < best if split == "train" else h > best):
                     extreme[split] = [h, len(writers[split].doc_ends) + len(lengths)]
-                ids.append(encoding.ids + [eos])
-                lengths.append(len(encoding.ids) + 1)
+                doc = encoding.ids  # a new list at each access: read once
+                doc.append(eos)
+                ids.append(doc)
+                lengths.append(len(doc))
             if lengths:
-                writers[split].write(np.concatenate([np.asarray(i, dtype=np.int64) for i in ids]),
-                                     np.asarray(lengths, dtype=np.int64))
+                writers[split].write(np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64,
+                                                 count=sum(lengths)), np.asarray(lengths, dtype=np.int64))
                 pending_tokens += int(sum(lengths))
         pending_docs += len(texts)
         if pending_docs >= PROGRESS_EVERY_DOCS:
