@@ -33,6 +33,16 @@ from pretrain.data import MixtureData, PackedData
 from pretrain.errors import DataError
 
 
+def epoch_permutation(n: int, seed: list[int], shuffle: bool) -> np.ndarray:
+    """Rows 0..n-1 in an epoch's order: numpy's ``Generator(seed).permutation(n)``, held as uint32 when n fits
+    (half of int64's memory on every rank: 1 TB of text is ~1.2e8 rows of 2048 tokens, 0.5 GB per rank in
+    uint32). ``shuffle`` into an arange draws exactly ``permutation``'s order, whatever the dtype."""
+    order = np.arange(n, dtype=np.uint32 if n < 2**32 else np.int64)
+    if shuffle:
+        np.random.default_rng(seed).shuffle(order)
+    return order
+
+
 class GlobalSampleOrder:
     """Maps an optimizer step to the indices of its global batch."""
 
@@ -54,10 +64,7 @@ class GlobalSampleOrder:
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         if epoch not in self._perm_cache:
-            if self.shuffle:
-                order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-            else:
-                order = np.arange(self.num_samples)
+            order = epoch_permutation(self.num_samples, [self.seed, epoch], self.shuffle)
             self._perm_cache = {epoch: order}  # steps move forward: keep only the current epoch
         return self._perm_cache[epoch]
 
@@ -151,7 +158,7 @@ class MixtureSampleOrder:
         if epoch not in cache:
             n = int(self.num_rows[source])
             seed = [self.seed, self._source_seeds[source], epoch]
-            cache[epoch] = np.random.default_rng(seed).permutation(n) if self.shuffle else np.arange(n)
+            cache[epoch] = epoch_permutation(n, seed, self.shuffle)
             while len(cache) > 2:  # a step spans at most two epochs of a source: keep the newest two
                 del cache[next(iter(cache))]
         return cache[epoch]

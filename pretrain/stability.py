@@ -27,6 +27,7 @@ gradient norm is the loss scaler's business (it skips the step and lowers the sc
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections import deque
@@ -199,6 +200,8 @@ class DeepSpeedGate:
 
         step = base.step
 
+        # functools.wraps keeps the LR scheduler's mark on the step it wrapped (torch warns when it is missing).
+        @functools.wraps(step)
         def gated_step(*args, **kwargs):
             skip = gate.judge(grad_norm()).skip
             # Read by the engine after the optimizer's step (and by accelerate's step_was_skipped); ZeRO's

@@ -111,3 +111,19 @@ def test_eval_set_is_the_same_on_any_world_size(world, mbs):
     assert covered == list(range(24))  # trimmed to a multiple of GBS, identical for every layout
     counts = {len(eval_indices(30, 0, plan, r)) for r in range(world)}
     assert len(counts) == 1  # equal forwards on every rank (ZeRO-3 needs that)
+
+
+def test_epoch_order_is_numpys_permutation_held_in_half_the_memory():
+    """The epoch's order is exactly Generator(seed).permutation(n) (so a resume or another world size reads the
+    same rows), stored as uint32: at 1.2e8 rows (1 TB of text at 2048 tokens) 0.5 GB per rank, not 1 GB."""
+    import numpy as np
+
+    from pretrain.loader import epoch_permutation
+
+    for n in (1, 5, 100_003):
+        order = epoch_permutation(n, [11, 2], shuffle=True)
+        assert order.dtype == np.uint32
+        assert np.array_equal(order, np.random.default_rng([11, 2]).permutation(n))
+    assert np.array_equal(epoch_permutation(6, [0, 0], shuffle=False), np.arange(6))
+    order = GlobalSampleOrder(1000, 64, seed=3, shuffle=True, drop_last=True)
+    assert np.array_equal(order.global_batch(2), np.random.default_rng([3, 0]).permutation(1000)[128:192])

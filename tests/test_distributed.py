@@ -27,6 +27,8 @@ def run_config(run_dir) -> dict:
 def curves(tmp_path_factory):
     root = tmp_path_factory.mktemp("curves")
     runs = {}
+    # As pretrain-launch sets it (cores / processes per node); without it torchrun warns that it set 1 itself.
+    threads = {"OMP_NUM_THREADS": "1"}
     proc = train([*CURVE, f"output_dir={root / 'single'}"])
     check_ok(proc)
     runs["1 process, GAS 4"] = keep_console(proc, root / "single")
@@ -34,7 +36,7 @@ def curves(tmp_path_factory):
                          ("ZeRO-3", "zero3.yaml")]:
         out = root / config.removesuffix(".yaml")
         extra = [] if config == "cpu_ddp.yaml" else ["--num_processes", "2"]
-        proc = accelerate_launch(config, [*CURVE, f"output_dir={out}"], extra=extra)
+        proc = accelerate_launch(config, [*CURVE, f"output_dir={out}"], extra=extra, extra_env=threads)
         check_ok(proc)
         runs[name] = keep_console(proc, out)
     # Resume from the step-3 checkpoint of the ZeRO-2 / ZeRO-3 runs into a fresh directory.
@@ -42,7 +44,7 @@ def curves(tmp_path_factory):
         source = runs[name.split(" resumed")[0]] / "checkpoints" / "step_00000003"
         out = root / f"{config.removesuffix('.yaml')}_resumed"
         proc = accelerate_launch(config, [*CURVE, f"output_dir={out}", f"checkpoint.resume={source}"],
-                                 extra=["--num_processes", "2"])
+                                 extra=["--num_processes", "2"], extra_env=threads)
         check_ok(proc)
         assert "at step 3" in proc.stdout
         runs[name] = keep_console(proc, out)

@@ -29,7 +29,8 @@ def test_demo_recipe_learns_three_nats(tmp_path):
     print(f"\ndemo: {elapsed:.0f}s, val loss {val}")
     assert min(val) == 0 and max(val) == 400
     assert val[0] - val[400] >= 3.0, val
-    assert elapsed < 300, f"the demo took {elapsed:.0f}s on this machine (budget: 5 minutes)"
+    # ~5 minutes on a shared 2-core machine (0.7 s per step); twice that is a regression, not noise.
+    assert elapsed < 600, f"the demo took {elapsed:.0f}s on this machine (it takes ~5 minutes on 2 cores)"
 
 
 def test_metrics_files_and_final_model(tmp_path):
@@ -153,11 +154,20 @@ def test_print_config_and_dry_run_of_7b_without_allocating():
     assert time.perf_counter() - start < 60
 
 
+STOP_ARGS = [*FAST, "train.max_steps=30", "checkpoint.every_steps=100", "checkpoint.keep_last=0"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The 30-step run both stop signals are compared with."""
+    reference = tmp_path_factory.mktemp("reference")
+    check_ok(train([*STOP_ARGS, f"output_dir={reference}"]))
+    return reference
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
-def test_stop_signal_checkpoints_the_step_in_flight_and_resume_continues(tmp_path, sig):
-    args = [*FAST, "train.max_steps=30", "checkpoint.every_steps=100", "checkpoint.keep_last=0"]
-    reference = tmp_path / "reference"
-    check_ok(train([*args, f"output_dir={reference}"]))
+def test_stop_signal_checkpoints_the_step_in_flight_and_resume_continues(tmp_path, sig, uninterrupted):
+    args, reference = STOP_ARGS, uninterrupted
 
     out = tmp_path / "preempted"
     proc = subprocess.Popen([sys.executable, RUN, "--recipe", TINY, *args, f"output_dir={out}"], env=env(),
