@@ -65,6 +65,7 @@ SKIPPED = {
     "python tools/recipe_reference.py --write": "rewrites the README; tests/test_tools.py checks the reference",
     "pretrain-prepare-data --workers": "an option named in the recipe reference, not a command",
     "python -m tests.golden_losses --write": "rewrites the golden losses",
+    "python tools/bench_data.py": "the data benchmark: a 0.5-2 GB corpus tokenized four times (tens of minutes)",
     "accelerate launch --cpu --num_processes 2": "the trap the text warns about, not a command to run",
     "accelerate launch --config_file accelerate_configs/zero3.yaml pretrain/run.py --recipe recipes/7b.yaml":
         "the 7B on 8 GPUs (the README's first example)",
