@@ -26,6 +26,7 @@ class RunPlan:
 
 def check_run(recipe: Recipe, launch: Launch) -> RunPlan:
     """Raise one ConfigError for the first section that cannot run on ``launch``; else the plan."""
+    from pretrain.loss import resolve_loss
     from pretrain.optim import check_optimizer_args, check_schedule, scaled_lr
     from pretrain.runtime import check_precision, deepspeed_config
 
@@ -35,6 +36,7 @@ def check_run(recipe: Recipe, launch: Launch) -> RunPlan:
     check_optimizer_args(recipe.optim, lr)
     check_schedule(recipe.lr_schedule, num_steps)
     check_precision(recipe, launch)
+    resolve_loss(recipe, launch)  # model.loss=liger where it cannot run (CPU, no liger_kernel, ZeRO-3)
     if launch.uses_deepspeed:
         deepspeed_config(recipe, batch, launch, lr)  # the user's JSON against the recipe: conflicts are errors
     return RunPlan(launch, batch, num_steps, lr)
