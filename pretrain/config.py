@@ -92,7 +92,7 @@ class ModelConfig(Section):
         "fused linear cross-entropy: never materialises the logits; CUDA and `pip install liger-kernel`; with "
         "stability.z_loss its lse_square_scale, and train/loss then includes the z-loss, train/z_loss is not "
         "logged), `auto` = liger on CUDA when liger_kernel is installed and supports model.arch (not under "
-        "ZeRO-3, nor with stability.z_loss), else chunked. The choice made is in run_config.json (loss.implementation).",
+        "ZeRO-3, nor with stability.z_loss), else chunked. The choice made is in run_config.json (loss/implementation).",
     )
     config_overrides: dict[str, Any] = Field(
         default_factory=dict,
