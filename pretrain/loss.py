@@ -23,8 +23,10 @@ fused linear cross-entropy through its own ``_apply_liger_kernel_to_instance``: 
 the last hidden states and the LM-head weight to a Triton kernel that computes the loss and both gradients
 chunk by chunk, so no logits exist at all in training; evaluation's forward still computes logits and this
 module's loss). Liger reads ``lm_head.weight`` outside the head's own forward, which DeepSpeed ZeRO-3 has
-not gathered (an empty shard: huggingface/trl#3368), so it is refused there. With ``stability.z_loss`` Liger
-adds z x lse^2 itself (``lse_square_scale``, passed as a forward argument) but its model forward returns the
+not gathered (an empty shard: huggingface/trl#3368), so it is refused there. Its loss is the sum over
+target tokens divided by ``num_items_in_batch`` (reduction "sum"), as here. With ``stability.z_loss`` Liger
+adds z x lse^2 per target token itself, with the gradient (1 + 2 z lse) softmax - one-hot computed here too
+(its ``lse_square_scale``, passed as a forward argument), but its model forward returns the
 sum only: train/loss then includes the z-loss and train/z_loss is not logged, which is why ``auto`` keeps
 ``chunked`` when the z-loss is on.
 """

@@ -36,7 +36,8 @@ def check_run(recipe: Recipe, launch: Launch) -> RunPlan:
     check_optimizer_args(recipe.optim, lr)
     check_schedule(recipe.lr_schedule, num_steps)
     check_precision(recipe, launch)
-    resolve_loss(recipe, launch)  # model.loss=liger where it cannot run (CPU, no liger_kernel, ZeRO-3)
+    if recipe.model.loss != "auto":  # auto always resolves; an explicit liger (or plain) may not run here
+        resolve_loss(recipe, launch)
     if launch.uses_deepspeed:
         deepspeed_config(recipe, batch, launch, lr)  # the user's JSON against the recipe: conflicts are errors
     return RunPlan(launch, batch, num_steps, lr)
