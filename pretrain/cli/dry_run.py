@@ -132,9 +132,9 @@ def report(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu, 
         step_s = batch.tokens_per_step / (tokens_per_s * batch.world_size)
         lines += [f"speed            ~{tokens_per_s:,.0f} tokens/s per GPU: ~{format_duration(step_s)} per optimizer step, "
                   f"the run's {steps:,} steps in ~{format_duration(steps * step_s)}",
-                  f"                 (pretrain-plan's step-time model: matmuls at {calibrated.base_mfu:.0%} of the "
+                  f"                 (pretrain-plan's step-time model: matmuls at {calibrated.base_mfu:.1%} of the "
                   f"{gpu.name}'s dense bf16 peak, less for small micro-batches, plus exposed communication; it ranks "
-                  f"layouts, it does not measure them; {calibrated.describe()})"]
+                  f"layouts, it does not measure them. The {calibrated.base_mfu:.1%}: {calibrated.source})"]
     if not est.fits:
         lines.append("verdict          " + does_not_fit(recipe, est, detected)
                      + ": pretrain-launch refuses this launch")
