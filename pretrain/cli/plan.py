@@ -523,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibration", metavar="FILE",
                         help="measured MFU rows (JSON list of {gpu, mfu, seq_len, mbs, ...}, as tools/bench_gpu.py writes) "
                              f"to calibrate the step-time model; default <cache root>/{CALIBRATION_FILE} if it exists, "
-                             f"else {DEFAULT_BASE_MFU:.0%} from torchtitan's published FSDP measurement")
+                             f"else {DEFAULT_BASE_MFU * 100:.0f}%% from torchtitan's published FSDP measurement")
     parser.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
     parser.add_argument("--output", help="where to write the accelerate config (default runs/plan/<recipe>-<N>x<G>-<gpu>.yaml)")
     parser.add_argument("--json", action="store_true", help="the ranking as JSON")
