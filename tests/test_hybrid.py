@@ -185,17 +185,18 @@ def test_default_base_mfu_is_torchtitans_eager_fsdp_figure_not_an_assumed_half()
 
 def test_calibration_rows_give_the_median_base_for_this_gpu(tmp_path):
     rows = [{"gpu": "H100-80GB", "model": "7b", "params": 6738415616, "seq_len": 4096, "mbs": 1, "mfu": 0.32},
-            {"gpu": "h100-80gb", "seq_len": 4096, "mbs": 2, "mfu": 0.36},
+            {"gpu": "NVIDIA H100 80GB HBM3", "seq_len": 4096, "mbs": 2, "mfu": 0.36},  # the CUDA device name
             {"gpu": "H100-80GB", "seq_len": 4096, "mbs": 4, "mfu": 0.30, "hfu": 0.40},  # recompute: hfu counts
-            {"gpu": "A100-80GB", "seq_len": 2048, "mbs": 1, "mfu": 0.9}]
+            {"gpu": "A100-80GB", "seq_len": 2048, "mbs": 1, "mfu": 0.5}]
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(rows))
     got = plan.read_calibration(path, H100)
     bases = sorted([0.32 / (4096 / 5120), 0.36 / (8192 / 9216), 0.40 / (16384 / 17408)])
     assert got.base_mfu == pytest.approx(bases[1])
-    assert "median of 3 measurements on H100-80GB" in got.source and str(path) in got.source
+    assert "median of 3 measurements on H100 SXM" in got.source and str(path) in got.source
     other = plan.read_calibration(path, find_gpu("L4-24GB"))
-    assert other.base_mfu == plan.DEFAULT_BASE_MFU and "no measurement on L4-24GB" in other.source
+    assert other.base_mfu == plan.DEFAULT_BASE_MFU and "no measurement on L4" in other.source
+    assert plan.read_calibration(path, find_gpu("A100-40GB")).base_mfu == pytest.approx(0.5 / (2048 / 3072))
 
 
 @pytest.mark.parametrize("text, message", [
@@ -229,7 +230,7 @@ def test_pretrain_plan_prints_its_base_mfu_and_reads_the_cache_roots_file(tmp_pa
     assert data["base_mfu"] == pytest.approx(0.47 / (16384 / 17408), abs=1e-4) and str(cal) in data["base_mfu_source"]
     # a higher measured rate: more tokens/s for the same layout
     assert plan.main(args) == 0
-    assert "base MFU 49.9% (median of 1 measurement" in capsys.readouterr().out
+    assert "base MFU 49.9% (median of 1 measurement on H100 SXM" in capsys.readouterr().out
 
 
 def test_hybrid_template_configs_are_what_the_planner_writes():

@@ -250,7 +250,7 @@ DEFAULT_CALIBRATION = Calibration(DEFAULT_BASE_MFU, DEFAULT_MFU_SOURCE)
 
 def read_calibration(path: str | Path, gpu: hardware.GpuSpec) -> Calibration:
     """The base MFU for ``gpu`` from a calibration file: a JSON list of measured rows, each an object with
-    ``gpu`` (a name the GPU table knows), ``mfu`` (the measured model-FLOPs utilization as a fraction, e.g.
+    ``gpu`` (a name the GPU table knows, or the CUDA device name: rows count for every GPU of that card), ``mfu`` (the measured model-FLOPs utilization as a fraction, e.g.
     0.38), ``seq_len`` and ``mbs`` (the micro-batch the run had), optionally ``hfu`` (used instead of ``mfu``
     when the run recomputed activations: the model compares hardware FLOPs), ``model`` and ``params``.
     Each row gives mfu / (T / (T + 1024)) with T = mbs x seq_len, the base the model's MBS effect starts
@@ -268,7 +268,7 @@ def read_calibration(path: str | Path, gpu: hardware.GpuSpec) -> Calibration:
         raise ConfigError(f"calibration file {file}: expected a JSON list of rows "
                           '[{"gpu": "H100-80GB", "mfu": 0.38, "seq_len": 4096, "mbs": 2, ...}], got a '
                           f"{type(rows).__name__}")
-    bases, gpus = [], set()
+    bases, cards = [], set()
     for i, row in enumerate(rows):
         where = f"calibration file {file}, row {i}"
         if not isinstance(row, dict):
@@ -283,19 +283,30 @@ def read_calibration(path: str | Path, gpu: hardware.GpuSpec) -> Calibration:
         for key in ("seq_len", "mbs"):
             if isinstance(row[key], bool) or not isinstance(row[key], int) or row[key] < 1:
                 raise ConfigError(f"{where}: {key} = {row[key]!r}; give a whole number >= 1")
-        try:
-            name = hardware.find_gpu(str(row["gpu"])).name
-        except ConfigError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
-        gpus.add(name)
-        if name == gpu.name:
+        card = _row_card(str(row["gpu"]), where)
+        cards.add(card)
+        if card == gpu.card:
             bases.append(utilization / mbs_efficiency(row["mbs"] * row["seq_len"]))
     if not bases:
-        others = f" (it has {', '.join(sorted(gpus))})" if gpus else " (it has no rows)"
-        return Calibration(DEFAULT_BASE_MFU, f"{file} has no measurement on {gpu.name}{others}; {DEFAULT_MFU_SOURCE}")
+        others = f" (it has {', '.join(sorted(cards))})" if cards else " (it has no rows)"
+        return Calibration(DEFAULT_BASE_MFU, f"{file} has no measurement on {gpu.card or gpu.name}{others}; "
+                                             f"{DEFAULT_MFU_SOURCE}")
     base = min(1.0, statistics.median(bases))
-    return Calibration(base, f"median of {len(bases)} measurement{'s' if len(bases) > 1 else ''} on {gpu.name} in {file}, "
-                             "each MFU / (T / (T + 1024)) at its own micro-batch of T tokens")
+    return Calibration(base, f"median of {len(bases)} measurement{'s' if len(bases) > 1 else ''} on {gpu.card} in "
+                             f"{file}, each MFU / (T / (T + 1024)) at its own micro-batch of T tokens")
+
+
+def _row_card(name: str, where: str) -> str:
+    """The card (hardware.CARDS key) of a calibration row's GPU: a name --gpu accepts ("H100-80GB") or the
+    device's own name ("NVIDIA H100 80GB HBM3", torch.cuda.get_device_name()). MFU is a fraction of the card's
+    peak, so rows of one card calibrate every memory size of it."""
+    try:
+        return hardware.find_gpu(name).card
+    except ConfigError as exc:
+        card = hardware.match_device(name)
+        if card is None:
+            raise ConfigError(f"{where}: {exc} (or a CUDA device name such as 'NVIDIA H100 80GB HBM3')") from None
+        return card
 
 
 def default_calibration_path(recipe) -> Path:
