@@ -256,12 +256,15 @@ def test_zero3_hpz_on_two_nodes_of_two_processes_trains_the_layout_independent_c
     import signal
     import subprocess
 
+    from pretrain.cli import prepare_data
     from tests import golden_losses
     from tests.helpers import RUN, env, free_port, train_losses
 
     out = tmp_path / "hpz"
     args = [*golden_losses.DIST_ARGS, "train.max_steps=3", "checkpoint.every_steps=0", "checkpoint.save_last=false",
             "checkpoint.save_final_model=false", f"output_dir={out}"]
+    # a multi-node launch does not prepare its token store (README, Data): the curve's store, found or built once
+    assert prepare_data.main(["--recipe", TINY, *args]) == 0
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(HPZ),
                                "--num_machines", "2", "--num_processes", "4", "--machine_rank", str(rank),
