@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import statistics
 import sys
 
 import matplotlib.image
@@ -301,9 +302,17 @@ def test_bench_gpu_reduced_writes_a_row_per_setting(tmp_path):
     calibration = json.loads((out / "calibration.json").read_text())
     assert [c["settings"]["name"] for c in calibration] == ["loss-plain", "loss-chunked"]
     for c, r in zip(calibration, rows, strict=True):
-        assert set(c) == {"gpu", "model", "params", "seq_len", "micro_batch_size", "mfu", "tokens_per_s", "settings"}
+        assert set(c) == {"gpu", "model", "params", "seq_len", "mbs", "mfu", "tokens_per_s", "settings"}
         assert c["model"] == "tiny" and c["seq_len"] == 64 and c["params"] > 0 and c["gpu"] == report["device"]
-        assert (c["mfu"], c["tokens_per_s"]) == (r["mfu"], r["tokens_per_s_per_gpu"])
+        assert (c["mfu"], c["tokens_per_s"], c["mbs"]) == (r["mfu"], r["tokens_per_s_per_gpu"], 4)
+    # the planner reads these rows as they are (here relabelled as an H100's, since this run measured a CPU)
+    from pretrain import hardware
+    from pretrain.cli.plan import mbs_efficiency, read_calibration
+
+    relabelled = tmp_path / "calibration.json"
+    relabelled.write_text(json.dumps([{**c, "gpu": "NVIDIA H100 80GB HBM3"} for c in calibration]))
+    base = read_calibration(relabelled, hardware.find_gpu("H100-80GB")).base_mfu
+    assert base == pytest.approx(min(1.0, statistics.median(c["mfu"] / mbs_efficiency(4 * 64) for c in calibration)))
 
 
 def test_bench_gpu_unknown_setting_exits_2(capsys, monkeypatch):

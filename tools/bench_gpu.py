@@ -43,8 +43,10 @@ Outputs in ``--out`` (default runs/bench_gpu): ``bench_gpu.md`` (the table, prin
     model             the MODELS name (llama-1b, llama-3b; tiny with --reduced)
     params            parameters the run counted (run_config.json model.num_params)
     seq_len           tokens per sequence
-    micro_batch_size  sequences per forward (GAS 1, one process)
+    mbs               sequences per forward (the micro-batch; GAS 1, one process)
     mfu               median perf/mfu over the measured steps (a fraction, 0-1)
+    hfu               median perf/hfu, only where activation checkpointing recomputed (the planner then
+                      compares hardware FLOPs)
     tokens_per_s      median perf/tokens_per_s_per_device (tokens/s on that one GPU)
     settings          the setting's name and its overrides: {"name": ..., "overrides": [...]}
 """
@@ -210,9 +212,10 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def calibration(rows: list[dict[str, Any]], gpu: str) -> list[dict[str, Any]]:
+    """The rows pretrain-plan --calibration reads (pretrain.cli.plan.read_calibration)."""
     return [{"gpu": gpu, "model": r["model"], "params": r["params"], "seq_len": r["seq_len"],
-             "micro_batch_size": r["micro_batch_size"], "mfu": r["mfu"], "tokens_per_s": r["tokens_per_s_per_gpu"],
-             "settings": {"name": r["setting"], "overrides": r["overrides"]}}
+             "mbs": r["micro_batch_size"], "mfu": r["mfu"], **({"hfu": r["hfu"]} if r["hfu"] != r["mfu"] else {}),
+             "tokens_per_s": r["tokens_per_s_per_gpu"], "settings": {"name": r["setting"], "overrides": r["overrides"]}}
             for r in rows if r["status"] == "ok"]
 
 
