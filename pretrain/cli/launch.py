@@ -31,6 +31,7 @@ import shlex
 import sys
 from typing import TYPE_CHECKING
 
+from pretrain.checkpointing import recompute_label
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import accelerate_command, option_value, threads_per_process
 
@@ -158,7 +159,7 @@ def best_layout(recipe, recipe_path: str, overrides: list[str], launch: Launch, 
 def does_not_fit(recipe, est: MemoryEstimate, detected: bool) -> str:
     """The estimate against the GPU, in one line, in the estimator's words."""
     workload = est.workload
-    recompute = "recompute" if workload.activation_checkpointing else "no recompute"
+    recompute = recompute_label(workload.activation_checkpointing)
     where = " (GPU 0 of this machine; --gpu NAME checks another)" if detected else ""
     return (f"{recipe.name} on {est.layout.describe()} (MBS {workload.micro_batch_size}, GAS "
             f"{workload.grad_accum_steps}, {recompute}): estimated {est.total_gib:.1f} GiB per GPU, {est.verdict}{where}")
