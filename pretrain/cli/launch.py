@@ -145,7 +145,7 @@ def best_layout(recipe, recipe_path: str, overrides: list[str], launch: Launch, 
     changed = {c.split("=", 1)[0] for c in changes}
     launch_cmd = ["pretrain-launch", "--config_file", str(config), "--recipe", recipe_path,
                   *(o for o in overrides if o.split("=", 1)[0] not in changed), *changes]
-    recompute = "recompute" if best.checkpointing else "no recompute"
+    recompute = recompute_label(best.checkpointing)
     return "\n".join([
         f"pretrain-plan's best layout on {nodes} x {gpus} {gpu.name}: {best.name}, MBS {best.micro_batch_size}, "
         f"GAS {best.grad_accum_steps}, {recompute}: {best.estimate.total_gib:.1f} GiB "
