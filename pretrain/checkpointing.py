@@ -26,7 +26,7 @@ No torch import at module level: the estimator and the planner read the policy n
 from __future__ import annotations
 
 import re
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 POLICIES = ("none", "full", "selective", "every_N")
@@ -72,6 +72,7 @@ def checkpointed_blocks(policy: str, num_layers: int) -> int:
     return 0 if n == 0 else -(-num_layers // n)
 
 
+@cache
 def _saved_ops() -> frozenset:
     """The ops whose outputs selective checkpointing keeps: matmuls and every attention kernel this torch
     build (and flash-attn, when installed) registers."""

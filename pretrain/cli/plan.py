@@ -4,7 +4,8 @@
     pretrain-plan --recipe recipes/7b.yaml --nodes 2 --gpus-per-node 8 --gpu A100-40GB --output my.yaml
 
 Every combination of DDP / ZeRO stage / FSDP (FULL_SHARD, SHARD_GRAD_OP), offload, activation
-checkpointing and micro batch size that divides the recipe's global batch is estimated with
+checkpointing policy (none, selective, every_2, full: pretrain/checkpointing.py) and micro batch size that
+divides the recipe's global batch is estimated with
 pretrain/memory; those that fit the GPU are
 ranked by a simple step-time model (below), the best is written as an accelerate config, and the launch
 command is printed.
@@ -12,8 +13,8 @@ command is printed.
 Step time = compute + exposed communication + offload traffic, per optimizer step, per GPU:
 
 - compute: FLOPs per token (pretrain/shape.py's convention, 6 x matmul weights + 12 x layers x heads x
-  head_dim x seq; with recompute its hardware FLOPs, which add the forward activation checkpointing
-  repeats) x tokens per GPU / (peak bf16 FLOP/s x 0.5 x T / (T + 1024)), where T = MBS x seq tokens: a
+  head_dim x seq; its hardware FLOPs, which add what the checkpointing policy recomputes: full one
+  forward of the blocks, every_2 half of that, selective no matmul) x tokens per GPU / (peak bf16 FLOP/s x 0.5 x T / (T + 1024)), where T = MBS x seq tokens: a
   small micro-batch leaves the GPU under-used (the heuristic halves the rate at 1,024 tokens).
 - communication per GPU, ring algorithms ((N-1)/N of each volume), gradients in the dtype they are
   reduced in (fp32 for bf16 recipes unless precision.reduce_dtype=bf16; DDP's are fp32 unless its bf16
@@ -35,8 +36,9 @@ Step time = compute + exposed communication + offload traffic, per optimizer ste
 Layouts with less than 5% of the GPU left over are listed after the others (marked "tight"): the
 estimate's error bars are a few GiB. Offload comes after every layout without it: its cost depends on
 the host (cores, memory bandwidth, NUMA) far more than this model knows, and it needs host memory.
-Within those groups layouts are ranked by the model's tokens/s; ties go to less communication, then to
-the larger micro-batch. The model ranks layouts; it does not predict absolute throughput.
+Within those groups layouts are ranked by the model's tokens/s; ties go to less recompute (none before
+selective: selective's recomputed norms and elementwise ops are not in the FLOPs count), then to less
+communication, then to the larger micro-batch. The model ranks layouts; it does not predict absolute throughput.
 """
 
 from __future__ import annotations
