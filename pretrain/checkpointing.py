@@ -122,6 +122,14 @@ PLANNER_POLICIES = ("none", "selective", "every_2", "full")
 every_2 half of full's, full one forward of the blocks."""
 
 
+def runs_under_zero3(policy: str) -> bool:
+    """Whether DeepSpeed ZeRO-3 can run the policy: not selective. ZeRO-3 gathers each sub-module's parameters
+    in hooks inside the block; in the recompute they run other ops than in the forward (measured on CPU:
+    "aten.empty.memory_format encountered during backward but not found in storage"), and torch's selective
+    checkpointing requires the recompute to replay the forward's ops."""
+    return policy != "selective"
+
+
 def recompute_label(policy: str) -> str:
     """How the planning commands name a policy in one line: no recompute, recompute (full), recompute every_2."""
     return {"none": "no recompute", "full": "recompute"}.get(policy, f"recompute {policy}")

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pretrain import hardware, memory
-from pretrain.checkpointing import PLANNER_POLICIES, recompute_label
+from pretrain.checkpointing import PLANNER_POLICIES, recompute_label, runs_under_zero3
 from pretrain.cli import add_recipe_arguments
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import Launch, accelerate_command, shell_join
@@ -204,6 +204,8 @@ def _estimates(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: me
         if layout.uses_deepspeed and layout.zero_stage == 0 and base.fp32_grads:
             continue  # ZeRO-0 cannot accumulate bf16 gradients in fp32 (the launch refuses it)
         for ckpt in PLANNER_POLICIES:
+            if layout.uses_deepspeed and layout.zero_stage == 3 and not runs_under_zero3(ckpt):
+                continue  # the launch refuses it (deepspeed_config)
             for mbs in _mbs_values(recipe, world):
                 gas = gbs // (mbs * world)
                 workload = memory.Workload(**{**base.__dict__, "micro_batch_size": mbs, "activation_checkpointing": ckpt,
