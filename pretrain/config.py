@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pretrain import checkpointing
 from pretrain.errors import ConfigError
 
 
@@ -77,8 +78,14 @@ class ModelConfig(Section):
         "every architecture (transformers' GPT-2 config defaults to 0.1, meant for fine-tuning).",
     )
     tie_embeddings: bool = Field(False, description="Share the input embedding and LM-head weights.")
-    activation_checkpointing: bool = Field(
-        False, description="Recompute each block's activations in backward (less memory, ~33% more compute)."
+    activation_checkpointing: str = Field(
+        "none",
+        description="Which activations are recomputed in backward instead of kept: `none`; `full` (every block "
+        "keeps only its input: the least memory, one more forward of the blocks, ~33% more compute); "
+        "`every_N`, N >= 2 (blocks 0, N, 2N, ... as full, the rest keep everything: 1/N of full's recompute); "
+        "`selective` (every block keeps its matmul and attention outputs and recomputes norms, activations "
+        "and elementwise ops: no matmul recomputed). `true` / `false` mean full / none. README: Activation "
+        "checkpointing.",
     )
     attention: Literal["sdpa", "eager", "flash_attention_2"] = Field(
         "sdpa", description="Attention kernel: `sdpa` (PyTorch fused), `eager` (reference), `flash_attention_2`."
@@ -98,6 +105,11 @@ class ModelConfig(Section):
         default_factory=dict,
         description="Extra attributes of the transformers config (e.g. `{hidden_act: silu}`); each must exist.",
     )
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _checkpointing_policy(cls, value: Any) -> str:
+        return checkpointing.normalize(value)
 
     @field_validator("config_overrides")
     @classmethod

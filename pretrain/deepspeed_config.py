@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pretrain import checkpointing
 from pretrain.batching import BatchPlan
 from pretrain.config import Recipe
 from pretrain.errors import ConfigError
@@ -145,6 +146,12 @@ def check_zero(recipe: Recipe, zero: dict[str, Any]) -> None:
         problems.append(
             "model.compile=true cannot be honoured under ZeRO-3 (partitioned parameters are gathered by hooks "
             "that torch.compile graphs break on); set model.compile=false or use ZeRO-1/2"
+        )
+    if stage == 3 and not checkpointing.runs_under_zero3(recipe.model.activation_checkpointing):
+        problems.append(
+            "model.activation_checkpointing=selective cannot run under ZeRO-3 (its parameters are gathered by hooks "
+            "inside each block, which run other ops when the block is recomputed than in its forward, and torch's "
+            "selective checkpointing replays the forward's ops); use every_N or full, or ZeRO-1/2"
         )
     if stage == 0 and recipe.precision.dtype == "bf16" and recipe.precision.reduce_dtype == "fp32":
         problems.append(

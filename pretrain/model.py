@@ -33,6 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, Pre
 from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from pretrain import checkpointing
 from pretrain.config import ModelConfig, is_dropout_attribute
 from pretrain.errors import ConfigError, disk_full_error, is_disk_full
 from pretrain.loss import chunked_causal_lm_loss
@@ -229,8 +230,8 @@ def _build(model_cfg: ModelConfig, config: PreTrainedConfig, partitioned: bool, 
             ) from None
     model.tie_weights()  # init_empty_weights re-creates every parameter it registers, which unties them
     model.loss_function = chunked_causal_lm_loss  # transformers' loss without the fp32 logits (pretrain/loss.py)
-    if model_cfg.activation_checkpointing:  # a flag on the layers: module names (the init seeds) do not change
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    # a flag and a checkpoint function on the layers: module names (the init seeds) do not change
+    checkpointing.apply(model, model_cfg.activation_checkpointing)
     if not meta and not partitioned:
         if shard is not None:
             model = shard(model)

@@ -34,6 +34,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pretrain.checkpointing import checkpointed_blocks
+from pretrain.checkpointing import normalize as normalize_policy
 from pretrain.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -300,22 +302,27 @@ class ModelShape:
         attention, mlp = self.block_matmuls()
         return self.num_layers * sum(attention + mlp) + self.vocab_size * self.hidden_size
 
-    def flops_per_token(self, seq_len: int, activation_checkpointing: bool = False) -> FlopsPerToken:
+    def flops_per_token(self, seq_len: int, activation_checkpointing: str = "none") -> FlopsPerToken:
         """Training FLOPs per token (the module docstring's convention).
 
-        ``activation_checkpointing``: every decoder block is checkpointed (transformers'
-        ``activation_checkpointing_enable()`` with ``use_reentrant=False``); only ``hardware_flops`` changes.
+        ``activation_checkpointing`` is the policy (pretrain/checkpointing.py); only ``hardware_flops``
+        changes. A checkpointed block runs its forward again in backward up to the last tensor backward needs
+        (non-reentrant checkpointing stops there: the down projection's output is not needed, so it is not
+        recomputed): full does that for every block, every_N for blocks 0, N, 2N, ... Selective keeps every
+        matmul's and the attention kernel's output, so it recomputes no matmul FLOPs (only norms, activations
+        and elementwise ops, which the convention does not count).
         """
         attention, mlp = self.block_matmuls()
         block = sum(attention + mlp)
-        attention_forward = 4 * self.num_layers * self.num_heads * self.head_dim * seq_len  # QK^T and AV, per token
-        model = 6 * self.matmul_params + 3 * attention_forward
+        attention_forward = 4 * self.num_heads * self.head_dim * seq_len  # QK^T and AV of one block, per token
+        model = 6 * self.matmul_params + 3 * self.num_layers * attention_forward
+        policy = normalize_policy(activation_checkpointing)
         recomputed = 0
-        if activation_checkpointing:
+        if policy != "selective":
             # OLMo-2's post-feedforward norm, or a dropout after the down projection, saves its output
             down_proj_recomputed = self.arch == "olmo2" or self.resid_dropout > 0
             recomputed_params = block - (0 if down_proj_recomputed else mlp[-1])
-            recomputed = 2 * self.num_layers * recomputed_params + attention_forward
+            recomputed = checkpointed_blocks(policy, self.num_layers) * (2 * recomputed_params + attention_forward)
         return FlopsPerToken(float(model), float(model + recomputed), self.matmul_params)
 
     # ---- parameters
@@ -381,7 +388,7 @@ class ModelShape:
         )
 
 
-def flops_per_token(config: Any, seq_len: int, *, activation_checkpointing: bool = False) -> FlopsPerToken:
+def flops_per_token(config: Any, seq_len: int, *, activation_checkpointing: str = "none") -> FlopsPerToken:
     """Training FLOPs per token from a transformers config (or a ``ModelShape``) alone: no weights needed."""
     if not isinstance(config, ModelShape):
         arch = _reader(config)("model_type")

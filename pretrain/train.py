@@ -254,7 +254,8 @@ class Trainer:
                                    weights=getattr(self.data, "weights", None))
         self.step_log = StepLog(self.accelerator, self.console, every_steps=cadence.log_every_steps,
                                 num_steps=self.num_steps)
-        flops, recomputes = self.flops, recipe.model.activation_checkpointing  # recomputation: perf/hfu too
+        # any checkpointing policy: perf/hfu too (selective's equals perf/mfu: it recomputes no matmul)
+        flops, recomputes = self.flops, recipe.model.activation_checkpointing != "none"
         self.throughput = ThroughputMonitor(
             self.plan.tokens_per_step, self.plan.global_batch_size, self.plan.world_size,
             warmup_steps=recipe.runtime.throughput_warmup_steps, peak_tflops=self.peak.tflops,

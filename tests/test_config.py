@@ -161,3 +161,22 @@ def test_readme_recipe_reference_is_up_to_date():
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert render_readme(readme) == readme
+
+
+@pytest.mark.parametrize("value, policy", [
+    ("true", "full"), ("false", "none"), ("none", "none"), ("full", "full"), ("selective", "selective"),
+    ("every_2", "every_2"), ("Every_4", "every_4"),
+])
+def test_activation_checkpointing_policies_and_old_booleans(tmp_path, value, policy):
+    path = write(tmp_path / "r.yaml", MINIMAL)
+    recipe = load_recipe(path, [f"model.activation_checkpointing={value}"])
+    assert recipe.model.activation_checkpointing == policy  # the string is what the run config records
+    assert recipe.model.model_dump()["activation_checkpointing"] == policy
+    assert load_recipe(path).model.activation_checkpointing == "none"
+
+
+@pytest.mark.parametrize("value", ["every_1", "every_0", "every_x", "sometimes", "2"])
+def test_bad_activation_checkpointing_names_the_allowed_values(tmp_path, value):
+    path = write(tmp_path / "r.yaml", MINIMAL)
+    with pytest.raises(ConfigError, match=r"model.activation_checkpointing.*none, full, selective or every_N"):
+        load_recipe(path, [f"model.activation_checkpointing={value}"])

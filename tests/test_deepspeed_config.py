@@ -159,3 +159,15 @@ def test_fsdp_policy_and_ddp_hook_follow_reduce_dtype(monkeypatch):
     assert gradient_dtypes(fast, fsdp) == {"compute": "bf16", "grad_accum": "bf16", "reduce": "bf16"}
     assert gradient_dtypes(fast, ddp) == {"compute": "bf16", "grad_accum": "fp32", "reduce": "bf16"}
     assert gradient_dtypes(recipe(), launch()) == {"compute": "fp32", "grad_accum": "fp32", "reduce": "fp32"}
+
+
+def test_selective_checkpointing_is_refused_under_zero3_only():
+    """ZeRO-3's gathering hooks run other ops in the recompute than in the forward: a 2-process CPU ZeRO-3 run
+    of the tiny model failed with torch's "aten.empty.memory_format encountered during backward but not found
+    in storage"; ZeRO-2 and DDP ran it."""
+    selective = recipe(model={"activation_checkpointing": "selective"})
+    with pytest.raises(ConfigError, match="activation_checkpointing=selective cannot run under ZeRO-3"):
+        build(selective, launch(stage=3))
+    for stage in (1, 2):
+        build(selective, launch(stage=stage))
+    build(recipe(model={"activation_checkpointing": "every_2"}), launch(stage=3))

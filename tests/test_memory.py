@@ -391,12 +391,16 @@ def test_cli_summary_explain_and_sweep(capsys):
     assert "4 B x Ψ/N fp32 accumulated partition" in out and "the fp32 partition 4 B x Ψ/N" in out and "12 B/param" in out
     assert "no s^2 term" in out
     code, out, _ = run_cli(capsys, "--recipe", R7B, "--nodes", "2", "--gpus-per-node", "8", "--gpu", "A100-40GB",
-                           "--sweep")
+                           "--sweep", "--activation-checkpointing", "full")
     assert code == 0
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("DDP", "ZeRO"))}
     assert rows["ZeRO-3"].rstrip().endswith("8") and rows["ZeRO-0"].rstrip().endswith("none")
-    code, out, _ = run_cli(capsys, "--recipe", R7B, "--num-gpus", "8", "--sweep", "--json")
-    assert json.loads(out)["largest_mbs"]["ZeRO-3"] >= 8
+    largest = {}
+    for policy in ("none", "selective", "full"):
+        code, out, _ = run_cli(capsys, "--recipe", R7B, "--num-gpus", "8", "--sweep", "--json",
+                               "--activation-checkpointing", policy)
+        largest[policy] = json.loads(out)["largest_mbs"]["ZeRO-3"]
+    assert largest["none"] < largest["selective"] < largest["full"] and largest["full"] >= 8, largest
 
 
 def test_cli_model_config_and_accelerate_config(capsys, tmp_path):

@@ -12,6 +12,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from pretrain.checkpointing import apply as apply_checkpointing
 from pretrain.config import ModelConfig
 from pretrain.errors import ConfigError
 from pretrain.metrics import (
@@ -45,11 +46,10 @@ def counted_flops_per_token(model: torch.nn.Module, vocab_size: int, batch: int,
     return counter.get_total_flops() / (batch * seq_len)
 
 
-def build(arch: str, checkpointing: bool = False, **config) -> tuple[torch.nn.Module, object]:
+def build(arch: str, checkpointing: str = "none", **config) -> tuple[torch.nn.Module, object]:
     cfg = AutoConfig.for_model(arch, use_cache=False, **config)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
-    if checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    apply_checkpointing(model, checkpointing)
     return model, cfg
 
 
@@ -101,9 +101,9 @@ CHECKPOINT_CASES = {
 @pytest.mark.parametrize("case", list(CHECKPOINT_CASES))
 def test_hardware_flops_match_flop_counter_with_checkpointing(case):
     arch, config = CHECKPOINT_CASES[case]
-    model, cfg = build(arch, checkpointing=True, **config)
+    model, cfg = build(arch, checkpointing="full", **config)
     counted = counted_flops_per_token(model, cfg.vocab_size, 2, 128)
-    flops = flops_per_token(cfg, 128, activation_checkpointing=True)
+    flops = flops_per_token(cfg, 128, activation_checkpointing="full")
     assert flops.hardware_flops == pytest.approx(counted, rel=0.02)
     assert flops.hardware_flops > flops.model_flops
 
@@ -117,22 +117,48 @@ def test_other_architectures_match_flop_counter(arch):
     assert flops_per_token(cfg, 64).model_flops == pytest.approx(counted, rel=0.02)
 
 
-def test_recipe_model_with_activation_checkpointing():
-    """The config and model the trainer builds (pretrain.model) agree too, checkpointing on."""
-    model_cfg = ModelConfig(
-        arch="llama",
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=176,
-        attention="eager",
-        activation_checkpointing=True,
-    )
-    model = build_model(model_cfg, 256, 64, seed=0)
-    counted = counted_flops_per_token(model, 256, 2, 64)
-    flops = flops_per_token(hf_config(model_cfg, 256, 64), 64, activation_checkpointing=True)
-    assert flops.hardware_flops == pytest.approx(counted, rel=0.02)
+def test_recipe_model_flops_per_checkpointing_policy():
+    """The config and model the trainer builds (pretrain.model) agree under every policy: full recomputes each
+    block's forward (but the down projection), every_2 blocks 0 and 2 of 3, selective no matmul and no
+    attention kernel (their outputs are kept), so its hardware FLOPs are the model FLOPs."""
+    base = dict(arch="llama", hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=176,
+                attention="eager")  # the flop counter has no formula for SDPA's CPU kernel: see the next test
+    per_policy = {}
+    for policy in ("none", "full", "every_2", "selective"):
+        model_cfg = ModelConfig(**base, activation_checkpointing=policy)
+        model = build_model(model_cfg, 256, 64, seed=0)
+        counted = counted_flops_per_token(model, 256, 2, 64)
+        flops = flops_per_token(hf_config(model_cfg, 256, 64), 64, activation_checkpointing=policy)
+        assert flops.hardware_flops == pytest.approx(counted, rel=0.02), policy
+        per_policy[policy] = flops
+    model_flops = {f.model_flops for f in per_policy.values()}
+    assert len(model_flops) == 1  # MFU never changes with the policy
+    extra = {p: f.hardware_flops - f.model_flops for p, f in per_policy.items()}
+    assert extra["none"] == extra["selective"] == 0
+    assert extra["every_2"] == pytest.approx(extra["full"] * 2 / 3)  # 2 of 3 blocks
+
+
+def test_selective_checkpointing_keeps_the_sdpa_kernel_output():
+    """With sdpa, selective runs the attention kernel once per block (forward only), full twice."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    kernels = []
+
+    class CountAttention(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.startswith("_scaled_dot_product") and "backward" not in func.__name__:
+                kernels.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    for policy, runs in (("none", 3), ("full", 6), ("selective", 3)):
+        model = build_model(ModelConfig(arch="llama", hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
+                                        intermediate_size=176, attention="sdpa", activation_checkpointing=policy),
+                            256, 64, seed=0)
+        kernels.clear()
+        ids = torch.randint(0, 256, (2, 64))
+        with CountAttention():
+            model(input_ids=ids, labels=ids).loss.backward()
+        assert len(kernels) == runs, (policy, kernels)
 
 
 def test_convention_and_unknown_arch():

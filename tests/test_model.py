@@ -242,22 +242,57 @@ def test_tied_embeddings_stay_tied(meta):
 
 
 def test_activation_checkpointing_recomputes_blocks_in_backward():
-    calls = []
-
-    def count_attention_forwards(model_cfg):
+    """Forward runs of each block (a hook on its attention module, the block's first sub-module: torch stops a
+    recompute early once backward has what it needs): 2 for a checkpointed block, 1 for the others. every_2
+    checkpoints blocks 0 and 2 of 3; selective recomputes every block (its cheap ops); names do not change."""
+    def attention_forwards(policy):
+        model_cfg = small(num_layers=3, activation_checkpointing=policy)
         model = build_model(model_cfg, VOCAB, SEQ, seed=0)
         model.train()
-        # the block's first sub-module: torch stops a recompute early once backward has what it needs
-        model.model.layers[0].self_attn.register_forward_hook(lambda *_: calls.append(1))
-        calls.clear()
+        calls = [0] * model_cfg.num_layers
+        for i, layer in enumerate(model.model.layers):
+            layer.self_attn.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
         ids = torch.randint(0, VOCAB, (2, SEQ))
         model(input_ids=ids, labels=ids).loss.backward()
-        return model, len(calls)
+        return model, calls
 
-    model, plain = count_attention_forwards(small())
-    assert (model.is_activation_checkpointing, plain) == (False, 1)
-    model, checkpointed = count_attention_forwards(small(activation_checkpointing=True))
-    assert (model.is_activation_checkpointing, checkpointed) == (True, 2)
+    names = [name for name, _ in build_model(small(num_layers=3), VOCAB, SEQ, seed=0).named_modules()]
+    expected = {"none": [1, 1, 1], "full": [2, 2, 2], "every_2": [2, 1, 2], "selective": [2, 2, 2]}
+    for policy, calls in expected.items():
+        model, counted = attention_forwards(policy)
+        assert (model.is_activation_checkpointing, counted) == (policy != "none", calls), policy
+        assert [name for name, _ in model.named_modules()] == names
+    assert attention_forwards(True)[1] == expected["full"]  # old recipes: true = full
+
+
+def test_every_policy_trains_to_the_same_losses():
+    """The tiny recipe's model (fp32) trained 3 AdamW steps under each policy: the per-step losses of
+    no checkpointing, to 1e-6 relative (recomputation replays the same ops on the same inputs)."""
+    from pretrain.config import load_recipe
+
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml")
+    vocab, seq_len = 4096, 32
+    # one batch, seen every step: the loss must fall (the policies are compared on a model that learns)
+    batches = torch.randint(0, vocab, (2, seq_len + 1), generator=torch.Generator().manual_seed(0)).expand(3, -1, -1)
+
+    def losses(policy: str) -> list[float]:
+        model_cfg = recipe.model.model_copy(update={"activation_checkpointing": policy})
+        model = build_model(model_cfg, vocab, seq_len, seed=recipe.train.seed)
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.optim.lr, betas=(0.9, 0.95), weight_decay=0.1)
+        out = []
+        for batch in batches:
+            loss = model(input_ids=batch[:, :-1], labels=batch[:, 1:], shift_labels=batch[:, 1:]).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append(loss.item())
+        return out
+
+    reference = losses("none")
+    assert reference[-1] < reference[0]  # it trains
+    for policy in ("full", "every_2", "selective"):
+        assert losses(policy) == pytest.approx(reference, rel=1e-6), policy
 
 
 def test_meta_build_allocates_nothing_and_is_fast():

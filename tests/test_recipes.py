@@ -54,4 +54,35 @@ def test_larger_llama2_recipes_inherit_the_7b_run():
         assert (recipe.data, recipe.batch, recipe.train, recipe.precision) == (
             base.data, base.batch, base.train, base.precision
         )
-        assert recipe.model.activation_checkpointing and recipe.model.norm_eps == 1e-5
+        assert recipe.model.activation_checkpointing == "full" and recipe.model.norm_eps == 1e-5
+
+
+# Each large recipe's activation checkpointing is the cheapest policy that fits its documented target (the
+# command in its comment): (recipe, estimate arguments, policies that must not fit, the recipe's policy).
+CHECKPOINTING_CHOICES = [
+    ("7b", ["--accelerate-config", "accelerate_configs/zero3.yaml", "--num-gpus", "8"], [], "none"),
+    ("7b", ["--accelerate-config", "accelerate_configs/fsdp.yaml", "--num-gpus", "8"], [], "none"),
+    ("llama-1b", ["--accelerate-config", "accelerate_configs/zero3.yaml", "--num-gpus", "8"], [], "none"),
+    ("13b", ["--accelerate-config", "accelerate_configs/fsdp.yaml", "--num-gpus", "8"],
+     ["none", "selective", "every_2"], "full"),
+    ("70b", ["--zero", "3", "--nodes", "4", "--gpus-per-node", "8"], ["none", "selective", "every_2"], "full"),
+]
+
+
+@pytest.mark.parametrize("name, layout, too_big, policy", CHECKPOINTING_CHOICES,
+                         ids=[f"{c[0]}-{c[1][1]}" for c in CHECKPOINTING_CHOICES])
+def test_recipe_checkpointing_is_the_cheapest_that_fits(capsys, name, layout, too_big, policy):
+    import json
+
+    from pretrain.cli.estimate import main as estimate
+
+    recipe = RECIPES[0].parent / f"{name}.yaml"
+    assert load_recipe(recipe).model.activation_checkpointing == policy
+
+    def fits(*extra: str) -> bool:
+        assert estimate(["--recipe", str(recipe), *layout, "--gpu", "H100-80GB", "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)["fits"]
+
+    assert fits()
+    for cheaper in too_big:
+        assert not fits("--activation-checkpointing", cheaper), cheaper

@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from pretrain import hardware, memory
+from pretrain.checkpointing import normalize as normalize_policy
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import Launch, check_offload
 from pretrain.shape import ModelShape
@@ -63,8 +64,9 @@ def build_parser(prog: str = "pretrain-estimate") -> argparse.ArgumentParser:
     run.add_argument("--precision", choices=("fp32", "bf16", "fp16"))
     run.add_argument("--micro-batch-size", type=int, help="MBS: sequences per GPU per forward/backward")
     run.add_argument("--seq-len", type=int, help="tokens per sequence")
-    run.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
-                     help="recompute each block in backward")
+    run.add_argument("--activation-checkpointing", metavar="POLICY", type=_policy, default=None,
+                     help="none, full, selective or every_N (N >= 2): what is recomputed in backward "
+                     "(README: Activation checkpointing)")
     run.add_argument("--attention", choices=("sdpa", "eager", "flash_attention_2"))
     run.add_argument("--optimizer", help="torch.optim name (with --model-config; default AdamW)")
     dev = parser.add_argument_group("device")
@@ -136,6 +138,13 @@ def resolve_layout(args) -> Launch:
     return layout
 
 
+def _policy(value: str) -> str:
+    try:
+        return normalize_policy({"true": True, "false": False}.get(value.lower(), value))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def recipe_overrides(args) -> list[str]:
     extra = list(args.overrides)
     if args.precision:
@@ -143,7 +152,7 @@ def recipe_overrides(args) -> list[str]:
     if args.seq_len is not None:
         extra.append(f"data.seq_len={args.seq_len}")
     if args.activation_checkpointing is not None:
-        extra.append(f"model.activation_checkpointing={str(args.activation_checkpointing).lower()}")
+        extra.append(f"model.activation_checkpointing={args.activation_checkpointing}")
     if args.attention:
         extra.append(f"model.attention={args.attention}")
     return extra
@@ -202,7 +211,7 @@ class Problem:
             micro_batch_size=micro_batch_size or 1,
             seq_len=args.seq_len,
             attention=args.attention or "sdpa",
-            activation_checkpointing=bool(args.activation_checkpointing),
+            activation_checkpointing=args.activation_checkpointing or "none",
         )
 
     def at(self, layout: Launch | None = None, micro_batch_size: int | None = None) -> memory.MemoryEstimate:

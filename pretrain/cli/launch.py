@@ -31,6 +31,7 @@ import shlex
 import sys
 from typing import TYPE_CHECKING
 
+from pretrain.checkpointing import recompute_label
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import accelerate_command, option_value, threads_per_process
 
@@ -144,7 +145,7 @@ def best_layout(recipe, recipe_path: str, overrides: list[str], launch: Launch, 
     changed = {c.split("=", 1)[0] for c in changes}
     launch_cmd = ["pretrain-launch", "--config_file", str(config), "--recipe", recipe_path,
                   *(o for o in overrides if o.split("=", 1)[0] not in changed), *changes]
-    recompute = "recompute" if best.checkpointing else "no recompute"
+    recompute = recompute_label(best.checkpointing)
     return "\n".join([
         f"pretrain-plan's best layout on {nodes} x {gpus} {gpu.name}: {best.name}, MBS {best.micro_batch_size}, "
         f"GAS {best.grad_accum_steps}, {recompute}: {best.estimate.total_gib:.1f} GiB "
@@ -158,7 +159,7 @@ def best_layout(recipe, recipe_path: str, overrides: list[str], launch: Launch, 
 def does_not_fit(recipe, est: MemoryEstimate, detected: bool) -> str:
     """The estimate against the GPU, in one line, in the estimator's words."""
     workload = est.workload
-    recompute = "recompute" if workload.activation_checkpointing else "no recompute"
+    recompute = recompute_label(workload.activation_checkpointing)
     where = " (GPU 0 of this machine; --gpu NAME checks another)" if detected else ""
     return (f"{recipe.name} on {est.layout.describe()} (MBS {workload.micro_batch_size}, GAS "
             f"{workload.grad_accum_steps}, {recompute}): estimated {est.total_gib:.1f} GiB per GPU, {est.verdict}{where}")

@@ -5,7 +5,8 @@
 
 Every combination of DDP / ZeRO stage / FSDP (FULL_SHARD, SHARD_GRAD_OP), on more than one node also hybrid
 sharding (ZeRO-3 with ZeRO++ hpZ, FSDP2 HSDP: sharded within a node, replicated across nodes), offload,
-activation checkpointing and micro batch size that divides the recipe's global batch is estimated with
+activation checkpointing policy (none, selective, every_2, full: pretrain/checkpointing.py) and micro batch
+size that divides the recipe's global batch is estimated with
 pretrain/memory; those that fit the GPU are
 ranked by a simple step-time model (below), the best is written as an accelerate config, and the launch
 command is printed.
@@ -13,12 +14,13 @@ command is printed.
 Step time = compute + exposed communication + offload traffic, per optimizer step, per GPU:
 
 - compute: FLOPs per token (pretrain/shape.py's convention, 6 x matmul weights + 12 x layers x heads x
-  head_dim x seq; with recompute its hardware FLOPs, which add the forward activation checkpointing
-  repeats) x tokens per GPU / (peak bf16 FLOP/s x base MFU x T / (T + 1024)), where T = MBS x seq tokens: a
-  small micro-batch leaves the GPU under-used (the heuristic halves the rate at 1,024 tokens). The base MFU
-  is calibrated from measurements (``Calibration``): the rows of a calibration file (--calibration, or
-  <cache root>/calibration.json when it exists) for this GPU, each measured MFU divided by its own
-  T / (T + 1024); without one, torchtitan's published eager FSDP2 figure (DEFAULT_BASE_MFU).
+  head_dim x seq; its hardware FLOPs, which add what the checkpointing policy recomputes: full one
+  forward of the blocks, every_2 half of that, selective no matmul) x tokens per GPU / (peak bf16 FLOP/s x
+  base MFU x T / (T + 1024)), where T = MBS x seq tokens: a small micro-batch leaves the GPU under-used (the
+  heuristic halves the rate at 1,024 tokens). The base MFU is calibrated from measurements
+  (``Calibration``): the rows of a calibration file (--calibration, or <cache root>/calibration.json when it
+  exists) for this GPU, each measured MFU divided by its own T / (T + 1024); without one, torchtitan's
+  published eager FSDP2 figure (DEFAULT_BASE_MFU).
 - communication per GPU, ring algorithms ((N-1)/N of each volume), gradients in the dtype they are
   reduced in (fp32 for bf16 recipes unless precision.reduce_dtype=bf16; DDP's are fp32 unless its bf16
   hook compresses them), parameters in the compute dtype: DDP and ZeRO-0 all-reduce the gradients once
@@ -42,8 +44,9 @@ Step time = compute + exposed communication + offload traffic, per optimizer ste
 Layouts with less than 5% of the GPU left over are listed after the others (marked "tight"): the
 estimate's error bars are a few GiB. Offload comes after every layout without it: its cost depends on
 the host (cores, memory bandwidth, NUMA) far more than this model knows, and it needs host memory.
-Within those groups layouts are ranked by the model's tokens/s; ties go to less communication, then to
-the larger micro-batch. The model ranks layouts; it does not predict absolute throughput.
+Within those groups layouts are ranked by the model's tokens/s; ties go to less recompute (none before
+selective: selective's recomputed norms and elementwise ops are not in the FLOPs count), then to less
+communication, then to the larger micro-batch. The model ranks layouts; it does not predict absolute throughput.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pretrain import hardware, memory
+from pretrain.checkpointing import PLANNER_POLICIES, recompute_label, runs_under_zero3
 from pretrain.cli import add_recipe_arguments
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import Launch, accelerate_command, shell_join
@@ -108,7 +112,8 @@ def layout_name(lay: Launch) -> str:
 @dataclass(frozen=True)
 class Candidate:
     layout: Launch
-    checkpointing: bool
+    checkpointing: str
+    """The activation checkpointing policy (pretrain/checkpointing.py)."""
     micro_batch_size: int
     grad_accum_steps: int
     estimate: memory.MemoryEstimate
@@ -129,7 +134,7 @@ class Candidate:
 
     def describe(self) -> str:
         est = self.estimate
-        recompute = "recompute" if self.checkpointing else "no recompute"
+        recompute = recompute_label(self.checkpointing)
         tokens = self.micro_batch_size * est.workload.seq_len
         eff = tokens / (tokens + MBS_HALF_RATE_TOKENS)
         offload = f" + offload {self.offload_s:.2f} s (CPU optimizer step, PCIe copies)" if self.offload_s else ""
@@ -138,7 +143,7 @@ class Candidate:
             f"{est.total_gib:.1f} GiB ({est.headroom_gib:.1f} free{', tight' if self.tight else ''}); "
             f"~{self.tokens_per_s:,.0f} tok/s/GPU: "
             f"compute {self.compute_s:.2f} s ({tokens:,} tokens/micro-batch -> {eff:.0%} of the efficient rate"
-            f"{', + recompute' if self.checkpointing else ''}) + comm {self.comm_s:.2f} s exposed "
+            f"{'' if self.checkpointing == 'none' else ', + ' + recompute}) + comm {self.comm_s:.2f} s exposed "
             f"({self.comm_volume:g} B x Ψ per step){offload}"
         )
 
@@ -340,7 +345,9 @@ def _estimates(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: me
     for layout in layouts(nodes, gpus):
         if layout.uses_deepspeed and layout.zero_stage == 0 and base.fp32_grads:
             continue  # ZeRO-0 cannot accumulate bf16 gradients in fp32 (the launch refuses it)
-        for ckpt in (False, True):
+        for ckpt in PLANNER_POLICIES:
+            if layout.uses_deepspeed and layout.zero_stage == 3 and not runs_under_zero3(ckpt):
+                continue  # the launch refuses it (deepspeed_config)
             for mbs in _mbs_values(recipe, world):
                 gas = gbs // (mbs * world)
                 workload = memory.Workload(**{**base.__dict__, "micro_batch_size": mbs, "activation_checkpointing": ckpt,
@@ -358,7 +365,9 @@ def plan(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: memory.D
             continue
         compute, comm, volume, offload, rate = throughput(est, gpu, base_mfu)
         feasible.append(Candidate(layout, ckpt, mbs, gas, est, compute, comm, volume, offload, rate))
-    feasible.sort(key=lambda c: (c.tight, c.offload_s > 0, -round(c.tokens_per_s, 6), c.comm_volume, -c.micro_batch_size))
+    # ties (selective's recompute is elementwise work the FLOPs model does not count) go to less recompute
+    feasible.sort(key=lambda c: (c.tight, c.offload_s > 0, -round(c.tokens_per_s, 6),
+                                 PLANNER_POLICIES.index(c.checkpointing), c.comm_volume, -c.micro_batch_size))
     return feasible, considered
 
 
@@ -399,13 +408,14 @@ def nothing_fits(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, considere
     host memory, a larger GPU."""
     smallest = min(_estimates(recipe, nodes, gpus, gpu), key=lambda e: (e[4].total_bytes, e[4].host_bytes_per_node))
     layout, ckpt, mbs, gas, est = smallest
-    lowest = (f"{layout_name(layout)}, MBS {mbs}, GAS {gas}, {'recompute' if ckpt else 'no recompute'}: "
+    lowest = (f"{layout_name(layout)}, MBS {mbs}, GAS {gas}, {recompute_label(ckpt)}: "
               f"{est.total_gib:,.1f} GiB per GPU")
     if est.host:
         lowest += f" and {est.host_bytes_per_node / memory.GIB:,.0f} GiB of CPU memory per node"
     lines = [f"no layout of {recipe.name} fits {nodes} x {gpus} {gpu.name} ({gpu.memory_gib:,.1f} GiB; {considered} "
              f"considered: DDP, ZeRO-0 to 3, FSDP, CPU offload with {host_memory_gib:g} GiB of CPU memory per node, "
-             "every power-of-two MBS down to 1, with and without activation checkpointing). The smallest is "
+             "every power-of-two MBS down to 1, activation checkpointing none, selective, every_2 and full). The "
+             "smallest is "
              f"{lowest}. What would fit:"]
     found = _smallest_fit(recipe, nodes, gpus, gpu, host_memory_gib)
     if found and found[2].offload_s > 0:  # the fewest GPUs need offload: also the fewest that do not
@@ -422,14 +432,14 @@ def nothing_fits(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, considere
         lines.append(f"- more GPUs: {n} x {g} {gpu.name} ({n * g} GPUs, {fewest}"
                      f"{' without offload' if best.offload_s == 0 and len(found) > 1 else ''}): {best.name}, MBS "
                      f"{best.micro_batch_size}, GAS {best.grad_accum_steps}, "
-                     f"{'recompute' if best.checkpointing else 'no recompute'}: {best.estimate.total_gib:,.1f} GiB per "
+                     f"{recompute_label(best.checkpointing)}: {best.estimate.total_gib:,.1f} GiB per "
                      f"GPU (pretrain-plan with --nodes {n} --gpus-per-node {g} writes its config)")
     offloaded, _ = plan(recipe, nodes, gpus, gpu, host_memory_gib=float("inf"))
     if offloaded:
         best = offloaded[0]
         need = best.estimate.host_bytes_per_node / memory.GIB
         lines.append(f"- CPU offload on {nodes} x {gpus} {gpu.name}: {best.name}, MBS {best.micro_batch_size}, "
-                     f"{'recompute' if best.checkpointing else 'no recompute'}: {best.estimate.total_gib:,.1f} GiB per "
+                     f"{recompute_label(best.checkpointing)}: {best.estimate.total_gib:,.1f} GiB per "
                      f"GPU and {need:,.0f} GiB of CPU memory per node (if the nodes have it: pretrain-plan with "
                      f"--host-memory-gib {math.ceil(need)}; slow: the optimizer steps on the CPU)")
     else:
@@ -455,7 +465,7 @@ def accelerate_config(c: Candidate, recipe_path: str) -> str:
     lay = c.layout
     lines = [
         f"# Written by pretrain-plan for {recipe_path}: {c.name}, MBS {c.micro_batch_size}, GAS {c.grad_accum_steps}, "
-        f"activation checkpointing {'on' if c.checkpointing else 'off'}.",
+        f"activation checkpointing {c.checkpointing}.",
         f"# Estimated {c.estimate.total_gib:.1f} GiB per GPU of {c.estimate.gpu.memory_gib:.1f} ({c.estimate.gpu.name}).",
         "# The recipe owns precision and batch sizes: keep mixed_precision 'no' here.",
         "compute_environment: LOCAL_MACHINE",
@@ -506,7 +516,7 @@ def recipe_overrides(recipe, c: Candidate) -> list[str]:
     elif c.grad_accum_steps != batch.gradient_accumulation_steps:
         out.append(f"batch.gradient_accumulation_steps={c.grad_accum_steps}")
     if c.checkpointing != recipe.model.activation_checkpointing:
-        out.append(f"model.activation_checkpointing={'true' if c.checkpointing else 'false'}")
+        out.append(f"model.activation_checkpointing={c.checkpointing}")
     return out
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pretrain.checkpointing import checkpointed_blocks, normalize
 from pretrain.memory.terms import Term, gib, num
 from pretrain.memory.workload import PRECISION_BYTES, Workload
 from pretrain.shape import ModelShape, loss_chunk_tokens
@@ -36,7 +37,7 @@ class ActivationEstimate:
 
 
 def activation_memory(shape: ModelShape, micro_batch_size: int, seq_len: int, precision: str,
-                      attention: str = "sdpa", checkpointing: bool = False, device: str = "cuda",
+                      attention: str = "sdpa", checkpointing: str = "none", device: str = "cuda",
                       document_masking: bool = False) -> ActivationEstimate:
     """Saved-for-backward bytes of one micro-batch, from the per-block formula of the architecture.
 
@@ -48,7 +49,13 @@ def activation_memory(shape: ModelShape, micro_batch_size: int, seq_len: int, pr
     makes transformers build one boolean MBS x 1 x s x s block-causal mask for sdpa, which every layer's SDPA
     keeps for backward; flash_attention_2 takes per-document lengths instead, and eager builds its float mask
     either way.
+
+    ``checkpointing`` is the policy (pretrain/checkpointing.py): a checkpointed block keeps its input (b T d)
+    instead of its saved tensors, and one block's tensors are rebuilt at a time in backward; ``selective``
+    also keeps, in every block, the outputs of the ops it saves (matmuls, the attention kernel).
     """
+    policy = normalize(checkpointing)  # booleans too: true = full
+    checkpointed = checkpointed_blocks(policy, shape.num_layers)
     b = PRECISION_BYTES[precision]
     mask = 1 if device == "cuda" else b
     B, s = micro_batch_size, seq_len
@@ -73,9 +80,13 @@ def activation_memory(shape: ModelShape, micro_batch_size: int, seq_len: int, pr
         mlp = mlp_units * b * T * f
         mlp_text = f"gated MLP {mlp_units}bTf (gate, up, act(gate), product)"
         dropout = attn_dropout
-        rope = 0 if checkpointing else 2 * s * shape.head_dim * b  # inside the checkpointed blocks
-        extras_text = "ids and labels 16T" + (", RoPE cos/sin 2 s head_dim b" if rope else "") + ", final RMSNorm"
-        extras = 16 * T + rope + norm
+        # computed once before the blocks; kept for backward (or, checkpointed, for the recompute)
+        rope = 2 * s * shape.head_dim * b
+        # eager's 4D float mask (MBS x 1 x s x s): the checkpointed blocks keep it for their recompute
+        causal_mask = B * s * s * b if eager and checkpointed else 0
+        extras_text = "ids and labels 16T, RoPE cos/sin 2 s head_dim b, final RMSNorm" + (
+            ", causal mask MBS s^2 b" if causal_mask else "")
+        extras = 16 * T + rope + norm + causal_mask
     else:
         norm = 2 * b * T * d + 8 * T
         norm_text = "LayerNorm 2bTd (input, output) + 8T (fp32 mean, rstd)"
@@ -90,7 +101,7 @@ def activation_memory(shape: ModelShape, micro_batch_size: int, seq_len: int, pr
         mlp_text = f"MLP {mlp_units}bTf ({'fc output, tanh, 1 + tanh, x/2, ' if mlp_units == 5 else 'fc output, '}act output)"
         dropout = 2 * T * d * mask * (shape.resid_dropout > 0) + attn_dropout
         # eager builds a 4D float mask (MBS x 1 x s x s) that the checkpointed blocks keep as an input
-        causal_mask = B * s * s * b if eager and checkpointing else 0
+        causal_mask = B * s * s * b if eager and checkpointed else 0
         extras = 16 * T + 8 * s + T * d * mask * (shape.embd_dropout > 0) + norm + causal_mask
         extras_text = "ids and labels 16T, position ids 8s, final LayerNorm" + (
             f", embedding dropout mask {mask}Td" if shape.embd_dropout > 0 else "") + (
@@ -108,20 +119,53 @@ def activation_memory(shape: ModelShape, micro_batch_size: int, seq_len: int, pr
         f"         + {mlp_text}",
         f"         = 2 x {num(norm)} + {num(attn)} + {num(mlp)}{f' + {num(dropout)}' if dropout else ''} = {num(per_layer)} B",
     ]
-    if checkpointing:
-        saved = L * b * T * d + extras
-        recompute = per_layer
-        lines.append(
-            f"checkpointing: {L} block inputs x bTd = {gib(L * b * T * d)} + {extras_text} {gib(extras)}; "
-            f"plus one block recomputed in backward {gib(recompute)}"
-        )
-    else:
+    kept, recompute_text = b * T * d, "bTd (the block input)"
+    recompute = per_layer
+    if policy == "selective":
+        selected, selected_text, recompute = _selective(shape, b, T, s, B, eager, norm, attn, mlp, dropout)
+        kept += selected
+        recompute_text += f" + {selected_text}"
+    if checkpointed == 0:
         saved = L * per_layer + extras
         recompute = 0
         lines.append(f"{L} blocks x {gib(per_layer)} + {extras_text} {gib(extras)}")
+    else:
+        full = L - checkpointed
+        saved = checkpointed * kept + full * per_layer + extras
+        lines.append(
+            f"checkpointing {policy}: {checkpointed} checkpointed block(s) x {recompute_text} = {num(kept)} B"
+            + (f" + {full} block(s) x {num(per_layer)} B" if full else "")
+            + f" + {extras_text} {gib(extras)}; plus one block recomputed in backward {gib(recompute)}"
+        )
     logits_saved = b * T * V
     logits_peak = 2 * b * T * V + 4 * min(T, loss_chunk_tokens(V)) * V
     return ActivationEstimate(saved, recompute, logits_saved, logits_peak, per_layer, tuple(lines))
+
+
+def _selective(shape: ModelShape, b: int, T: int, s: int, B: int, eager: bool, norm: int, attn: int, mlp: int,
+               dropout: int) -> tuple[int, str, int]:
+    """Selective checkpointing of one block: (bytes of the op outputs it keeps, how they were counted, bytes
+    rebuilt when the block is recomputed in backward). Kept: every matmul's output (q, k, v or the fused
+    qkv, o, the MLP's two or three), and the attention kernel's (output and fp32 logsumexp) or, for eager
+    attention, the two batched matmuls' (scores MBS h s^2, output). Rebuilt: what backward needs beyond
+    those: the norms, RoPE'd q and k, the activation function and the gate product, softmax and dropout."""
+    d, f, h = shape.hidden_size, shape.intermediate_size, shape.num_heads
+    q, k = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    scores = B * h * s * s
+    if shape.family == "llama":
+        projections, text = b * T * (q + 2 * k + d + 2 * f + d), "b T(q + 2k + d + 2f + d) (q, k, v, o, gate, up, down)"
+        mlp_rebuilt = mlp - 2 * b * T * f
+    else:
+        projections, text = b * T * (3 * d + d + f + d), "b T(3d + d + f + d) (qkv, proj, fc, proj)"
+        mlp_rebuilt = mlp - b * T * f
+    if eager:
+        kernel, kernel_text = b * scores + b * T * q, "eager b MBS h s^2 + bTq (scores, output)"
+        attn_rebuilt = attn - b * scores
+    else:
+        kernel, kernel_text = b * T * q + 4 * T * h, "bTq + 4Th (attention output, logsumexp)"
+        attn_rebuilt = attn - b * T * q - 4 * T * h - (b * T * k if shape.family == "llama" else 3 * b * T * d)
+    rebuilt = 2 * norm + max(attn_rebuilt, 0) + mlp_rebuilt + dropout
+    return projections + kernel, f"selective {text} + {kernel_text}", rebuilt
 
 
 def activation_terms(acts: ActivationEstimate, shape: ModelShape, workload: Workload) -> tuple[Term, Term]:

@@ -135,7 +135,7 @@ class MemoryEstimate:
             f"layout     {self.layout.describe()}",
             f"workload   {w.precision}, {w.optimizer}, MBS {w.micro_batch_size} x seq {w.seq_len:,}"
             + (f", GAS {w.grad_accum_steps}" if w.grad_accum_steps else "")
-            + f", attention {w.attention}, activation checkpointing {'on' if w.activation_checkpointing else 'off'}",
+            + f", attention {w.attention}, activation checkpointing {w.activation_checkpointing}",
             "",
             "per device".ljust(34) + "GiB",
         ]

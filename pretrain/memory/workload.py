@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pretrain.checkpointing import normalize
 from pretrain.errors import ConfigError
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -46,7 +47,8 @@ class Workload:
     micro_batch_size: int = 1
     seq_len: int = 2048
     attention: str = "sdpa"
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "none"
+    """The checkpointing policy (model.activation_checkpointing): none, full, selective or every_N."""
     document_masking: bool = False  # data.document_masking: sdpa then gets a MBS x s x s mask
     grad_accum_steps: int | None = None
     global_batch_size: int | None = None
@@ -60,6 +62,10 @@ class Workload:
             raise ConfigError(f"reduce_dtype {self.reduce_dtype!r}: use fp32 or bf16")
         if self.attention not in ("sdpa", "eager", "flash_attention_2"):
             raise ConfigError(f"attention {self.attention!r}: use one of sdpa, eager, flash_attention_2")
+        try:
+            object.__setattr__(self, "activation_checkpointing", normalize(self.activation_checkpointing))
+        except ValueError as exc:
+            raise ConfigError(f"activation checkpointing {exc}") from None
         if self.micro_batch_size < 1 or self.seq_len < 1:
             raise ConfigError(
                 f"micro batch size ({self.micro_batch_size}) and seq_len ({self.seq_len}) must be >= 1"
