@@ -161,3 +161,17 @@ def test_readme_recipe_reference_is_up_to_date():
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert render_readme(readme) == readme
+
+
+@pytest.mark.parametrize("given, mode", [(None, "auto"), ("true", "regional"), ("false", "none"),
+                                         ("regional", "regional"), ("full", "full"), ("none", "none")])
+def test_model_compile_takes_a_mode_or_the_old_bool(tmp_path, given, mode):
+    overrides = [] if given is None else [f"model.compile={given}"]
+    recipe = load_recipe(write(tmp_path / "r.yaml", MINIMAL), overrides)
+    assert recipe.model.compile == mode
+    assert recipe.to_dict()["model"]["compile"] == mode  # the resolved recipe records the mode, not the bool
+
+
+def test_model_compile_unknown_mode_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"model.compile = 'max'"):
+        load_recipe(write(tmp_path / "r.yaml", MINIMAL), ["model.compile=max"])
