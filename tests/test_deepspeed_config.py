@@ -159,3 +159,12 @@ def test_fsdp_policy_and_ddp_hook_follow_reduce_dtype(monkeypatch):
     assert gradient_dtypes(fast, fsdp) == {"compute": "bf16", "grad_accum": "bf16", "reduce": "bf16"}
     assert gradient_dtypes(fast, ddp) == {"compute": "bf16", "grad_accum": "fp32", "reduce": "bf16"}
     assert gradient_dtypes(recipe(), launch()) == {"compute": "fp32", "grad_accum": "fp32", "reduce": "fp32"}
+
+
+@pytest.mark.parametrize("mode", ["auto", "regional", "full"])
+def test_compile_is_accepted_under_every_zero_stage(mode):
+    """accelerate compiles DeepSpeed's engine.module in place, ZeRO-3 included (the former refusal is gone; the
+    compiled ZeRO-2 and ZeRO-3 runs are in tests/test_distributed.py)."""
+    for stage in (1, 2, 3):
+        config, _ = build(recipe(model={"compile": mode}), launch(stage=stage))
+        assert config["zero_optimization"]["stage"] == stage
