@@ -90,6 +90,16 @@ class ModelConfig(Section):
         "whole model as one graph (longer compile); `none` eager; `auto` = regional on CUDA, none on CPU "
         "(inductor on CPU compiles C++ for minutes and gains little). true = regional, false = none.",
     )
+    loss: Literal["auto", "chunked", "plain", "liger"] = Field(
+        "auto",
+        description="The training loss's implementation (pretrain/loss.py), all the same causal-LM cross-entropy "
+        "normalised by the global batch's target tokens: `chunked` (pretrain's own, no fp32 copy of the logits), "
+        "`plain` (transformers' ForCausalLMLoss: fp32 logits, for comparison; no z-loss), `liger` (Liger-Kernel's "
+        "fused linear cross-entropy: never materialises the logits; CUDA and `pip install liger-kernel`; with "
+        "stability.z_loss its lse_square_scale, and train/loss then includes the z-loss, train/z_loss is not "
+        "logged), `auto` = liger on CUDA when liger_kernel is installed and supports model.arch (not under "
+        "ZeRO-3, nor with stability.z_loss), else chunked. The choice made is in run_config.json (loss/implementation).",
+    )
     config_overrides: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra attributes of the transformers config (e.g. `{hidden_act: silu}`); each must exist.",

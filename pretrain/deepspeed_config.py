@@ -15,7 +15,7 @@ from typing import Any
 from pretrain.batching import BatchPlan
 from pretrain.config import Recipe
 from pretrain.errors import ConfigError
-from pretrain.launch import Launch
+from pretrain.launch import HPZ_KEY, Launch
 
 _DS_OPTIMIZERS = {"AdamW": "AdamW", "Adam": "Adam"}
 
@@ -116,6 +116,11 @@ def _zero_block(recipe: Recipe, launch: Launch, user_zero: dict[str, Any]) -> di
         "stage3_max_live_parameters": ds.stage3_max_live_parameters,
     }
     zero.update({k: v for k, v in optional.items() if v is not None})
+    if launch.hybrid_shard_size:
+        # hpZ: the launch resolved the JSON's value ("auto": the GPUs per node) and checked it against the world.
+        zero[HPZ_KEY] = launch.hybrid_shard_size
+    else:
+        zero.pop(HPZ_KEY, None)  # 0 or 1: DeepSpeed's own "no hpZ"
     if stage == 3:
         # The final export gathers the full weights (transformers save_pretrained needs them).
         zero.setdefault("stage3_gather_16bit_weights_on_model_save", True)

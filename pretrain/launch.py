@@ -46,6 +46,18 @@ _DEEPSPEED_ENV = {
     "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
     "gradient_clipping": "ACCELERATE_GRADIENT_CLIPPING",
 }
+HPZ_KEY = "zero_hpz_partition_size"
+"""DeepSpeed ZeRO++'s hierarchical partitioning (hpZ): a DeepSpeed JSON's zero_optimization key. "auto": the
+launch's GPUs per node."""
+# accelerate's parallelism_config keys (accelerate config file, `accelerate launch --<key>`) and the environment
+# variables accelerate launch exports for them; pretrain runs data parallelism only (no TP, CP or SP).
+_PARALLELISM_ENV = {
+    "parallelism_config_dp_replicate_size": "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",
+    "parallelism_config_dp_shard_size": "PARALLELISM_CONFIG_DP_SHARD_SIZE",
+    "parallelism_config_tp_size": "PARALLELISM_CONFIG_TP_SIZE",
+    "parallelism_config_cp_size": "PARALLELISM_CONFIG_CP_SIZE",
+    "parallelism_config_sp_size": "PARALLELISM_CONFIG_SP_SIZE",
+}
 
 
 @dataclass(frozen=True)
@@ -77,6 +89,12 @@ class Launch:
     """A user's DeepSpeed JSON named by the accelerate config, merged with the recipe's fields."""
     deepspeed_fields: Mapping[str, str] = field(default_factory=dict)
     """gradient_accumulation_steps / gradient_clipping as the accelerate config gave them (checked, not used)."""
+    hybrid_shard_size: int | None = None
+    """Hybrid sharding: the ranks (one node's GPUs) that shard one replica of the parameters; the replicas span
+    the nodes. DeepSpeed ZeRO-3 hpZ (zero_optimization.zero_hpz_partition_size: a secondary copy of the
+    compute-dtype parameters partitioned within the group, where backward gathers them) or FSDP2 HSDP
+    (accelerate's parallelism_config dp_shard_size: every state sharded within the group, dp_replicate_size
+    copies). None: sharded over the whole world."""
 
     def __post_init__(self):
         check_launch(self)
@@ -94,15 +112,31 @@ class Launch:
     def uses_deepspeed(self) -> bool:
         return self.engine == "deepspeed"
 
+    @property
+    def num_replicas(self) -> int:
+        """Copies of the sharded states: world / hybrid_shard_size (1 unless hybrid)."""
+        return self.world_size // self.hybrid_shard_size if self.hybrid_shard_size else 1
+
+    def hybrid_text(self) -> str:
+        """How describe() and the planner name the hybrid part ("" when not hybrid)."""
+        if not self.hybrid_shard_size:
+            return ""
+        what = "hpZ" if self.uses_deepspeed else "HSDP"
+        return f"{what}: sharded within {self.hybrid_shard_size} GPUs, {self.num_replicas} replicas"
+
     def describe(self) -> str:
         if self.engine == "ddp":
             what = "PyTorch DDP" if self.world_size > 1 else "one process (no data parallelism)"
         elif self.engine == "fsdp":
             what = f"FSDP {self.fsdp_sharding or 'FULL_SHARD'}"
+            if self.hybrid_shard_size:
+                what += f" ({self.hybrid_text()})"
             if self.offload_params != "none":
                 what += f" (offload params -> {self.offload_params})"
         else:
             what = f"DeepSpeed ZeRO-{self.zero_stage}"
+            if self.hybrid_shard_size:
+                what += f" ({self.hybrid_text()})"
             offload = [f"optimizer -> {self.offload_optimizer}"] * (self.offload_optimizer != "none")
             offload += [f"params -> {self.offload_params}"] * (self.offload_params != "none")
             if offload:
@@ -116,6 +150,7 @@ class Launch:
             "engine": self.engine, "zero_stage": self.zero_stage if self.uses_deepspeed else None,
             "fsdp_sharding": self.fsdp_sharding, "offload_optimizer": self.offload_optimizer,
             "offload_params": self.offload_params, "world_size": self.world_size, "num_machines": self.num_nodes,
+            "hybrid_shard_size": self.hybrid_shard_size,
         }  # fmt: skip
 
     # ---- built from the environment of a launched process ---------------------------------------
@@ -138,8 +173,13 @@ class Launch:
             return cls._deepspeed(ds, "the accelerate launch environment", **common)
         if environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
             offload = environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"
-            strategy = _fsdp_strategy(environ.get("FSDP_SHARDING_STRATEGY"), environ.get("FSDP_RESHARD_AFTER_FORWARD"))
-            return cls("fsdp", offload_params="cpu" if offload else "none", fsdp_sharding=strategy, **common)
+            parallelism = ({key: environ.get(var) for key, var in _PARALLELISM_ENV.items()}
+                           if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true" else {})
+            strategy, hybrid = _fsdp_layout(environ.get("FSDP_SHARDING_STRATEGY"), environ.get("FSDP_RESHARD_AFTER_FORWARD"),
+                                            environ.get("FSDP_VERSION"), parallelism, common["num_nodes"],
+                                            common["gpus_per_node"], "the accelerate launch environment")
+            return cls("fsdp", offload_params="cpu" if offload else "none", fsdp_sharding=strategy,
+                       hybrid_shard_size=hybrid, **common)
         return cls("ddp", **common)
 
     # ---- built from an accelerate config file, before any process exists -------------------------
@@ -172,10 +212,18 @@ class Launch:
         if kind == "FSDP":
             fsdp = config.get("fsdp_config") or {}
             offload = str(fsdp.get("fsdp_offload_params", False)).lower() == "true"
-            strategy = _fsdp_strategy(
+            parallelism = dict(config.get("parallelism_config") or {})
+            for key in _PARALLELISM_ENV:
+                value = option_value(accelerate_args, f"--{key}")
+                if value is not None:
+                    parallelism[key] = value
+            strategy, hybrid = _fsdp_layout(
                 option_value(accelerate_args, "--fsdp_sharding_strategy") or fsdp.get("fsdp_sharding_strategy"),
-                option_value(accelerate_args, "--fsdp_reshard_after_forward") or fsdp.get("fsdp_reshard_after_forward"))
-            return cls("fsdp", offload_params="cpu" if offload else "none", fsdp_sharding=strategy, **common)
+                option_value(accelerate_args, "--fsdp_reshard_after_forward") or fsdp.get("fsdp_reshard_after_forward"),
+                option_value(accelerate_args, "--fsdp_version") or fsdp.get("fsdp_version"), parallelism, nodes,
+                gpus_per_node, source)
+            return cls("fsdp", offload_params="cpu" if offload else "none", fsdp_sharding=strategy,
+                       hybrid_shard_size=hybrid, **common)
         if kind != "DEEPSPEED":
             raise ConfigError(f"{source}: distributed_type {kind} is not supported; use DEEPSPEED, FSDP, "
                               "MULTI_GPU, MULTI_CPU or NO")
@@ -207,9 +255,75 @@ class Launch:
         off_par = ds.get("offload_param_device") or (zero.get("offload_param") or {}).get("device") or "none"
         init = ds.get("zero3_init_flag")
         fields = {k: str(ds[k]) for k in ("gradient_accumulation_steps", "gradient_clipping") if ds.get(k) is not None}
+        hpz = _hpz_size(zero.get(HPZ_KEY), common["gpus_per_node"], config_file)
         return cls("deepspeed", stage, str(off_opt).lower(), str(off_par).lower(),
                    zero3_init=None if init in (None, "") else str(init).lower() == "true",
-                   deepspeed_config_file=config_file, deepspeed_fields=fields, **common)
+                   deepspeed_config_file=config_file, deepspeed_fields=fields, hybrid_shard_size=hpz, **common)
+
+
+def _hpz_size(value: Any, gpus_per_node: int, config_file: str | None) -> int | None:
+    """zero_optimization.zero_hpz_partition_size of a DeepSpeed JSON: "auto" is the GPUs per node; 0 or 1
+    (DeepSpeed's default) is no hpZ."""
+    if value in (None, 0, 1, "0", "1"):
+        return None
+    if str(value).lower() == "auto":
+        return gpus_per_node
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        size = -1
+    if size < 0 or str(size) != str(value).strip():
+        raise ConfigError(f"{config_file}: zero_optimization.{HPZ_KEY} = {value!r}; use \"auto\" (the GPUs per node) "
+                          "or a whole number of GPUs that divides the world size")
+    return size
+
+
+def _fsdp_layout(strategy: str | int | None, reshard_after_forward: str | bool | None, version: str | int | None,
+                 parallelism: Mapping[str, Any], nodes: int, gpus_per_node: int, source: str) -> tuple[str, int | None]:
+    """(sharding strategy, hybrid_shard_size) of an FSDP launch. HSDP: FSDP2 with accelerate's parallelism_config
+    (dp_replicate_size x dp_shard_size); FSDP1's HYBRID_SHARD strategies shard within a node (torch's default)."""
+    name = _fsdp_strategy(strategy, reshard_after_forward)
+    fsdp2 = str(version or "1") == "2"
+    if name.startswith("HYBRID_SHARD"):
+        if fsdp2:
+            raise ConfigError(f"{source}: FSDP2 has no {name} strategy (accelerate takes only true / false for "
+                              "fsdp_reshard_after_forward); hybrid sharding with FSDP2 is accelerate's parallelism_config: "
+                              "see accelerate_configs/multinode_hsdp.yaml")
+        return ("FULL_SHARD" if name == "HYBRID_SHARD" else "SHARD_GRAD_OP"), gpus_per_node
+    sizes = {}
+    for key, value in parallelism.items():
+        if key not in _PARALLELISM_ENV or value in (None, ""):
+            continue
+        try:
+            sizes[key] = int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{source}: parallelism_config.{key} = {value!r}; use a whole number") from None
+    unsupported = {k: v for k, v in sizes.items() if v != 1 and k not in (
+        "parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size")}
+    if unsupported:
+        raise ConfigError(f"{source}: {', '.join(f'parallelism_config.{k} = {v}' for k, v in unsupported.items())}: "
+                          "pretrain runs data parallelism only (no tensor, context or sequence parallelism); set them to 1")
+    replicate = sizes.get("parallelism_config_dp_replicate_size", 1)
+    shard = sizes.get("parallelism_config_dp_shard_size", 1)
+    if replicate <= 1:
+        if sizes.get("parallelism_config_dp_shard_size", nodes * gpus_per_node) not in (1, nodes * gpus_per_node):
+            raise ConfigError(f"{source}: parallelism_config_dp_shard_size = {shard} but the launch has "
+                              f"{nodes * gpus_per_node} processes; without dp_replicate_size it must be the world size")
+        return name, None
+    if not fsdp2:
+        raise ConfigError(f"{source}: parallelism_config (dp_replicate_size {replicate}) needs fsdp_version: 2; "
+                          "accelerate refuses it with FSDP1")
+    if replicate * shard != nodes * gpus_per_node:
+        raise ConfigError(
+            f"{source}: parallelism_config dp_replicate_size ({replicate}) x dp_shard_size ({shard}) = "
+            f"{replicate * shard}, but the launch has {nodes} x {gpus_per_node} = {nodes * gpus_per_node} processes; "
+            f"for hybrid sharding set dp_shard_size to the GPUs per node ({gpus_per_node}) and dp_replicate_size "
+            f"to the nodes ({nodes})")
+    if shard <= 1:
+        raise ConfigError(f"{source}: parallelism_config dp_shard_size = {shard} leaves FSDP nothing to shard over; "
+                          f"set it to the GPUs per node ({gpus_per_node}), or use accelerate_configs/ddp.yaml for "
+                          "plain data parallelism")
+    return name, shard
 
 
 def _fsdp_strategy(strategy: str | int | None, reshard_after_forward: str | bool | None) -> str:
@@ -239,8 +353,37 @@ def check_launch(launch: Launch) -> None:
     for what, device in (("offload_optimizer", launch.offload_optimizer), ("offload_params", launch.offload_params)):
         if device not in OFFLOAD_DEVICES:
             problems.append(f"{what} device {device!r}: use none, cpu or nvme")
+    if (launch.fsdp_sharding or "").startswith("HYBRID_SHARD"):
+        problems.append(f"fsdp_sharding {launch.fsdp_sharding}: give FULL_SHARD or SHARD_GRAD_OP with hybrid_shard_size "
+                        "(the GPUs that shard one replica)")
+    if launch.hybrid_shard_size is not None and not problems:
+        problems += _hybrid_problems(launch)
     if problems:
         raise ConfigError(problems)
+
+
+def _hybrid_problems(launch: Launch) -> list[str]:
+    """Hybrid sharding DeepSpeed or FSDP cannot run, or that would replicate nothing."""
+    size, world = launch.hybrid_shard_size, launch.world_size
+    what = f"{HPZ_KEY} = {size}" if launch.uses_deepspeed else f"parallelism_config dp_shard_size = {size}"
+    fix = (f"use the GPUs per node ({launch.gpus_per_node}; \"auto\" in the DeepSpeed JSON)" if launch.uses_deepspeed
+           else f"set dp_shard_size to the GPUs per node ({launch.gpus_per_node}) and dp_replicate_size to the nodes")
+    if launch.engine == "ddp":
+        return ["hybrid sharding needs DeepSpeed ZeRO-3 (hpZ) or FSDP (HSDP); DDP shards nothing"]
+    if launch.uses_deepspeed and launch.zero_stage != 3:
+        return [f"{what} (hpZ) needs ZeRO-3 (got ZeRO-{launch.zero_stage}): it partitions a secondary copy of the "
+                "parameters, which only ZeRO-3 partitions; use zero_stage 3 (multinode_zero3_hpz.yaml) or remove "
+                f"{HPZ_KEY}"]
+    if size < 2:
+        return [f"{what}: a group of fewer than 2 GPUs shards nothing; {fix}"]
+    if world % size:
+        return [f"{what} does not divide the world size ({launch.num_nodes} x {launch.gpus_per_node} = {world}); {fix}"]
+    if launch.num_nodes == 1:
+        return [f"{what} on one node: hybrid sharding keeps a copy per node so that the gathers stay inside it, and "
+                "one node has nothing to replicate across; use accelerate_configs/zero3.yaml or fsdp.yaml"]
+    if size == world:
+        return [f"{what} equals the world size ({world}): nothing is replicated, only memory is spent; {fix}"]
+    return []
 
 
 def check_offload(launch: Launch) -> None:

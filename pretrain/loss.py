@@ -16,16 +16,38 @@ the returned loss is added to a ``LossTerms`` for logging (``train/z_loss``).
 It replaces the model's ``loss_function`` (transformers calls it from the model's forward, so DDP, FSDP
 and DeepSpeed hooks are untouched) with the same signature. Without autograd (evaluation) no gradient is
 computed.
+
+``model.loss`` picks the implementation (``resolve_loss``, ``install_loss``): ``chunked`` (this module),
+``plain`` (transformers' ``ForCausalLMLoss``, the comparison the benchmarks make), ``liger`` (Liger-Kernel's
+fused linear cross-entropy through its own ``_apply_liger_kernel_to_instance``: the model's forward hands
+the last hidden states and the LM-head weight to a Triton kernel that computes the loss and both gradients
+chunk by chunk, so no logits exist at all in training; evaluation's forward still computes logits and this
+module's loss). Liger reads ``lm_head.weight`` outside the head's own forward, which DeepSpeed ZeRO-3 has
+not gathered (an empty shard: huggingface/trl#3368), so it is refused there. Its loss is the sum over
+target tokens divided by ``num_items_in_batch`` (reduction "sum"), as here. With ``stability.z_loss`` Liger
+adds z x lse^2 per target token itself, with the gradient (1 + 2 z lse) softmax - one-hot computed here too
+(its ``lse_square_scale``, passed as a forward argument), but its model forward returns the
+sum only: train/loss then includes the z-loss and train/z_loss is not logged, which is why ``auto`` keeps
+``chunked`` when the z-loss is on.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from pretrain import shape
+from pretrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pretrain.config import Recipe
+    from pretrain.launch import Launch
+
+LIGER_INSTALL = "pip install liger-kernel"
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -120,3 +142,96 @@ def chunked_causal_lm_loss(
     if terms is not None and z_loss and flat.requires_grad:  # training: evaluation adds no z-loss
         terms.add(z_part)
     return loss
+
+
+# --------------------------------------------------------------------------------------------------
+# model.loss: which implementation a run uses
+
+
+def liger_unsupported(arch: str, z_loss: float = 0.0) -> str | None:
+    """Why Liger-Kernel's fused linear cross-entropy cannot serve ``arch`` here (None: it can). Imports
+    liger_kernel (and Triton): call it only where CUDA is."""
+    try:
+        from liger_kernel.transformers import functional
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError as exc:
+        return f"liger_kernel cannot be imported ({exc}): {LIGER_INSTALL}"
+    apply_fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(arch)
+    if apply_fn is None:
+        known = ", ".join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))
+        return f"Liger-Kernel has no kernels for model.arch={arch} (it has: {known})"
+    if "fused_linear_cross_entropy" not in inspect.signature(apply_fn).parameters:
+        return f"this Liger-Kernel has no fused linear cross-entropy for model.arch={arch}; upgrade: {LIGER_INSTALL} -U"
+    if z_loss and "lse_square_scale" not in inspect.signature(functional.liger_fused_linear_cross_entropy).parameters:
+        return f"this Liger-Kernel has no lse_square_scale (stability.z_loss); upgrade: {LIGER_INSTALL} -U"
+    return None
+
+
+def resolve_loss(recipe: Recipe, launch: Launch, cuda: bool | None = None) -> str:
+    """The loss implementation ``model.loss`` means on this launch: chunked, plain or liger. A choice that
+    cannot run here is one ConfigError (check_run raises it before any process starts)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    choice, z_loss, arch = recipe.model.loss, recipe.stability.z_loss, recipe.model.arch
+    zero3 = launch.uses_deepspeed and launch.zero_stage == 3
+    if choice == "plain" and z_loss:
+        raise ConfigError(f"model.loss=plain (transformers' ForCausalLMLoss) has no z-loss but stability.z_loss = "
+                          f"{z_loss}; use model.loss=chunked (or auto), or set stability.z_loss=0")
+    if choice == "liger":
+        problems = []
+        if not cuda:
+            problems.append(f"model.loss=liger needs a CUDA GPU and `{LIGER_INSTALL}` (Liger-Kernel's kernels are "
+                            "Triton); use model.loss=chunked (or auto) on this machine")
+        if zero3:
+            problems.append("model.loss=liger cannot run under DeepSpeed ZeRO-3 (Liger reads lm_head.weight "
+                            "outside the head's forward, where ZeRO-3 has not gathered it); use model.loss=chunked "
+                            "(or auto), or ZeRO-1/2 or FSDP")
+        if cuda:
+            reason = liger_unsupported(arch, z_loss)
+            if reason:
+                problems.append(f"model.loss=liger: {reason}; or use model.loss=chunked (or auto)")
+        if problems:
+            raise ConfigError(problems)
+        return "liger"
+    if choice != "auto":
+        return choice
+    if not cuda or zero3 or z_loss or liger_unsupported(arch) is not None:
+        return "chunked"
+    return "liger"
+
+
+def install_loss(model: nn.Module, implementation: str, z_loss: float = 0.0) -> LossTerms | None:
+    """Give the built model (before accelerate.prepare) the loss ``resolve_loss`` chose; the terms to read the
+    z-loss part from (chunked with stability.z_loss), else None."""
+    if implementation == "plain":
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        model.loss_function = ForCausalLMLoss
+        return None
+    if z_loss and implementation == "chunked":
+        return install_z_loss(model, z_loss)
+    model.loss_function = chunked_causal_lm_loss  # liger: what evaluation's forward (logits computed) calls
+    if implementation == "liger":
+        _install_liger(model, z_loss)
+    return None
+
+
+def _install_liger(model: nn.Module, z_loss: float) -> None:
+    from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+
+    forward_before = model.forward
+    # The fused linear cross-entropy only: Liger's RoPE, RMSNorm and SwiGLU kernels would change the model too.
+    _apply_liger_kernel_to_instance(model=model, fused_linear_cross_entropy=True, cross_entropy=False, rope=False,
+                                    rms_norm=False, swiglu=False)
+    if model.forward == forward_before:  # Liger only logs what it does not support
+        raise ConfigError(f"Liger-Kernel did not patch the {type(model).__name__}'s forward; use model.loss=chunked")
+    if z_loss:
+        # Liger's forward hands its keyword arguments to LigerForCausalLMLoss, which keeps those of
+        # liger_fused_linear_cross_entropy: lse_square_scale is the z-loss coefficient (z x lse^2 per target
+        # token, in the same sum normalised by num_items_in_batch). Training only: evaluation stays the
+        # cross-entropy.
+        def add_z_loss(module, args, kwargs):
+            if module.training:
+                kwargs = {**kwargs, "lse_square_scale": z_loss}
+            return args, kwargs
+
+        model.register_forward_pre_hook(add_z_loss, with_kwargs=True)

@@ -25,7 +25,10 @@ from pathlib import Path
 import torch
 from accelerate import init_empty_weights
 from huggingface_hub.errors import StrictDataclassError
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -317,7 +320,9 @@ def init_weights(model: PreTrainedModel, seed: int) -> None:
     drawn: set[int] = set()  # ids of the parameters drawn so far
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         for name, module in reversed(list(model.named_modules())):
-            with _full_on_cpu([module, *module.children()], drawn):
+            modules = [module, *module.children()]
+            redrawn = _touched_by_rule(model, modules, drawn)
+            with _full_on_cpu(modules, drawn, redrawn):
                 torch.default_generator.manual_seed(_module_seed(seed, name))
                 model._init_weights(module)
 
@@ -328,8 +333,53 @@ def _module_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+class _Touches(TorchFunctionMode):
+    """Records which of the given tensors any torch function receives (a read, a write, ``.data``)."""
+
+    def __init__(self, watched: set[int]):
+        super().__init__()
+        self.watched, self.touched = watched, set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.touched.update(id(t) for t in pytree.tree_leaves((args, kwargs))
+                            if isinstance(t, torch.Tensor) and id(t) in self.watched)
+        return func(*args, **kwargs)
+
+
+def _touched_by_rule(model: PreTrainedModel, modules: list[torch.nn.Module], drawn: set[int]) -> set[int]:
+    """The ids of the already drawn parameters of ``modules`` that the init rule of ``modules[0]`` uses.
+
+    A parent's rule sees its children's parameters, which their own rules drew before it; most rules (a
+    Llama decoder layer's, the model's) leave them alone, and gathering a sharded one for nothing holds it
+    full beside the rank's share (the embedding: 0.1x of a 500M model). The rule is first run on meta
+    stand-ins of the module's parameters, watched by a torch function mode: a stand-in it reads or writes
+    (``normal_``, ``.data``, ``mul_``) marks its parameter as used. A rule that cannot run on meta tensors
+    counts as using every one of them. Meta tensors draw no random numbers, and buffers are left real: a
+    rule writes them the same values again in the real run.
+    """
+    params = {id(p): p for m in modules for p in m.parameters(recurse=False)}
+    if not any(i in drawn for i in params):
+        return set()
+    stand_ins = {i: torch.nn.Parameter(torch.empty(getattr(p, "ds_shape", p.shape), dtype=p.dtype, device="meta"),
+                                       requires_grad=p.requires_grad) for i, p in params.items()}
+    slots = [(m, key, p) for m in modules for key, p in m._parameters.items() if p is not None and id(p) in params]
+    watch = _Touches({id(t) for t in stand_ins.values()})
+    for module, key, param in slots:
+        module._parameters[key] = stand_ins[id(param)]
+    try:
+        with watch:
+            model._init_weights(modules[0])
+    except Exception:  # noqa: BLE001 - an op without a meta kernel: gather all of them, as before
+        return {i for i in params if i in drawn}
+    finally:
+        for module, key, param in slots:
+            module._parameters[key] = param
+    return {i for i, t in stand_ins.items() if i in drawn and id(t) in watch.touched}
+
+
 @contextlib.contextmanager
-def _full_on_cpu(modules: list[torch.nn.Module], drawn: set[int]):
+def _full_on_cpu(modules: list[torch.nn.Module], drawn: set[int], redrawn: set[int]):
     """Let the init draw full CPU tensors for these modules' own parameters, then put the values where each
     parameter lives. Every rank draws the same values, so a rank keeps its part of the draw without
     communication: a ZeRO-3 partition (DeepSpeed's own ``param.partition``) or a DTensor shard (FSDP2)
@@ -337,10 +387,13 @@ def _full_on_cpu(modules: list[torch.nn.Module], drawn: set[int]):
 
     A parameter not drawn yet (not in ``drawn``) holds nothing worth reading, so its full tensor is a new
     NaN-filled CPU tensor: no all-gather, and at most one full module beside the rank's share. One drawn
-    before (a parent's rule may rescale a child's tensor, GPT-2's c_proj) is gathered with its current
-    values: ZeRO-3 through ``GatheredParameters`` (rank 0's values kept), FSDP2 through ``full_tensor``.
+    before is left where it is unless it is in ``redrawn`` (a parent's rule that uses a child's tensor,
+    GPT-2's c_proj): then it is gathered with its current values, ZeRO-3 through ``GatheredParameters``
+    (rank 0's values kept), FSDP2 through ``full_tensor``. A shard's slice is copied straight out of the
+    full tensor (no shard-sized temporary).
     """
-    params = list({id(p): p for m in modules for p in m.parameters(recurse=False)}.values())
+    params = list({id(p): p for m in modules for p in m.parameters(recurse=False)
+                   if id(p) not in drawn or id(p) in redrawn}.values())
     fresh = {id(p) for p in params if id(p) not in drawn}
 
     def new_full(param: torch.Tensor) -> torch.Tensor:
@@ -364,8 +417,9 @@ def _full_on_cpu(modules: list[torch.nn.Module], drawn: set[int]):
             for param in {id(p): p for _, _, p in slots}.values():
                 full = sharded[id(param)].detach()
                 # every rank drew the same full tensor: each keeps its slice, no communication
-                local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-                param.to_local().copy_(local.to_local())
+                shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh,
+                                                                      param.placements)
+                param.to_local().copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
             for param, data in moved:
                 data.copy_(param.data)
                 param.data = data

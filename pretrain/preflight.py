@@ -26,6 +26,7 @@ class RunPlan:
 
 def check_run(recipe: Recipe, launch: Launch) -> RunPlan:
     """Raise one ConfigError for the first section that cannot run on ``launch``; else the plan."""
+    from pretrain.loss import resolve_loss
     from pretrain.optim import check_optimizer_args, check_schedule, scaled_lr
     from pretrain.runtime import check_precision, deepspeed_config
 
@@ -35,6 +36,8 @@ def check_run(recipe: Recipe, launch: Launch) -> RunPlan:
     check_optimizer_args(recipe.optim, lr)
     check_schedule(recipe.lr_schedule, num_steps)
     check_precision(recipe, launch)
+    if recipe.model.loss != "auto":  # auto always resolves; an explicit liger (or plain) may not run here
+        resolve_loss(recipe, launch)
     if launch.uses_deepspeed:
         deepspeed_config(recipe, batch, launch, lr)  # the user's JSON against the recipe: conflicts are errors
     return RunPlan(launch, batch, num_steps, lr)

@@ -36,7 +36,7 @@ from pretrain.evaluation import Evaluator
 from pretrain.hardware import gpu_for_device
 from pretrain.launch import Launch
 from pretrain.loader import DocumentMasking, build_train_loader, build_val_loaders, data_horizon
-from pretrain.loss import install_z_loss
+from pretrain.loss import install_loss, resolve_loss
 from pretrain.memory import estimate
 from pretrain.metrics import ThroughputMonitor, memory_metrics, resolve_peak
 from pretrain.model import build_model, count_parameters, resolve_vocab_size, save_pretrained_model
@@ -192,7 +192,8 @@ class Trainer:
         model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed,
                             device=placement.device, shard=placement.shard)
         self.num_params = count_parameters(model)
-        self.loss_terms = install_z_loss(model, recipe.stability.z_loss) if recipe.stability.z_loss else None
+        self.loss_implementation = resolve_loss(recipe, self.launch)  # model.loss (auto: liger on CUDA, if it can)
+        self.loss_terms = install_loss(model, self.loss_implementation, recipe.stability.z_loss)
         TiedWeightsSaved.install(model)  # checkpoints leave out the tied LM head copy; loading ties it again
         self.flops, self.peak = throughput_reference(recipe, model.config, self.device, self.log)
         self.memory_estimate_gib = memory_estimate(recipe, self.plan, self.launch, self.device, self.log)

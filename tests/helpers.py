@@ -131,6 +131,6 @@ def accelerate_environment(config_file, *options: str) -> dict[str, str]:
         environment = prepare_multi_gpu_env(args)
     else:
         environment = {"ACCELERATE_MIXED_PRECISION": str(args.mixed_precision)}
-    environment = {k: v for k, v in environment.items() if k.startswith(("ACCELERATE_", "FSDP_"))}
+    environment = {k: v for k, v in environment.items() if k.startswith(("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_"))}
     return {**environment, "WORLD_SIZE": str(args.num_processes), "GROUP_WORLD_SIZE": str(args.num_machines),
             "RANK": "0"}

@@ -97,8 +97,10 @@ def test_launch_read_from_the_config_equals_the_launch_the_processes_read(config
     path = CONFIGS / config
     before = Launch.from_accelerate_config(path)
     assert Launch.from_env(accelerate_environment(path)) == before
-    assert before.engine == {"fsdp.yaml": "fsdp"}.get(config, "deepspeed" if "zero" in config else "ddp")
+    assert before.engine == ("fsdp" if "sdp" in config else "deepspeed" if "zero" in config else "ddp")
     options = ["--num_processes", "4", "--num_machines", "2"]
+    if "hsdp" in config:  # the mesh's sizes are the config's own numbers, not derived
+        options += ["--parallelism_config_dp_replicate_size", "2", "--parallelism_config_dp_shard_size", "2"]
     assert Launch.from_env(accelerate_environment(path, *options)) == Launch.from_accelerate_config(path, options)
 
 

@@ -1,13 +1,24 @@
-"""The chunked causal-LM loss is transformers' ForCausalLMLoss in value and gradient, in fewer bytes."""
+"""The chunked causal-LM loss is transformers' ForCausalLMLoss in value and gradient, in fewer bytes; model.loss
+resolves per device and launch, and each implementation is installed by its own mechanism."""
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.loss.loss_utils import ForCausalLMLoss
 
+import pretrain.loss
 import pretrain.shape as shape
-from pretrain.loss import chunked_causal_lm_loss
+from pretrain.config import load_recipe
+from pretrain.errors import ConfigError
+from pretrain.launch import Launch
+from pretrain.loss import chunked_causal_lm_loss, install_loss, resolve_loss
+from pretrain.preflight import check_run
+from tests.helpers import TINY
 
 V = 50
 
@@ -74,3 +85,117 @@ def test_without_autograd_no_gradient_is_computed():
     with torch.no_grad():
         value = chunked_causal_lm_loss(logits, labels=torch.randint(0, V, (2, 5)), vocab_size=V)
     assert torch.isfinite(value) and not value.requires_grad
+
+
+# --------------------------------------------------------------------------------------------------
+# model.loss: the implementation a run uses
+
+
+def _recipe(*overrides):
+    return load_recipe(TINY, list(overrides))
+
+
+ZERO3 = Launch("deepspeed", zero_stage=3)
+
+
+@pytest.fixture
+def liger_supports(monkeypatch):
+    """liger_kernel importable and supporting the arch, whatever this machine has (it cannot run here)."""
+    monkeypatch.setattr(pretrain.loss, "liger_unsupported", lambda arch, z_loss=0.0: None)
+
+
+@pytest.mark.parametrize(("overrides", "launch", "cuda", "expected"), [
+    ((), Launch(), False, "chunked"),  # no CUDA
+    ((), Launch(), True, "liger"),
+    ((), ZERO3, True, "chunked"),  # ZeRO-3 has not gathered lm_head.weight where Liger reads it
+    (("stability.z_loss=1e-4",), Launch(), True, "chunked"),  # Liger's forward drops the z-loss part
+    (("model.loss=chunked",), Launch(), True, "chunked"),
+    (("model.loss=plain",), Launch(), True, "plain"),
+    (("model.loss=liger", "stability.z_loss=1e-4"), Launch(), True, "liger"),
+])
+def test_the_loss_resolves_per_device_and_launch(liger_supports, overrides, launch, cuda, expected):
+    assert resolve_loss(_recipe(*overrides), launch, cuda=cuda) == expected
+
+
+def test_auto_is_chunked_where_liger_kernel_is_missing_or_has_no_kernel(monkeypatch):
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)  # import liger_kernel raises ImportError
+    assert "pip install liger-kernel" in pretrain.loss.liger_unsupported("llama")
+    assert resolve_loss(_recipe(), Launch(), cuda=True) == "chunked"
+    with pytest.raises(ConfigError, match="pip install liger-kernel"):
+        resolve_loss(_recipe("model.loss=liger"), Launch(), cuda=True)
+
+
+@pytest.mark.parametrize(("overrides", "launch", "message"), [
+    (("model.loss=liger",), Launch(), "needs a CUDA GPU and `pip install liger-kernel`"),
+    (("model.loss=liger",), ZERO3, "cannot run under DeepSpeed ZeRO-3"),
+    (("model.loss=plain", "stability.z_loss=1e-4"), Launch(), "has no z-loss"),
+])
+def test_a_loss_that_cannot_run_is_refused_before_launch(overrides, launch, message):
+    with pytest.raises(ConfigError, match=message):
+        check_run(_recipe(*overrides), launch)  # pretrain-launch and every process call it first
+
+
+def _tiny_llama():
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         vocab_size=V)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def test_plain_and_chunked_give_the_model_the_same_loss_and_gradients():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, V, (2, 16), generator=g)
+    targets = ids.clone()
+    targets[0, :4] = -100
+    results = []
+    for implementation in ("plain", "chunked"):
+        model = _tiny_llama()
+        assert install_loss(model, implementation) is None
+        loss = model(input_ids=ids, labels=targets, shift_labels=targets, num_items_in_batch=25.0).loss
+        loss.backward()
+        results.append((loss.item(), [p.grad for p in model.parameters()]))
+    (plain, plain_grads), (chunked, chunked_grads) = results
+    assert chunked == pytest.approx(plain, rel=1e-6)
+    for a, b in zip(plain_grads, chunked_grads, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
+def test_liger_is_applied_by_its_own_instance_patch_with_the_z_loss_in_training_only(monkeypatch):
+    """Liger-Kernel itself cannot run here (Triton, CUDA): a stand-in for its instance patch records what
+    the patched forward is given, as Liger's forward hands its keyword arguments to its loss."""
+    calls = {}
+
+    def apply(model, **kwargs):
+        calls["apply"] = kwargs
+        original = model.forward
+
+        def forward(*args, **kw):
+            calls["forward"] = dict(kw)
+            kw.pop("lse_square_scale", None)
+            return original(*args, **kw)
+
+        model.forward = forward
+
+    patch = types.ModuleType("liger_kernel.transformers.monkey_patch")
+    patch._apply_liger_kernel_to_instance = apply
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", patch)
+    model = _tiny_llama()
+    assert install_loss(model, "liger", z_loss=1e-4) is None
+    assert calls["apply"] == {"fused_linear_cross_entropy": True, "cross_entropy": False, "rope": False,
+                              "rms_norm": False, "swiglu": False}
+    ids = torch.randint(0, V, (1, 8))
+    model.train()
+    model(input_ids=ids, labels=ids)
+    assert calls["forward"]["lse_square_scale"] == 1e-4
+    model.eval()
+    model(input_ids=ids, labels=ids)
+    assert "lse_square_scale" not in calls["forward"]  # evaluation: the cross-entropy alone
+    assert model.loss_function is chunked_causal_lm_loss  # what evaluation's forward (logits computed) calls
+
+
+def test_liger_that_patches_nothing_is_an_error(monkeypatch):
+    patch = types.ModuleType("liger_kernel.transformers.monkey_patch")
+    patch._apply_liger_kernel_to_instance = lambda model, **kwargs: None  # Liger only logs an unknown type
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", patch)
+    with pytest.raises(ConfigError, match="did not patch"):
+        install_loss(_tiny_llama(), "liger")

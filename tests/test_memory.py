@@ -158,10 +158,11 @@ def test_offload_moves_optimizer_states_to_the_host():
     assert both.terms["params"].bytes < states(3).terms["params"].bytes / 100
 
 
-def fsdp(sharding="FULL_SHARD", nodes=1, gas=1, offload="none", reduce="fp32"):
+def fsdp(sharding="FULL_SHARD", nodes=1, gas=1, offload="none", reduce="fp32", hybrid=None):
     w = memory.Workload(precision="bf16", micro_batch_size=1, seq_len=4096, grad_accum_steps=gas, reduce_dtype=reduce)
     return memory.estimate_shape(shape_of(R7B), w, Launch("fsdp", offload_params=offload, num_nodes=nodes,
-                                                          gpus_per_node=8, fsdp_sharding=sharding))
+                                                          gpus_per_node=8, fsdp_sharding=sharding,
+                                                          hybrid_shard_size=hybrid))
 
 
 def test_fsdp_shards_what_its_strategy_says():
@@ -178,9 +179,33 @@ def test_fsdp_shards_what_its_strategy_says():
     # NO_SHARD: DDP's fp32 states without the reducer's bucket copy or autocast's cache
     assert no_shard.terms["params"].bytes == 4 * P and no_shard.terms["optimizer"].bytes == 8 * P
     assert full.model_state_bytes < grad_op.model_state_bytes < no_shard.model_state_bytes < ddp.model_state_bytes
-    # HYBRID_SHARD on 2 nodes shards within a node: what FULL_SHARD keeps on 8 GPUs
-    assert fsdp("HYBRID_SHARD", nodes=2).model_state_bytes == full.model_state_bytes
+    # HSDP on 2 nodes shards within a node: what FULL_SHARD keeps on 8 GPUs
+    assert fsdp(nodes=2, hybrid=8).model_state_bytes == full.model_state_bytes
     assert fsdp(nodes=2).model_state_bytes < full.model_state_bytes
+
+
+def test_hybrid_sharding_memory_by_hand():
+    """7B (Ψ = 6,738,415,616) in bf16 with AdamW on 4 nodes x 8 GPUs. ZeRO-3 + hpZ adds the secondary bf16
+    partition within a node, 2 B x Ψ / 8, to ZeRO-3's parameters and nothing else; HSDP keeps FSDP's fp32
+    shards, gradients and AdamW states over the 8 GPUs of a node instead of all 32."""
+    P = LLAMA2_7B
+    w = memory.Workload(precision="bf16", micro_batch_size=1, seq_len=4096, grad_accum_steps=1)
+
+    def est(layout):
+        return memory.estimate_shape(shape_of(R7B), w, layout)
+
+    zero3 = est(Launch("deepspeed", 3, num_nodes=4, gpus_per_node=8))
+    hpz = est(Launch("deepspeed", 3, num_nodes=4, gpus_per_node=8, hybrid_shard_size=8))
+    assert hpz.terms["params"].bytes - zero3.terms["params"].bytes == 2 * -(-P // 8) == 1_684_603_904
+    for key in ("grads", "optimizer", "comm"):
+        assert hpz.terms[key].bytes == zero3.terms[key].bytes, key
+    assert "hpZ's secondary partition within 8 GPUs" in hpz.explain()
+
+    hsdp = est(Launch("fsdp", num_nodes=4, gpus_per_node=8, fsdp_sharding="FULL_SHARD", hybrid_shard_size=8))
+    full = est(Launch("fsdp", num_nodes=4, gpus_per_node=8, fsdp_sharding="FULL_SHARD"))
+    assert (hsdp.terms["params"].bytes, hsdp.terms["optimizer"].bytes) == (4 * P // 8, 8 * P // 8)
+    assert (full.terms["params"].bytes, full.terms["optimizer"].bytes) == (4 * P // 32, 8 * P // 32)
+    assert "4 replicas" in hsdp.explain()
 
 
 def test_fsdp_accumulation_and_offload():

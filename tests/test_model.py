@@ -316,7 +316,9 @@ from pretrain.model import build_model, count_parameters
 draws = []
 for base in (LlamaPreTrainedModel, GPT2PreTrainedModel):
     def counted(self, module, rule=base._init_weights):
-        draws.append(module)
+        # init_weights first runs a parent's rule on meta stand-ins (which children's tensors does it use?)
+        if not any(p.is_meta for m in (module, *module.children()) for p in m.parameters(recurse=False)):
+            draws.append(module)
         rule(self, module)
     base._init_weights = counted
 

@@ -66,9 +66,13 @@ SKIPPED = {
     "pretrain-prepare-data --workers": "an option named in the recipe reference, not a command",
     "python -m tests.golden_losses --write": "rewrites the golden losses",
     "python tools/bench_data.py": "the data benchmark: a 0.5-2 GB corpus tokenized four times (tens of minutes)",
+    "python tools/bench_gpu.py --reduced": "2 training launches (a minute or two); tests/test_tools.py runs it",
+    "python tools/bench_gpu.py --models llama-1b": "the GPU benchmark: needs a GPU (an hour)",
     "accelerate launch --cpu --num_processes 2": "the trap the text warns about, not a command to run",
     "accelerate launch --config_file accelerate_configs/zero3.yaml pretrain/run.py --recipe recipes/7b.yaml":
         "the 7B on 8 GPUs (the README's first example)",
+    "accelerate launch --config_file accelerate_configs/multinode_":
+        "a node's part of a multi-node 7B run (GPUs); tests/test_hybrid.py runs hpZ on 2 x 2 CPU processes",
 }
 CHEAP = ("--help", "--dry-run", "--print-config", "--list-gpus")
 CHEAP_PROGRAMS = ("pretrain-estimate", "pretrain-plan")

@@ -1,8 +1,9 @@
-"""pretrain-sweep and pretrain-bench: real launches on tiny settings, the sweep's stops and
+"""pretrain-sweep, pretrain-bench and tools/bench_gpu.py: real launches on tiny settings, the sweep's stops and
 its analysis on made-up numbers, and bad input."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import sys
@@ -13,7 +14,7 @@ import pytest
 from pretrain.cli import sweep as sweep_batch_size
 from pretrain.sweep import MBSResult, analyse, nearest_multiples
 from pretrain.sweep import runner as sweep_runner
-from tests.helpers import TINY, check_ok, run_cmd
+from tests.helpers import ROOT, TINY, check_ok, run_cmd
 
 SWEEP = ["-m", "pretrain.cli.sweep"]
 BENCH = ["-m", "pretrain.cli.bench"]
@@ -272,3 +273,45 @@ def test_bench_loop_prints_a_ratio():
     assert re.search(r"repeat\s+toolkit tokens/s\s+minimal tokens/s\s+ratio", proc.stdout)
     ratio = re.search(r"median ratio toolkit/minimal: ([0-9.]+)", proc.stdout)
     assert ratio and float(ratio.group(1)) > 0
+
+
+# --------------------------------------------------------------------------------------------------
+# tools/bench_gpu.py: the GPU acceptance benchmark, reduced to the tiny recipe on CPU
+
+
+@pytest.mark.slow
+def test_bench_gpu_reduced_writes_a_row_per_setting(tmp_path):
+    out = tmp_path / "bench"
+    proc = run_cmd([sys.executable, str(ROOT / "tools" / "bench_gpu.py"), "--reduced", "--steps", "2",
+                    "--out", str(out)], timeout=300)
+    check_ok(proc)
+    report = json.loads((out / "bench_gpu.json").read_text())
+    rows = report["rows"]
+    assert [(r["setting"], r["loss"], r["status"]) for r in rows] == [("loss-plain", "plain", "ok"),
+                                                                      ("loss-chunked", "chunked", "ok")]
+    for r in rows:
+        assert r["tokens_per_s_per_gpu"] > 0 and 0 < r["mfu"] <= 1 and r["hfu"] == r["mfu"]  # nothing recomputed
+        assert r["num_measured_steps"] == 2 and r["micro_batch_size"] == 4 and r["peak_gib"] > 0
+        assert r["estimated_gib"] > 0
+        assert r["estimate_error_pct"] == pytest.approx((r["estimated_gib"] - r["peak_gib"]) / r["peak_gib"] * 100)
+    table = (out / "bench_gpu.md").read_text().splitlines()
+    assert table[0].split(" | ")[7:10] == ["peak GiB", "estimated GiB", "error %"]
+    assert [line.split(" | ")[1] for line in table[2:]] == ["loss-plain", "loss-chunked"]
+    assert table[0] in proc.stdout
+    calibration = json.loads((out / "calibration.json").read_text())
+    assert [c["settings"]["name"] for c in calibration] == ["loss-plain", "loss-chunked"]
+    for c, r in zip(calibration, rows, strict=True):
+        assert set(c) == {"gpu", "model", "params", "seq_len", "micro_batch_size", "mfu", "tokens_per_s", "settings"}
+        assert c["model"] == "tiny" and c["seq_len"] == 64 and c["params"] > 0 and c["gpu"] == report["device"]
+        assert (c["mfu"], c["tokens_per_s"]) == (r["mfu"], r["tokens_per_s_per_gpu"])
+
+
+def test_bench_gpu_unknown_setting_exits_2(capsys, monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "tools" / "bench_gpu.py")
+    bench_gpu = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_gpu", bench_gpu)  # its dataclasses look their module up
+    spec.loader.exec_module(bench_gpu)
+    with pytest.raises(SystemExit) as exc:
+        bench_gpu.parse_args(["--settings", "default,loss-fused"])
+    assert exc.value.code == 2
+    assert "unknown model or setting loss-fused" in capsys.readouterr().err

@@ -52,7 +52,8 @@ def peak_rss_bytes() -> int:
 
 
 def report(figures: dict) -> None:
-    print(TAG + json.dumps({"rank": int(os.environ.get("RANK", 0)), **figures}), flush=True)
+    # one write(2) of a whole line: the two ranks share the pipe, and a print may be split between them
+    os.write(1, (TAG + json.dumps({"rank": int(os.environ.get("RANK", 0)), **figures}) + "\n").encode())
 
 
 def trainer_worker(overrides: list[str]) -> None:

@@ -96,7 +96,7 @@ def report(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu, 
     """The dry run's lines. ``gpu``: the GPU to check against (None: a CPU process); ``detected``: it is this
     machine's, not one named on the command line."""
     from pretrain.cli.launch import best_layout, does_not_fit, planner_gpu
-    from pretrain.cli.plan import BASE_MFU, plan, throughput
+    from pretrain.cli.plan import calibration, plan, throughput
     from pretrain.memory import estimate
     from pretrain.preflight import check_run
 
@@ -127,13 +127,14 @@ def report(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu, 
     lines.append("")
     _, plan_gpu = planner_gpu(gpu)  # a detected GPU the table lacks: its capacity, the default card's rates
     if gpu.bf16_tflops is not None and gpu.intra_node_gb_s is not None:  # a card whose rates the table has
-        *_, tokens_per_s = throughput(est, gpu)
+        calibrated = calibration(recipe, gpu)
+        *_, tokens_per_s = throughput(est, gpu, calibrated.base_mfu)
         step_s = batch.tokens_per_step / (tokens_per_s * batch.world_size)
         lines += [f"speed            ~{tokens_per_s:,.0f} tokens/s per GPU: ~{format_duration(step_s)} per optimizer step, "
                   f"the run's {steps:,} steps in ~{format_duration(steps * step_s)}",
-                  f"                 (pretrain-plan's step-time model: matmuls at {BASE_MFU:.0%} of the {gpu.name}'s dense "
-                  "bf16 peak, less for small micro-batches, plus exposed communication; it ranks layouts, it does not "
-                  "measure them)"]
+                  f"                 (pretrain-plan's step-time model: matmuls at {calibrated.base_mfu:.1%} of the "
+                  f"{gpu.name}'s dense bf16 peak, less for small micro-batches, plus exposed communication; it ranks "
+                  f"layouts, it does not measure them. The {calibrated.base_mfu:.1%}: {calibrated.source})"]
     if not est.fits:
         lines.append("verdict          " + does_not_fit(recipe, est, detected)
                      + ": pretrain-launch refuses this launch")

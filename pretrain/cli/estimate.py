@@ -6,6 +6,7 @@
     pretrain-estimate --recipe recipes/7b.yaml --num-gpus 8 --sweep          # ZeRO stages x MBS
     pretrain-estimate --model-config path/to/config.json --seq-len 4096 --num-gpus 8 --zero 3
     pretrain-estimate --recipe recipes/7b.yaml --accelerate-config accelerate_configs/fsdp.yaml --explain
+    pretrain-estimate --recipe recipes/7b.yaml --nodes 8 --gpus-per-node 8 --zero 3 --hybrid   # ZeRO++ hpZ
 
 Without --zero, --fsdp or --accelerate-config the layout is PyTorch DDP (accelerate's MULTI_GPU). Arithmetic
 only: no weights are allocated and transformers is not imported (pretrain/memory has the formulas,
@@ -48,6 +49,8 @@ def build_parser(prog: str = "pretrain-estimate") -> argparse.ArgumentParser:
     lay.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="DeepSpeed ZeRO stage")
     lay.add_argument("--fsdp", nargs="?", const="FULL_SHARD", choices=FSDP_SHARDING,
                      help="PyTorch FSDP with this sharding strategy (FULL_SHARD unless given)")
+    lay.add_argument("--hybrid", action="store_true",
+                     help="hybrid sharding, within a node and replicated across nodes: ZeRO-3 hpZ or FSDP HSDP")
     lay.add_argument("--accelerate-config", help="an accelerate config YAML (DeepSpeed, FSDP, DDP); sets stage, offload, "
                      "world")
     lay.add_argument("--offload-optimizer", nargs="?", const="cpu", choices=("cpu", "nvme"),
@@ -112,9 +115,18 @@ def resolve_layout(args) -> Launch:
     elif args.zero is not None:
         layout = Launch("deepspeed", args.zero, num_nodes=nodes, gpus_per_node=gpus)
     elif args.fsdp is not None:
-        layout = Launch("fsdp", num_nodes=nodes, gpus_per_node=gpus, fsdp_sharding=args.fsdp)
+        # torch's FSDP1 names for hybrid sharding: within a node (--hybrid says the same of FULL_SHARD)
+        hybrid = args.fsdp.startswith("HYBRID_SHARD") or args.hybrid
+        sharding = {"HYBRID_SHARD": "FULL_SHARD", "HYBRID_SHARD_ZERO2": "SHARD_GRAD_OP"}.get(args.fsdp, args.fsdp)
+        layout = Launch("fsdp", num_nodes=nodes, gpus_per_node=gpus, fsdp_sharding=sharding,
+                        hybrid_shard_size=gpus if hybrid else None)
     else:
         layout = Launch("ddp", 0, num_nodes=nodes, gpus_per_node=gpus)
+    if args.hybrid and not layout.hybrid_shard_size:
+        if args.accelerate_config or layout.engine == "ddp":
+            raise ConfigError("--hybrid goes with --zero 3 or --fsdp (an accelerate config says it itself: "
+                              "multinode_zero3_hpz.yaml, multinode_hsdp.yaml)")
+        layout = replace(layout, hybrid_shard_size=layout.gpus_per_node)
     if args.offload_optimizer or args.offload_params:
         if layout.engine == "ddp":
             raise ConfigError("--offload-optimizer / --offload-params need DeepSpeed: add --zero 1, 2 or 3 (or --fsdp "

@@ -133,7 +133,7 @@ def best_layout(recipe, recipe_path: str, overrides: list[str], launch: Launch, 
 
     nodes, gpus = launch.num_nodes, launch.gpus_per_node
     gpu_args, gpu = planner_gpu(gpu)
-    ranked, considered = plan.plan(recipe, nodes, gpus, gpu)
+    ranked, considered = plan.plan(recipe, nodes, gpus, gpu, base_mfu=plan.calibration(recipe, gpu).base_mfu)
     if not ranked:
         return plan.nothing_fits(recipe, nodes, gpus, gpu, considered)
     best = ranked[0]

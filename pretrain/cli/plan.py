@@ -3,8 +3,9 @@
     pretrain-plan --recipe recipes/7b.yaml --nodes 1 --gpus-per-node 8 --gpu H100-80GB
     pretrain-plan --recipe recipes/7b.yaml --nodes 2 --gpus-per-node 8 --gpu A100-40GB --output my.yaml
 
-Every combination of DDP / ZeRO stage / FSDP (FULL_SHARD, SHARD_GRAD_OP), offload, activation
-checkpointing and micro batch size that divides the recipe's global batch is estimated with
+Every combination of DDP / ZeRO stage / FSDP (FULL_SHARD, SHARD_GRAD_OP), on more than one node also hybrid
+sharding (ZeRO-3 with ZeRO++ hpZ, FSDP2 HSDP: sharded within a node, replicated across nodes), offload,
+activation checkpointing and micro batch size that divides the recipe's global batch is estimated with
 pretrain/memory; those that fit the GPU are
 ranked by a simple step-time model (below), the best is written as an accelerate config, and the launch
 command is printed.
@@ -13,8 +14,11 @@ Step time = compute + exposed communication + offload traffic, per optimizer ste
 
 - compute: FLOPs per token (pretrain/shape.py's convention, 6 x matmul weights + 12 x layers x heads x
   head_dim x seq; with recompute its hardware FLOPs, which add the forward activation checkpointing
-  repeats) x tokens per GPU / (peak bf16 FLOP/s x 0.5 x T / (T + 1024)), where T = MBS x seq tokens: a
-  small micro-batch leaves the GPU under-used (the heuristic halves the rate at 1,024 tokens).
+  repeats) x tokens per GPU / (peak bf16 FLOP/s x base MFU x T / (T + 1024)), where T = MBS x seq tokens: a
+  small micro-batch leaves the GPU under-used (the heuristic halves the rate at 1,024 tokens). The base MFU
+  is calibrated from measurements (``Calibration``): the rows of a calibration file (--calibration, or
+  <cache root>/calibration.json when it exists) for this GPU, each measured MFU divided by its own
+  T / (T + 1024); without one, torchtitan's published eager FSDP2 figure (DEFAULT_BASE_MFU).
 - communication per GPU, ring algorithms ((N-1)/N of each volume), gradients in the dtype they are
   reduced in (fp32 for bf16 recipes unless precision.reduce_dtype=bf16; DDP's are fp32 unless its bf16
   hook compresses them), parameters in the compute dtype: DDP and ZeRO-0 all-reduce the gradients once
@@ -23,8 +27,11 @@ Step time = compute + exposed communication + offload traffic, per optimizer ste
   reduce-scatters at every micro-step and all-gathers the parameters once (GAS + 1); ZeRO-3 all-gathers
   the parameters twice and reduce-scatters once per micro-step (2 x GAS + GAS); FSDP all-gathers the
   parameters at every micro-step (FULL_SHARD twice, SHARD_GRAD_OP once) and reduce-scatters once per
-  optimizer step (accelerate's no_sync): 2 x GAS + 1 or GAS + 1. Bandwidth: NVLink inside a node, the
-  network per GPU across nodes. DDP overlaps half of it with backward, ZeRO-3 and FSDP half (prefetch),
+  optimizer step (accelerate's no_sync): 2 x GAS + 1 or GAS + 1. Hybrid sharding keeps gathers inside a
+  node: ZeRO-3 hpZ gathers for backward from its node-local secondary partition (the forward gather and the
+  reduce-scatter still span every GPU); HSDP gathers and reduce-scatters within the node, and only
+  all-reduces each gradient shard across the nodes' replicas once per optimizer step (2 x Ψ / GPUs per
+  node). Bandwidth: NVLink for a collective inside a node, the network per GPU for one across nodes. DDP overlaps half of it with backward, ZeRO-3 and FSDP half (prefetch),
   ZeRO-0/1/2 none (DeepSpeed's defaults).
 - offload: the optimizer step on the CPU, 1e9 parameters/s per node shared by its GPUs' partitions
   (the recipe's torch optimizer runs there; DeepSpeed's CPU Adam is faster), plus PCIe copies
@@ -44,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,8 +62,21 @@ from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import Launch, accelerate_command, shell_join
 from pretrain.shape import ModelShape
 
-BASE_MFU = 0.5
 MBS_HALF_RATE_TOKENS = 1024
+DEFAULT_BASE_MFU = 0.35
+"""The base MFU without a calibration file, from a published measurement of an eager PyTorch FSDP stack:
+torchtitan (pytorch/torchtitan, docs/performance.md, Table 1) trains Llama 3.1 8B with FSDP2 on 8 H100 at
+33% MFU without torch.compile (local batch 2 x seq 8,192 = 16,384 tokens per micro-batch, selective activation
+checkpointing, bf16); 0.33 / (16,384 / (16,384 + 1,024)) = 0.35 at this model's large-micro-batch limit."""
+DEFAULT_MFU_SOURCE = ("default: torchtitan's Llama 3.1 8B FSDP2 on 8 H100, 33% MFU eager at 16,384 tokens per "
+                      "micro-batch (pytorch/torchtitan docs/performance.md); measure your own with --calibration")
+HPZ_JSON = "accelerate_configs/zero3_hpz.json"
+"""The shipped DeepSpeed JSON of ZeRO-3 + hpZ (partition size "auto": the GPUs per node)."""
+HYBRID_CONFIGS = {"deepspeed": "accelerate_configs/multinode_zero3_hpz.yaml", "fsdp": "accelerate_configs/multinode_hsdp.yaml"}
+"""The shipped accelerate configs of the hybrid layouts."""
+CALIBRATION_FILE = "calibration.json"
+"""The calibration file pretrain-plan reads from the cache root (``$PRETRAIN_CACHE_DIR``, data.cache_dir or
+~/.cache/pretrain) when --calibration is not given."""
 HOST_OPTIMIZER_PARAMS_PER_S = 1e9
 TIGHT_FRACTION = 0.05
 PCIE_GB_S = 25.0
@@ -76,10 +97,12 @@ def layout_name(lay: Launch) -> str:
     if lay.engine == "ddp":
         return "DDP"
     if lay.engine == "fsdp":
-        return f"FSDP {lay.fsdp_sharding}" + (" +offload params" if lay.offload_params != "none" else "")
+        return (f"FSDP {lay.fsdp_sharding}" + (" (HSDP)" if lay.hybrid_shard_size else "")
+                + (" +offload params" if lay.offload_params != "none" else ""))
+    hpz = " (hpZ)" if lay.hybrid_shard_size else ""
     if lay.offload_params != "none":
-        return f"ZeRO-{lay.zero_stage} +offload opt+params"
-    return f"ZeRO-{lay.zero_stage}" + (" +offload opt" if lay.offload_optimizer != "none" else "")
+        return f"ZeRO-{lay.zero_stage}{hpz} +offload opt+params"
+    return f"ZeRO-{lay.zero_stage}{hpz}" + (" +offload opt" if lay.offload_optimizer != "none" else "")
 
 
 @dataclass(frozen=True)
@@ -144,38 +167,58 @@ def layouts(nodes: int, gpus: int) -> list[Launch]:
             out.append(Launch("deepspeed", 3, "cpu", "cpu", num_nodes=nodes, gpus_per_node=gpus))
     for sharding, offload in (("FULL_SHARD", "none"), ("SHARD_GRAD_OP", "none"), ("FULL_SHARD", "cpu")):
         out.append(Launch("fsdp", offload_params=offload, num_nodes=nodes, gpus_per_node=gpus, fsdp_sharding=sharding))
+    if nodes > 1 and gpus > 1:  # hybrid: shard within a node, replicate across nodes
+        out.append(Launch("deepspeed", 3, num_nodes=nodes, gpus_per_node=gpus, hybrid_shard_size=gpus))
+        for sharding in ("FULL_SHARD", "SHARD_GRAD_OP"):
+            out.append(Launch("fsdp", num_nodes=nodes, gpus_per_node=gpus, fsdp_sharding=sharding,
+                              hybrid_shard_size=gpus))
     return out
 
 
-def throughput(est: memory.MemoryEstimate, gpu: hardware.GpuSpec) -> tuple[float, float, float, float, float]:
+def throughput(est: memory.MemoryEstimate, gpu: hardware.GpuSpec, base_mfu: float = DEFAULT_BASE_MFU
+               ) -> tuple[float, float, float, float, float]:
     """(compute s, exposed comm s, comm volume in Ψ units, offload s, tokens/s per GPU) per optimizer step."""
     w, lay, shape = est.workload, est.layout, est.shape
     gas = w.grad_accum_steps or 1
     tokens = w.micro_batch_size * w.seq_len
     tokens_per_step = tokens * gas
     flops = shape.flops_per_token(w.seq_len, w.activation_checkpointing).hardware_flops * tokens_per_step
-    rate = gpu.bf16_tflops * 1e12 * BASE_MFU * tokens / (tokens + MBS_HALF_RATE_TOKENS)
+    rate = gpu.bf16_tflops * 1e12 * base_mfu * mbs_efficiency(tokens)
     compute = flops / rate
     N = lay.world_size
     P = est.num_params
     b = 2 if w.precision != "fp32" else 4
     # gradients travel in the dtype they are reduced in: fp32 for bf16 recipes unless precision.reduce_dtype=bf16
     r = 4 if w.precision == "fp32" or w.fp32_grads else b
+    G = lay.hybrid_shard_size
+    # (bytes per parameter per step, ranks in the collective, whether they share a node: NVLink, else the network)
+    single, in_node = lay.num_nodes == 1, bool(G) and G <= lay.gpus_per_node
     if lay.engine == "ddp":
         # DDP's gradients are fp32 under autocast; precision.reduce_dtype=bf16 compresses the all-reduce
-        (reduces, gathers), key = (2.0, 0.0), "ddp"
-        r = 2 if w.precision == "bf16" and not w.fp32_grads else 4
+        key, r = "ddp", (2 if w.precision == "bf16" and not w.fp32_grads else 4)
+        collectives = [(2.0 * r, N, single)]
     elif lay.engine == "fsdp":
         key = "fsdp"
-        reduces, gathers = 1.0, (2.0 * gas if lay.fsdp_sharding == "FULL_SHARD" else float(gas))
+        gathers = 2.0 * gas if lay.fsdp_sharding == "FULL_SHARD" else float(gas)
+        if G:  # HSDP: gathers and the reduce-scatter inside the group, then the shard all-reduced across replicas
+            collectives = [(gathers * b, G, in_node), (float(r), G, in_node), (2.0 * r / G, lay.num_replicas, False)]
+        else:
+            collectives = [(gathers * b + r, N, single)]
     else:
         key = lay.zero_stage
         reduces, gathers = {0: (2.0, 0.0), 1: (1.0, 1.0), 2: (float(gas), 1.0), 3: (float(gas), 2.0 * gas)}[key]
         if key == 1 and w.fp32_grads:
             reduces = 2.0  # BF16_Optimizer all-reduces its full fp32 gradient buffer
-    volume = reduces * r + gathers * b  # bytes per parameter per step
-    bandwidth = (gpu.intra_node_gb_s if lay.num_nodes == 1 else gpu.inter_node_gb_s) * 1e9
-    comm = volume * P * (N - 1) / N / bandwidth * _EXPOSED[key] if N > 1 else 0.0
+        if G:  # hpZ: backward gathers from the secondary partition inside the group
+            collectives = [(reduces * r + gathers / 2 * b, N, single), (gathers / 2 * b, G, in_node)]
+        else:
+            collectives = [(reduces * r + gathers * b, N, single)]
+    volume = sum(v for v, _, _ in collectives)  # bytes per parameter per step
+    comm = 0.0
+    for v, ranks, inside in collectives:
+        if ranks > 1:
+            bandwidth = (gpu.intra_node_gb_s if inside else gpu.inter_node_gb_s) * 1e9
+            comm += v * P * (ranks - 1) / ranks / bandwidth * _EXPOSED[key]
     offload = 0.0
     part = P / N
     params_on_host = lay.offload_params != "none"
@@ -184,6 +227,104 @@ def throughput(est: memory.MemoryEstimate, gpu: hardware.GpuSpec) -> tuple[float
     if params_on_host:
         offload += 2 * b * part * gas / (PCIE_GB_S * 1e9)
     return compute, comm, volume, offload, tokens_per_step / (compute + comm + offload)
+
+
+def mbs_efficiency(tokens: int) -> float:
+    """The fraction of the base rate a micro-batch of ``tokens`` tokens reaches: T / (T + 1024)."""
+    return tokens / (tokens + MBS_HALF_RATE_TOKENS)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The base MFU the step-time model computes at, and where it comes from."""
+
+    base_mfu: float
+    source: str
+
+    def describe(self) -> str:
+        return f"base MFU {self.base_mfu:.1%} ({self.source})"
+
+
+DEFAULT_CALIBRATION = Calibration(DEFAULT_BASE_MFU, DEFAULT_MFU_SOURCE)
+
+
+def read_calibration(path: str | Path, gpu: hardware.GpuSpec) -> Calibration:
+    """The base MFU for ``gpu`` from a calibration file: a JSON list of measured rows, each an object with
+    ``gpu`` (a name the GPU table knows, or the CUDA device name: rows count for every GPU of that card), ``mfu`` (the measured model-FLOPs utilization as a fraction, e.g.
+    0.38), ``seq_len`` and ``mbs`` (the micro-batch the run had), optionally ``hfu`` (used instead of ``mfu``
+    when the run recomputed activations: the model compares hardware FLOPs), ``model`` and ``params``.
+    Each row gives mfu / (T / (T + 1024)) with T = mbs x seq_len, the base the model's MBS effect starts
+    from; the median of the rows for ``gpu`` is the base. No row for this GPU: the default, saying so."""
+    file = Path(path)
+    try:
+        rows = json.loads(file.read_text())
+    except OSError as exc:
+        raise ConfigError(f"calibration file {file}: cannot be read ({exc.strerror or exc}); pass a JSON list of "
+                          "measured rows (tools/bench_gpu.py writes one) or leave out --calibration") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"calibration file {file} is not valid JSON: {exc}; fix it, or remove it to plan with the "
+                          "default base MFU") from None
+    if not isinstance(rows, list):
+        raise ConfigError(f"calibration file {file}: expected a JSON list of rows "
+                          '[{"gpu": "H100-80GB", "mfu": 0.38, "seq_len": 4096, "mbs": 2, ...}], got a '
+                          f"{type(rows).__name__}")
+    bases, cards = [], set()
+    for i, row in enumerate(rows):
+        where = f"calibration file {file}, row {i}"
+        if not isinstance(row, dict):
+            raise ConfigError(f"{where}: expected an object with gpu, mfu, seq_len and mbs, got {row!r}")
+        missing = [k for k in ("gpu", "mfu", "seq_len", "mbs") if k not in row]
+        if missing:
+            raise ConfigError(f"{where}: missing {', '.join(missing)} (each row needs gpu, mfu, seq_len and mbs)")
+        utilization = row.get("hfu", row["mfu"])
+        if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
+            raise ConfigError(f"{where}: mfu/hfu = {utilization!r}; give the measured utilization as a fraction in "
+                              "(0, 1], e.g. 0.38 for 38%")
+        for key in ("seq_len", "mbs"):
+            if isinstance(row[key], bool) or not isinstance(row[key], int) or row[key] < 1:
+                raise ConfigError(f"{where}: {key} = {row[key]!r}; give a whole number >= 1")
+        card = _row_card(str(row["gpu"]), where)
+        cards.add(card)
+        if card == gpu.card:
+            bases.append(utilization / mbs_efficiency(row["mbs"] * row["seq_len"]))
+    if not bases:
+        others = f" (it has {', '.join(sorted(cards))})" if cards else " (it has no rows)"
+        return Calibration(DEFAULT_BASE_MFU, f"{file} has no measurement on {gpu.card or gpu.name}{others}; "
+                                             f"{DEFAULT_MFU_SOURCE}")
+    base = min(1.0, statistics.median(bases))
+    return Calibration(base, f"median of {len(bases)} measurement{'s' if len(bases) > 1 else ''} on {gpu.card} in "
+                             f"{file}, each MFU / (T / (T + 1024)) at its own micro-batch of T tokens")
+
+
+def _row_card(name: str, where: str) -> str:
+    """The card (hardware.CARDS key) of a calibration row's GPU: a name --gpu accepts ("H100-80GB") or the
+    device's own name ("NVIDIA H100 80GB HBM3", torch.cuda.get_device_name()). MFU is a fraction of the card's
+    peak, so rows of one card calibrate every memory size of it."""
+    try:
+        return hardware.find_gpu(name).card
+    except ConfigError as exc:
+        card = hardware.match_device(name)
+        if card is None:
+            raise ConfigError(f"{where}: {exc} (or a CUDA device name such as 'NVIDIA H100 80GB HBM3')") from None
+        return card
+
+
+def default_calibration_path(recipe) -> Path:
+    """<cache root>/calibration.json (the data cache's root: data.cache_dir, $PRETRAIN_CACHE_DIR or
+    ~/.cache/pretrain)."""
+    from pretrain.data.cache import cache_root
+
+    return cache_root(recipe.data) / CALIBRATION_FILE
+
+
+def calibration(recipe, gpu: hardware.GpuSpec, path: str | Path | None = None) -> Calibration:
+    """The base MFU for planning ``recipe`` on ``gpu``: the given file's, else the default file's when it exists,
+    else DEFAULT_BASE_MFU."""
+    if path is None:
+        path = default_calibration_path(recipe)
+        if not path.is_file():
+            return DEFAULT_CALIBRATION
+    return read_calibration(path, gpu)
 
 
 def _estimates(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: memory.DeepSpeedBuffers | None = None):
@@ -208,14 +349,14 @@ def _estimates(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: me
 
 
 def plan(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: memory.DeepSpeedBuffers | None = None,
-         host_memory_gib: float = 1024.0):
+         host_memory_gib: float = 1024.0, base_mfu: float = DEFAULT_BASE_MFU):
     """(feasible candidates best first, number considered). Offload must also fit the host's memory."""
     feasible, considered = [], 0
     for layout, ckpt, mbs, gas, est in _estimates(recipe, nodes, gpus, gpu, buffers):
         considered += 1
         if not est.fits or est.host_bytes_per_node > host_memory_gib * memory.GIB:
             continue
-        compute, comm, volume, offload, rate = throughput(est, gpu)
+        compute, comm, volume, offload, rate = throughput(est, gpu, base_mfu)
         feasible.append(Candidate(layout, ckpt, mbs, gas, est, compute, comm, volume, offload, rate))
     feasible.sort(key=lambda c: (c.tight, c.offload_s > 0, -round(c.tokens_per_s, 6), c.comm_volume, -c.micro_batch_size))
     return feasible, considered
@@ -325,6 +466,13 @@ def accelerate_config(c: Candidate, recipe_path: str) -> str:
         lines += ["distributed_type: FSDP", FSDP_CONFIG.format(
             reshard="true" if lay.fsdp_sharding == "FULL_SHARD" else "false",
             offload="true" if lay.offload_params != "none" else "false")]
+        if lay.hybrid_shard_size:  # HSDP: accelerate's device mesh, as accelerate_configs/multinode_hsdp.yaml
+            lines += ["parallelism_config:", f"  parallelism_config_dp_replicate_size: {lay.num_replicas}",
+                      f"  parallelism_config_dp_shard_size: {lay.hybrid_shard_size}"]
+    elif lay.hybrid_shard_size:  # ZeRO-3 + hpZ: the ZeRO block is the shipped JSON's (accelerate has no hpZ key)
+        lines += ["distributed_type: DEEPSPEED", "deepspeed_config:", "  deepspeed_multinode_launcher: standard",
+                  f"  deepspeed_config_file: {HPZ_JSON}   # relative to the directory you launch from",
+                  "  zero3_init_flag: true"]
     else:
         lines += ["distributed_type: DEEPSPEED", "deepspeed_config:"]
         if lay.num_nodes > 1:
@@ -383,6 +531,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory-gib", type=float, help="device capacity in GiB instead of the table's")
     parser.add_argument("--host-memory-gib", type=float, default=1024.0,
                         help="CPU memory per node available to offload (GiB, default 1024)")
+    parser.add_argument("--calibration", metavar="FILE",
+                        help="measured MFU rows (JSON list of {gpu, mfu, seq_len, mbs, ...}, as tools/bench_gpu.py writes) "
+                             f"to calibrate the step-time model; default <cache root>/{CALIBRATION_FILE} if it exists, "
+                             f"else {DEFAULT_BASE_MFU * 100:.0f}%% from torchtitan's published FSDP measurement")
     parser.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
     parser.add_argument("--output", help="where to write the accelerate config (default runs/plan/<recipe>-<N>x<G>-<gpu>.yaml)")
     parser.add_argument("--json", action="store_true", help="the ranking as JSON")
@@ -396,7 +548,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.gpu_memory_gib is not None:
             gpu = hardware.custom_gpu(args.gpu_memory_gib, gpu)
         recipe = load_recipe(args.recipe, args.overrides)
-        ranked, considered = plan(recipe, args.nodes, args.gpus_per_node, gpu, host_memory_gib=args.host_memory_gib)
+        calibrated = calibration(recipe, gpu, args.calibration)
+        ranked, considered = plan(recipe, args.nodes, args.gpus_per_node, gpu, host_memory_gib=args.host_memory_gib,
+                                  base_mfu=calibrated.base_mfu)
         if not ranked:
             raise ConfigError(nothing_fits(recipe, args.nodes, args.gpus_per_node, gpu, considered, args.host_memory_gib))
     except ConfigError as exc:
@@ -412,9 +566,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({
             "num_params": best.estimate.num_params, "considered": considered, "feasible": len(ranked),
             "config": str(output), "launch": command,
+            "base_mfu": round(calibrated.base_mfu, 4), "base_mfu_source": calibrated.source,
             "ranking": [{"rank": i + 1, "layout": c.name, "engine": c.layout.engine,
                          "zero_stage": c.layout.zero_stage if c.layout.uses_deepspeed else None,
-                         "fsdp_sharding": c.layout.fsdp_sharding,
+                         "fsdp_sharding": c.layout.fsdp_sharding, "hybrid_shard_size": c.layout.hybrid_shard_size,
                          "offload_optimizer": c.layout.offload_optimizer, "offload_params": c.layout.offload_params,
                          "activation_checkpointing": c.checkpointing, "micro_batch_size": c.micro_batch_size,
                          "grad_accum_steps": c.grad_accum_steps, "total_gib": round(c.estimate.total_gib, 3),
@@ -426,10 +581,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{recipe.name}: {best.estimate.num_params:,} parameters, GBS {best.estimate.workload.global_batch_size} x seq "
           f"{recipe.data.seq_len:,}, {recipe.precision.dtype}, on {args.nodes} x {args.gpus_per_node} {gpu.name} "
           f"({gpu.memory_gib:.1f} GiB)")
+    print(f"step-time model: {calibrated.describe()}")
     print(f"{len(ranked)} of {considered} layouts fit; best first (relative step-time model, see pretrain/cli/plan.py):")
     for i, c in enumerate(ranked[: args.top]):
         print(f"{i + 1:>3}. {c.describe()}")
     print(f"\nwrote {output}")
+    if best.layout.hybrid_shard_size:
+        print(f"hybrid sharding ({best.layout.hybrid_text()}), written above; the shipped "
+              f"{HYBRID_CONFIGS[best.layout.engine]} is its 2 x 8 GPU template")
     print(f"launch{' (on every node)' if args.nodes > 1 else ''}:\n  {command}")
     return 0
 

@@ -10,9 +10,10 @@ offload, number of GPUs) give each term a device holds, in bytes, with the formu
   ``tests/test_memory_validation.py``: ZeRO-1/2/3 keep an fp32 master partition in every precision (in
   fp32 too: a copy beside the parameters), build an fp32 copy of the gradient partition inside
   ``step()``, ZeRO-1 holds every gradient until the end of backward, ZeRO-2/3 a gradient partition plus
-  a reduce bucket, ZeRO-3 a persistent bucket and the gathered parameters of the running module.
+  a reduce bucket, ZeRO-3 a persistent bucket and the gathered parameters of the running module (with
+  ZeRO++ hpZ also a secondary compute-dtype partition of the parameters within a node: 2 B x Ψ / GPUs per node).
   FSDP (as accelerate applies FSDP2) shards fp32 parameters, gradients and optimizer states like ZeRO-3
-  (FULL_SHARD; HYBRID_SHARD within a node), or gradients and optimizer states only, every unit staying
+  (FULL_SHARD; hybrid, HSDP: within a node), or gradients and optimizer states only, every unit staying
   gathered from its forward to its backward (SHARD_GRAD_OP), or nothing (NO_SHARD); its buffers are the
   gathered units (a transformer block and the next one, prefetched) and a unit's gradient.
 - **activations**: the tensors autograd saves for backward, per layer, for the attention kernel in use

@@ -257,10 +257,18 @@ def zero3_states(run: _Run, buffers: DeepSpeedBuffers) -> ModelStates:
     sizes, part = shape.param_sizes(), run.part(P)
     threshold = buffers.stage3_param_persistence_threshold
     persistent = sum(x for x in sizes if x <= threshold)
-    params = _term("params", (0 if off_par else b * part) + b * persistent,
+    # hpZ: a secondary copy of every parameter (persistent ones too), partitioned within the group; DeepSpeed puts
+    # it where the partitions live (the host under parameter offload)
+    hpz = layout.hybrid_shard_size
+    secondary = b * run.part(P, hpz) if hpz else 0
+    secondary_text = f"hpZ's secondary partition within {hpz} GPUs {b} B x Ψ/{hpz} = {b} x {num(P)} / {hpz}"
+    params = _term("params", (0 if off_par else b * part + secondary) + b * persistent,
                    (f"{b} B x Ψ/N = {b} x {num(P)} / {N}" if not off_par else f"partitions offloaded to {layout.offload_params}")
-                   + f" + persistent (<= {num(threshold)} elements, kept whole) {b} B x {num(persistent)}")
+                   + f" + persistent (<= {num(threshold)} elements, kept whole) {b} B x {num(persistent)}"
+                   + (f" + {secondary_text}" if hpz and not off_par else ""))
     host = {"params": Term("params", f"{w.precision} parameter partition", b * part, f"{b} B x Ψ/N")} if off_par else {}
+    if off_par and hpz:
+        host["secondary"] = Term("secondary", "hpZ secondary parameter partition", secondary, secondary_text)
     sub = min(part, buffers.sub_group_size + run.part(max(sizes)))
     notes = ()
     if off_opt:
@@ -305,7 +313,7 @@ def zero3_states(run: _Run, buffers: DeepSpeedBuffers) -> ModelStates:
 # recipe's dtype (param_dtype) and its gradient reduce-scattered in it (reduce_dtype). No DeepSpeed
 # buckets: the buffers are the gathered units and the gradient on its way to the reduce-scatter.
 
-_GATHERS_EVERY_UNIT = ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2")
+_GATHERS_EVERY_UNIT = ("SHARD_GRAD_OP",)
 """Strategies that keep each unit gathered from its forward to its backward (like ZeRO-2: full params)."""
 
 
@@ -313,8 +321,9 @@ def _fsdp_ranks(layout: Launch, strategy: str) -> tuple[int, str]:
     """Ranks the states are sharded over, and how the formulas say it."""
     if strategy == "NO_SHARD":
         return 1, "NO_SHARD: replicated, N = 1"
-    if strategy.startswith("HYBRID_SHARD"):
-        return layout.gpus_per_node, f"{strategy}: sharded within a node, N = {layout.gpus_per_node}, replicated across nodes"
+    if layout.hybrid_shard_size:
+        return layout.hybrid_shard_size, (f"{strategy} hybrid (HSDP): sharded within N = {layout.hybrid_shard_size} "
+                                          f"GPUs, {layout.num_replicas} replicas")
     return layout.world_size, f"{strategy}: sharded over all N = {layout.world_size} ranks"
 
 
