@@ -90,7 +90,13 @@ class ModelConfig(Section):
     attention: Literal["sdpa", "eager", "flash_attention_2"] = Field(
         "sdpa", description="Attention kernel: `sdpa` (PyTorch fused), `eager` (reference), `flash_attention_2`."
     )
-    compile: bool = Field(False, description="Wrap the model in torch.compile.")
+    compile: Literal["auto", "none", "regional", "full"] = Field(
+        "auto",
+        description="torch.compile (inductor): `regional` compiles each transformer block (one compile, reused by "
+        "every layer) and the embedding / final norm / LM head, in place (checkpoint keys unchanged); `full` the "
+        "whole model as one graph (longer compile); `none` eager; `auto` = regional on CUDA, none on CPU "
+        "(inductor on CPU compiles C++ for minutes and gains little). true = regional, false = none.",
+    )
     loss: Literal["auto", "chunked", "plain", "liger"] = Field(
         "auto",
         description="The training loss's implementation (pretrain/loss.py), all the same causal-LM cross-entropy "
@@ -110,6 +116,13 @@ class ModelConfig(Section):
     @classmethod
     def _checkpointing_policy(cls, value: Any) -> str:
         return checkpointing.normalize(value)
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_from_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # the field was a bool before it had modes
+            return "regional" if value else "none"
+        return value
 
     @field_validator("config_overrides")
     @classmethod

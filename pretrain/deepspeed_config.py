@@ -142,11 +142,6 @@ def check_zero(recipe: Recipe, zero: dict[str, Any]) -> None:
     opt_device = (zero.get("offload_optimizer") or {}).get("device", "none")
     if opt_device != "none" and stage == 0:
         problems.append(f"offload_optimizer_device={opt_device} needs ZeRO stage 1, 2 or 3 (got stage 0)")
-    if stage == 3 and recipe.model.compile:
-        problems.append(
-            "model.compile=true cannot be honoured under ZeRO-3 (partitioned parameters are gathered by hooks "
-            "that torch.compile graphs break on); set model.compile=false or use ZeRO-1/2"
-        )
     if stage == 3 and not checkpointing.runs_under_zero3(recipe.model.activation_checkpointing):
         problems.append(
             "model.activation_checkpointing=selective cannot run under ZeRO-3 (its parameters are gathered by hooks "

@@ -420,7 +420,7 @@ def _full_on_cpu(modules: list[torch.nn.Module], drawn: set[int], redrawn: set[i
                 # every rank drew the same full tensor: each keeps its slice, no communication
                 shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh,
                                                                       param.placements)
-                param.to_local().copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+                param.to_local().copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))])
             for param, data in moved:
                 data.copy_(param.data)
                 param.data = data

@@ -57,6 +57,8 @@ def run_config(trainer: Trainer) -> dict[str, Any]:
         # compute, gradient accumulation and gradient reduction dtypes in use (see runtime.gradient_dtypes)
         "dtypes": gradient_dtypes(trainer.recipe, trainer.launch),
         "model": {"num_params": trainer.num_params, "vocab_size": len(trainer.tokenizer)},
+        # model.compile resolved for this device (auto -> regional on CUDA, none on CPU)
+        "compile": {"mode": trainer.runtime.compile_mode},
         "loss": {"implementation": trainer.loss_implementation},  # model.loss as resolved (auto: liger or chunked)
         "memory": {"estimated_gib": trainer.memory_estimate_gib},
         "data": trainer.data.stats,

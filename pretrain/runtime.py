@@ -122,6 +122,46 @@ class Runtime:
     accelerator: Accelerator
     deepspeed_config: dict[str, Any] | None  # None unless launched with DeepSpeed
     deepspeed_optimizer: bool  # DeepSpeed builds the optimizer (DummyOptim) instead of the torch client one
+    compile_mode: str = "none"  # model.compile resolved for this device and layout: none, regional or full
+
+
+def compile_mode(requested: str, device_type: str) -> str:
+    """``model.compile`` resolved for the device the run trains on: ``auto`` is regional on CUDA and none
+    elsewhere (inductor on CPU spends minutes compiling C++ for a small gain); the others are kept."""
+    if requested == "auto":
+        return "regional" if device_type == "cuda" else "none"
+    return requested
+
+
+def dynamo_plugin(mode: str, launch: Launch) -> TorchDynamoPlugin | None:
+    """accelerate's TorchDynamoPlugin where accelerate compiles in place, else None.
+
+    Under DeepSpeed accelerate compiles after deepspeed.initialize, in place (``compile_regions_deepspeed``:
+    ``block.compile()`` for each repeated block; full: ``engine.compile()``), and under FSDP2 before
+    fully_shard (``compile_regions_fsdp2``). Under DDP and one process accelerate's regional path
+    (``compile_regions``) builds a copy of the model whose blocks are OptimizedModules: every state_dict key
+    gains ``_orig_mod.`` and checkpoints would no longer load without compile (nor export); there
+    ``compile_in_place`` compiles the model before prepare instead, with the same accelerate function."""
+    if mode == "none" or launch.engine == "ddp":
+        return None
+    return TorchDynamoPlugin(backend=DynamoBackend.INDUCTOR, use_regional_compilation=mode == "regional")
+
+
+def compile_in_place(model: torch.nn.Module, mode: str, launch: Launch) -> None:
+    """Compile ``model`` in place before accelerate's prepare (one process and DDP; see ``dynamo_plugin``).
+    Module names, parameters and state_dict keys stay those of the eager model."""
+    if mode == "none" or launch.engine != "ddp":
+        return
+    from accelerate.utils import compile_regions_fsdp2
+
+    kwargs = TorchDynamoPlugin(backend=DynamoBackend.INDUCTOR).to_kwargs()
+    if mode == "regional":
+        # The in-place variant of accelerate's regional compile (written for FSDP2, engine-independent): each
+        # block of a repeated ModuleList, and each other leaf child, gets module.compile(); blocks of one class
+        # share the compiled code.
+        compile_regions_fsdp2(model, **kwargs)
+    else:
+        model.compile(**kwargs)
 
 
 def deepspeed_config(recipe: Recipe, plan: BatchPlan, launch: Launch, lr: float) -> tuple[dict, bool]:
@@ -190,7 +230,8 @@ def build_accelerator(recipe: Recipe, plan: BatchPlan, launch: Launch, output_di
     ddp = ddp_kwargs(recipe) if launch.engine == "ddp" and plan.world_size > 1 else None
     if ddp is not None:  # on CUDA only (check_precision)
         handlers.append(ddp)
-    dynamo = TorchDynamoPlugin(backend=DynamoBackend.INDUCTOR) if recipe.model.compile else None
+    mode = compile_mode(recipe.model.compile, "cuda" if torch.cuda.is_available() else "cpu")
+    dynamo = dynamo_plugin(mode, launch)
     with quiet.dropping_stdout_lines(quiet.DEEPSPEED_BUILT):  # the process group starts here
         accelerator = Accelerator(
             # No CUDA and not DeepSpeed: run as MULTI_CPU over gloo. Without this, processes started by
@@ -213,7 +254,7 @@ def build_accelerator(recipe: Recipe, plan: BatchPlan, launch: Launch, output_di
             f"the launch reported WORLD_SIZE={plan.world_size} but accelerate started {accelerator.num_processes} "
             "processes; check the accelerate config's num_processes / distributed_type"
         )
-    return Runtime(accelerator, ds_config, ds_optimizer)
+    return Runtime(accelerator, ds_config, ds_optimizer, mode)
 
 
 SHARED_FS_HINT = (

@@ -47,7 +47,7 @@ from pretrain.quiet import TiedWeightsSaved
 from pretrain.reshard import prepare_resume
 from pretrain.run_record import start_run_record
 from pretrain.rundir import latest_checkpoint
-from pretrain.runtime import build_accelerator, check_shared_output_dir, model_placement
+from pretrain.runtime import build_accelerator, check_shared_output_dir, compile_in_place, model_placement
 from pretrain.shape import flops_per_token
 from pretrain.stability import DeepSpeedGate, SkipPolicy, StepGate, Verdict, injected_loss_factors
 from pretrain.supervise import RunLock
@@ -202,6 +202,7 @@ class Trainer:
         else:
             optimizer = build_optimizer(model, recipe.optim, self.lr, self.device.type)
             scheduler = build_scheduler(optimizer, recipe.lr_schedule, self.num_steps)
+        compile_in_place(model, self.runtime.compile_mode, self.launch)  # one process / DDP; else accelerate's
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
         self.deepspeed = self.runtime.deepspeed_config is not None
         fp16 = recipe.precision.dtype == "fp16"

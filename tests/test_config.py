@@ -180,3 +180,17 @@ def test_bad_activation_checkpointing_names_the_allowed_values(tmp_path, value):
     path = write(tmp_path / "r.yaml", MINIMAL)
     with pytest.raises(ConfigError, match=r"model.activation_checkpointing.*none, full, selective or every_N"):
         load_recipe(path, [f"model.activation_checkpointing={value}"])
+
+
+@pytest.mark.parametrize("given, mode", [(None, "auto"), ("true", "regional"), ("false", "none"),
+                                         ("regional", "regional"), ("full", "full"), ("none", "none")])
+def test_model_compile_takes_a_mode_or_the_old_bool(tmp_path, given, mode):
+    overrides = [] if given is None else [f"model.compile={given}"]
+    recipe = load_recipe(write(tmp_path / "r.yaml", MINIMAL), overrides)
+    assert recipe.model.compile == mode
+    assert recipe.to_dict()["model"]["compile"] == mode  # the resolved recipe records the mode, not the bool
+
+
+def test_model_compile_unknown_mode_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"model.compile = 'max'"):
+        load_recipe(write(tmp_path / "r.yaml", MINIMAL), ["model.compile=max"])

@@ -19,6 +19,12 @@ STEPS = golden_losses.DIST_STEPS
 CURVE = golden_losses.DIST_ARGS
 
 
+# The runs with model.compile=regional (each resumed from an eager checkpoint); the others run eager (auto = none
+# on CPU).
+COMPILED = ("ZeRO-2 resumed at 3", "ZeRO-3 resumed at 3", "cpu_ddp, GAS 2 resumed at 3",
+            "cpu_ddp resumed at 3 in 1 process")
+
+
 def run_config(run_dir) -> dict:
     return json.loads((run_dir / "run_config.json").read_text())
 
@@ -39,18 +45,25 @@ def curves(tmp_path_factory):
         proc = accelerate_launch(config, [*CURVE, f"output_dir={out}"], extra=extra, extra_env=threads)
         check_ok(proc)
         runs[name] = keep_console(proc, out)
-    # Resume from the step-3 checkpoint of the ZeRO-2 / ZeRO-3 runs into a fresh directory.
-    for name, config in [("ZeRO-2 resumed at 3", "zero2.yaml"), ("ZeRO-3 resumed at 3", "zero3.yaml")]:
+    # Resume from the step-3 checkpoint of the ZeRO-2 / ZeRO-3 / DDP runs into a fresh directory, with regional
+    # compile (COMPILED): an eager checkpoint loads into the compiled model, the
+    # losses stay the eager ones (test_one_curve_on_every_layout) and the checkpoints it writes keep plain keys.
+    for name, config in [("ZeRO-2 resumed at 3", "zero2.yaml"), ("ZeRO-3 resumed at 3", "zero3.yaml"),
+                         ("cpu_ddp, GAS 2 resumed at 3", "cpu_ddp.yaml")]:
         source = runs[name.split(" resumed")[0]] / "checkpoints" / "step_00000003"
         out = root / f"{config.removesuffix('.yaml')}_resumed"
-        proc = accelerate_launch(config, [*CURVE, f"output_dir={out}", f"checkpoint.resume={source}"],
-                                 extra=["--num_processes", "2"], extra_env=threads)
+        compiled = ["model.compile=regional"] if name in COMPILED else []
+        extra = [] if config == "cpu_ddp.yaml" else ["--num_processes", "2"]
+        proc = accelerate_launch(config, [*CURVE, f"output_dir={out}", f"checkpoint.resume={source}", *compiled],
+                                 extra=extra, extra_env=threads)
         check_ok(proc)
         assert "at step 3" in proc.stdout
         runs[name] = keep_console(proc, out)
-    # The 2-process DDP checkpoint continues in one process: model keys renamed, RNG re-seeded, GAS 2 -> 4.
+    # The 2-process DDP checkpoint continues in one process (compiled): model keys renamed, RNG re-seeded,
+    # GAS 2 -> 4.
     out = root / "cpu_ddp_resumed_1"
-    proc = train([*CURVE, f"output_dir={out}", f"checkpoint.resume={runs['cpu_ddp, GAS 2'] / 'checkpoints' / 'step_00000003'}"])
+    proc = train([*CURVE, f"output_dir={out}", "model.compile=regional",
+                  f"checkpoint.resume={runs['cpu_ddp, GAS 2'] / 'checkpoints' / 'step_00000003'}"])
     check_ok(proc)
     assert "at step 3" in proc.stdout and "re-seeded" in proc.stdout
     runs["cpu_ddp resumed at 3 in 1 process"] = keep_console(proc, out)
@@ -99,6 +112,23 @@ def test_one_curve_on_every_layout(curves):
             assert loss == pytest.approx(reference[step], rel=1e-4), (name, step, loss, reference[step])
         expected_steps = range(4, STEPS + 1) if "resumed" in name else range(1, STEPS + 1)
         assert sorted(curve) == list(expected_steps), name
+
+
+def test_regional_compile_runs_on_one_process_ddp_and_zero2_with_plain_checkpoint_keys(curves):
+    """The compiled runs record compile/mode regional (auto resolves to none on CPU), and the checkpoint each
+    wrote keeps the eager model's keys (no ``_orig_mod.``), so it resumes and exports without compile."""
+    from safetensors import safe_open
+
+    for name, run_dir in curves.items():
+        assert run_config(run_dir)["compile/mode"] == ("regional" if name in COMPILED else "none"), name
+    for name in ("cpu_ddp, GAS 2 resumed at 3", "cpu_ddp resumed at 3 in 1 process"):
+        with safe_open(curves[name] / "checkpoints" / "step_00000006" / "model.safetensors", "pt") as saved:
+            keys = list(saved.keys())
+        assert "model.layers.0.mlp.up_proj.weight" in keys and not [k for k in keys if "_orig_mod" in k], name
+    states = torch.load(curves["ZeRO-2 resumed at 3"] / "checkpoints" / "step_00000006" / "pytorch_model" /
+                        "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
+    keys = list(states["module"])
+    assert "model.layers.0.mlp.up_proj.weight" in keys and not [k for k in keys if "_orig_mod" in k]
 
 
 def test_ddp_and_zero2_curves_match_the_golden_curves(curves):
@@ -162,7 +192,7 @@ def _logits(model_dir) -> torch.Tensor:
         return model(torch.arange(64).reshape(2, 32) % model.config.vocab_size).logits
 
 
-@pytest.mark.parametrize("run", ["ZeRO-3", "cpu_ddp, GAS 2"])
+@pytest.mark.parametrize("run", ["ZeRO-3", "cpu_ddp, GAS 2", "cpu_ddp resumed at 3 in 1 process"])
 def test_export_of_the_last_checkpoint_gives_the_final_models_logits(curves, tmp_path, run):
     """pretrain-export of the step-6 checkpoint (ZeRO-3: the fp32 partitions of 2 ranks merged; DDP: the
     saved module) is the model the run itself wrote at step 6."""

@@ -1,0 +1,55 @@
+"""model.compile: the mode resolved per device, who compiles (accelerate or pretrain, in place), and that an
+in-place compile leaves the model's names and state_dict keys those of the eager model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pretrain.config import ModelConfig
+from pretrain.launch import Launch
+from pretrain.model import build_model
+from pretrain.runtime import compile_in_place, compile_mode, dynamo_plugin
+
+DDP = Launch()
+ZERO2 = Launch(engine="deepspeed", zero_stage=2, num_nodes=1, gpus_per_node=2)
+FSDP = Launch(engine="fsdp", fsdp_sharding="FULL_SHARD", num_nodes=1, gpus_per_node=2)
+
+
+@pytest.mark.parametrize("requested, device, mode", [
+    ("auto", "cuda", "regional"), ("auto", "cpu", "none"), ("regional", "cpu", "regional"),
+    ("full", "cuda", "full"), ("none", "cuda", "none"),
+])
+def test_auto_is_regional_on_cuda_and_none_on_cpu(requested, device, mode):
+    assert compile_mode(requested, device) == mode
+
+
+def test_accelerate_compiles_under_deepspeed_and_fsdp_pretrain_in_place_otherwise():
+    for launch in (ZERO2, FSDP):
+        regional, full = dynamo_plugin("regional", launch), dynamo_plugin("full", launch)
+        assert regional.backend.value == "INDUCTOR" and regional.use_regional_compilation
+        assert full.backend.value == "INDUCTOR" and not full.use_regional_compilation
+        assert dynamo_plugin("none", launch) is None
+    # accelerate's regional path for DDP / one process copies the model into OptimizedModules (_orig_mod keys)
+    assert dynamo_plugin("regional", DDP) is None and dynamo_plugin("full", DDP) is None
+
+
+def _tiny_model():
+    config = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+    return build_model(config, 128, 16, seed=0, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("mode", ["regional", "full"])
+def test_in_place_compile_keeps_names_and_state_dict_keys(mode):
+    eager, model = _tiny_model(), _tiny_model()
+    compile_in_place(model, mode, DDP)
+    assert list(model.state_dict()) == list(eager.state_dict())
+    assert [name for name, _ in model.named_modules()] == [name for name, _ in eager.named_modules()]
+    compiled = [name for name, module in model.named_modules() if module._compiled_call_impl is not None]
+    if mode == "regional":  # every block, and every other leaf child, compiled on its own
+        assert {"model.layers.0", "model.layers.1", "model.embed_tokens", "model.norm", "lm_head"} <= set(compiled)
+        assert "" not in compiled
+    else:
+        assert compiled == [""]
+    compile_in_place(eager, "regional", ZERO2)  # accelerate compiles DeepSpeed's engine.module itself
+    assert all(module._compiled_call_impl is None for module in eager.modules())
