@@ -109,6 +109,8 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "mbs-1": ("batch.micro_batch_size=1",),
     "mbs-2": ("batch.micro_batch_size=2",),
     "mbs-8": ("batch.micro_batch_size=8",),
+    # the stability rules read each step's loss and gradient norm: one device-to-host sync per optimizer step
+    "no-step-checks": ("stability.skip_nonfinite=false", "stability.spike_sigma=null"),
 }
 REDUCED_SETTINGS = ("loss-plain", "loss-chunked")
 
