@@ -34,10 +34,10 @@ SAMPLE_ROOT = "/home/me/pretrain"
 SKIPPED = {
     "bash tools/install.sh": "installs packages (network, minutes); CI's fresh-clone job runs it",
     "accelerate launch --config_file accelerate_configs/cpu.yaml pretrain/run.py --recipe recipes/tiny.yaml":
-        "the demo: a 400-step training (minutes); tests/test_golden.py runs its first steps",
+        "the demo: a 300-step training (minutes); tests/test_golden.py runs its first steps",
     "python pretrain/run.py --recipe recipes/tiny.yaml train.max_steps=40":
         "a training run (a minute); tests/test_run.py runs the entry point",
-    "python pretrain/run.py --recipe recipes/tiny.yaml\n": "a 400-step training (minutes)",
+    "python pretrain/run.py --recipe recipes/tiny.yaml\n": "a 300-step training (minutes)",
     "accelerate launch --config_file accelerate_configs/cpu_ddp.yaml pretrain/run.py":
         "a 2-process training (minutes); tests/test_distributed.py runs one",
     "accelerate launch --config_file accelerate_configs/zero2.yaml":

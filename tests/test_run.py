@@ -27,10 +27,10 @@ def test_demo_recipe_learns_three_nats(tmp_path):
     check_ok(proc)
     val = val_losses(tmp_path / "demo")
     print(f"\ndemo: {elapsed:.0f}s, val loss {val}")
-    assert min(val) == 0 and max(val) == 400
-    assert val[0] - val[400] >= 3.0, val
-    # ~5 minutes on a shared 2-core machine (0.7 s per step); twice that is a regression, not noise.
-    assert elapsed < 600, f"the demo took {elapsed:.0f}s on this machine (it takes ~5 minutes on 2 cores)"
+    assert min(val) == 0 and max(val) == 300
+    assert val[0] - val[300] >= 3.0, val  # measured: 8.34 -> 4.96
+    # ~3.5 minutes on a 2-core machine (0.7 s per step); twice that is a regression, not noise.
+    assert elapsed < 420, f"the demo took {elapsed:.0f}s on this machine (it takes ~3.5 minutes on 2 cores)"
 
 
 def test_metrics_files_and_final_model(tmp_path):
