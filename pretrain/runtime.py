@@ -12,7 +12,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
@@ -196,12 +196,7 @@ def build_accelerator(recipe: Recipe, plan: BatchPlan, launch: Launch, output_di
                       lr: float, load_universal: bool = False) -> Runtime:
     check_precision(recipe, launch)
     if launch.engine == "fsdp" and not torch.cuda.is_available():
-        # accelerate turns an FSDP launch without GPUs into plain data parallelism (MULTI_CPU), which would
-        # then be logged and estimated as FSDP.
-        raise ConfigError(
-            "the accelerate config asks for FSDP, which accelerate runs on GPUs only (on CPU it would silently "
-            "become plain DDP); on this machine use accelerate_configs/cpu_ddp.yaml or a DeepSpeed ZeRO config"
-        )
+        check_fsdp_on_cpu(launch)
     if not torch.cuda.is_available():
         # DeepSpeed (imported by accelerate for ZeRO and state gathering) would otherwise probe for
         # accelerators and warn on every CPU run.
@@ -249,12 +244,54 @@ def build_accelerator(recipe: Recipe, plan: BatchPlan, launch: Launch, output_di
             deepspeed_plugin=plugin,
             fsdp_plugin=fsdp,
         )
+    if launch.engine == "fsdp" and not torch.cuda.is_available():
+        fsdp_on_cpu(accelerator, fsdp if fsdp is not None else FullyShardedDataParallelPlugin())
     if accelerator.num_processes != plan.world_size:
         raise ConfigError(
             f"the launch reported WORLD_SIZE={plan.world_size} but accelerate started {accelerator.num_processes} "
             "processes; check the accelerate config's num_processes / distributed_type"
         )
     return Runtime(accelerator, ds_config, ds_optimizer, mode)
+
+
+def check_fsdp_on_cpu(launch: Launch, environ: Mapping[str, str] = os.environ) -> None:
+    """What of FSDP runs without GPUs (``fsdp_on_cpu``): FSDP2, fully sharded or not resharded after forward,
+    on one process group. Read from the launch environment before any plugin or group is made (accelerate's
+    FSDP1 plugin itself fails on a machine without GPUs when it is to sync module states)."""
+    if environ.get("FSDP_VERSION", "1") != "2":  # accelerate's default is FSDP1
+        raise ConfigError(
+            "the accelerate config asks for FSDP1 (fsdp_version: 1), which pretrain runs on GPUs only; on CPU set "
+            "fsdp_version: 2 (accelerate_configs/fsdp.yaml) or use accelerate_configs/cpu_ddp.yaml"
+        )
+    if launch.hybrid_shard_size:
+        raise ConfigError(
+            "the accelerate config asks for HSDP (hybrid sharding over a 2-D device mesh), which pretrain runs on "
+            "GPUs only; on CPU use accelerate_configs/fsdp.yaml (full sharding) or multinode_zero3_hpz.yaml"
+        )
+
+
+def fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:
+    """Run an FSDP launch as FSDP on a machine without GPUs.
+
+    accelerate starts FSDP only on an accelerator; without one it runs the launch as plain data parallelism
+    (MULTI_CPU) and drops the plugin, so the run would train, log and be estimated as something it is not.
+    torch's FSDP2 itself runs on CPU over gloo (sharding, the mixed-precision policy's reduce dtype, no_sync,
+    torch.distributed.checkpoint), so pretrain switches the state to FSDP after the process group exists, as
+    accelerate's own ``AcceleratorState`` does on GPUs: the shared ``distributed_type`` of both states (a later
+    ``AcceleratorState()`` re-reads the partial state's) and the plugin, with the run's mixed precision. From
+    there accelerate's FSDP paths (``fsdp2_prepare_model``, ``save_fsdp_model``, ``load_fsdp_model``) run
+    unchanged, which is what lets the tests run pretrain's whole FSDP path (sharded init, resharded resume,
+    export) on CPU; on CPU it is for testing a layout, not for speed.
+    """
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    state = accelerator.state
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)  # keeps a policy fsdp_plugin() already set
+    state.fsdp_plugin = plugin
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
 SHARED_FS_HINT = (

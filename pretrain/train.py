@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import set_seed
+from torch.distributed.tensor import DTensor
 
 from pretrain.batching import BatchPlan
 from pretrain.checkpoint import Checkpointer, ResumeChoice, TrainerState, agree_on_resume, check_resume_data
@@ -381,6 +382,10 @@ class Trainer:
             acc.backward(loss)
             if acc.sync_gradients:
                 grad_norm = acc.clip_grad_norm_(model.parameters(), self.recipe.optim.grad_clip or float("inf"))
+                if isinstance(grad_norm, DTensor):
+                    # FSDP2: the norm over sharded gradients is a DTensor (each rank's partial sum, reduced on
+                    # demand); the gate and the logs need the plain global value, the same on every rank.
+                    grad_norm = grad_norm.full_tensor()
                 if self.gate is not None and not self.deepspeed:
                     verdict = self.gate.judge(grad_norm)
                 elif self.gate is not None:

@@ -1,10 +1,10 @@
-"""One FSDP rank on a GPU (launched by tests/test_reduce_dtype.py under accelerate_configs/fsdp.yaml): builds
+"""FSDP ranks (launched by tests/test_reduce_dtype.py under accelerate_configs/fsdp.yaml, on CPU or GPUs): builds
 pretrain's accelerator for a bf16 recipe, prepares a tiny model, runs one optimizer step of GAS micro-steps and
 prints, on a line starting with ``DTYPES``, the dtypes FSDP2 really used: each FSDPParam's reduce dtype (None
 when it equals the bf16 compute dtype), the dtype of the unsharded gradients accumulated over the no_sync
-micro-step, and of the sharded gradients after the reduce-scatter.
+micro-step, and of the sharded gradients after the reduce-scatter (rank 0's).
 
-    accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 1 tests/fsdp_dtype_probe.py \
+    accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 2 tests/fsdp_dtype_probe.py \
         OUT_DIR --recipe recipes/tiny.yaml precision.dtype=bf16 [key=value ...]
 """
 
@@ -59,7 +59,8 @@ def main() -> None:
         "accumulated_grad_dtypes": sorted(accumulated),
         "sharded_grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None}),
     }
-    print("DTYPES " + json.dumps(result), flush=True)
+    if acc.is_main_process:
+        print("DTYPES " + json.dumps(result), flush=True)
     acc.end_training()
 
 

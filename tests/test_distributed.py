@@ -1,4 +1,4 @@
-"""One curve on any layout: 1 process, DDP and ZeRO 1-3 on CPU (gloo) give the same per-step losses."""
+"""One curve on any layout: 1 process, DDP, ZeRO 1-3 and FSDP2 on CPU (gloo) give the same per-step losses."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ CURVE = golden_losses.DIST_ARGS
 # The runs with model.compile=regional (each resumed from an eager checkpoint); the others run eager (auto = none
 # on CPU).
 COMPILED = ("ZeRO-2 resumed at 3", "ZeRO-3 resumed at 3", "cpu_ddp, GAS 2 resumed at 3",
-            "cpu_ddp resumed at 3 in 1 process")
+            "cpu_ddp resumed at 3 in 1 process", "FSDP resumed at 3")
 
 
 def run_config(run_dir) -> dict:
@@ -39,7 +39,7 @@ def curves(tmp_path_factory):
     check_ok(proc)
     runs["1 process, GAS 4"] = keep_console(proc, root / "single")
     for name, config in [("cpu_ddp, GAS 2", "cpu_ddp.yaml"), ("ZeRO-1", "zero1.yaml"), ("ZeRO-2", "zero2.yaml"),
-                         ("ZeRO-3", "zero3.yaml")]:
+                         ("ZeRO-3", "zero3.yaml"), ("FSDP", "fsdp.yaml")]:
         out = root / config.removesuffix(".yaml")
         extra = [] if config == "cpu_ddp.yaml" else ["--num_processes", "2"]
         proc = accelerate_launch(config, [*CURVE, f"output_dir={out}"], extra=extra, extra_env=threads)
@@ -49,7 +49,7 @@ def curves(tmp_path_factory):
     # compile (COMPILED): an eager checkpoint loads into the compiled model, the
     # losses stay the eager ones (test_one_curve_on_every_layout) and the checkpoints it writes keep plain keys.
     for name, config in [("ZeRO-2 resumed at 3", "zero2.yaml"), ("ZeRO-3 resumed at 3", "zero3.yaml"),
-                         ("cpu_ddp, GAS 2 resumed at 3", "cpu_ddp.yaml")]:
+                         ("cpu_ddp, GAS 2 resumed at 3", "cpu_ddp.yaml"), ("FSDP resumed at 3", "fsdp.yaml")]:
         source = runs[name.split(" resumed")[0]] / "checkpoints" / "step_00000003"
         out = root / f"{config.removesuffix('.yaml')}_resumed"
         compiled = ["model.compile=regional"] if name in COMPILED else []
@@ -95,6 +95,8 @@ def test_layouts_report_their_real_world_size(curves):
         assert config["plan/grad_accum_steps"] == 8 // (2 * expected)
         if "ZeRO" in name:
             assert config["dist/distributed_type"] == "DEEPSPEED"
+        if "FSDP" in name:  # FSDP2 over gloo (runtime.fsdp_on_cpu), not accelerate's silent fallback to DDP
+            assert config["dist/distributed_type"] == "FSDP"
         # DeepSpeed steps the torch client optimizer (deepspeed.optimizer=auto, no optimizer in its JSON)
         assert config["optim/class"] == "AdamW" and not config["optim/fused"], name
 
@@ -114,7 +116,7 @@ def test_one_curve_on_every_layout(curves):
         assert sorted(curve) == list(expected_steps), name
 
 
-def test_regional_compile_runs_on_one_process_ddp_and_zero2_with_plain_checkpoint_keys(curves):
+def test_regional_compile_runs_on_every_engine_with_plain_checkpoint_keys(curves):
     """The compiled runs record compile/mode regional (auto resolves to none on CPU), and the checkpoint each
     wrote keeps the eager model's keys (no ``_orig_mod.``), so it resumes and exports without compile."""
     from safetensors import safe_open
@@ -129,6 +131,11 @@ def test_regional_compile_runs_on_one_process_ddp_and_zero2_with_plain_checkpoin
                         "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
     keys = list(states["module"])
     assert "model.layers.0.mlp.up_proj.weight" in keys and not [k for k in keys if "_orig_mod" in k]
+    import torch.distributed.checkpoint as dcp  # FSDP: the torch.distributed.checkpoint shards' keys
+
+    step6 = curves["FSDP resumed at 3"] / "checkpoints" / "step_00000006"
+    keys = list(dcp.FileSystemReader(str(step6 / "pytorch_model_fsdp_0")).read_metadata().state_dict_metadata)
+    assert "model.model.layers.0.mlp.up_proj.weight" in keys and not [k for k in keys if "_orig_mod" in k]
 
 
 def test_ddp_and_zero2_curves_match_the_golden_curves(curves):
@@ -192,37 +199,15 @@ def _logits(model_dir) -> torch.Tensor:
         return model(torch.arange(64).reshape(2, 32) % model.config.vocab_size).logits
 
 
-@pytest.mark.parametrize("run", ["ZeRO-3", "cpu_ddp, GAS 2", "cpu_ddp resumed at 3 in 1 process"])
+@pytest.mark.parametrize("run", ["ZeRO-3", "FSDP", "FSDP resumed at 3", "cpu_ddp, GAS 2",
+                                 "cpu_ddp resumed at 3 in 1 process"])
 def test_export_of_the_last_checkpoint_gives_the_final_models_logits(curves, tmp_path, run):
-    """pretrain-export of the step-6 checkpoint (ZeRO-3: the fp32 partitions of 2 ranks merged; DDP: the
-    saved module) is the model the run itself wrote at step 6."""
+    """pretrain-export of the step-6 checkpoint (ZeRO-3: the fp32 partitions of 2 ranks merged; FSDP: the
+    torch.distributed.checkpoint shards of 2 ranks, through accelerate's merge_fsdp_weights, also of a compiled
+    run; DDP: the saved module) is the model the run itself wrote at step 6."""
     out = tmp_path / "exported"
     proc = run_cmd([sys.executable, "-m", "pretrain", "export", str(curves[run] / "checkpoints" / "step_00000006"),
                     str(out)])
     check_ok(proc)
     torch.testing.assert_close(_logits(out), _logits(curves[run] / "final_model"), rtol=0, atol=1e-6)
     assert (out / "tokenizer.json").is_file()
-
-
-def test_export_reads_an_fsdp_sharded_checkpoint(curves, tmp_path):
-    """FSDP does not run on CPU (pretrain refuses it; accelerate would run it as DDP), so this checkpoint is
-    made by hand, in the layout accelerate's save_state writes for FSDP's SHARDED_STATE_DICT
-    (save_fsdp_model: ``dist_cp.save({"model": state_dict}, FileSystemWriter(<ckpt>/pytorch_model_fsdp_0))``),
-    here from one process without a process group (torch.distributed.checkpoint then writes a single
-    shard) and from the ZeRO-3 run's final weights. What it tests is the reading side: DCP metadata and
-    shards -> accelerate's merge_fsdp_weights -> the model. tests/test_gpu.py exports a real FSDP run."""
-    import torch.distributed.checkpoint as dcp
-    from transformers import AutoModelForCausalLM
-
-    final = curves["ZeRO-3"] / "final_model"
-    checkpoint = tmp_path / "checkpoints" / "step_00000006"
-    dcp.save({"model": AutoModelForCausalLM.from_pretrained(final).state_dict()},
-             storage_writer=dcp.FileSystemWriter(str(checkpoint / "pytorch_model_fsdp_0")))
-    state = json.loads((curves["ZeRO-3"] / "checkpoints" / "step_00000006" / "trainer_state.json").read_text())
-    state["layout"] = {**state["layout"], "engine": "fsdp", "zero_stage": None}
-    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
-    out = tmp_path / "exported"
-    proc = run_cmd([sys.executable, "-m", "pretrain", "export", str(checkpoint), str(out)])
-    check_ok(proc)
-    assert "FSDP on 2 processes" in proc.stdout
-    torch.testing.assert_close(_logits(out), _logits(final), rtol=0, atol=1e-6)

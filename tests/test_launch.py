@@ -105,9 +105,8 @@ def test_launch_read_from_the_config_equals_the_launch_the_processes_read(config
 
 
 def test_an_fsdp_launch_logs_the_estimators_fsdp_figure(monkeypatch):
-    """accelerate runs FSDP on GPUs only (on CPU pretrain refuses it), so this follows the launch value: the
-    environment accelerate exports for fsdp.yaml on 2 processes -> Launch -> the figure the trainer logs as
-    memory/estimated_gib (pretrain.train.memory_estimate) is the estimator's FSDP figure, not DDP's."""
+    """The environment accelerate exports for fsdp.yaml on 2 processes -> Launch -> the figure the trainer logs
+    as memory/estimated_gib (pretrain.train.memory_estimate) is the estimator's FSDP figure, not DDP's."""
     import torch
 
     from pretrain.batching import plan_batches
@@ -126,6 +125,26 @@ def test_an_fsdp_launch_logs_the_estimators_fsdp_figure(monkeypatch):
     ddp = estimate(recipe, plan, Launch("ddp", gpus_per_node=2), device="cpu")
     assert "FSDP FULL_SHARD" in fsdp.layout.describe()
     assert logged == fsdp.total_gib != ddp.total_gib
+
+
+@pytest.mark.parametrize("env, launch_kwargs, words", [
+    ({"FSDP_VERSION": "1"}, {}, ["FSDP1 (fsdp_version: 1)", "runs on GPUs only", "fsdp_version: 2"]),
+    ({}, {"hybrid_shard_size": 2, "num_nodes": 2}, ["HSDP", "runs on GPUs only", "accelerate_configs/fsdp.yaml"]),
+])
+def test_what_of_fsdp_cannot_run_on_cpu_is_refused_naming_what_can(env, launch_kwargs, words):
+    """FSDP2 runs on CPU over gloo (runtime.fsdp_on_cpu; tests/test_distributed.py trains it); FSDP1 and HSDP
+    (accelerate makes their device or 2-D mesh for GPU launches only) are refused before any process group."""
+    from pretrain.errors import ConfigError
+    from pretrain.launch import Launch
+    from pretrain.runtime import check_fsdp_on_cpu
+
+    environ = {**accelerate_environment(CONFIGS / "fsdp.yaml"), **env}
+    check_fsdp_on_cpu(Launch("fsdp", gpus_per_node=2, fsdp_sharding="FULL_SHARD"),
+                      accelerate_environment(CONFIGS / "fsdp.yaml"))  # the shipped config passes
+    with pytest.raises(ConfigError) as info:
+        check_fsdp_on_cpu(Launch("fsdp", gpus_per_node=2, fsdp_sharding="FULL_SHARD", **launch_kwargs), environ)
+    for word in words:
+        assert word in str(info.value)
 
 
 # ---- memory: a launch the estimator says does not fit its GPUs is refused, naming a layout that fits

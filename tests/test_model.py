@@ -442,8 +442,9 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 def test_fsdp2_sharded_init_equals_the_unsharded_one(tmp_path):
-    """FSDP runs on GPUs only in pretrain, but the shard -> materialize -> init path is torch's FSDP2 on any
-    device mesh: here on CPU over gloo, sharded while still on the meta device."""
+    """The shard -> materialize -> init path is torch's FSDP2 on any device mesh: here on CPU over gloo, sharded
+    while still on the meta device, compared tensor by tensor (tests/test_distributed.py's FSDP run then trains
+    the golden curve from it)."""
     assert run_on_two_processes(FSDP2_SCRIPT, tmp_path).count("FSDP2 OK") == 2
 
 

@@ -1,7 +1,7 @@
 """bf16 gradients accumulated and reduced in fp32 (the default) versus reduced in bf16, measured.
 
-Two CPU processes, a tiny bf16 model, GBS 16 = MBS 1 x GAS 8 x 2 ranks, 5 optimizer steps, under ZeRO-2 and
-ZeRO-3 (FSDP does not run on CPU under accelerate). The reference is an fp32-precision run of the same seed, data
+Two CPU processes, a tiny bf16 model, GBS 16 = MBS 1 x GAS 8 x 2 ranks, 5 optimizer steps, under ZeRO-2,
+ZeRO-3 and FSDP2 (over gloo: pretrain.runtime.fsdp_on_cpu). The reference is an fp32-precision run of the same seed, data
 and layout: its gradients have no bf16 rounding anywhere, so it is the "true" gradient both bf16 runs try to
 reproduce, and it is independent of the thing measured (a bf16 run with fp32 reduction as the reference would be
 at distance 0 from itself). Both bf16 runs share the bf16 forward and backward; they differ only in the dtype the
@@ -34,7 +34,8 @@ ARGS = [*FAST, f"train.max_steps={STEPS}", "batch.global_batch_size=16", "batch.
 ARMS = {"fp32 reference": ["precision.dtype=fp32"],
         "bf16, fp32 reduce": ["precision.dtype=bf16"],
         "bf16, bf16 reduce": ["precision.dtype=bf16", "precision.reduce_dtype=bf16"]}
-STAGES = {"ZeRO-2": "zero2.yaml", "ZeRO-3": "zero3.yaml"}
+STAGES = {"ZeRO-2": "zero2.yaml", "ZeRO-3": "zero3.yaml", "FSDP": "fsdp.yaml"}
+DEEPSPEED_STAGES = ("ZeRO-2", "ZeRO-3")
 
 
 def _curve(run_dir) -> tuple[list[float], list[float]]:
@@ -84,7 +85,7 @@ def test_fp32_reduction_gradients_are_closer_to_the_fp32_reference_than_bf16_red
 
 @pytest.mark.slow
 def test_written_deepspeed_config_and_run_config_record_the_dtypes(runs):
-    for stage in STAGES:
+    for stage in DEEPSPEED_STAGES:
         fp32 = json.loads((runs[stage, "bf16, fp32 reduce"] / "deepspeed_config.json").read_text())
         assert fp32["data_types"] == {"grad_accum_dtype": "fp32"} and fp32["communication_data_type"] == "fp32"
         bf16 = json.loads((runs[stage, "bf16, bf16 reduce"] / "deepspeed_config.json").read_text())
@@ -194,16 +195,16 @@ def test_fsdp1_gets_the_same_reduce_dtype(monkeypatch):
     assert isinstance(policy, MixedPrecision) and policy.reduce_dtype == torch.float32
 
 
-@pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("reduce", ["fp32", "bf16"])
-def test_fsdp_accumulates_and_reduces_in_precision_reduce_dtype_on_gpu(tmp_path, reduce):
-    """A real FSDP2 rank (tests/fsdp_dtype_probe.py): the policy reaches fully_shard, the no_sync micro-step
-    accumulates the unsharded gradients in precision.reduce_dtype, the sharded gradients end in fp32."""
+def test_fsdp_accumulates_and_reduces_in_precision_reduce_dtype(tmp_path, reduce):
+    """Two real FSDP2 ranks (tests/fsdp_dtype_probe.py; on CPU over gloo, on a GPU box with NCCL): the policy
+    reaches fully_shard, the no_sync micro-step accumulates the unsharded gradients in precision.reduce_dtype,
+    the sharded gradients end in fp32."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "1", "--main_process_port", "0",
+           str(ROOT / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2", "--main_process_port", "0",
            str(ROOT / "tests" / "fsdp_dtype_probe.py"), str(tmp_path), "--recipe", TINY, *FAST,
-           "precision.dtype=bf16", f"precision.reduce_dtype={reduce}"]
+           "precision.dtype=bf16", f"precision.reduce_dtype={reduce}", "batch.micro_batch_size=1"]  # GAS 4
     proc = run_cmd(cmd, timeout=600)
     check_ok(proc)
     dtypes = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("DTYPES "))[7:])

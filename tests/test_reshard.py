@@ -1,8 +1,9 @@
 """Resume on another layout (pretrain/reshard.py) and pretrain-export's argument checks.
 
 The decisions are pure file reads and are tested here on hand-made checkpoint directories; the real
-conversions and continued curves are in the slow tests at the end (one 2-process ZeRO-2 run, resumed on
-1 and on 3 processes) and in tests/test_distributed.py (exports of the shared curves' checkpoints)."""
+conversions and continued curves are in the slow tests at the end (a 2-process ZeRO-2 run resumed on 1 and
+on 3 processes; 2-process ZeRO-3 and FSDP runs resumed on 3) and in tests/test_distributed.py (exports of the
+shared curves' checkpoints, FSDP's among them)."""
 
 from __future__ import annotations
 
@@ -253,3 +254,46 @@ def test_a_deepspeed_checkpoint_is_refused_by_a_ddp_launch_before_any_process_gr
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "written by DeepSpeed ZeRO-2 on 2 processes" in proc.stderr and "pretrain-export" in proc.stderr
     assert "Traceback" not in proc.stderr and "process group" not in proc.stdout
+
+
+# ---- real runs: ZeRO-3 and FSDP checkpoints of 2 processes continue on 3 --------------------------------------
+SHARDED = {"ZeRO-3": "zero3.yaml", "FSDP": "fsdp.yaml"}
+
+
+@pytest.fixture(scope="module")
+def resharded_sharded(tmp_path_factory):
+    """For ZeRO-3 (DeepSpeed universal checkpoint) and FSDP2 (torch.distributed.checkpoint reshards on load):
+    an uninterrupted 2-process run, and its step-3 checkpoint continued on 3 processes."""
+    root = tmp_path_factory.mktemp("reshard_sharded")
+    runs, logs = {}, {}
+    for name, config in SHARDED.items():
+        base, resumed = root / f"{config[:-5]}_2", root / f"{config[:-5]}_3"
+        check_ok(accelerate_launch(config, [*ARGS, f"output_dir={base}"], extra=["--num_processes", "2"]))
+        proc = accelerate_launch(config, [*ARGS, f"output_dir={resumed}",
+                                          f"checkpoint.resume={base / 'checkpoints' / 'step_00000003'}"],
+                                 extra=["--num_processes", "3"])
+        check_ok(proc)
+        runs[name, 2], runs[name, 3], logs[name] = base, resumed, proc.stdout
+    return runs, logs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(SHARDED))
+def test_sharded_checkpoint_of_2_processes_continues_on_3_on_the_same_curve(resharded_sharded, layout):
+    runs, logs = resharded_sharded
+    reference = {m["step"]: m for m in metrics(runs[layout, 2]) if "train/loss" in m}
+    curve = {m["step"]: m for m in metrics(runs[layout, 3]) if "train/loss" in m}
+    assert sorted(curve) == list(range(4, STEPS + 1))
+    for step, m in curve.items():
+        assert m["train/loss"] == pytest.approx(reference[step]["train/loss"], rel=1e-4), step
+        assert m["train/lr"] == pytest.approx(reference[step]["train/lr"], rel=1e-9), step
+        assert m["train/tokens_seen"] == reference[step]["train/tokens_seen"], step
+        assert m["batch/gas"] == 2
+    assert "re-seeded" in logs[layout]
+    if layout == "ZeRO-3":
+        assert "DeepSpeed universal checkpoint" in logs[layout]
+    else:  # nothing to convert: the shards are read by the new layout as they are
+        assert "written by FSDP on 2 processes; loading it with FSDP on 3 processes" in logs[layout]
+        assert "converting" not in logs[layout]
+    state = json.loads((runs[layout, 3] / "checkpoints" / "step_00000006" / "trainer_state.json").read_text())
+    assert state["layout"]["world_size"] == 3

@@ -5,16 +5,14 @@ Two CPU processes per layout, a ~500M-parameter Llama (hidden 1536, 14 layers, v
     python tools/setup_memory.py                                    # this checkout's pretrain
     python tools/setup_memory.py --code /work/main --layouts zero3  # another checkout's (e.g. "before")
 
-DDP, ZeRO-2 and ZeRO-3 run the real ``Trainer`` set-up under ``accelerate launch`` (accelerate_configs
-cpu_ddp / zero2 / zero3, 2 processes; the tiny recipe's data, the shape above). FSDP runs on GPUs only in
-pretrain, so ``fsdp`` is torch's FSDP2 on a CPU device mesh over gloo: ``build_model`` with a ``shard``
-that wraps each decoder layer and the root as accelerate does; a checkout whose ``build_model`` has no
-``shard`` builds the whole model and shards it afterwards. Figures, per rank, the larger of the two:
+Every layout runs the real ``Trainer`` set-up under ``accelerate launch`` (accelerate_configs cpu_ddp / zero2 /
+zero3 / fsdp, 2 processes; the tiny recipe's data, the shape above); FSDP is torch's FSDP2 over gloo, as pretrain
+runs it without GPUs (``pretrain.runtime.fsdp_on_cpu``). Figures, per rank, the larger of the two:
 
     baseline   RSS after importing pretrain.train (python, torch, transformers, accelerate)
     pre-build  RSS just before build_model (accelerator, data, tokenizer ready)
     build      peak RSS up to the end of build_model (construction + init)
-    set-up     peak RSS up to the end of set-up (+ optimizer + accelerator.prepare; FSDP: the sharding)
+    set-up     peak RSS up to the end of set-up (+ optimizer + accelerator.prepare)
 
 Slow and heavy (several GiB of RAM per layout): not part of the test suite.
 """
@@ -34,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TAG = "SETUP_MEMORY "
 SHAPE = {"hidden_size": 1536, "num_layers": 14, "num_heads": 12, "num_kv_heads": 12, "intermediate_size": 4096,
          "vocab_size": 32000, "tie_embeddings": False}
-CONFIGS = {"ddp": "cpu_ddp.yaml", "zero2": "zero2.yaml", "zero3": "zero3.yaml"}
-LAYOUTS = (*CONFIGS, "fsdp")
+CONFIGS = {"ddp": "cpu_ddp.yaml", "zero2": "zero2.yaml", "zero3": "zero3.yaml", "fsdp": "fsdp.yaml"}
+LAYOUTS = tuple(CONFIGS)
 GIB = 2**30
 
 
@@ -79,53 +77,14 @@ def trainer_worker(overrides: list[str]) -> None:
     os._exit(0)
 
 
-def fsdp_worker(shape: dict) -> None:
-    import inspect
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    import pretrain.train  # noqa: F401  (the same imports as the other layouts' baseline)
-    from pretrain.config import ModelConfig
-    from pretrain.model import build_model, count_parameters
-
-    figures = {"baseline": rss_bytes()}
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-
-    def shard(model):
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model
-
-    figures["pre_build"] = rss_bytes()
-    if "shard" in inspect.signature(build_model).parameters:
-        model = build_model(ModelConfig(**shape), shape["vocab_size"], 64, seed=0, shard=shard)
-        figures["build"] = peak_rss_bytes()
-    else:  # a checkout that builds the whole model first
-        model = build_model(ModelConfig(**shape), shape["vocab_size"], 64, seed=0)
-        figures["build"] = peak_rss_bytes()
-        model = shard(model)
-    figures["setup"] = peak_rss_bytes()
-    figures["num_params"] = count_parameters(model)
-    report(figures)
-    dist.destroy_process_group()
-
-
 def measure(layout: str, code: Path, shape: dict) -> list[dict]:
     """Run one layout on 2 processes with ``code``'s pretrain; the figures of each rank."""
     env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline", "DS_ACCELERATOR": "cpu",
            "TOKENIZERS_PARALLELISM": "false"}
     me = [str(Path(__file__).resolve()), "--shape", json.dumps(shape)]
-    if layout == "fsdp":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *me,
-               "--worker", "fsdp"]
-    else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ROOT / "accelerate_configs" / CONFIGS[layout]), "--num_processes", "2", *me, "--worker", "trainer"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / CONFIGS[layout]), "--num_processes", "2", *me, "--worker", "trainer"]
     with tempfile.TemporaryDirectory() as out:  # one output_dir shared by both processes, as a run's is
         run = subprocess.run([*cmd, "--output-dir", out], cwd=ROOT, env=env, capture_output=True, text=True)
     rows = [json.loads(line[len(TAG):]) for line in run.stdout.splitlines() if line.startswith(TAG)]
@@ -146,13 +105,11 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     parser.add_argument("--code", type=Path, default=ROOT, help="the checkout whose pretrain package is measured")
     parser.add_argument("--shape", type=json.loads, default=SHAPE, help="model section fields, as JSON")
-    parser.add_argument("--worker", choices=("trainer", "fsdp"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("trainer",), help=argparse.SUPPRESS)
     parser.add_argument("--output-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "trainer":
         return trainer_worker([*trainer_overrides(args.shape), f"output_dir={args.output_dir}"])
-    if args.worker == "fsdp":
-        return fsdp_worker(args.shape)
 
     print(f"pretrain from {args.code}; 2 CPU processes; peak RSS per rank (the larger rank), GiB")
     print("| layout | fp32 model | baseline | pre-build | build + init | set-up | set-up - pre-build |")
