@@ -97,7 +97,11 @@ def fsdp_plugin(recipe: Recipe) -> FullyShardedDataParallelPlugin | None:
     if plugin.fsdp_version == 2:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce, output_dtype=torch.bfloat16)
+        # No output_dtype (accelerate's own policy sets bf16): FSDP2 casts every floating tensor the root module
+        # returns, and the model returns its loss, computed in fp32 from upcast logits; cast to bf16 it would
+        # be logged, judged by the step gate and back-propagated from 8 bits of mantissa (0.03 apart at loss 8).
+        # The logits are bf16 either way, as in torchtitan, whose policy sets no output dtype either.
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
     else:
         from torch.distributed.fsdp import MixedPrecision
 

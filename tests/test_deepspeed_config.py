@@ -150,7 +150,7 @@ def test_fsdp_policy_and_ddp_hook_follow_reduce_dtype(monkeypatch):
     bf16, fast = recipe(precision={"dtype": "bf16"}), recipe(precision={"dtype": "bf16", "reduce_dtype": "bf16"})
     policy = fsdp_plugin(bf16).mixed_precision_policy
     bf16_, fp32_ = torch.bfloat16, torch.float32
-    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (bf16_, fp32_, bf16_)
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (bf16_, fp32_, None)  # fp32 loss
     assert fsdp_plugin(fast).mixed_precision_policy.reduce_dtype == torch.bfloat16
     assert fsdp_plugin(recipe()) is None
     assert ddp_kwargs(bf16) is None and ddp_kwargs(fast).comm_hook == DDPCommunicationHookType.BF16
