@@ -25,6 +25,10 @@ COMPILED = ("ZeRO-2 resumed at 3", "ZeRO-3 resumed at 3", "cpu_ddp, GAS 2 resume
             "cpu_ddp resumed at 3 in 1 process", "FSDP resumed at 3")
 
 
+# Runs with an activation checkpointing policy (the others: none, as the curve's recipe says).
+SELECTIVE = {"FSDP": "selective"}
+
+
 def run_config(run_dir) -> dict:
     return json.loads((run_dir / "run_config.json").read_text())
 
@@ -42,10 +46,13 @@ def curves(tmp_path_factory):
                          ("ZeRO-3", "zero3.yaml"), ("FSDP", "fsdp.yaml")]:
         out = root / config.removesuffix(".yaml")
         extra = [] if config == "cpu_ddp.yaml" else ["--num_processes", "2"]
-        proc = accelerate_launch(config, [*CURVE, f"output_dir={out}"], extra=extra, extra_env=threads)
+        # FSDP with selective activation checkpointing (kept outputs and recomputed ops across FSDP2's
+        # per-block gathers; refused under ZeRO-3): the curve must not move.
+        policy = [f"model.activation_checkpointing={SELECTIVE[name]}"] if name in SELECTIVE else []
+        proc = accelerate_launch(config, [*CURVE, f"output_dir={out}", *policy], extra=extra, extra_env=threads)
         check_ok(proc)
         runs[name] = keep_console(proc, out)
-    # Resume from the step-3 checkpoint of the ZeRO-2 / ZeRO-3 / DDP runs into a fresh directory, with regional
+    # Resume from the step-3 checkpoint of the ZeRO-2 / ZeRO-3 / DDP / FSDP runs into a fresh directory, with regional
     # compile (COMPILED): an eager checkpoint loads into the compiled model, the
     # losses stay the eager ones (test_one_curve_on_every_layout) and the checkpoints it writes keep plain keys.
     for name, config in [("ZeRO-2 resumed at 3", "zero2.yaml"), ("ZeRO-3 resumed at 3", "zero3.yaml"),
@@ -97,6 +104,7 @@ def test_layouts_report_their_real_world_size(curves):
             assert config["dist/distributed_type"] == "DEEPSPEED"
         if "FSDP" in name:  # FSDP2 over gloo (runtime.fsdp_on_cpu), not accelerate's silent fallback to DDP
             assert config["dist/distributed_type"] == "FSDP"
+        assert config["recipe/model/activation_checkpointing"] == SELECTIVE.get(name, "none"), name
         # DeepSpeed steps the torch client optimizer (deepspeed.optimizer=auto, no optimizer in its JSON)
         assert config["optim/class"] == "AdamW" and not config["optim/fused"], name
 
