@@ -200,9 +200,10 @@ def prepare_resume(checkpoint: Path, launch: Launch, log: Log = print) -> Resume
     saved, target = saved_layout(checkpoint, state), Layout.of(launch)
     kind = conversion(checkpoint, saved, target)
     if kind is None and saved.engine == "ddp" and saved != target:
-        # The same layout reads back what it wrote; a renaming is only for another process count (whether
-        # accelerate wrapped the model in DDP is not a function of the world size alone: a 2-node job of one
-        # process per node saves unprefixed keys).
+        # The same layout reads back what it wrote; a renaming is only for another process count, and whether
+        # the saved keys carry DDP's "module." prefix is read from the file, not assumed from the world size
+        # (checkpoints of this version have none on any process count, local or a 2-node SLURM job alike;
+        # a prefixed file from elsewhere is renamed for one process).
         kind = _ddp_keys_kind(checkpoint, target)
     world_changed = saved.world_size != target.world_size
     if kind is None:
