@@ -135,7 +135,7 @@ def main() -> None:
 
     generator = torch.Generator().manual_seed(acc.process_index)
     for step in range(2):
-        for micro in range(GRAD_ACCUM_STEPS):
+        for _ in range(GRAD_ACCUM_STEPS):
             ids = torch.randint(0, vocab, (MICRO_BATCH_SIZE, recipe.data.seq_len), generator=generator)
             with acc.accumulate(model):
                 loss = model(input_ids=ids, labels=ids).loss
