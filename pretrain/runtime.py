@@ -259,9 +259,10 @@ def build_accelerator(recipe: Recipe, plan: BatchPlan, launch: Launch, output_di
 
 
 def check_fsdp_on_cpu(launch: Launch, environ: Mapping[str, str] = os.environ) -> None:
-    """What of FSDP runs without GPUs (``fsdp_on_cpu``): FSDP2, fully sharded or not resharded after forward,
-    on one process group. Read from the launch environment before any plugin or group is made (accelerate's
-    FSDP1 plugin itself fails on a machine without GPUs when it is to sync module states)."""
+    """What of FSDP runs without GPUs (``fsdp_on_cpu``): FSDP2, resharded after forward or not (FULL_SHARD,
+    SHARD_GRAD_OP), on one process group, without parameter offload. Read from the launch before any plugin or
+    group is made (accelerate's FSDP1 plugin itself fails on a machine without GPUs when it is to sync module
+    states)."""
     if environ.get("FSDP_VERSION", "1") != "2":  # accelerate's default is FSDP1
         raise ConfigError(
             "the accelerate config asks for FSDP1 (fsdp_version: 1), which pretrain runs on GPUs only; on CPU set "
@@ -271,6 +272,12 @@ def check_fsdp_on_cpu(launch: Launch, environ: Mapping[str, str] = os.environ) -
         raise ConfigError(
             "the accelerate config asks for HSDP (hybrid sharding over a 2-D device mesh), which pretrain runs on "
             "GPUs only; on CPU use accelerate_configs/fsdp.yaml (full sharding) or multinode_zero3_hpz.yaml"
+        )
+    if launch.offload_params != "none":
+        raise ConfigError(
+            "the accelerate config asks FSDP to offload parameters (fsdp_offload_params: true), which moves the "
+            "shards from the GPUs to the CPU: without GPUs there is nothing to offload (torch's CPUOffloadPolicy "
+            "fails); set fsdp_offload_params: false"
         )
 
 

@@ -130,10 +130,12 @@ def test_an_fsdp_launch_logs_the_estimators_fsdp_figure(monkeypatch):
 @pytest.mark.parametrize("env, launch_kwargs, words", [
     ({"FSDP_VERSION": "1"}, {}, ["FSDP1 (fsdp_version: 1)", "runs on GPUs only", "fsdp_version: 2"]),
     ({}, {"hybrid_shard_size": 2, "num_nodes": 2}, ["HSDP", "runs on GPUs only", "accelerate_configs/fsdp.yaml"]),
+    ({}, {"offload_params": "cpu"}, ["fsdp_offload_params: true", "nothing to offload", "fsdp_offload_params: false"]),
 ])
 def test_what_of_fsdp_cannot_run_on_cpu_is_refused_naming_what_can(env, launch_kwargs, words):
     """FSDP2 runs on CPU over gloo (runtime.fsdp_on_cpu; tests/test_distributed.py trains it); FSDP1 and HSDP
-    (accelerate makes their device or 2-D mesh for GPU launches only) are refused before any process group."""
+    (accelerate makes their device or 2-D mesh for GPU launches only) and parameter offload (from a GPU that
+    is not there) are refused before any process group."""
     from pretrain.errors import ConfigError
     from pretrain.launch import Launch
     from pretrain.runtime import check_fsdp_on_cpu
