@@ -78,18 +78,22 @@ def ds_config(zero_stage: int, dtype: str, world_size: int) -> dict:
     }
 
 
-def live_tensors(module=None) -> dict[int, tuple[int, object]]:
+def live_tensors(module=None, extra=()) -> dict[int, tuple[int, object]]:
     """Every CPU tensor reachable by the garbage collector, by storage: {data_ptr: (nbytes, tensor)}.
 
     A gradient that autograd wrote and no Python code has read yet has no Python object, so the
-    garbage collector cannot see it: the module's ``.grad`` tensors are listed explicitly.
+    garbage collector cannot see it: the module's ``.grad`` tensors (and ``extra`` ones) are listed
+    explicitly. A DTensor (FSDP2) owns no storage of its own: it is counted by its local shard.
     """
     import torch
+    from torch.distributed.tensor import DTensor
 
     gc.collect()
     seen: dict[int, tuple[int, object]] = {}
     grads = [p.grad for p in module.parameters()] if module is not None else []
-    for obj in [*grads, *gc.get_objects()]:
+    for obj in [*grads, *extra, *gc.get_objects()]:
+        if isinstance(obj, DTensor):
+            obj = obj._local_tensor
         if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
             continue
         storage = obj.untyped_storage()

@@ -38,31 +38,14 @@ def overrides(dtype: str) -> list[str]:
 
 
 def live(module) -> dict[int, tuple[int, object]]:
-    """Every CPU tensor the garbage collector reaches, by storage: {data_ptr: (nbytes, tensor)}, as in
-    ds_memory_probe.live_tensors, with a DTensor counted by its local shard (the DTensor object itself owns no
-    storage) and the module's gradients listed explicitly (autograd may have written one no Python code read)."""
-    import gc
+    """ds_memory_probe.live_tensors, with the unsharded gradients under no_sync listed explicitly: FSDP2 leaves
+    a unit's gradient (when not accumulated in another dtype) on its unsharded parameter's .grad, written by
+    autograd, so no Python object reaches it until it is read here."""
+    from ds_memory_probe import live_tensors
 
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    gc.collect()
-    seen: dict[int, tuple[int, object]] = {}
-    grads = [p.grad for p in module.parameters()]
-    # under no_sync, FSDP2 leaves a unit's gradient (when not accumulated in another dtype) on its unsharded
-    # parameter's .grad, written by autograd: no Python object reaches it until it is read here
-    grads += [getattr(fp._unsharded_param, "grad", None) for fp in fsdp_params(module)
-              if hasattr(fp, "_unsharded_param")]
-    for obj in [*grads, *gc.get_objects()]:
-        if isinstance(obj, DTensor):
-            obj = obj._local_tensor
-        if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
-            continue
-        storage = obj.untyped_storage()
-        nbytes = storage.nbytes()
-        if nbytes and storage.data_ptr() not in seen:
-            seen[storage.data_ptr()] = (nbytes, obj)
-    return seen
+    unsharded = [getattr(fp._unsharded_param, "grad", None) for fp in fsdp_params(module)
+                 if hasattr(fp, "_unsharded_param")]
+    return live_tensors(module, unsharded)
 
 
 def labels(model, optimizer) -> dict[int, str]:
