@@ -8,10 +8,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 
 from pretrain.cli import add_recipe_arguments
 from pretrain.cli.dry_run import add_dry_run_arguments, check_options, dry_run
+from pretrain.environment import check_environment
 from pretrain.errors import EXIT_DIVERGED, EXIT_USAGE, ConfigError, TrainingDiverged
 from pretrain.launch import Launch
 from pretrain.quiet import install_warning_filters
@@ -37,10 +40,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     install_warning_filters()  # before the libraries are imported: some warn on import
-    from pretrain.supervise import stop_with_launcher
+    from pretrain.supervise import leave, stop_with_launcher
 
     stop_with_launcher()  # a worker of torchrun ends with its launcher (kill -9 of accelerate launch too)
     args = parse_args(argv)
+    # A worker of a multi-process launch leaves without the interpreter's teardown, whose gloo threads could
+    # turn its exit code into SIGABRT (pretrain/supervise.py, leave).
+    if os.environ.get("WORLD_SIZE", "1").strip() in ("", "0", "1"):
+        return _main(args)
+    try:
+        code = _main(args)
+    except Exception:  # a defect: its traceback, then exit 1 (not the teardown's SIGABRT)
+        traceback.print_exc()
+        code = 1
+    leave(code)
+
+
+def _main(args: argparse.Namespace) -> int:
     is_main = True
     try:
         from pretrain.config import load_recipe
@@ -48,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         launch = Launch.from_env()
         is_main = launch.is_main
         check_options(args)
+        check_environment(None, launch)  # the core packages (pydantic before the recipe needs it), the engine's
         recipe = load_recipe(args.recipe, args.overrides)
         if args.print_config:
             print(recipe.to_yaml(), end="")
@@ -56,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             if is_main:
                 dry_run(recipe, args, launch)
             return 0
+        # The recipe's packages, and GPUs that torch cannot see (unless accelerate launch --cpu / use_cpu).
+        check_environment(recipe, launch, gpu_launch=os.environ.get("ACCELERATE_USE_CPU", "").lower() != "true")
         from pretrain.cli.prepare_data import prepare_commands
         from pretrain.train import Trainer
 

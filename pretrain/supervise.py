@@ -17,6 +17,17 @@ training, and a relaunch would then write into the same output_dir. A worker sta
 agent (``TORCHELASTIC_RUN_ID`` set) therefore asks the kernel for SIGKILL when its parent — the agent's
 main thread, which started it — exits (``prctl(PR_SET_PDEATHSIG)``, Linux). A process started any other
 way (``python pretrain/run.py`` under nohup, say) keeps running when its parent exits.
+
+**A worker's exit code is its own.** A CPU/gloo process that has joined a process group sometimes aborted
+in the interpreter's teardown after its last line ("terminate called without an active exception",
+SIGABRT, exit -6: seen in about 1 of 3 full CI runs), even after ``destroy_process_group``: gloo's C++
+threads still hold work objects whose tensors reach back into Python while the interpreter is being torn
+down (pytorch/pytorch#179291 describes the mechanism; torch has no fix). SLURM counts -6 as a failure, and
+a run that succeeded or was refused with exit 2 must say so. ``leave(code)`` therefore ends a worker of a
+multi-process launch the way torch's own multiprocessing tests end theirs: flush what Python buffers
+(streams, logging), then ``os._exit(code)``, skipping the teardown. Everything a run writes is closed
+before: trackers by ``end_training``, checkpoints and the final model synchronously, the run lock
+released (the kernel would release it anyway).
 """
 
 from __future__ import annotations
@@ -31,12 +42,36 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from pretrain.errors import ConfigError
 
 LOCK_FILE = "run.lock"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+def leave(code: int) -> NoReturn:
+    """End a worker of a multi-process launch with ``code`` through ``os._exit``, after flushing (see the
+    module docstring).
+
+    The process group is destroyed first where it still exists and nothing failed (``code == 0``): a rank
+    that failed must not wait in ``destroy_process_group`` for peers that may still be inside a collective
+    (torchtitan calls it on success only, for the same reason)."""
+    if code == 0 and "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing left to flush into
+            pass
+    os._exit(code)
 
 
 def _holder_text(raw: str) -> str:
