@@ -16,7 +16,7 @@
   that trades memory back for matmul recompute.
 
 Blocks are transformers' ``GradientCheckpointingLayer``s: transformers' own ``activation_checkpointing_enable``
-sets the flag and the checkpoint function on them (``every_n_layers`` for every_N, a ``context_fn`` in the
+(``gradient_checkpointing_enable`` before transformers 5.23) sets the flag and the checkpoint function on them (``every_n_layers`` for every_N, a ``context_fn`` in the
 checkpoint's keyword arguments for selective), so no module is wrapped or renamed (the per-module init
 seeds are drawn from module names) and FSDP2's per-block hooks stay outside the checkpoint.
 
@@ -108,13 +108,19 @@ def selective_context_fn():
 
 
 def apply(model, policy: str) -> None:
-    """Turn the policy on for a transformers model (through its own ``activation_checkpointing_enable``)."""
+    """Turn the policy on for a transformers model, through its own switch: ``activation_checkpointing_enable``
+    (transformers >= 5.23), or the same switch under its earlier name, ``gradient_checkpointing_enable``
+    (deprecated from 5.23, with the same ``every_n_layers`` and checkpoint keyword arguments), so that every
+    transformers pyproject admits runs every policy."""
     if policy == "none":
         return
     kwargs: dict[str, Any] = {"use_reentrant": False}
     if policy == "selective":
         kwargs["context_fn"] = selective_context_fn
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n(policy))
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n(policy))
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, every_n_layers=every_n(policy))
 
 
 PLANNER_POLICIES = ("none", "selective", "every_2", "full")

@@ -11,6 +11,8 @@ from pretrain.launch import Launch
 from pretrain.model import build_model
 from pretrain.runtime import compile_in_place, compile_mode, dynamo_plugin
 
+pytestmark = pytest.mark.floors  # the compile decision runs in CI's minimum-versions smoke set too
+
 DDP = Launch()
 ZERO2 = Launch(engine="deepspeed", zero_stage=2, num_nodes=1, gpus_per_node=2)
 FSDP = Launch(engine="fsdp", fsdp_sharding="FULL_SHARD", num_nodes=1, gpus_per_node=2)

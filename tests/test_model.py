@@ -241,6 +241,7 @@ def test_tied_embeddings_stay_tied(meta):
     assert count_parameters(untied) == count_parameters(model) + VOCAB * 32
 
 
+@pytest.mark.floors
 def test_activation_checkpointing_recomputes_blocks_in_backward():
     """Forward runs of each block (a hook on its attention module, the block's first sub-module: torch stops a
     recompute early once backward has what it needs): 2 for a checkpointed block, 1 for the others. every_2
@@ -260,11 +261,14 @@ def test_activation_checkpointing_recomputes_blocks_in_backward():
     expected = {"none": [1, 1, 1], "full": [2, 2, 2], "every_2": [2, 1, 2], "selective": [2, 2, 2]}
     for policy, calls in expected.items():
         model, counted = attention_forwards(policy)
-        assert (model.is_activation_checkpointing, counted) == (policy != "none", calls), policy
+        # transformers' per-block flag (its is_activation_checkpointing property is 5.23+; the floor is older)
+        checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+        assert (checkpointing, counted) == (policy != "none", calls), policy
         assert [name for name, _ in model.named_modules()] == names
     assert attention_forwards(True)[1] == expected["full"]  # old recipes: true = full
 
 
+@pytest.mark.floors
 def test_every_policy_trains_to_the_same_losses():
     """The tiny recipe's model (fp32) trained 3 AdamW steps under each policy: the per-step losses of
     no checkpointing, to 1e-6 relative (recomputation replays the same ops on the same inputs)."""

@@ -149,8 +149,10 @@ def report(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu, 
 
 def dry_run(recipe, args: argparse.Namespace, started_by: Launch) -> None:
     from pretrain.cli.launch import launch_gpu
+    from pretrain.environment import check_environment
 
     launch = planned_launch(args, started_by)
+    check_environment(recipe, launch)  # the packages this launch would need here (the device is the run's check)
     gpu = launch_gpu(args, accelerate_options(args))
     detected = args.gpu is None and args.gpu_memory_gib is None
     print("\n".join(report(recipe, args.recipe, list(args.overrides), launch, gpu, args.config_file, detected)))

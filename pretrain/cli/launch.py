@@ -196,16 +196,21 @@ def check_memory(recipe, run_plan, options: argparse.Namespace, accelerate_args:
 def preflight(accelerate_args: list[str], run_args: list[str], options: argparse.Namespace | None = None) -> Launch:
     """Raise ConfigError for anything that would fail inside the launched processes, or not fit their GPUs;
     returns the launch."""
-    from pretrain.config import load_recipe
+    from pretrain.environment import check_environment
     from pretrain.launch import Launch
-    from pretrain.model import meta_model
-    from pretrain.preflight import check_run
 
     options = options or own_options([])[0]
     launch = Launch.from_accelerate_config(option_value(accelerate_args, "--config_file"), accelerate_args)
+    check_environment(None, launch)  # the core packages and the engine's, before anything imports them
+    from pretrain.config import load_recipe
+    from pretrain.model import meta_model
+    from pretrain.preflight import check_run
+
     recipe_path, overrides = run_args[1] if len(run_args) > 1 else "", run_args[2:]
     recipe_overrides = [o for o in overrides if not o.startswith("--")]
     recipe = load_recipe(recipe_path, recipe_overrides)
+    cpu = "--cpu" in accelerate_args or _config_uses_cpu(option_value(accelerate_args, "--config_file"))
+    check_environment(recipe, launch, gpu_launch=not cpu)
     run_plan = check_run(recipe, launch)
     # A model config transformers cannot build is refused here, not in every process; the attention kernel is
     # the nodes' to check (this machine may lack flash-attn).

@@ -1,0 +1,176 @@
+"""The environment check (pretrain/environment.py): floors from pyproject, the packages a run needs, the
+device, and the refusal before any process starts, in an environment that really lacks the optional packages."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from pretrain import environment
+from pretrain.config import load_recipe
+from pretrain.environment import DeviceFacts, check_environment, device_problems, meets, package_problems
+from pretrain.errors import ConfigError
+from pretrain.launch import Launch
+
+from .helpers import ROOT as REPO
+from .helpers import FAST, env
+
+pytestmark = pytest.mark.floors  # also in CI's minimum-versions smoke set
+
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+OPTIONAL = ("deepspeed", "datasets", "wandb", "liger-kernel")
+
+
+def versions(**found: str):
+    """A version_of that knows the core packages at their floors plus ``found``."""
+    table = {r.package: r.floor or "1" for r in environment.requirements() if r.extra is None}
+    table.update({k.replace("_", "-"): v for k, v in found.items()})
+    return lambda package: table.get(package)
+
+
+def test_floors_come_from_pyproject_core_and_extras():
+    reqs = {r.package: r for r in environment.requirements()}
+    core = {line.split(">=")[0].strip() for line in PYPROJECT["dependencies"]}
+    assert {p for p, r in reqs.items() if r.extra is None} == core
+    for extra, lines in PYPROJECT["optional-dependencies"].items():
+        if extra in ("dev", "all"):
+            continue
+        for line in lines:
+            name, floor = (part.strip() for part in line.split(">="))
+            assert reqs[name].extra == extra and reqs[name].floor == floor
+    # The optional packages are optional: none of them is a core dependency.
+    assert not core & set(OPTIONAL)
+    for extra, _ in environment.needed_extras(load_recipe("recipes/tiny.yaml", [
+            "data.source=hf:wikitext", "logging.backends=[wandb]", "model.loss=liger"]), Launch("deepspeed", 2)):
+        assert extra in PYPROJECT["optional-dependencies"], extra
+
+
+@pytest.mark.parametrize("version, floor, ok", [
+    ("2.11.0", "2.11", True), ("2.11.0+cu130", "2.11", True), ("2.11.0a0+nv25.06", "2.11", True),
+    ("2.10.1", "2.11", False), ("5.17.0", "5.17", True), ("5.9.0", "5.17", False), ("1.14.0.dev0", "1.14", True),
+    ("0.19.8", "0.16.9", True), ("0.16.4", "0.16.9", False), ("anything", None, True),
+])
+def test_a_version_meets_its_floor_by_its_release_numbers(version, floor, ok):
+    assert meets(version, floor) is ok
+
+
+def test_a_zero_launch_without_deepspeed_names_it_the_version_and_the_command():
+    ds = environment.requirement("deepspeed")
+    problems = package_problems(None, Launch("deepspeed", 2), version_of=versions())
+    assert problems == [f"deepspeed is not installed; the launch's DeepSpeed ZeRO-2 needs deepspeed >= {ds.floor}. "
+                        f"Install it: pip install --no-build-isolation 'deepspeed>={ds.floor}'"]
+    old = package_problems(None, Launch("deepspeed", 2), version_of=versions(deepspeed="0.1.0"))
+    assert old and old[0].startswith("deepspeed 0.1.0 is installed; ")
+    # DDP and FSDP need no DeepSpeed, one process neither.
+    assert package_problems(None, Launch("ddp"), version_of=versions()) == []
+    assert package_problems(None, Launch("fsdp"), version_of=versions()) == []
+
+
+def test_a_core_package_below_its_floor_is_refused_whatever_the_run():
+    torch = environment.requirement("torch")
+    [problem] = package_problems(None, None, version_of=versions(torch="2.1.0"))
+    assert problem.startswith(f"torch 2.1.0 is installed; pretrain needs torch >= {torch.floor}. ")
+
+
+def test_the_recipe_asks_for_datasets_wandb_and_liger_only_when_it_uses_them():
+    tiny = load_recipe("recipes/tiny.yaml", [])
+    assert package_problems(tiny, Launch(), version_of=versions()) == []
+    recipe = load_recipe("recipes/tiny.yaml", ["data.source=hf:wikitext", "logging.backends=[jsonl, wandb]",
+                                               "model.loss=liger"])
+    problems = package_problems(recipe, Launch(), version_of=versions())
+    assert [p.split(" ")[0] for p in problems] == ["datasets", "wandb", "liger-kernel"]
+    assert "data source hf:wikitext needs datasets" in problems[0]
+    assert "model.loss: liger needs liger-kernel" in problems[2]
+
+
+def test_one_error_lists_every_problem_and_how_to_install_everything(monkeypatch):
+    monkeypatch.setattr(environment, "installed_version", versions())
+    with pytest.raises(ConfigError) as err:
+        check_environment(load_recipe("recipes/tiny.yaml", ["logging.backends=[wandb]"]), Launch("deepspeed", 2))
+    text = str(err.value)
+    assert text.startswith("2 problems:\n  - deepspeed is not installed; ") and "\n  - wandb is not installed" in text
+    assert text.endswith(environment.INSTALL_HINT)
+
+
+CPU_MACHINE = DeviceFacts(driver_gpus=0, torch_version="2.11.0+cu130", torch_cuda="13.0", cuda_available=False,
+                          nccl_available=True, visible_devices=None)
+
+
+def test_a_gpu_config_on_a_machine_without_gpus_runs_on_the_cpu():
+    assert device_problems(2, CPU_MACHINE) == []  # cpu_ddp.yaml on a laptop, the test suite's own launches
+
+
+def test_gpus_that_torch_cannot_see_are_refused_with_the_likely_cause():
+    driver_too_old = CPU_MACHINE.__class__(**{**CPU_MACHINE.__dict__, "driver_gpus": 8})
+    [problem] = device_problems(8, driver_too_old)
+    assert "torch 2.11.0+cu130 (built for CUDA 13.0) sees no GPU, but the driver lists 8 NVIDIA GPU(s)" in problem
+    assert "driver older than that CUDA" in problem
+    cpu_build = DeviceFacts(8, "2.11.0+cpu", None, False, False, None)
+    assert "is a CPU build, but this machine has 8 NVIDIA GPU(s)" in device_problems(1, cpu_build)[0]
+    hidden = DeviceFacts(8, "2.11.0+cu130", "13.0", False, True, "")
+    assert "CUDA_VISIBLE_DEVICES='' hides this machine's 8 GPU(s)" in device_problems(1, hidden)[0]
+
+
+def test_a_multi_gpu_launch_without_nccl_is_refused():
+    no_nccl = DeviceFacts(8, "2.11.0+cu130", "13.0", True, False, None)
+    assert "has no NCCL" in device_problems(8, no_nccl)[0]
+    assert device_problems(1, no_nccl) == []  # one process needs no collectives
+
+
+# --- an environment without the optional packages, for real ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def core_only(tmp_path_factory) -> dict[str, str]:
+    """This interpreter's site-packages without deepspeed, datasets, wandb and liger-kernel: a directory of
+    links to every other entry, run with ``python -S`` (no site) and PYTHONPATH = that directory + the
+    checkout. Imports of the missing packages fail as they would where they were never installed, and
+    importlib.metadata does not find them."""
+    import site
+
+    source = Path(next(p for p in site.getsitepackages() if Path(p, "torch").is_dir()))
+    hidden = ("deepspeed", "datasets", "wandb", "liger_kernel", "liger-kernel")
+    target = tmp_path_factory.mktemp("core_only")
+    for entry in source.iterdir():
+        name = entry.name.lower()
+        if any(name == h or name.startswith((f"{h}-", f"{h}.")) for h in hidden) or name.endswith(".pth"):
+            continue
+        (target / entry.name).symlink_to(entry)
+    variables = env(PYTHONPATH=f"{target}{os.pathsep}{REPO}")
+    probe = subprocess.run([sys.executable, "-S", "-c", "import importlib.util as u, torch, accelerate, pretrain; "
+                            "print([m for m in ('deepspeed', 'datasets', 'wandb', 'liger_kernel') if u.find_spec(m)])"],
+                           env=variables, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert probe.returncode == 0 and probe.stdout.strip() == "[]", probe.stdout + probe.stderr
+    return variables
+
+
+@pytest.mark.slow
+def test_a_zero_launch_without_deepspeed_exits_2_in_seconds_naming_the_install(core_only):
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-S", "-m", "pretrain.cli.launch", "--config_file",
+                           "accelerate_configs/zero2.yaml", "--recipe", "recipes/tiny.yaml"],
+                          env=core_only, capture_output=True, text=True, timeout=60, cwd=REPO)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "deepspeed is not installed; the launch's DeepSpeed ZeRO-2 needs deepspeed >= " in proc.stderr
+    assert "pip install --no-build-isolation 'deepspeed>=" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert elapsed < 5, f"{elapsed:.1f} s"
+
+
+@pytest.mark.slow
+def test_the_tiny_recipe_trains_without_the_optional_packages(core_only, tmp_path):
+    proc = subprocess.run([sys.executable, "-S", "pretrain/run.py", "--recipe", "recipes/tiny.yaml", *FAST,
+                           f"output_dir={tmp_path / 'run'}", "train.max_steps=3", "train.eval_every_steps=3",
+                           "train.eval_batches=1", "checkpoint.every_steps=3"],
+                          env={**core_only, "PRETRAIN_CACHE_DIR": str(tmp_path / "cache")},  # the store built too
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert (tmp_path / "run" / "final_model" / "config.json").is_file()
+    assert (tmp_path / "run" / "checkpoints" / "step_00000003" / "manifest.json").is_file()
