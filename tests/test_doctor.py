@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
+import time
 
 import pytest
 
 from pretrain.doctor import append_excluded, bus_bandwidth, failing_hosts, host_tables, judge, tracker_values
-from tests.helpers import ROOT, TINY, free_port, run_cmd
+from tests.helpers import ROOT, TINY, env, free_port, run_cmd
 
 
 def rank(r: int, host: str, **figures) -> dict:
@@ -111,3 +113,37 @@ def test_a_slowed_rank_fails_naming_its_host(tmp_path):
     assert re.search(r"host hostB: rank 2: matmul TFLOP/s \S+ is 0\.\d\d of the median", proc.stdout)
     report = json.loads((out / "doctor.json").read_text())
     assert not report["passed"] and list(report["failing_hosts"]) == ["hostB"]
+
+
+@pytest.mark.slow
+def test_slurm_job_checks_first_and_resubmits_without_the_failing_node(cluster, tmp_path):
+    """One node, two ranks, rank 1 slowed: the node is named, written to excluded_hosts, and the job's own
+    resubmission carries it in --exclude (scontrol: ExcNodeList). A 1-node job, so that the other node of
+    this 2-node cluster can take the resubmission (SLURM refuses a job no set of nodes can satisfy)."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "pretrain.cli.slurm", "submit", "--recipe", TINY, "--accelerate-config",
+           str(ROOT / "accelerate_configs" / "cpu_ddp.yaml"), "--nodes", "1", "--processes-per-node", "2", "--gpus-per-node", "0",
+           f"output_dir={out}"]
+    hooks = {"PRETRAIN_DOCTOR_SLOW_RANK": "1", "PRETRAIN_DOCTOR_SLOW_FACTOR": "10"}
+    proc = subprocess.run(cmd, env=cluster.env(env(**hooks)), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    first = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    jobs = out / "slurm" / "jobs.jsonl"
+    deadline = time.monotonic() + 150
+    while len(jobs.read_text().splitlines()) < 2:
+        log = out / "slurm" / f"slurm-{first}.out"
+        assert time.monotonic() < deadline, (log.read_text() if log.exists() else "no log") + cluster.logs()
+        time.sleep(1)
+    second = json.loads(jobs.read_text().splitlines()[1])
+    try:
+        node = cluster.job(first)["NodeList"]
+        text = (out / "slurm" / f"slurm-{first}.out").read_text()
+        print(text[-2500:])
+        assert re.search(rf"host {node}: rank 1: matmul TFLOP/s \S+ is 0\.\d\d of the median", text)
+        assert f"resubmitting this job without {node}" in text and f"submitted job {second['job_id']} excluding {node}" in text
+        assert (out / "slurm" / "excluded_hosts").read_text() == f"{node}\n"
+        assert cluster.job(second["job_id"])["ExcNodeList"] == node
+        assert second["exclude"] == node and second["after_doctor_of"] == first
+        assert not (out / "checkpoints").exists()  # no training on an unhealthy node
+    finally:
+        cluster.run("scancel", second["job_id"])
