@@ -21,8 +21,8 @@ the processes of one host share its cores and concurrent timings would measure t
 The verdict (``judge``): a rank fails a figure below ``threshold`` (default 0.8) x the median of that figure
 over all ranks that have it; a host fails when any of its ranks fails a figure. An output_dir that some
 rank does not see fails the check too, without naming a host to exclude (another node does not mend a
-mount). World collectives are timed by every rank over the same operation, so they name no host: a slow
-network shows in the figure itself, against the table's interconnect and the previous runs.
+mount). In a real job a slow link slows every rank of a world collective alike, so those figures rarely
+single out a host: a slow network shows in the figure itself, against the interconnect and earlier runs.
 
 Test hooks (environment, read here only): ``PRETRAIN_DOCTOR_SLOW_RANK=R[,R...]`` makes those ranks'
 timed regions ``PRETRAIN_DOCTOR_SLOW_FACTOR`` (default 4) times as long (a sleep inside the region), so
