@@ -41,7 +41,7 @@ EPILOG = (f"Test hooks (environment): {SLOW_RANK_ENV}=R[,R...] makes those ranks
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pretrain doctor", description=__doc__.split("\n\n")[0], epilog=EPILOG)
+    parser = argparse.ArgumentParser(prog="pretrain-doctor", description=__doc__.split("\n\n")[0], epilog=EPILOG)
     parser.add_argument("--recipe", help="recipe YAML: output_dir, precision.dtype, runtime.peak_tflops, logging")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="recipe overrides (values are YAML)")
     parser.add_argument("--output-dir", help="without a recipe: the directory to check (doctor.json goes there)")
