@@ -30,6 +30,8 @@ from pretrain.errors import ConfigError
 
 RUN_PY = Path(__file__).resolve().parent / "run.py"
 """The training entry point every launch command starts."""
+DOCTOR_ENTRY = ("-m", "pretrain", "doctor")
+"""`pretrain doctor` as accelerate launch starts it (``-m``: a module, in every process)."""
 
 ENGINES = ("ddp", "fsdp", "deepspeed")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -467,9 +469,10 @@ def accelerate_command(recipe: str | os.PathLike, overrides: Sequence[str] = (),
                        accelerate_args: Sequence[str] = (), config_file: str | os.PathLike | None = None,
                        num_processes: int | str | None = None,
                        launcher: Sequence[str] = (sys.executable, "-m", "accelerate.commands.launch"),
-                       run_py: str | os.PathLike = RUN_PY) -> list[str]:
+                       run_py: str | os.PathLike = RUN_PY, entry: Sequence[str] | None = None) -> list[str]:
     """The argv that starts training: ``<launcher> [--config_file F] [--num_processes N] <accelerate_args>
-    <run_py> --recipe R <overrides>``. Every tool that starts or prints a launch builds it here.
+    <run_py> --recipe R <overrides>``. Every tool that starts or prints a launch builds it here; ``entry``
+    replaces ``run_py`` (``DOCTOR_ENTRY``: the health check under the same launch).
 
     ``launcher=()`` with no config file means one process without accelerate (``python run.py``): pass
     ``launcher=(sys.executable,)``. Shell variables in ``accelerate_args`` (``"$SLURM_NODEID"``) are left
@@ -480,7 +483,7 @@ def accelerate_command(recipe: str | os.PathLike, overrides: Sequence[str] = (),
         command += ["--config_file", str(config_file)]
     if num_processes is not None:
         command += ["--num_processes", str(num_processes)]
-    return [*command, *accelerate_args, str(run_py), "--recipe", str(recipe), *overrides]
+    return [*command, *accelerate_args, *(entry or [str(run_py)]), "--recipe", str(recipe), *overrides]
 
 
 def shell_join(argv: Sequence[str]) -> str:

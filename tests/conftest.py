@@ -1,8 +1,15 @@
-"""Shared pytest set-up: GPU tests skip where no CUDA device is present."""
+"""Shared pytest set-up: GPU tests skip where no CUDA device is present; one private SLURM cluster per session."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
+
+from tests.slurm_cluster import SlurmCluster, SlurmUnavailable, ensure_installed
 
 
 def pytest_collection_modifyitems(config, items):
@@ -14,3 +21,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    try:
+        ensure_installed()
+    except SlurmUnavailable as exc:
+        pytest.skip(f"SLURM could not be installed here, so the real-SLURM tests cannot run: {exc}")
+    # A short root: the munge socket path must fit in a unix socket address (108 bytes).
+    root = Path(tempfile.mkdtemp(prefix="pretrain-slurm-"))
+    cluster = SlurmCluster(root)
+    try:
+        cluster.start()
+    except SlurmUnavailable as exc:
+        cluster.stop()
+        if os.geteuid() != 0:
+            pytest.skip(f"SLURM is installed but cannot run jobs as this user: {exc}")
+        pytest.fail(f"the test SLURM cluster did not start: {exc}")
+    yield cluster
+    cluster.stop()
+    shutil.rmtree(root, ignore_errors=True)

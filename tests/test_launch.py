@@ -274,7 +274,7 @@ def test_help_documents_the_own_options(capsys):
     code, out, _ = launch_in_process(capsys, "--help")
     assert code == 0 and "--gpu NAME" in out and "--force" in out
     code, _, err = launch_in_process(capsys, "--config_file", str(CONFIGS / "ddp.yaml"))
-    assert code == 2 and "[--gpu NAME | --gpu-memory-gib GIB] [--force] --recipe R" in err
+    assert code == 2 and "[--gpu NAME | --gpu-memory-gib GIB] [--force] [--doctor] --recipe R" in err
 
 
 def test_own_options_need_their_values(capsys, execv):

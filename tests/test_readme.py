@@ -44,6 +44,9 @@ SKIPPED = {
         "a ZeRO-2 training (minutes); tests/test_distributed.py and tests/test_reshard.py run them",
     "accelerate launch --config_file accelerate_configs/zero1.yaml":
         "a ZeRO-1 resume on 3 processes (minutes); tests/test_reshard.py runs it",
+    "accelerate launch --config_file accelerate_configs/cpu_ddp.yaml --num_processes 3 -m pretrain doctor":
+        "3 processes measuring (10 s); tests/test_doctor.py runs it, healthy and with a slowed rank",
+    "pretrain-launch --doctor": "the doctor, then a training (minutes); tests/test_doctor.py runs the doctor",
     "pretrain-launch --config_file accelerate_configs/zero3.yaml --num_processes 2 --recipe recipes/tiny.yaml":
         "a 2-process ZeRO-3 training (minutes)",
     "pretrain-launch --config_file accelerate_configs/zero3.yaml --recipe recipes/7b.yaml":

@@ -12,11 +12,9 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -25,14 +23,15 @@ import pytest
 
 from pretrain.cli import slurm
 from tests.helpers import FAST, ROOT, TINY, accelerate_launch, check_ok, env, metrics, train_losses
-from tests.slurm_cluster import SlurmCluster, SlurmUnavailable, ensure_installed
+from tests.slurm_cluster import SlurmCluster
 
 SLURM_TOOL = ["-m", "pretrain.cli.slurm"]
 CONFIGS = ROOT / "accelerate_configs"
 SEVEN_B = str(ROOT / "recipes" / "7b.yaml")
 # GBS 8 = MBS 2 x GAS 2 x world 2: the layout of tests/test_distributed.py's cpu_ddp run.
 CURVE = [*FAST, "batch.micro_batch_size=2", "checkpoint.keep_last=0"]
-TWO_NODES = ["--nodes", "2", "--processes-per-node", "1", "--gpus-per-node", "0"]
+# The training tests leave the health check out: tests/test_doctor.py runs it on this cluster.
+TWO_NODES = ["--nodes", "2", "--processes-per-node", "1", "--gpus-per-node", "0", "--no-doctor"]
 
 
 @pytest.fixture(scope="module")
@@ -378,27 +377,6 @@ def test_status_of_a_run_never_submitted(tmp_path, capsys):
 # ---- a real SLURM: two nodes on this machine ------------------------------------------------------
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
                 "DEADLINE", "PREEMPTED"}
-
-
-@pytest.fixture(scope="session")
-def cluster():
-    try:
-        ensure_installed()
-    except SlurmUnavailable as exc:
-        pytest.skip(f"SLURM could not be installed here, so the real-SLURM tests cannot run: {exc}")
-    # A short root: the munge socket path must fit in a unix socket address (108 bytes).
-    root = Path(tempfile.mkdtemp(prefix="pretrain-slurm-"))
-    cluster = SlurmCluster(root)
-    try:
-        cluster.start()
-    except SlurmUnavailable as exc:
-        cluster.stop()
-        if os.geteuid() != 0:
-            pytest.skip(f"SLURM is installed but cannot run jobs as this user: {exc}")
-        pytest.fail(f"the test SLURM cluster did not start: {exc}")
-    yield cluster
-    cluster.stop()
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def submit(cluster: SlurmCluster, config: str, overrides: list[str]) -> str:

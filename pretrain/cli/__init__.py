@@ -20,6 +20,7 @@ COMMANDS = {
     "plot": ("pretrain.cli.plot", "plot a run's metrics.jsonl"),
     "slurm": ("pretrain.cli.slurm", "submit to SLURM with preemption-safe auto-resume; show a run's jobs"),
     "bench": ("pretrain.cli.bench", "time the training loop against a minimal accelerate loop"),
+    "doctor": ("pretrain.cli.doctor", "check every rank of a launch (compute, memory, collectives, output_dir)"),
     "export": ("pretrain.cli.export", "write any checkpoint as a transformers model and tokenizer (CPU)"),
 }
 

@@ -21,6 +21,9 @@ pretrain-launch's own options, given before --recipe like accelerate's, and not 
                       machine) memory is not checked.
 --gpu-memory-gib GIB  a device capacity the table lacks (with --gpu: that card's rates for the planner).
 --force               launch a run that does not fit anyway, with one warning line.
+--doctor              first run `pretrain doctor` under the same accelerate launch (every rank's compute,
+                      memory, collectives and output_dir, judged per host); train only if every host
+                      passes, else exit with the doctor's status (1) and its table naming the hosts.
 """
 
 from __future__ import annotations
@@ -28,12 +31,13 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import subprocess
 import sys
 from typing import TYPE_CHECKING
 
 from pretrain.checkpointing import recompute_label
 from pretrain.errors import EXIT_USAGE, ConfigError
-from pretrain.launch import accelerate_command, option_value, threads_per_process
+from pretrain.launch import DOCTOR_ENTRY, accelerate_command, option_value, threads_per_process
 
 if TYPE_CHECKING:
     from pretrain.hardware import GpuSpec
@@ -41,8 +45,9 @@ if TYPE_CHECKING:
     from pretrain.memory import MemoryEstimate
 
 USAGE = ("usage: pretrain-launch --config_file FILE [accelerate launch options] [--gpu NAME | --gpu-memory-gib GIB] "
-         "[--force] --recipe R [key=value ...]")
-OWN_OPTIONS = {"--gpu": "gpu", "--gpu-memory-gib": "gpu_memory_gib", "--force": "force"}
+         "[--force] [--doctor] --recipe R [key=value ...]")
+OWN_OPTIONS = {"--gpu": "gpu", "--gpu-memory-gib": "gpu_memory_gib", "--force": "force", "--doctor": "doctor"}
+FLAGS = ("--force", "--doctor")
 """pretrain-launch's options (taken out of the arguments before they reach accelerate launch)."""
 
 
@@ -56,16 +61,16 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def own_options(accelerate_args: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(--gpu, --gpu-memory-gib, --force) and the accelerate arguments without them."""
-    options = argparse.Namespace(gpu=None, gpu_memory_gib=None, force=False)
+    options = argparse.Namespace(gpu=None, gpu_memory_gib=None, force=False, doctor=False)
     rest, args = [], iter(accelerate_args)
     for arg in args:
         name, has_value, value = arg.partition("=")
         if name not in OWN_OPTIONS:
             rest.append(arg)
-        elif name == "--force":
+        elif name in FLAGS:
             if has_value:
-                raise ConfigError(f"--force takes no value (got {arg!r})")
-            options.force = True
+                raise ConfigError(f"{name} takes no value (got {arg!r})")
+            setattr(options, OWN_OPTIONS[name], True)
         else:
             value = value if has_value else next(args, None)
             if value is None or value.startswith("--"):
@@ -248,6 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     if "OMP_NUM_THREADS" not in environment:  # else torchrun sets 1 and warns that it should be tuned
         environment["OMP_NUM_THREADS"] = str(threads_per_process(launch.world_size // launch.num_nodes))
         threads = f"OMP_NUM_THREADS={environment['OMP_NUM_THREADS']} "
+    if options.doctor:
+        doctor = accelerate_command(run_args[1], run_args[2:], accelerate_args=accelerate_args, entry=DOCTOR_ENTRY)
+        print(f"doctor: {threads}" + " ".join(shlex.quote(c) for c in doctor), flush=True)
+        status = subprocess.run(doctor, env=environment).returncode
+        if status != 0:
+            print(f"doctor: exit {status}; not training (the hosts and figures are above and in the recipe's "
+                  "output_dir/doctor.json)", file=sys.stderr, flush=True)
+            return status
     print(f"launch: {threads}" + " ".join(shlex.quote(c) for c in command), flush=True)
     os.execve(sys.executable, command, environment)
     return 0  # not reached

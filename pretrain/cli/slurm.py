@@ -33,9 +33,17 @@ from pathlib import Path
 from pretrain import rundir
 from pretrain.cli import add_recipe_arguments
 from pretrain.errors import EXIT_USAGE, ConfigError
-from pretrain.launch import RUN_PY, accelerate_command, config_uses_cpu, read_accelerate_config, shell_join
+from pretrain.launch import (
+    DOCTOR_ENTRY,
+    RUN_PY,
+    accelerate_command,
+    config_uses_cpu,
+    read_accelerate_config,
+    shell_join,
+)
 
-SLURM_SUBDIR = "slurm"  # inside the run's output_dir: job.sbatch, jobs.jsonl, slurm-<jobid>.out
+SLURM_SUBDIR = "slurm"  # inside the run's output_dir: job.sbatch, jobs.jsonl, slurm-<jobid>.out, excluded_hosts
+EXCLUDED_HOSTS = "excluded_hosts"  # nodes pretrain doctor found unhealthy, one a line
 # Environment variables copied into the script when set at submission, so that a requeued job (or
 # `sbatch job.sbatch` by hand) sees the same data, cache and offline settings.
 PASSTHROUGH_ENV = ("HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_DATASETS_CACHE", "TRANSFORMERS_OFFLINE",
@@ -62,6 +70,7 @@ class Job:
     signal_lead_s: int
     stop_grace_s: int  # after forwarding USR1, seconds before ranks still running get TERM
     sbatch_options: list[str]  # --partition=..., --account=..., raw --sbatch-arg values
+    doctor: bool = True  # run pretrain doctor on every node before training
 
     @property
     def world_size(self) -> int:
@@ -151,6 +160,8 @@ def add_submit_arguments(submit: argparse.ArgumentParser) -> None:
     submit.add_argument("--signal-lead-s", type=int, default=300,
                         help="seconds before the time limit at which SLURM sends USR1 (checkpoint, requeue); "
                         "default 300")
+    submit.add_argument("--no-doctor", action="store_true",
+                        help="skip the health check (pretrain doctor) every job runs on its nodes before training")
     submit.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
 
 
@@ -241,6 +252,7 @@ def check_job(args: argparse.Namespace) -> Job:
         # Ranks still starting up ignore USR1 and have nothing to save: TERM them well before the time limit.
         stop_grace_s=max(60, args.signal_lead_s - 60),
         sbatch_options=options,
+        doctor=not args.no_doctor,
     )
 
 
@@ -276,8 +288,9 @@ def _single_quote(text: str) -> str:
     return "'" + text.replace("'", "'\"'\"'") + "'"
 
 
-def node_command(job: Job) -> str:
-    """What each node runs: its own accelerate launch. `$SLURM_NODEID` and friends expand on the node."""
+def node_command(job: Job, entry: tuple[str, ...] = (str(RUN_PY),), extra: tuple[str, ...] = ()) -> str:
+    """What each node runs: its own accelerate launch of ``entry`` (training, or ``DOCTOR_ENTRY`` with its
+    ``extra`` options). `$SLURM_NODEID` and friends expand on the node."""
     per_process = job.processes_per_node
     threads = f"$(( SLURM_CPUS_ON_NODE / {per_process} > 0 ? SLURM_CPUS_ON_NODE / {per_process} : 1 ))"
     node_args = ["--num_machines", "$SLURM_NNODES", "--machine_rank", "$SLURM_NODEID",
@@ -285,11 +298,11 @@ def node_command(job: Job) -> str:
     if job.distributed_type == "DEEPSPEED":
         # torchrun on every node: no hostfile, no passwordless ssh (whatever the config file says).
         node_args += ["--deepspeed_multinode_launcher", "standard"]
-    argv = accelerate_command(job.recipe_path, job.overrides, accelerate_args=node_args,
+    argv = accelerate_command(job.recipe_path, [*job.overrides, *extra], accelerate_args=node_args,
                               config_file=job.accelerate_config, num_processes=job.world_size,
-                              launcher=["$PRETRAIN_PYTHON", "-m", "accelerate.commands.launch"])
+                              launcher=["$PRETRAIN_PYTHON", "-m", "accelerate.commands.launch"], entry=entry)
     # One option (and its value) a line; the entry point, recipe and overrides on the last.
-    cut = argv.index(str(RUN_PY))
+    cut = len(argv) - len(entry) - 2 - len(job.overrides) - len(extra)
     lines, i = [argv[:3]], 3
     while i < cut:
         lines.append(argv[i:i + 2])
@@ -371,6 +384,7 @@ def render_script(job: Job, python: str = sys.executable) -> str:
         "",
         'echo "pretrain-slurm: job $SLURM_JOB_ID start $(( ${SLURM_RESTART_COUNT:-0} + 1 )) at $(date -Is) '
         'on $SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR:$MASTER_PORT"',
+        *(doctor_lines(job) if job.doctor else []),
         'srun --nodes="$SLURM_NNODES" --ntasks="$SLURM_NNODES" --ntasks-per-node=1 '
         '--cpus-per-task="$SLURM_CPUS_ON_NODE" --kill-on-bad-exit=1 \\',
         f"  bash -c {_single_quote(node_command(job))} &",
@@ -391,6 +405,45 @@ def render_script(job: Job, python: str = sys.executable) -> str:
     return "\n".join(lines) + "\n"
 
 
+def doctor_lines(job: Job) -> list[str]:
+    """The health check before training: pretrain doctor on every node; unhealthy nodes are excluded from a
+    new submission of this script (a running job's exclude list cannot change)."""
+    excluded = f"$RUN_DIR/{SLURM_SUBDIR}/{EXCLUDED_HOSTS}"
+    command = node_command(job, DOCTOR_ENTRY, ("--exclude-file", str(job.slurm_dir / EXCLUDED_HOSTS)))
+    return [
+        "# Health check (pretrain doctor) on every node first; submitted with --no-doctor it is left out.",
+        'srun --nodes="$SLURM_NNODES" --ntasks="$SLURM_NNODES" --ntasks-per-node=1 '
+        '--cpus-per-task="$SLURM_CPUS_ON_NODE" --kill-on-bad-exit=1 \\',
+        f"  bash -c {_single_quote(command)}",
+        "DOCTOR_STATUS=$?",
+        'if [ "$DOCTOR_STATUS" = 1 ]; then',
+        f'  EXCLUDE=$(sort -u "{excluded}" | paste -sd, -)',
+        '  echo "pretrain-slurm: doctor: unhealthy node(s) named above; resubmitting this job without $EXCLUDE"',
+        f'  if NEW_JOB=$(sbatch --parsable --exclude="$EXCLUDE" "$RUN_DIR/{SLURM_SUBDIR}/job.sbatch"); then',
+        "    NEW_JOB=${NEW_JOB%%;*}",
+        '    printf \'{"job_id": "%s", "submitted": "%s", "script": "%s", "nodes": %s, "processes_per_node": %s, '
+        '"world_size": %s, "argv": [], "exclude": "%s", "after_doctor_of": "%s"}\\n\' "$NEW_JOB" '
+        f'"$(date -Iseconds | cut -c1-19)" "$RUN_DIR/{SLURM_SUBDIR}/job.sbatch" {job.num_nodes} '
+        f'{job.processes_per_node} {job.world_size} "$EXCLUDE" "$SLURM_JOB_ID" >> "$RUN_DIR/{SLURM_SUBDIR}/jobs.jsonl"',
+        '    echo "pretrain-slurm: submitted job $NEW_JOB excluding $EXCLUDE"',
+        "  else",
+        '    echo "pretrain-slurm: the resubmission without $EXCLUDE failed (above); fix or replace the nodes, '
+        f'then: sbatch --exclude=$EXCLUDE $RUN_DIR/{SLURM_SUBDIR}/job.sbatch"',
+        "  fi",
+        "  exit 1",
+        'elif [ "$DOCTOR_STATUS" != 0 ]; then',
+        '  echo "pretrain-slurm: doctor exited with $DOCTOR_STATUS at $(date -Is); not training"',
+        '  exit "$DOCTOR_STATUS"',
+        "fi",
+    ]
+
+
+def excluded_hosts(slurm_dir: Path) -> list[str]:
+    """The nodes pretrain doctor excluded from this run's jobs."""
+    path = slurm_dir / EXCLUDED_HOSTS
+    return sorted(set(path.read_text().split())) if path.is_file() else []
+
+
 # ---- submit / status --------------------------------------------------------------------------------
 def submit(job: Job, script: str) -> str:
     """Write the script and the submission record into the run directory, sbatch it, return the job id."""
@@ -398,10 +451,11 @@ def submit(job: Job, script: str) -> str:
     path = job.slurm_dir / "job.sbatch"
     path.write_text(script)
     path.chmod(0o755)
-    job_id = sbatch(path)
+    exclude = excluded_hosts(job.slurm_dir)
+    job_id = sbatch(path, *([f"--exclude={','.join(exclude)}"] if exclude else []))
     record = {"job_id": job_id, "submitted": datetime.datetime.now().isoformat(timespec="seconds"),
               "script": str(path), "nodes": job.num_nodes, "processes_per_node": job.processes_per_node,
-              "world_size": job.world_size, "argv": sys.argv[1:]}
+              "world_size": job.world_size, "argv": sys.argv[1:], "exclude": ",".join(exclude)}
     with open(job.slurm_dir / "jobs.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
     return job_id
