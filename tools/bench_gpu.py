@@ -1,23 +1,48 @@
-"""The GPU acceptance benchmark: tokens/s per GPU, MFU, HFU and peak memory (measured against the estimator)
-of a 1B and a 3B Llama on one GPU, one setting at a time.
+"""The GPU acceptance benchmark: tokens/s per GPU, MFU, HFU, cold compile time and peak memory (measured against
+the estimator) of a 1B and a 3B Llama on one GPU, one setting at a time, in priority order, within a time budget.
 
-    python tools/bench_gpu.py                                   # every model x every setting, 300 measured steps
+    python tools/bench_gpu.py --budget 420                      # a short GPU visit: the most important rows first
+    python tools/bench_gpu.py                                   # every row, 300 measured steps each (75-90 min)
     python tools/bench_gpu.py --models llama-1b --settings default,loss-plain,mbs-8 --steps 100
-    python tools/bench_gpu.py --reduced                         # CPU: the tiny recipe, 2 settings, 3 steps (CI)
+    python tools/bench_gpu.py --reduced --budget 60             # CPU: the tiny recipe, default and loss-plain (CI)
+
+Priority order (``ordered_rows``): llama-1b's default setting (the recipe as shipped: compile and loss ``auto``);
+compile none, then regional; each checkpointing policy (full, selective, every_2, none); loss chunked, then
+Liger; MBS 8, then 2; llama-3b's default (MBS 1); then the rest (loss plain, MBS 1, no step checks, and
+llama-3b's other settings). Float8 has no setting: the recipe has no float8 option yet. A row whose run equals
+an earlier one (same recipe once model.compile and model.loss are resolved for this device and launch, by the
+run's own ``runtime.compile_mode`` and ``loss.resolve_loss``: ac-none and compile-regional repeat the default on
+one GPU) is not repeated. A row the estimator says does not fit the GPU (nvidia-smi's memory, or
+``--device-memory-gib``) is a ``no-fit`` row, not a launch (llama-3b at MBS 8). With ``--budget SECONDS`` a row
+starts only if its expected time fits in what is left (start-up + compile where it compiles + steps x step
+time: assumed until the first row has run, then that row's measured start-up, compile and time per unit of the
+planner's step-time work, ``pretrain.cli.plan``), the first row that does not fit and every later one are
+``budget`` rows, and a row in flight is killed at the deadline (``timeout``). Under ``--budget`` the default
+is 10 + 50 steps per row.
+
+Each row is written the moment it finishes: a line of ``bench_gpu.jsonl`` (flushed and fsynced), and
+``bench_gpu.md``, ``bench_gpu.json`` and ``calibration.json`` rewritten atomically, so a benchmark killed at any
+point keeps every finished row. SIGTERM (``timeout``, a scheduler) ends the row in flight and exits 130; after a
+SIGKILL the row in flight is still running: ``running.json`` names its process group (``kill -- -PGID``).
 
 Each (model, setting) is a fresh ``accelerate launch --config_file accelerate_configs/single_gpu.yaml
 pretrain/run.py --recipe R <overrides>`` (``--reduced``: ``accelerate_configs/cpu.yaml``), so compile caches
 and CUDA's peak-memory statistics never carry from one setting to the next. Every run trains at GAS 1 for
 ``--warmup-steps`` + ``--steps`` optimizer steps with logging on every step, no evaluation and no checkpoint
 (pretrain-sweep's overrides, ``pretrain.sweep.runner.sweep_overrides``); the figures are medians over the
-measured steps of its ``metrics.jsonl``: ``perf/tokens_per_s_per_device``, ``perf/mfu``, ``perf/hfu``, and the
-largest ``memory/peak_gib`` (GPU: ``torch.cuda.max_memory_allocated``; CPU: peak RSS) against
-``memory/estimated_gib`` (the estimator's figure for that very launch), error = (estimated - measured) /
-measured (on CPU the measured peak is the process's RSS, imports included, which the estimator does not
-model: the column means something on GPUs). HFU is MFU where nothing is recomputed (the run logs
-``perf/hfu`` only with activation checkpointing). A setting that runs out of memory is a row with status
-``oom``, one whose overrides this checkout's recipes refuse a row with status ``refused``; the benchmark goes
-on.
+measured steps of its ``metrics.jsonl``: ``perf/tokens_per_s_per_device``, ``perf/mfu``, ``perf/hfu``,
+``perf/step_time_s``. **Cold compile** (``cold compile s``): the warm-up steps' wall time (each step's
+``perf/step_time_max_s``, CUDA events from the step's start, so the host's compile is in it) beyond the steady
+step, summed; on a row that does not compile it is the first steps' other one-off costs, the baseline to
+subtract. **Memory**, on one basis: the largest ``memory/peak_gib`` (GPU: ``torch.cuda.max_memory_allocated``,
+tensors only; CPU: peak RSS) against the run's ``memory/estimated_tensors_gib``, the estimator's tensor peak
+*without* its allowance (1 GiB CUDA context + 5% allocator, ``pretrain.memory.estimate``; neither is in
+max_memory_allocated): error = (estimated - measured) / measured. ``est. total GiB`` is the estimate with the
+allowance, what the fit is judged on. On CPU the measured peak is the process's RSS, imports included, which
+the estimator does not model: the column means something on GPUs. HFU is MFU where nothing is recomputed (the
+run logs ``perf/hfu`` only with activation checkpointing). Statuses: ``ok``; ``oom``; ``failed``; ``timeout``;
+``refused`` (overrides this checkout cannot run here, e.g. loss-liger without liger-kernel, with the reason);
+``no-fit``; ``budget``. The exit status is 0 when every row is ok, no-fit or budget.
 
 Models (``MODELS``): ``llama-1b`` is recipes/llama-1b.yaml as shipped (Llama-3.2-1B, 1.24B parameters,
 seq 2048, MBS 4, bf16). ``llama-3b`` is the same recipe with Llama-3.2-3B's shape (hidden 3072, 28 layers, 24
@@ -35,9 +60,9 @@ Settings (``SETTINGS``): each a named set of recipe overrides, one knob changed 
 every_2, ``model.loss`` plain | chunked | liger, and ``batch.micro_batch_size``. ``--settings`` picks some;
 trailing ``key=value`` arguments apply to every run.
 
-Outputs in ``--out`` (default runs/bench_gpu): ``bench_gpu.md`` (the table, printed too), ``bench_gpu.json``
-(``{"device": ..., "rows": [row, ...]}``, a row per (model, setting) with every figure and its status), and
-``calibration.json``, what the planner reads: a JSON list, one object per run that measured, with
+Outputs in ``--out`` (default runs/bench_gpu): ``bench_gpu.md`` (the table, printed too), ``bench_gpu.jsonl``
+(one row a line, in the order they finished), ``bench_gpu.json`` (``{"device": ..., "rows": [row, ...]}``, a row
+per (model, setting) with every figure and its status), and ``calibration.json``, what the planner reads: a JSON list, one object per run that measured, with
 
     gpu               the device's name (nvidia-smi's, or the CPU's model name with --reduced)
     model             the MODELS name (llama-1b, llama-3b; tiny with --reduced)
