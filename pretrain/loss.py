@@ -156,6 +156,11 @@ def liger_unsupported(arch: str, z_loss: float = 0.0) -> str | None:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     except ImportError as exc:
         return f"liger_kernel cannot be imported ({exc}): {LIGER_INSTALL}"
+    except Exception as exc:  # noqa: BLE001 - liger imports peft, transformers' integrations and Triton at import
+        # time; any of them failing (a peft or Triton built for another torch raises RuntimeError, AttributeError,
+        # ...) must make auto fall back to chunked, not crash every run on a CUDA box.
+        return (f"importing liger_kernel failed ({type(exc).__name__}: {exc}); fix or reinstall it and what it "
+                f"imports (`{LIGER_INSTALL} -U`)")
     apply_fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(arch)
     if apply_fn is None:
         known = ", ".join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))
@@ -168,8 +173,13 @@ def liger_unsupported(arch: str, z_loss: float = 0.0) -> str | None:
 
 
 def resolve_loss(recipe: Recipe, launch: Launch, cuda: bool | None = None) -> str:
-    """The loss implementation ``model.loss`` means on this launch: chunked, plain or liger. A choice that
-    cannot run here is one ConfigError (check_run raises it before any process starts)."""
+    """The loss implementation ``model.loss`` means on this launch: chunked, plain or liger (``loss_choice``)."""
+    return loss_choice(recipe, launch, cuda)[0]
+
+
+def loss_choice(recipe: Recipe, launch: Launch, cuda: bool | None = None) -> tuple[str, str]:
+    """(implementation, why) for ``model.loss`` on this launch. A choice that cannot run here is one ConfigError
+    (check_run raises it before any process starts); ``auto`` falls back to chunked with the reason."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     choice, z_loss, arch = recipe.model.loss, recipe.stability.z_loss, recipe.model.arch
     zero3 = launch.uses_deepspeed and launch.zero_stage == 3
@@ -191,12 +201,19 @@ def resolve_loss(recipe: Recipe, launch: Launch, cuda: bool | None = None) -> st
                 problems.append(f"model.loss=liger: {reason}; or use model.loss=chunked (or auto)")
         if problems:
             raise ConfigError(problems)
-        return "liger"
+        return "liger", "model.loss=liger"
     if choice != "auto":
-        return choice
-    if not cuda or zero3 or z_loss or liger_unsupported(arch) is not None:
-        return "chunked"
-    return "liger"
+        return choice, f"model.loss={choice}"
+    if not cuda:
+        return "chunked", "auto: chunked off CUDA (Liger's kernels are Triton)"
+    if zero3:
+        return "chunked", "auto: chunked under DeepSpeed ZeRO-3 (Liger reads lm_head.weight where ZeRO-3 has not gathered it)"
+    if z_loss:
+        return "chunked", "auto: chunked with stability.z_loss (Liger's forward returns the sum only: no train/z_loss)"
+    reason = liger_unsupported(arch)
+    if reason is not None:
+        return "chunked", f"auto: chunked, since {reason}"
+    return "liger", "auto: Liger's fused linear cross-entropy (CUDA, liger_kernel importable)"
 
 
 def install_loss(model: nn.Module, implementation: str, z_loss: float = 0.0) -> LossTerms | None:

@@ -35,6 +35,7 @@ class Trainer(Protocol):
     flops: Any
     peak: Any
     memory_estimate_gib: float | None
+    memory_estimate_tensors_gib: float | None
     optimizer: Any
     resumed: dict[str, Any] | None
 
@@ -57,10 +58,10 @@ def run_config(trainer: Trainer) -> dict[str, Any]:
         # compute, gradient accumulation and gradient reduction dtypes in use (see runtime.gradient_dtypes)
         "dtypes": gradient_dtypes(trainer.recipe, trainer.launch),
         "model": {"num_params": trainer.num_params, "vocab_size": len(trainer.tokenizer)},
-        # model.compile resolved for this device (auto -> regional on CUDA, none on CPU)
+        # model.compile resolved for this device and layout (runtime.compile_choice)
         "compile": {"mode": trainer.runtime.compile_mode},
         "loss": {"implementation": trainer.loss_implementation},  # model.loss as resolved (auto: liger or chunked)
-        "memory": {"estimated_gib": trainer.memory_estimate_gib},
+        "memory": {"estimated_gib": trainer.memory_estimate_gib, "estimated_tensors_gib": trainer.memory_estimate_tensors_gib},
         "data": trainer.data.stats,
         "train": {"num_steps": trainer.num_steps, "lr": trainer.lr},
         # A resume: the checkpoint, its step, the recipe changes applied (checkpoint.APPLIED_ON_RESUME) and the

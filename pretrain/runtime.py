@@ -127,14 +127,32 @@ class Runtime:
     deepspeed_config: dict[str, Any] | None  # None unless launched with DeepSpeed
     deepspeed_optimizer: bool  # DeepSpeed builds the optimizer (DummyOptim) instead of the torch client one
     compile_mode: str = "none"  # model.compile resolved for this device and layout: none, regional or full
+    compile_reason: str = ""  # why (compile_choice), for the log
 
 
-def compile_mode(requested: str, device_type: str) -> str:
-    """``model.compile`` resolved for the device the run trains on: ``auto`` is regional on CUDA and none
-    elsewhere (inductor on CPU spends minutes compiling C++ for a small gain); the others are kept."""
-    if requested == "auto":
-        return "regional" if device_type == "cuda" else "none"
-    return requested
+def compile_choice(requested: str, device_type: str, launch: Launch) -> tuple[str, str]:
+    """``model.compile`` resolved for the device and layout the run trains on, and why: the one place ``auto``
+    is decided (the run, its log, ``--dry-run`` and tools/bench_gpu.py all ask here).
+
+    ``auto`` is regional on CUDA, except under DeepSpeed ZeRO-3, and none elsewhere. On CPU inductor spends
+    minutes compiling C++ for a small gain. Under ZeRO-3 DeepSpeed gathers and releases each module's
+    parameters in hooks it marks compiler-disabled, so every block breaks into small graphs at each hook: a
+    long compile for little fused code. Until a measurement says otherwise, ZeRO-3 runs eager. The other
+    values are kept as given."""
+    if requested != "auto":
+        return requested, f"model.compile={requested}"
+    if device_type != "cuda":
+        return "none", "auto: none off CUDA (inductor's CPU compile costs minutes for a small gain)"
+    if launch.uses_deepspeed and launch.zero_stage == 3:
+        return "none", ("auto: none under DeepSpeed ZeRO-3 (its parameter gather hooks are compiler-disabled: each "
+                        "block breaks into small graphs, a long compile for little gain); model.compile=regional "
+                        "forces it")
+    return "regional", "auto: regional on CUDA (each repeated block compiled once)"
+
+
+def compile_mode(requested: str, device_type: str, launch: Launch) -> str:
+    """``model.compile`` resolved (``compile_choice``): none, regional or full."""
+    return compile_choice(requested, device_type, launch)[0]
 
 
 def dynamo_plugin(mode: str, launch: Launch) -> TorchDynamoPlugin | None:
@@ -229,7 +247,7 @@ def build_accelerator(recipe: Recipe, plan: BatchPlan, launch: Launch, output_di
     ddp = ddp_kwargs(recipe) if launch.engine == "ddp" and plan.world_size > 1 else None
     if ddp is not None:  # on CUDA only (check_precision)
         handlers.append(ddp)
-    mode = compile_mode(recipe.model.compile, "cuda" if torch.cuda.is_available() else "cpu")
+    mode, compile_reason = compile_choice(recipe.model.compile, "cuda" if torch.cuda.is_available() else "cpu", launch)
     dynamo = dynamo_plugin(mode, launch)
     with quiet.dropping_stdout_lines(quiet.DEEPSPEED_BUILT):  # the process group starts here
         accelerator = Accelerator(
@@ -255,7 +273,7 @@ def build_accelerator(recipe: Recipe, plan: BatchPlan, launch: Launch, output_di
             f"the launch reported WORLD_SIZE={plan.world_size} but accelerate started {accelerator.num_processes} "
             "processes; check the accelerate config's num_processes / distributed_type"
         )
-    return Runtime(accelerator, ds_config, ds_optimizer, mode)
+    return Runtime(accelerator, ds_config, ds_optimizer, mode, compile_reason)
 
 
 def check_fsdp_on_cpu(launch: Launch, environ: Mapping[str, str] = os.environ) -> None:

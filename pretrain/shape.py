@@ -63,6 +63,15 @@ def loss_chunk_tokens(vocab_size: int) -> int:
     return max(1, LOSS_CHUNK_ELEMENTS // vocab_size)
 
 
+def liger_chunk_tokens(num_tokens: int, vocab_size: int, hidden_size: int) -> int:
+    """Tokens per chunk of Liger-Kernel's fused linear cross-entropy for a micro-batch of ``num_tokens``: its
+    ``fused_linear_cross_entropy_forward`` (liger-kernel 0.8.5, ``chunk_mem_const`` 1) bounds a chunk's logits
+    to about the hidden states' size: next_power_of_2(ceil(T / ceil(V / H))), at most T."""
+    inc_factor = -(-vocab_size // hidden_size)
+    per_chunk = -(-num_tokens // inc_factor)
+    return min(1 << (per_chunk - 1).bit_length(), num_tokens)
+
+
 def resolve_vocab_size(model_cfg: ModelConfig, tokenizer_vocab_size: int | None) -> int:
     """Embedding rows: ``model.vocab_size`` if set, else the tokenizer's vocabulary rounded up to a
     multiple of 64 (GPT-2's 50257 -> 50304); the padding rows are never targets."""

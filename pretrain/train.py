@@ -37,8 +37,8 @@ from pretrain.evaluation import Evaluator
 from pretrain.hardware import gpu_for_device
 from pretrain.launch import Launch
 from pretrain.loader import DocumentMasking, build_train_loader, build_val_loaders, data_horizon
-from pretrain.loss import install_loss, resolve_loss
-from pretrain.memory import estimate
+from pretrain.loss import install_loss, loss_choice
+from pretrain.memory import MemoryEstimate, estimate
 from pretrain.metrics import ThroughputMonitor, memory_metrics, resolve_peak
 from pretrain.model import build_model, count_parameters, resolve_vocab_size, save_pretrained_model
 from pretrain.optim import build_optimizer, build_scheduler, deepspeed_optimizer, set_peak_lr
@@ -104,18 +104,19 @@ def throughput_reference(recipe: Recipe, hf_config, device: torch.device, log):
     return flops, peak
 
 
-def memory_estimate(recipe: Recipe, plan: BatchPlan, launch: Launch, device: torch.device, log) -> float | None:
-    """The estimator's per-device total for this very run, logged beside the measured peak."""
+def memory_estimate(recipe: Recipe, plan: BatchPlan, launch: Launch, device: torch.device, log,
+                    loss: str | None = None) -> MemoryEstimate | None:
+    """The estimator's figures for this very run (``loss``: model.loss as resolved), logged beside the measured
+    peak: its total (what the fit is judged on) and its tensors alone (what max_memory_allocated measures)."""
     gpu = None
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         gpu = gpu_for_device(props.name, props.total_memory)
     try:
-        result = estimate(recipe, plan, launch, gpu=gpu, device=device.type)
+        return estimate(recipe, plan, launch, gpu=gpu, device=device.type, loss=loss)
     except ConfigError as exc:
         log(f"warning: no memory estimate for this layout: {exc}")
         return None
-    return result.total_gib
 
 
 @dataclass
@@ -167,6 +168,7 @@ class Trainer:
         self.runtime = build_accelerator(recipe, self.plan, self.launch, self.output_dir, trackers, self.lr,
                                          load_universal=self.resume is not None and self.resume.load_universal)
         self.accelerator = self.runtime.accelerator
+        self.log(f"compile: {self.runtime.compile_mode} ({self.runtime.compile_reason})")
         self.device = self.accelerator.device
         # Collectives: every rank raises the same ConfigError, or none does.
         check_shared_output_dir(self.accelerator, self.output_dir)
@@ -193,11 +195,14 @@ class Trainer:
         model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed,
                             device=placement.device, shard=placement.shard)
         self.num_params = count_parameters(model)
-        self.loss_implementation = resolve_loss(recipe, self.launch)  # model.loss (auto: liger on CUDA, if it can)
+        self.loss_implementation, why = loss_choice(recipe, self.launch)  # model.loss (auto: liger on CUDA, if it can)
+        self.log(f"loss: {self.loss_implementation} ({why})")
         self.loss_terms = install_loss(model, self.loss_implementation, recipe.stability.z_loss)
         TiedWeightsSaved.install(model)  # checkpoints leave out the tied LM head copy; loading ties it again
         self.flops, self.peak = throughput_reference(recipe, model.config, self.device, self.log)
-        self.memory_estimate_gib = memory_estimate(recipe, self.plan, self.launch, self.device, self.log)
+        estimated = memory_estimate(recipe, self.plan, self.launch, self.device, self.log, self.loss_implementation)
+        self.memory_estimate_gib = estimated.total_gib if estimated else None
+        self.memory_estimate_tensors_gib = estimated.tensor_peak_gib if estimated else None
         if self.runtime.deepspeed_optimizer:
             optimizer, scheduler = deepspeed_optimizer(model, recipe, self.lr, self.num_steps)
         else:
@@ -441,6 +446,7 @@ class Trainer:
             **self.throughput.metrics(self.step),
             **memory_metrics(self.device),
             "memory/estimated_gib": self.memory_estimate_gib,
+            "memory/estimated_tensors_gib": self.memory_estimate_tensors_gib,  # no allowance: max_memory_allocated's basis
             **self.plan.as_metrics(),
             **self.loss_scale_metrics(),
             **self.sample_order.metrics(self.step),  # a mixture: data/tokens/<name>, data/epochs/<name>

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -38,11 +39,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@functools.cache
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def env(**extra: str | None) -> dict[str, str]:
-    """The test environment: offline hub, CPU DeepSpeed, a shared data cache. A None value removes a variable."""
+    """The test environment: offline hub, a shared data cache, and DeepSpeed on CPU where there is no CUDA (on a GPU
+    box DeepSpeed keeps its CUDA accelerator: the GPU tests need it). A None value removes a variable."""
     out = dict(os.environ)
-    out.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline", "DS_ACCELERATOR": "cpu",
+    out.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
                 "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
+    if not cuda_available():
+        out["DS_ACCELERATOR"] = "cpu"
     out.setdefault("PRETRAIN_CACHE_DIR", str(ROOT / ".cache" / "pretrain"))
     for key, value in extra.items():
         if value is None:

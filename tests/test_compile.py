@@ -9,7 +9,7 @@ import torch
 from pretrain.config import ModelConfig
 from pretrain.launch import Launch
 from pretrain.model import build_model
-from pretrain.runtime import compile_in_place, compile_mode, dynamo_plugin
+from pretrain.runtime import compile_choice, compile_in_place, compile_mode, dynamo_plugin
 
 pytestmark = pytest.mark.floors  # the compile decision runs in CI's minimum-versions smoke set too
 
@@ -18,12 +18,23 @@ ZERO2 = Launch(engine="deepspeed", zero_stage=2, num_nodes=1, gpus_per_node=2)
 FSDP = Launch(engine="fsdp", fsdp_sharding="FULL_SHARD", num_nodes=1, gpus_per_node=2)
 
 
-@pytest.mark.parametrize("requested, device, mode", [
-    ("auto", "cuda", "regional"), ("auto", "cpu", "none"), ("regional", "cpu", "regional"),
-    ("full", "cuda", "full"), ("none", "cuda", "none"),
+ZERO3 = Launch(engine="deepspeed", zero_stage=3, num_nodes=1, gpus_per_node=2)
+
+
+@pytest.mark.parametrize("requested, device, launch, mode", [
+    ("auto", "cuda", DDP, "regional"), ("auto", "cpu", DDP, "none"), ("regional", "cpu", DDP, "regional"),
+    ("full", "cuda", DDP, "full"), ("none", "cuda", DDP, "none"),
+    ("auto", "cuda", ZERO2, "regional"), ("auto", "cuda", FSDP, "regional"),
+    # ZeRO-3's gather hooks are compiler-disabled: auto stays eager; an explicit choice is kept
+    ("auto", "cuda", ZERO3, "none"), ("regional", "cuda", ZERO3, "regional"),
 ])
-def test_auto_is_regional_on_cuda_and_none_on_cpu(requested, device, mode):
-    assert compile_mode(requested, device) == mode
+def test_auto_is_regional_on_cuda_except_zero3_and_none_on_cpu(requested, device, launch, mode):
+    assert compile_mode(requested, device, launch) == mode
+
+
+def test_the_reason_names_zero3():  # the run's log line and --dry-run print it (tests/test_dry_run.py)
+    assert "under DeepSpeed ZeRO-3" in compile_choice("auto", "cuda", ZERO3)[1]
+    assert compile_choice("auto", "cuda", ZERO2)[1].startswith("auto: regional")
 
 
 def test_accelerate_compiles_under_deepspeed_and_fsdp_pretrain_in_place_otherwise():

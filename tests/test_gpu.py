@@ -61,8 +61,10 @@ def test_export_of_a_real_fsdp_checkpoint_gives_the_final_models_logits(tmp_path
     checkpoint = out / "checkpoints" / "step_00000002"
     assert (checkpoint / "pytorch_model_fsdp_0").is_dir()
     exported = tmp_path / "exported"
+    # the export runs on CPU: CUDA hidden, and DeepSpeed (imported through accelerate) told so, as env() does
+    # only where the test process itself sees no CUDA
     proc = run_cmd([sys.executable, "-m", "pretrain", "export", str(checkpoint), str(exported)],
-                   extra_env={"CUDA_VISIBLE_DEVICES": ""})
+                   extra_env={"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"})
     check_ok(proc)
     ids = torch.arange(64).reshape(2, 32)
     logits = []

@@ -124,7 +124,7 @@ def test_an_fsdp_launch_logs_the_estimators_fsdp_figure(monkeypatch):
     fsdp = estimate(recipe, plan, Launch("fsdp", gpus_per_node=2, fsdp_sharding="FULL_SHARD"), device="cpu")
     ddp = estimate(recipe, plan, Launch("ddp", gpus_per_node=2), device="cpu")
     assert "FSDP FULL_SHARD" in fsdp.layout.describe()
-    assert logged == fsdp.total_gib != ddp.total_gib
+    assert logged.total_gib == fsdp.total_gib != ddp.total_gib
 
 
 @pytest.mark.parametrize("env, launch_kwargs, words", [

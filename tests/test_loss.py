@@ -125,6 +125,27 @@ def test_auto_is_chunked_where_liger_kernel_is_missing_or_has_no_kernel(monkeypa
         resolve_loss(_recipe("model.loss=liger"), Launch(), cuda=True)
 
 
+def test_a_liger_import_failing_with_any_exception_falls_back_to_chunked(monkeypatch):
+    """liger_kernel imports peft and Triton: one built for another torch fails with RuntimeError, not ImportError."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def broken_peft(name, *args, **kwargs):
+        if name.startswith("liger_kernel"):
+            raise RuntimeError("peft: operator torchvision::nms does not exist")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", broken_peft)
+    reason = pretrain.loss.liger_unsupported("llama")
+    assert "importing liger_kernel failed (RuntimeError: peft: operator torchvision::nms" in reason
+    implementation, why = pretrain.loss.loss_choice(_recipe(), Launch(), cuda=True)
+    assert implementation == "chunked" and "RuntimeError" in why
+    with pytest.raises(ConfigError, match="model.loss=liger: importing liger_kernel failed") as exc:
+        resolve_loss(_recipe("model.loss=liger"), Launch(), cuda=True)
+    assert len(exc.value.problems) == 1  # one message, naming the import failure
+
+
 @pytest.mark.parametrize(("overrides", "launch", "message"), [
     (("model.loss=liger",), Launch(), "needs a CUDA GPU and `pip install liger-kernel`"),
     (("model.loss=liger",), ZERO3, "cannot run under DeepSpeed ZeRO-3"),

@@ -280,6 +280,26 @@ def test_document_masking_adds_one_boolean_mask_for_sdpa_only():
     assert memory.Workload.from_recipe(recipe, batch_plan).document_masking
 
 
+def test_liger_has_no_logits_term_only_its_gradients_and_one_chunk():
+    """model.loss resolved to liger: no T x V logits; Liger's hidden-state and LM-head gradients, one chunk of
+    next_power_of_2(ceil(T / ceil(V / H))) tokens of logits (liger-kernel 0.8.5) and the per-token loss."""
+    recipe = load_recipe(ROOT / "recipes" / "llama-1b.yaml", [])
+    batch_plan = plan_batches(recipe.batch, 1, recipe.data.seq_len)
+    chunked = memory.estimate(recipe, batch_plan, Launch())  # auto, unresolved: counted as chunked
+    liger = memory.estimate(recipe, batch_plan, Launch(), loss="liger")
+    T, V, H = 4 * 2048, 128256, 2048
+    assert chunked.terms["logits"].bytes >= 2 * 2 * T * V  # bf16 logits and the loss's bf16 gradient buffer
+    chunk = 256  # next_power_of_2(ceil(8192 / ceil(128256 / 2048) = 63) = 131)
+    assert liger.terms["logits"].bytes == T * H * 4 + V * H * 4 + chunk * V * 2 + 4 * T  # fp32 weights (autocast)
+    deepspeed = memory.estimate(recipe, batch_plan, Launch("deepspeed", zero_stage=2), loss="liger")
+    assert deepspeed.terms["logits"].bytes == T * H * 2 + V * H * 2 + chunk * V * 2 + 4 * T  # bf16 engine weights
+    saved = chunked.terms["logits"].bytes - liger.terms["logits"].bytes
+    assert chunked.tensor_peak_bytes - liger.tensor_peak_bytes == saved  # the logits peak at the start of backward
+    assert liger.total_bytes == liger.tensor_peak_bytes + liger.allowance.bytes
+    with pytest.raises(ConfigError, match="loss 'fused'"):
+        memory.Workload(loss="fused")
+
+
 def test_gqa_checkpointing_and_precision_reduce_activations():
     gqa = ModelConfig(**{**LLAMA_SMALL.model_dump(), "num_kv_heads": 2})
     assert acts(gqa).per_layer_bytes < acts().per_layer_bytes

@@ -71,6 +71,7 @@ SKIPPED = {
     "python tools/bench_data.py": "the data benchmark: a 0.5-2 GB corpus tokenized four times (tens of minutes)",
     "python tools/bench_gpu.py --reduced": "2 training launches (a minute or two); tests/test_tools.py runs it",
     "python tools/bench_gpu.py --models llama-1b": "the GPU benchmark: needs a GPU (an hour)",
+    "python tools/bench_gpu.py --budget 420": "the GPU benchmark within 7 minutes: needs a GPU",
     "accelerate launch --cpu --num_processes 2": "the trap the text warns about, not a command to run",
     "accelerate launch --config_file accelerate_configs/zero3.yaml pretrain/run.py --recipe recipes/7b.yaml":
         "the 7B on 8 GPUs (the README's first example)",

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import signal
 import statistics
+import subprocess
 import sys
+import time
 
 import matplotlib.image
 import pytest
@@ -15,7 +19,7 @@ import pytest
 from pretrain.cli import sweep as sweep_batch_size
 from pretrain.sweep import MBSResult, analyse, nearest_multiples
 from pretrain.sweep import runner as sweep_runner
-from tests.helpers import ROOT, TINY, check_ok, run_cmd
+from tests.helpers import ROOT, TINY, check_ok, env, run_cmd
 
 SWEEP = ["-m", "pretrain.cli.sweep"]
 BENCH = ["-m", "pretrain.cli.bench"]
@@ -280,28 +284,48 @@ def test_bench_loop_prints_a_ratio():
 # tools/bench_gpu.py: the GPU acceptance benchmark, reduced to the tiny recipe on CPU
 
 
+BENCH_GPU = [sys.executable, str(ROOT / "tools" / "bench_gpu.py")]
+
+
+def bench_gpu_module(monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "tools" / "bench_gpu.py")
+    bench_gpu = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_gpu", bench_gpu)  # its dataclasses look their module up
+    spec.loader.exec_module(bench_gpu)
+    return bench_gpu
+
+
 @pytest.mark.slow
-def test_bench_gpu_reduced_writes_a_row_per_setting(tmp_path):
+def test_bench_gpu_reduced_within_a_budget_writes_a_row_per_setting(tmp_path):
     out = tmp_path / "bench"
-    proc = run_cmd([sys.executable, str(ROOT / "tools" / "bench_gpu.py"), "--reduced", "--steps", "2",
-                    "--out", str(out)], timeout=300)
+    proc = run_cmd([*BENCH_GPU, "--reduced", "--budget", "60", "--steps", "2", "--out", str(out)], timeout=300)
     check_ok(proc)
     report = json.loads((out / "bench_gpu.json").read_text())
     rows = report["rows"]
-    assert [(r["setting"], r["loss"], r["status"]) for r in rows] == [("loss-plain", "plain", "ok"),
-                                                                      ("loss-chunked", "chunked", "ok")]
-    for r in rows:
+    assert report["budget_s"] == 60
+    # the default first (on CPU: chunked, no compile), then the comparison; a busy machine may leave the second
+    # row to the budget, never the first
+    assert [(r["setting"], r["loss"], r["compile"]) for r in rows] == [("default", "chunked", "none"),
+                                                                       ("loss-plain", "plain", "none")]
+    assert rows[0]["status"] == "ok" and rows[1]["status"] in ("ok", "budget")
+    assert sum(r.get("wall_s", 0) for r in rows) <= 60
+    ok = [r for r in rows if r["status"] == "ok"]
+    for r in ok:
         assert r["tokens_per_s_per_gpu"] > 0 and 0 < r["mfu"] <= 1 and r["hfu"] == r["mfu"]  # nothing recomputed
         assert r["num_measured_steps"] == 2 and r["micro_batch_size"] == 4 and r["peak_gib"] > 0
-        assert r["estimated_gib"] > 0
+        assert r["first_step_s"] > 0 and r["cold_compile_s"] >= 0 and r["startup_s"] > 0
+        # the same basis as max_memory_allocated: the estimate without its allowance, below the total
+        assert 0 < r["estimated_gib"] < r["estimated_total_gib"]
         assert r["estimate_error_pct"] == pytest.approx((r["estimated_gib"] - r["peak_gib"]) / r["peak_gib"] * 100)
+    assert [json.loads(line) for line in (out / "bench_gpu.jsonl").read_text().splitlines()] == rows
     table = (out / "bench_gpu.md").read_text().splitlines()
-    assert table[0].split(" | ")[7:10] == ["peak GiB", "estimated GiB", "error %"]
-    assert [line.split(" | ")[1] for line in table[2:]] == ["loss-plain", "loss-chunked"]
+    assert table[0].split(" | ")[8:14] == ["cold compile s", "step s", "peak GiB", "estimated GiB", "error %",
+                                           "est. total GiB"]
+    assert [line.split(" | ")[1] for line in table[2:]] == ["default", "loss-plain"]
     assert table[0] in proc.stdout
     calibration = json.loads((out / "calibration.json").read_text())
-    assert [c["settings"]["name"] for c in calibration] == ["loss-plain", "loss-chunked"]
-    for c, r in zip(calibration, rows, strict=True):
+    assert [c["settings"]["name"] for c in calibration] == [r["setting"] for r in ok]
+    for c, r in zip(calibration, ok, strict=True):
         assert set(c) == {"gpu", "model", "params", "seq_len", "mbs", "mfu", "tokens_per_s", "settings"}
         assert c["model"] == "tiny" and c["seq_len"] == 64 and c["params"] > 0 and c["gpu"] == report["device"]
         assert (c["mfu"], c["tokens_per_s"], c["mbs"]) == (r["mfu"], r["tokens_per_s_per_gpu"], 4)
@@ -315,11 +339,70 @@ def test_bench_gpu_reduced_writes_a_row_per_setting(tmp_path):
     assert base == pytest.approx(min(1.0, statistics.median(c["mfu"] / mbs_efficiency(4 * 64) for c in calibration)))
 
 
+@pytest.mark.slow
+def test_bench_gpu_killed_with_sigkill_keeps_its_finished_rows(tmp_path):
+    out = tmp_path / "bench"
+    cmd = [*BENCH_GPU, "--reduced", "--steps", "1", "--settings", "default,loss-plain,ac-full", "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    rows_file, deadline = out / "bench_gpu.jsonl", time.time() + 240
+    try:
+        while not (rows_file.exists() and rows_file.read_text().count("\n") >= 1):
+            assert proc.poll() is None and time.time() < deadline, "the first row never finished"
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGKILL)  # the benchmark only: the row in flight is in a session of its own
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        running = out / "running.json"
+        if running.exists():  # the row that was in flight: its group, as the file says
+            os.killpg(json.loads(running.read_text())["pgid"], signal.SIGKILL)
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    assert 1 <= len(rows) < 3 and rows[0]["setting"] == "default" and rows[0]["status"] == "ok"
+    assert json.loads((out / "bench_gpu.json").read_text())["rows"] == rows
+    table = (out / "bench_gpu.md").read_text().splitlines()
+    assert [line.split(" | ")[1] for line in table[2:]] == [r["setting"] for r in rows]
+    assert json.loads((out / "calibration.json").read_text())[0]["settings"]["name"] == "default"
+
+
+def test_bench_gpu_skips_what_does_not_fit_repeats_or_outlasts_the_budget(tmp_path):
+    """No launch: the estimator refuses rows for a tiny device, the default's duplicates are not run, and a
+    budget shorter than a row's expected time starts nothing (each row says so)."""
+    out = tmp_path / "bench"
+    settings = "default,compile-none,ac-none,loss-plain,loss-liger"
+    proc = run_cmd([*BENCH_GPU, "--reduced", "--settings", settings, "--device-memory-gib", "0.001", "--out",
+                    str(out)], timeout=120)
+    assert proc.returncode == 1, proc.stderr  # a refused row is a failure; no-fit rows are answers
+    rows = json.loads((out / "bench_gpu.json").read_text())["rows"]
+    # on CPU compile-none and ac-none are the default run; liger cannot run here (refused, with the reason)
+    assert [(r["setting"], r["status"]) for r in rows] == [("default", "no-fit"), ("loss-liger", "refused"),
+                                                           ("loss-plain", "no-fit")]
+    assert "does not fit" in rows[0]["detail"] and "needs a CUDA GPU" in rows[1]["detail"]
+    assert "tiny / compile-none: the same run as tiny / default" in proc.stdout
+    assert "tiny / ac-none: the same run as tiny / default" in proc.stdout
+    proc = run_cmd([*BENCH_GPU, "--reduced", "--budget", "1", "--out", str(out)], timeout=120)
+    check_ok(proc)
+    rows = json.loads((out / "bench_gpu.json").read_text())["rows"]
+    assert [(r["setting"], r["status"]) for r in rows] == [("default", "budget"), ("loss-plain", "budget")]
+    assert re.match(r"not started: expected \d+ s, [01] s of the budget left", rows[0]["detail"])
+    assert not (out / "tiny" / "default").exists()
+
+
+def test_bench_gpu_rows_run_in_the_documented_priority_order(monkeypatch):
+    bench_gpu = bench_gpu_module(monkeypatch)
+    rows = bench_gpu.ordered_rows(["llama-1b", "llama-3b"], list(bench_gpu.SETTINGS))
+    assert rows[:12] == [("llama-1b", s) for s in bench_gpu.PRIORITY_SETTINGS] + [("llama-3b", "default")]
+    assert rows[12:15] == [("llama-1b", "loss-plain"), ("llama-1b", "mbs-1"), ("llama-1b", "no-step-checks")]
+    assert len(rows) == len(set(rows)) == 2 * len(bench_gpu.SETTINGS)
+    for flag in ("--budget", "--device-memory-gib"):
+        with pytest.raises(SystemExit) as exc:
+            bench_gpu.parse_args([flag, "0"])
+        assert exc.value.code == 2
+
+
 def test_bench_gpu_unknown_setting_exits_2(capsys, monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "tools" / "bench_gpu.py")
-    bench_gpu = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_gpu", bench_gpu)  # its dataclasses look their module up
-    spec.loader.exec_module(bench_gpu)
+    bench_gpu = bench_gpu_module(monkeypatch)
     with pytest.raises(SystemExit) as exc:
         bench_gpu.parse_args(["--settings", "default,loss-fused"])
     assert exc.value.code == 2

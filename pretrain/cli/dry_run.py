@@ -99,6 +99,7 @@ def report(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu, 
     from pretrain.cli.plan import calibration, plan, throughput
     from pretrain.memory import estimate
     from pretrain.preflight import check_run
+    from pretrain.runtime import compile_choice
 
     run_plan = check_run(recipe, launch)
     batch, steps = run_plan.batch, run_plan.num_steps
@@ -113,6 +114,7 @@ def report(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu, 
         f"tokens per step  {batch.tokens_per_step:,} ({batch.global_batch_size} x {batch.seq_len} tokens)",
         f"optimizer steps  {steps:,} ({steps * batch.tokens_per_step:,} tokens)",
         f"output_dir       {recipe.output_dir}",
+        f"compile          {compile_choice(recipe.model.compile, 'cuda' if gpu else 'cpu', launch)[1]}",
         "",
     ]
     try:

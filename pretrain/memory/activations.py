@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pretrain.checkpointing import checkpointed_blocks, normalize
+from pretrain.launch import Launch
 from pretrain.memory.terms import Term, gib, num
 from pretrain.memory.workload import PRECISION_BYTES, Workload
-from pretrain.shape import ModelShape, loss_chunk_tokens
+from pretrain.shape import ModelShape, liger_chunk_tokens, loss_chunk_tokens
 
 TANH_GELU_EAGER = {"gelu_new", "gelu_fast", "gelu_python_tanh"}
 """Activations that transformers computes op by op (tanh approximation): they save 3 more tensors."""
@@ -168,7 +169,8 @@ def _selective(shape: ModelShape, b: int, T: int, s: int, B: int, eager: bool, n
     return projections + kernel, f"selective {text} + {kernel_text}", rebuilt
 
 
-def activation_terms(acts: ActivationEstimate, shape: ModelShape, workload: Workload) -> tuple[Term, Term]:
+def activation_terms(acts: ActivationEstimate, shape: ModelShape, workload: Workload,
+                     layout: Launch) -> tuple[Term, Term]:
     """The estimate's activations and logits terms."""
     b = PRECISION_BYTES[workload.precision]
     V = shape.vocab_size
@@ -178,9 +180,31 @@ def activation_terms(acts: ActivationEstimate, shape: ModelShape, workload: Work
         f"saved for backward {gib(acts.saved_bytes)}"
         + (f" + one block recomputed {gib(acts.recompute_bytes)}" if acts.recompute_bytes else "")
         + " (formula below)")
+    if workload.loss == "liger":
+        return activations, liger_term(shape, workload, layout)
     chunk = min(T, loss_chunk_tokens(V))
     logits = Term(
         "logits", "logits and loss", acts.logits_peak_bytes,
         f"T x V x ({b} B logits + {b} B the loss's gradient buffer) + one fp32 chunk of {num(chunk)} tokens "
         f"= {num(T)} x {num(V)} x {2 * b} + {num(chunk)} x {num(V)} x 4")
     return activations, logits
+
+
+def liger_term(shape: ModelShape, workload: Workload, layout: Launch) -> Term:
+    """Liger-Kernel's fused linear cross-entropy in place of the logits term. No logits tensor exists: its
+    forward (liger-kernel 0.8.5 ``fused_linear_cross_entropy_forward``) computes the loss and both gradients
+    one chunk of tokens at a time and keeps, until backward, the gradient of the hidden states (T x H) and of
+    the LM-head weight (V x H), each in its input's dtype, beside one chunk of logits in the compute dtype and
+    an fp32 loss per token. The weight and the residual stream are fp32 where autocast computes (one process,
+    DDP), the compute dtype where the engine holds low-precision parameters (DeepSpeed, FSDP2's param_dtype)."""
+    b = PRECISION_BYTES[workload.precision]
+    w = 4 if layout.engine == "ddp" else b
+    V, H = shape.vocab_size, shape.hidden_size
+    T = workload.micro_batch_size * workload.seq_len
+    chunk = liger_chunk_tokens(T, V, H)
+    total = T * H * w + V * H * w + chunk * V * b + 4 * T
+    return Term(
+        "logits", "fused linear CE (Liger)", total,
+        f"no logits: T x H x {w} B (hidden-state gradient) + V x H x {w} B (LM-head gradient) + one chunk of "
+        f"{num(chunk)} tokens x V x {b} B + T x 4 B (loss per token) = {num(T)} x {num(H)} x {w} + {num(V)} x "
+        f"{num(H)} x {w} + {num(chunk)} x {num(V)} x {b} + {num(T)} x 4")

@@ -53,8 +53,18 @@ class MemoryEstimate:
         return max(self.phases, key=self.phases.get)
 
     @property
+    def tensor_peak_bytes(self) -> int:
+        """The tensors alive at the peak phase, without the allowance: what ``torch.cuda.max_memory_allocated``
+        measures (the CUDA context and the allocator's rounding and fragmentation are outside it)."""
+        return max(self.phases.values())
+
+    @property
+    def tensor_peak_gib(self) -> float:
+        return self.tensor_peak_bytes / GIB
+
+    @property
     def total_bytes(self) -> int:
-        return max(self.phases.values()) + self.allowance.bytes
+        return self.tensor_peak_bytes + self.allowance.bytes
 
     @property
     def total_gib(self) -> float:
@@ -186,7 +196,7 @@ def estimate_shape(shape: ModelShape, workload: Workload, layout: Launch, *,
     states = model_states(shape, w, layout, buffers)
     acts = activation_memory(shape, w.micro_batch_size, w.seq_len, w.precision, w.attention, w.activation_checkpointing,
                              device, document_masking=w.document_masking)
-    activations, logits = activation_terms(acts, shape, w)
+    activations, logits = activation_terms(acts, shape, w, layout)
     terms = {t.key: t for t in (states.params, states.grads, states.optimizer, activations, logits, states.comm,
                                 states.autocast) if t is not None}
     # The terms do not all peak together: each phase sums what is alive in it.
@@ -207,12 +217,14 @@ def estimate_shape(shape: ModelShape, workload: Workload, layout: Launch, *,
 
 
 def estimate(recipe, plan, layout: Launch, *, gpu: GpuSpec | None = None, buffers: DeepSpeedBuffers | None = None,
-             device: str = "cuda") -> MemoryEstimate:
+             device: str = "cuda", loss: str | None = None) -> MemoryEstimate:
     """Per-device memory of ``recipe`` run with ``plan`` (its MBS and seq_len) on ``layout``.
 
     ``buffers`` defaults to the recipe's ``deepspeed`` section over DeepSpeed's defaults. ``device="cpu"``
-    drops the CUDA-context allowance and uses CPU dropout masks. The trainer logs ``total_gib`` as
-    ``memory/estimated_gib`` beside the measured ``memory/peak_gib``.
+    drops the CUDA-context allowance and uses CPU dropout masks. ``loss``: model.loss as the run resolved it
+    (``Workload.from_recipe``: without it ``auto`` counts as chunked). The trainer logs ``total_gib`` as
+    ``memory/estimated_gib`` and ``tensor_peak_gib`` as ``memory/estimated_tensors_gib`` beside the measured
+    ``memory/peak_gib``.
     """
     if plan.world_size != layout.world_size:
         raise ConfigError(
@@ -221,6 +233,6 @@ def estimate(recipe, plan, layout: Launch, *, gpu: GpuSpec | None = None, buffer
         )
     shape = ModelShape.from_recipe(recipe, plan.seq_len)
     return estimate_shape(
-        shape, Workload.from_recipe(recipe, plan), layout,
+        shape, Workload.from_recipe(recipe, plan, loss), layout,
         buffers=buffers or DeepSpeedBuffers.from_recipe(recipe), gpu=gpu, device=device,
     )

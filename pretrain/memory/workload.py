@@ -9,6 +9,7 @@ from pretrain.checkpointing import normalize
 from pretrain.errors import ConfigError
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+LOSSES = ("chunked", "plain", "liger")
 
 # Optimizer state bytes per parameter (fp32 states). Keys are lower-cased torch.optim names.
 _STATE_BYTES = {
@@ -54,12 +55,18 @@ class Workload:
     global_batch_size: int | None = None
     reduce_dtype: str = "fp32"
     """bf16 only (precision.reduce_dtype): the dtype DeepSpeed and FSDP accumulate and reduce gradients in."""
+    loss: str = "chunked"
+    """model.loss as the run resolves it (pretrain.loss.resolve_loss): chunked, plain or liger. Liger never
+    materialises the logits, so its term differs; plain is counted as chunked."""
 
     def __post_init__(self):
         if self.precision not in PRECISION_BYTES:
             raise ConfigError(f"precision {self.precision!r}: use one of fp32, bf16, fp16")
         if self.reduce_dtype not in ("fp32", "bf16"):
             raise ConfigError(f"reduce_dtype {self.reduce_dtype!r}: use fp32 or bf16")
+        if self.loss not in LOSSES:
+            raise ConfigError(f"loss {self.loss!r}: use one of {', '.join(LOSSES)} (as pretrain.loss.resolve_loss "
+                              "resolves model.loss)")
         if self.attention not in ("sdpa", "eager", "flash_attention_2"):
             raise ConfigError(f"attention {self.attention!r}: use one of sdpa, eager, flash_attention_2")
         try:
@@ -77,7 +84,11 @@ class Workload:
         return self.precision == "bf16" and self.reduce_dtype == "fp32"
 
     @classmethod
-    def from_recipe(cls, recipe, plan) -> Workload:
+    def from_recipe(cls, recipe, plan, loss: str | None = None) -> Workload:
+        """``loss``: model.loss as the run resolved it. Without it, ``auto`` counts as chunked: resolving auto
+        needs the device and liger_kernel (pretrain.loss.resolve_loss), and chunked is the larger figure."""
+        if loss is None:
+            loss = "chunked" if recipe.model.loss == "auto" else recipe.model.loss
         return cls(
             precision=recipe.precision.dtype,
             optimizer=recipe.optim.name,
@@ -90,6 +101,7 @@ class Workload:
             grad_accum_steps=plan.grad_accum_steps,
             global_batch_size=plan.global_batch_size,
             reduce_dtype=recipe.precision.reduce_dtype,
+            loss=loss,
         )
 
 

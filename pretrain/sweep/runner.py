@@ -16,6 +16,7 @@ import signal
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,9 +88,11 @@ def launch_command(accelerate_config: str | None, num_processes: int | None, rec
     return accelerate_command(recipe, overrides, accelerate_args=accelerate_args(accelerate_config, num_processes))
 
 
-def run_process(command: list[str], log_prefix: Path, timeout_s: float | None) -> tuple[int, str, str]:
+def run_process(command: list[str], log_prefix: Path, timeout_s: float | None,
+                on_start: Callable[[int], None] | None = None) -> tuple[int, str, str]:
     """(return code, stdout, stderr). The output goes to <log_prefix>.log / .stderr.log as it is written (tail
-    them during a long run); the whole process group is killed on a timeout or Ctrl-C."""
+    them during a long run); the whole process group is killed on a timeout or Ctrl-C. ``on_start(pgid)`` is
+    called once the group exists (a caller that may itself be killed records it)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     out_path, err_path = log_prefix.with_suffix(".log"), log_prefix.with_suffix(".stderr.log")
     with out_path.open("w") as out, err_path.open("w") as err:
@@ -98,6 +101,8 @@ def run_process(command: list[str], log_prefix: Path, timeout_s: float | None) -
         out.flush()
         # A session of its own so that a timeout can stop accelerate launch's workers, not only the launcher.
         proc = subprocess.Popen(command, stdout=out, stderr=err, text=True, env=env, start_new_session=True)
+        if on_start is not None:
+            on_start(proc.pid)
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
