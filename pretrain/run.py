@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 
 from pretrain.cli import add_recipe_arguments
 from pretrain.cli.dry_run import add_dry_run_arguments, check_options, dry_run
@@ -40,20 +39,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     install_warning_filters()  # before the libraries are imported: some warn on import
-    from pretrain.supervise import leave, stop_with_launcher
+    from pretrain.supervise import run_worker, stop_with_launcher
 
     stop_with_launcher()  # a worker of torchrun ends with its launcher (kill -9 of accelerate launch too)
     args = parse_args(argv)
     # A worker of a multi-process launch leaves without the interpreter's teardown, whose gloo threads could
-    # turn its exit code into SIGABRT (pretrain/supervise.py, leave).
-    if os.environ.get("WORLD_SIZE", "1").strip() in ("", "0", "1"):
-        return _main(args)
-    try:
-        code = _main(args)
-    except Exception:  # a defect: its traceback, then exit 1 (not the teardown's SIGABRT)
-        traceback.print_exc()
-        code = 1
-    leave(code)
+    # turn its exit code into SIGABRT (pretrain/supervise.py).
+    return run_worker(lambda: _main(args))
 
 
 def _main(args: argparse.Namespace) -> int:

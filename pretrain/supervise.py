@@ -41,6 +41,8 @@ import signal
 import socket
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -49,6 +51,19 @@ from pretrain.errors import ConfigError
 LOCK_FILE = "run.lock"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+def run_worker(body: Callable[[], int]) -> int:
+    """``body()``'s exit code; in a worker of a multi-process launch (WORLD_SIZE > 1) the process then leaves
+    through ``leave`` (a defect's traceback is printed and the worker exits 1)."""
+    if os.environ.get("WORLD_SIZE", "1").strip() in ("", "0", "1"):
+        return body()
+    try:
+        code = body()
+    except Exception:  # a defect: its traceback, then exit 1 (not the teardown's SIGABRT)
+        traceback.print_exc()
+        code = 1
+    leave(code)
 
 
 def leave(code: int) -> NoReturn:

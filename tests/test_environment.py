@@ -18,8 +18,8 @@ from pretrain.environment import DeviceFacts, check_environment, device_problems
 from pretrain.errors import ConfigError
 from pretrain.launch import Launch
 
-from .helpers import ROOT as REPO
 from .helpers import FAST, env
+from .helpers import ROOT as REPO
 
 pytestmark = pytest.mark.floors  # also in CI's minimum-versions smoke set
 

@@ -33,6 +33,7 @@ from pretrain.doctor import (
     write_report,
 )
 from pretrain.errors import EXIT_USAGE, ConfigError
+from pretrain.supervise import run_worker
 
 EPILOG = (f"Test hooks (environment): {SLOW_RANK_ENV}=R[,R...] makes those ranks' timed regions "
           f"{SLOW_FACTOR_ENV} (default 4) times as long, so their hosts are named; {HOSTNAME_ENV}=NAME or "
@@ -105,6 +106,10 @@ def start(recipe, settings: Settings):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    return run_worker(lambda: check(args))  # a worker's exit code is its own (pretrain/supervise.py)
+
+
+def check(args: argparse.Namespace) -> int:
     try:
         settings, recipe = settings_from_args(args)
         accelerator = start(recipe, settings)
