@@ -42,12 +42,13 @@ from torch import nn
 
 from pretrain import shape
 from pretrain.errors import ConfigError
+from pretrain.extras import EXTRAS
 
 if TYPE_CHECKING:
     from pretrain.config import Recipe
     from pretrain.launch import Launch
 
-LIGER_INSTALL = "pip install liger-kernel"
+LIGER_INSTALL = EXTRAS["liger"].install
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):

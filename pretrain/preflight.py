@@ -24,12 +24,19 @@ class RunPlan:
     lr: float
 
 
-def check_run(recipe: Recipe, launch: Launch) -> RunPlan:
-    """Raise one ConfigError for the first section that cannot run on ``launch``; else the plan."""
+def check_run(recipe: Recipe, launch: Launch, packages: bool = True) -> RunPlan:
+    """Raise one ConfigError for the first section that cannot run on ``launch``; else the plan.
+
+    ``packages``: also refuse a run that needs an optional package this machine lacks (pretrain.extras). Only
+    the dry run leaves it out: it plans launches for other machines (pretrain-launch checks this one's)."""
+    from pretrain.errors import ConfigError
+    from pretrain.extras import missing_packages
     from pretrain.loss import resolve_loss
     from pretrain.optim import check_optimizer_args, check_schedule, scaled_lr
     from pretrain.runtime import check_precision, deepspeed_config
 
+    if packages and (problems := missing_packages(recipe, launch)):
+        raise ConfigError(problems)
     batch = plan_batches(recipe.batch, launch.world_size, recipe.data.seq_len)
     num_steps = num_training_steps(recipe.train.max_steps, recipe.train.max_tokens, batch)
     lr = scaled_lr(recipe.optim, batch.global_batch_size)

@@ -100,7 +100,7 @@ def report(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu, 
     from pretrain.memory import estimate
     from pretrain.preflight import check_run
 
-    run_plan = check_run(recipe, launch)
+    run_plan = check_run(recipe, launch, packages=False)  # a plan for any machine, whatever this one has installed
     batch, steps = run_plan.batch, run_plan.num_steps
     num_params, vocab = parameter_count(recipe)
     where = f" ({config_file})" if config_file else ""
