@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import tomllib
 
 import pytest
 
@@ -14,6 +13,7 @@ from pretrain.launch import Launch
 from pretrain.preflight import check_run
 from tests.helpers import FAST, ROOT, RUN, TINY, run_cmd
 
+tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ reads pyproject.toml")
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 OPTIONAL_MODULES = sorted(extra.module for extra in extras.EXTRAS.values())
 
