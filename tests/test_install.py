@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import FAST, ROOT, TINY, env
+from tools.wheelhouse import stub_wheel
 
 INSTALL = str(ROOT / "tools" / "install.sh")
 TORCH = "torch==2.13.0"  # install.sh's CPU build, which pip takes from this machine's disk
@@ -44,26 +44,13 @@ def _offline_install(python: Path, wheelhouse: Path, *args: str) -> subprocess.C
                 extra={"PYTHON": str(python), **_air_gapped()})
 
 
-def _wheel(folder: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> None:
-    """An empty wheel with this name, version and requirements: all pip resolves on."""
-    info = f"{name}-{version}.dist-info"
-    files = {f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
-                                 + "".join(f"Requires-Dist: {r}\n" for r in requires),
-             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    files[f"{info}/RECORD"] = "".join(f"{path},,\n" for path in files) + f"{info}/RECORD,,\n"
-    folder.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as whl:
-        for path, text in files.items():
-            whl.writestr(path, text)
-
-
 def test_the_offline_install_never_replaces_torch(tmp_path):
     """A wheelhouse whose pretrain wants another torch, which the wheelhouse also holds: the install fails and the
     environment's torch stays; plain pip, without install.sh's pin, would have swapped it."""
     python = _venv(tmp_path / "env")
-    _wheel(tmp_path / "installed", "torch", "1.0")
-    _wheel(tmp_path / "wheels", "torch", "9.0")
-    _wheel(tmp_path / "wheels", "pretrain", "0.0.1", ("torch>=9",))
+    stub_wheel(tmp_path / "installed", "torch", "1.0")
+    stub_wheel(tmp_path / "wheels", "torch", "9.0")
+    stub_wheel(tmp_path / "wheels", "pretrain", "0.0.1", ("torch>=9",))
     setup = _run([str(python), "-m", "pip", "install", "-q", "--no-index", "--find-links", str(tmp_path / "installed"),
                   "torch==1.0"], cwd=tmp_path, extra=_air_gapped())
     assert setup.returncode == 0, setup.stderr
@@ -83,7 +70,7 @@ def test_the_offline_install_needs_torch_and_a_wheelhouse(tmp_path):
     python = _venv(tmp_path / "env")
     empty = _offline_install(python, tmp_path / "nothing")
     assert empty.returncode == 2 and "holds no pretrain wheel" in empty.stderr
-    _wheel(tmp_path / "wheels", "pretrain", "0.0.1")
+    stub_wheel(tmp_path / "wheels", "pretrain", "0.0.1")
     no_torch = _offline_install(python, tmp_path / "wheels")
     assert no_torch.returncode == 2 and "has no torch" in no_torch.stderr
 

@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
 from packaging.markers import default_environment
@@ -96,6 +97,32 @@ def needed_without_torch(report: dict, python: str | None) -> dict[str, str]:
     return keep
 
 
+def stub_wheel(folder: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> Path:
+    """An empty wheel with this name, version and requirements: all pip resolves on."""
+    info = f"{name}-{version}.dist-info"
+    files = {f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                 + "".join(f"Requires-Dist: {r}\n" for r in requires),
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: pretrain\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{path},,\n" for path in files) + f"{info}/RECORD,,\n"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as whl:
+        for member, text in files.items():
+            whl.writestr(member, text)
+    return path
+
+
+def check_complete(wheelhouse: Path, extras: str, target: list[str], report: dict) -> None:
+    """Resolve pretrain[extras] from the wheelhouse alone, with requirement-free stand-ins for torch's stack (the
+    target has it): a wheel the walk above missed fails here, where there is an index, not on the target."""
+    with tempfile.TemporaryDirectory() as scratch:
+        for item in report["install"]:
+            if canonicalize_name(item["metadata"]["name"]) in TORCH_STACK:
+                stub_wheel(Path(scratch) / "stubs", item["metadata"]["name"], item["metadata"]["version"])
+        pip("install", "--quiet", "--dry-run", "--ignore-installed", "--no-index", "--target", str(Path(scratch) / "t"),
+            "--find-links", str(wheelhouse), "--find-links", str(Path(scratch) / "stubs"), *target, f"pretrain[{extras}]")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("wheelhouse", type=Path)
@@ -120,6 +147,7 @@ def main() -> int:
     todo = sorted(f"{name}=={version}" for name, version in keep.items() if name not in have)
     if todo:
         pip("download", "--quiet", "--no-deps", *target, "--dest", str(wheelhouse), *todo)
+    check_complete(wheelhouse, args.extras, target, report)
     wheels = sorted(wheelhouse.glob("*.whl"))
     size_mib = sum(p.stat().st_size for p in wheels) / 2**20
     print(f"wheelhouse {wheelhouse}: {len(wheels)} wheels, {size_mib:.0f} MiB (pretrain[{args.extras}] without "
