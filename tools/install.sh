@@ -8,6 +8,7 @@
 #       that Python and platform; never torch). Copy DIR to the target.
 #   bash tools/install.sh --offline DIR [--extras all]
 #       on the target, with its environment active: pretrain[extras] from DIR alone, keeping its torch.
+# --wheelhouse and --offline use python3 from PATH (the active environment); PYTHON=/path/to/python picks another.
 # Order matters in the first: the CPU/CUDA torch wheel you want must be in place before anything that depends on
 # torch, or pip pulls the newest CUDA build (several GB). DeepSpeed builds from source against that torch, hence
 # --no-build-isolation.

@@ -130,6 +130,14 @@ def main() -> int:
     parser.add_argument("--platform", help="the target's platform tag, e.g. manylinux_2_28_x86_64 (default: this one)")
     parser.add_argument("--extras", default="all", help="pretrain's extras to include (default: all)")
     args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))  # run as a script: the checkout's pretrain names its extras
+    from pretrain.extras import EXTRAS
+
+    unknown = sorted(set(args.extras.split(",")) - {"all", *EXTRAS} - {""})
+    if unknown:
+        print(f"error: --extras {args.extras}: pretrain has no extra {', '.join(unknown)}; its extras: all, "
+              f"{', '.join(EXTRAS)}", file=sys.stderr)
+        return 2
     wheelhouse = args.wheelhouse.resolve()
     wheelhouse.mkdir(parents=True, exist_ok=True)
     target = target_args(args.python, args.platform)
@@ -137,7 +145,7 @@ def main() -> int:
     pip("wheel", "--quiet", "--no-deps", "--wheel-dir", str(wheelhouse), str(ROOT))
     # DeepSpeed publishes only its source; built without ops (DS_BUILD_OPS=0) it is pure Python and compiles
     # the ops it needs on first use on the target, against the target's torch.
-    if "all" in args.extras or "deepspeed" in args.extras:
+    if {"all", "deepspeed"} & set(args.extras.split(",")):
         os.environ["DS_BUILD_OPS"] = "0"
         pip("wheel", "--quiet", "--no-deps", "--no-build-isolation", "--wheel-dir", str(wheelhouse), "deepspeed>=0.16")
 
