@@ -137,20 +137,38 @@ def package_problem(req: Requirement, why: str, version_of=installed_version) ->
 
 
 def needed_extras(recipe: Recipe | None, launch: Launch | None) -> list[tuple[str, str]]:
-    """(extra, why) for each optional part this recipe and launch use."""
+    """(extra, the recipe key or launch that asks for it) for each optional part this run uses."""
     needed: list[tuple[str, str]] = []
     if launch is not None and launch.uses_deepspeed:
         needed.append(("deepspeed", f"the launch's DeepSpeed ZeRO-{launch.zero_stage}"))
     if recipe is not None:
-        sources = [m.source for m in recipe.data.mixture] if recipe.data.mixture else [recipe.data.source]
-        hf = [s for s in sources if s.startswith("hf:")]
+        data = recipe.data
+        sources = ([(f"data.mixture[{m.name}].source", m.source) for m in data.mixture]
+                   or [("data.source", data.source)])
+        hf = [f"{key} = {source!r}" for key, source in sources if source.startswith("hf:")]
         if hf:
-            needed.append(("datasets", f"data source {hf[0]}"))
-        if "wandb" in recipe.logging.backends:
-            needed.append(("wandb", "logging.backends: wandb"))
+            needed.append(("datasets", ", ".join(hf)))
+        for backend in ("wandb", "tensorboard"):
+            if backend in recipe.logging.backends:
+                needed.append((backend, f"logging.backends: {backend}"))
         if recipe.model.loss == "liger":
             needed.append(("liger", "model.loss: liger"))
     return needed
+
+
+def extra_requirements(extra: str) -> list[Requirement]:
+    return [req for req in requirements() if req.extra == extra]
+
+
+def require(extra: str, feature: str) -> None:
+    """Raise one ConfigError when ``extra``'s packages are missing or too old here: for a code path that needs
+    them now (an hf: source read by pretrain-prepare-data, say)."""
+    if problems := [p for req in extra_requirements(extra) if (p := package_problem(req, feature))]:
+        raise ConfigError(_listed(problems) + f"\n{INSTALL_HINT}")
+
+
+def install_command(package: str) -> str:
+    return requirement(package).install_command()
 
 
 def package_problems(recipe: Recipe | None, launch: Launch | None, version_of=None) -> list[str]:
@@ -158,7 +176,7 @@ def package_problems(recipe: Recipe | None, launch: Launch | None, version_of=No
     version_of = version_of or installed_version
     problems = [package_problem(req, "pretrain", version_of) for req in requirements() if req.extra is None]
     for extra, why in needed_extras(recipe, launch):
-        problems += [package_problem(req, why, version_of) for req in requirements() if req.extra == extra]
+        problems += [package_problem(req, why, version_of) for req in extra_requirements(extra)]
     return [p for p in problems if p]
 
 

@@ -41,13 +41,14 @@ import torch
 from torch import nn
 
 from pretrain import shape
+from pretrain.environment import install_command
 from pretrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from pretrain.config import Recipe
     from pretrain.launch import Launch
 
-LIGER_INSTALL = "pip install liger-kernel"
+LIGER_INSTALL = install_command("liger-kernel")
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):

@@ -24,7 +24,7 @@ from .helpers import ROOT as REPO
 pytestmark = pytest.mark.floors  # also in CI's minimum-versions smoke set
 
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-OPTIONAL = ("deepspeed", "datasets", "wandb", "liger-kernel")
+OPTIONAL = ("deepspeed", "datasets", "wandb", "tensorboard", "liger-kernel")
 
 
 def versions(**found: str):
@@ -98,6 +98,19 @@ def test_one_error_lists_every_problem_and_how_to_install_everything(monkeypatch
     assert text.endswith(environment.INSTALL_HINT)
 
 
+def test_a_mixtures_hf_sources_are_named_each():
+    recipe = load_recipe(REPO / "recipes" / "mixture-tiny.yaml", [
+        "data.mixture=[{name: code, source: 'stdlib:json', weight: 1}, {name: web, source: 'hf:org/web', weight: 1}]"])
+    assert environment.needed_extras(recipe, Launch()) == [("datasets", "data.mixture[web].source = 'hf:org/web'")]
+    assert environment.needed_extras(load_recipe("recipes/tiny.yaml", []), Launch("fsdp", gpus_per_node=2)) == []
+
+
+def test_a_code_path_that_needs_an_extra_now_refuses_with_the_install(monkeypatch):
+    monkeypatch.setattr(environment, "installed_version", versions())
+    with pytest.raises(ConfigError, match=r"datasets is not installed; data.source = 'hf:x' needs datasets >= "):
+        environment.require("datasets", "data.source = 'hf:x'")
+
+
 CPU_MACHINE = DeviceFacts(driver_gpus=0, torch_version="2.11.0+cu130", torch_cuda="13.0", cuda_available=False,
                           nccl_available=True, visible_devices=None)
 
@@ -135,7 +148,7 @@ def core_only(tmp_path_factory) -> dict[str, str]:
     import site
 
     source = Path(next(p for p in site.getsitepackages() if Path(p, "torch").is_dir()))
-    hidden = ("deepspeed", "datasets", "wandb", "liger_kernel", "liger-kernel")
+    hidden = ("deepspeed", "datasets", "wandb", "tensorboard", "liger_kernel", "liger-kernel")
     target = tmp_path_factory.mktemp("core_only")
     for entry in source.iterdir():
         name = entry.name.lower()
@@ -144,7 +157,7 @@ def core_only(tmp_path_factory) -> dict[str, str]:
         (target / entry.name).symlink_to(entry)
     variables = env(PYTHONPATH=f"{target}{os.pathsep}{REPO}")
     probe = subprocess.run([sys.executable, "-S", "-c", "import importlib.util as u, torch, accelerate, pretrain; "
-                            "print([m for m in ('deepspeed', 'datasets', 'wandb', 'liger_kernel') if u.find_spec(m)])"],
+                            "print([m for m in ('deepspeed', 'datasets', 'wandb', 'tensorboard', 'liger_kernel') if u.find_spec(m)])"],
                            env=variables, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert probe.returncode == 0 and probe.stdout.strip() == "[]", probe.stdout + probe.stderr
     return variables
@@ -165,6 +178,15 @@ def test_a_zero_launch_without_deepspeed_exits_2_in_seconds_naming_the_install(c
 
 
 @pytest.mark.slow
+def test_every_module_imports_without_the_optional_packages(core_only):
+    proc = subprocess.run([sys.executable, "-S", "-c", "import importlib, pkgutil, sys, pretrain\n"
+                           "for m in pkgutil.walk_packages(pretrain.__path__, 'pretrain.'):\n"
+                           "    if not m.name.endswith('__main__'): importlib.import_module(m.name)\n"],
+                          env=core_only, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_the_tiny_recipe_trains_without_the_optional_packages(core_only, tmp_path):
     proc = subprocess.run([sys.executable, "-S", "pretrain/run.py", "--recipe", "recipes/tiny.yaml", *FAST,
                            f"output_dir={tmp_path / 'run'}", "train.max_steps=3", "train.eval_every_steps=3",
@@ -174,3 +196,9 @@ def test_the_tiny_recipe_trains_without_the_optional_packages(core_only, tmp_pat
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert (tmp_path / "run" / "final_model" / "config.json").is_file()
     assert (tmp_path / "run" / "checkpoints" / "step_00000003" / "manifest.json").is_file()
+    refused = subprocess.run([sys.executable, "-S", "pretrain/run.py", "--recipe", "recipes/tiny.yaml",
+                              f"output_dir={tmp_path / 'refused'}", "logging.backends=[jsonl, wandb]"],
+                             env=core_only, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert "wandb is not installed; logging.backends: wandb needs wandb >= " in refused.stderr
+    assert not (tmp_path / "refused").exists()  # refused before anything was written

@@ -32,7 +32,8 @@ SAMPLE_ROOT = "/home/me/pretrain"
 
 # Commands the test does not run, by the start of their text, and why.
 SKIPPED = {
-    "bash tools/install.sh": "installs packages (network, minutes); CI's fresh-clone job runs it",
+    "bash tools/install.sh": "installs packages (network, minutes); CI's fresh-clone job runs it, tests/test_install.py "
+                             "its --wheelhouse and --offline",
     "accelerate launch --config_file accelerate_configs/cpu.yaml pretrain/run.py --recipe recipes/tiny.yaml":
         "the demo: a 300-step training (minutes); tests/test_golden.py runs its first steps",
     "python pretrain/run.py --recipe recipes/tiny.yaml train.max_steps=40":
@@ -60,6 +61,8 @@ SKIPPED = {
     "--nodes 4 --processes-per-node 8 --partition": "submits to SLURM (tests/test_slurm.py runs a real one)",
     "pretrain-slurm submit ... --dry-run": "the sample script below is that command's output, compared below",
     "pretrain-slurm status runs/7b": "needs a submitted job",
+    "rsync -a ./ gpu-node:pretrain/": "copies the checkout to another machine (tests/test_install.py installs from a "
+                                      "wheelhouse into a fresh environment)",
     "squeue": "SLURM (tests/test_slurm.py runs jobs on a real SLURM)",
     "scancel": "SLURM (tests/test_slurm.py preempts a job with USR1)",
     "tail -f runs/7b/slurm": "follows a job's log",

@@ -195,6 +195,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def check_job(args: argparse.Namespace) -> Job:
     """Validate the whole submission (options, accelerate config, recipe, launch); raise one ConfigError."""
     from pretrain.config import load_recipe
+    from pretrain.environment import check_environment
     from pretrain.launch import Launch
     from pretrain.preflight import check_run
 
@@ -230,6 +231,8 @@ def check_job(args: argparse.Namespace) -> Job:
 
     recipe_path = Path(args.recipe).resolve()
     recipe = load_recipe(recipe_path, args.overrides)
+    # The packages the job needs, in this environment (a job's nodes run the python that submits it).
+    check_environment(recipe, launch)
     check_run(recipe, launch)  # on the job's world size, before anything is written
     check_data(args, recipe, recipe_path)
     output_dir = Path(recipe.output_dir).resolve()

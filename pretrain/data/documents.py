@@ -17,6 +17,7 @@ from pretrain.data.cache import cache_root
 from pretrain.data.readers import _generate_documents
 from pretrain.data.sources import _Corpus, _resolve_corpus
 from pretrain.data.split import _doc_hash, _val_mask, _val_threshold
+from pretrain.environment import require
 from pretrain.errors import DataError
 
 Log = Callable[[str], Any]
@@ -41,8 +42,17 @@ def _find_data_error(exc: BaseException) -> DataError | None:
     return None
 
 
-def _load_files(data_cfg: DataConfig, corpus: _Corpus):
+def _import_datasets(data_cfg: DataConfig):
+    """datasets, or the ConfigError that names it: only an hf: source (and load_documents) needs it."""
+    require("datasets", f"data.source = {data_cfg.source!r}" if data_cfg.source.startswith("hf:")
+            else "load_documents (a datasets.Dataset of the documents)")
     import datasets
+
+    return datasets
+
+
+def _load_files(data_cfg: DataConfig, corpus: _Corpus):
+    datasets = _import_datasets(data_cfg)
 
     features = datasets.Features({"text": datasets.Value("string"), "decode_error": datasets.Value("bool")})
     try:
@@ -66,7 +76,7 @@ def _load_files(data_cfg: DataConfig, corpus: _Corpus):
 
 
 def _load_hf(data_cfg: DataConfig, num_proc: int):
-    import datasets
+    datasets = _import_datasets(data_cfg)
 
     name = data_cfg.source[3:]
     try:
@@ -164,7 +174,7 @@ def _hf_stream(data_cfg: DataConfig):
     Nothing is downloaded: ``load_dataset(..., streaming=True)`` is ``load_dataset_builder`` then
     ``as_streaming_dataset``; the builder is kept for the list of data files it resolved (on the hub, at the
     dataset's revision). The name is what ``load_dataset`` takes: a hub dataset or a local directory."""
-    import datasets
+    datasets = _import_datasets(data_cfg)
 
     try:
         ds, files = _open_hf_stream(data_cfg.source[3:], data_cfg.hf_config, data_cfg.hf_split)

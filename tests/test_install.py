@@ -1,0 +1,107 @@
+"""tools/install.sh --wheelhouse / --offline: pretrain onto a machine without an index whose environment has torch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import FAST, ROOT, TINY, env
+from tools.wheelhouse import stub_wheel
+
+INSTALL = str(ROOT / "tools" / "install.sh")
+TORCH = "torch==2.13.0"  # install.sh's CPU build, which pip takes from this machine's disk
+
+
+def _run(cmd: list[str], cwd: Path, extra: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    # PYTHONPATH would put this checkout's pretrain in front of the installed one (and make pip take it as installed).
+    return subprocess.run(cmd, cwd=cwd, env=env(PYTHONPATH=None, **(extra or {})), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _air_gapped() -> dict:
+    """pip as on a machine without an index: no configuration (this one's names an index and a wheel folder)."""
+    return {"PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": None, "PIP_INDEX_URL": None, "PIP_EXTRA_INDEX_URL": None,
+            "PIP_CONSTRAINT": None}
+
+
+def _venv(path: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+    return path / "bin" / "python"
+
+
+def _torch_version(python: Path) -> str:
+    out = _run([str(python), "-c", "from importlib.metadata import version; print(version('torch'))"], cwd=python.parent)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def _offline_install(python: Path, wheelhouse: Path, *args: str) -> subprocess.CompletedProcess:
+    return _run(["bash", INSTALL, "--offline", str(wheelhouse), *args], cwd=wheelhouse.parent,
+                extra={"PYTHON": str(python), **_air_gapped()})
+
+
+def test_the_offline_install_never_replaces_torch(tmp_path):
+    """A wheelhouse whose pretrain wants another torch, which the wheelhouse also holds: the install fails and the
+    environment's torch stays; plain pip, without install.sh's pin, would have swapped it."""
+    python = _venv(tmp_path / "env")
+    stub_wheel(tmp_path / "installed", "torch", "1.0")
+    stub_wheel(tmp_path / "wheels", "torch", "9.0")
+    stub_wheel(tmp_path / "wheels", "pretrain", "0.0.1", ("torch>=9",))
+    setup = _run([str(python), "-m", "pip", "install", "-q", "--no-index", "--find-links", str(tmp_path / "installed"),
+                  "torch==1.0"], cwd=tmp_path, extra=_air_gapped())
+    assert setup.returncode == 0, setup.stderr
+
+    refused = _offline_install(python, tmp_path / "wheels", "--extras", "")
+    assert refused.returncode != 0
+    assert "torch 1.0 is unchanged" in refused.stderr
+    assert _torch_version(python) == "1.0"
+
+    unpinned = _run([str(python), "-m", "pip", "install", "-q", "--no-index", "--find-links", str(tmp_path / "wheels"),
+                     "pretrain"], cwd=tmp_path, extra=_air_gapped())
+    assert unpinned.returncode == 0, unpinned.stderr
+    assert _torch_version(python) == "9.0"
+
+
+def test_the_offline_install_needs_torch_and_a_wheelhouse(tmp_path):
+    python = _venv(tmp_path / "env")
+    empty = _offline_install(python, tmp_path / "nothing")
+    assert empty.returncode == 2 and "holds no pretrain wheel" in empty.stderr
+    stub_wheel(tmp_path / "wheels", "pretrain", "0.0.1")
+    no_torch = _offline_install(python, tmp_path / "wheels")
+    assert no_torch.returncode == 2 and "has no torch" in no_torch.stderr
+
+
+@pytest.mark.slow
+def test_a_wheelhouse_installs_offline_next_to_torch_and_trains(tmp_path):
+    """The README's three commands: the wheelhouse (needs the index), then a fresh environment with torch installs
+    from it alone and trains the tiny recipe with the installed pretrain."""
+    wheelhouse = tmp_path / "wheels"
+    built = _run(["bash", INSTALL, "--wheelhouse", str(wheelhouse)], cwd=tmp_path, extra={"PYTHON": sys.executable})
+    if built.returncode != 0:
+        pytest.fail("building the wheelhouse needs the package index (PyPI) reachable from this machine; pip said:\n"
+                    + built.stderr[-3000:])
+    wheels = sorted(p.name for p in wheelhouse.glob("*.whl"))
+    assert any(w.startswith("pretrain-") for w in wheels) and any(w.startswith("deepspeed-") for w in wheels)
+    assert not [w for w in wheels if w.startswith(("torch-", "triton-", "nvidia_cu"))], wheels
+
+    python = _venv(tmp_path / "env")
+    torch = _run([str(python), "-m", "pip", "install", "-q", TORCH], cwd=tmp_path)
+    assert torch.returncode == 0, torch.stderr
+    before = _torch_version(python)
+
+    installed = _offline_install(python, wheelhouse)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    assert _torch_version(python) == before
+    assert "liger left out" in installed.stdout  # a CPU torch brings no triton
+    where = _run([str(python), "-c", "import deepspeed, datasets, wandb, tensorboard, pretrain; print(pretrain.__file__)"],
+                 cwd=tmp_path)
+    assert where.returncode == 0 and where.stdout.startswith(str(tmp_path / "env")), where.stderr[-2000:]
+
+    train = _run([str(python.parent / "pretrain-train"), "--recipe", TINY, *FAST, "train.max_steps=3",
+                  f"output_dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert train.returncode == 0, train.stderr[-3000:]
+    assert (tmp_path / "run" / "final_model" / "config.json").exists()

@@ -1,0 +1,174 @@
+"""Build the wheels pretrain needs on a machine without an index that already has torch (tools/install.sh --wheelhouse).
+
+Run on a machine with an index, by any Python that has pip (DeepSpeed's wheel is built by this Python without its
+ops, so it is pure Python and fits any target). The target (Python version, platform) may differ from this
+machine: pip resolves pretrain and the extras for it (wheels only, metadata only), and the wheels are downloaded
+for it. torch is left out, and so is whatever only torch needs (its CUDA libraries, sympy, ...) and triton (torch's
+compiler; a CUDA torch pins its own): the target's torch build is the one that matches its driver, and the offline
+install pins it (tools/install.sh --offline).
+
+    python tools/wheelhouse.py DIR [--python 3.12] [--platform manylinux_2_28_x86_64] [--extras all]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCH_STACK = {"torch", "triton"}  # never from the wheelhouse: the target's torch build owns them
+
+
+def pip(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", *args], check=True)
+
+
+def platform_tags(platform: str) -> list[str]:
+    """``platform`` and every older tag a machine of that platform runs: pip matches the tags it is given
+    literally, and most wheels are tagged for an older glibc (manylinux_2_17 = manylinux2014) than the target's."""
+    match = re.fullmatch(r"manylinux_2_(\d+)_(\w+)", platform)
+    if not match:
+        return [platform]
+    glibc, arch = int(match.group(1)), match.group(2)
+    legacy = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
+    tags = []
+    for minor in range(glibc, 4, -1):
+        tags.append(f"manylinux_2_{minor}_{arch}")
+        if minor in legacy:
+            tags.append(f"{legacy[minor]}_{arch}")
+    return tags
+
+
+def target_args(python: str | None, platform: str | None) -> list[str]:
+    out = ["--only-binary=:all:"]
+    if python:
+        out += ["--python-version", python]
+    for tag in platform_tags(platform) if platform else []:
+        out += ["--platform", tag]
+    return out
+
+
+def resolve(extras: str, wheelhouse: Path, target: list[str]) -> dict:
+    """pip's installation report for pretrain[extras] on the target, as if nothing were installed."""
+    with tempfile.TemporaryDirectory() as scratch:
+        report = Path(scratch) / "report.json"
+        pip("install", "--quiet", "--dry-run", "--ignore-installed", "--target", str(Path(scratch) / "t"),
+            "--find-links", str(wheelhouse), *target, "--report", str(report), f"pretrain[{extras}]")
+        return json.loads(report.read_text())
+
+
+def needed_without_torch(report: dict, python: str | None) -> dict[str, str]:
+    """{name: version} of what pretrain[extras] reaches without going through torch's stack."""
+    env = dict(report.get("environment") or default_environment())
+    if python:  # the report's markers are this interpreter's; the target's Python decides python_version
+        env["python_version"] = python
+        env["python_full_version"] = python + ".0"
+    items = {canonicalize_name(i["metadata"]["name"]): i for i in report["install"]}
+    keep: dict[str, str] = {}
+    todo = [("pretrain", set(items["pretrain"].get("requested_extras") or []))]
+    seen: set[tuple[str, str]] = set()
+    while todo:
+        name, extras = todo.pop()
+        if name in TORCH_STACK or name not in items:
+            continue
+        keep[name] = items[name]["metadata"]["version"]
+        for spec in items[name]["metadata"].get("requires_dist") or []:
+            req = Requirement(spec)
+            if req.marker is not None and not any(req.marker.evaluate({**env, "extra": e})
+                                                  for e in (extras or {""})):
+                continue
+            dep = canonicalize_name(req.name)
+            # pretrain[all] names pretrain[deepspeed,...]: the same package, more extras.
+            key = (dep, ",".join(sorted(req.extras)))
+            if key not in seen:
+                seen.add(key)
+                todo.append((dep, set(req.extras)))
+    return keep
+
+
+def stub_wheel(folder: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> Path:
+    """An empty wheel with this name, version and requirements: all pip resolves on."""
+    info = f"{name}-{version}.dist-info"
+    files = {f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                 + "".join(f"Requires-Dist: {r}\n" for r in requires),
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: pretrain\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{path},,\n" for path in files) + f"{info}/RECORD,,\n"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as whl:
+        for member, text in files.items():
+            whl.writestr(member, text)
+    return path
+
+
+def check_complete(wheelhouse: Path, extras: str, target: list[str], report: dict) -> None:
+    """Resolve pretrain[extras] from the wheelhouse alone, with requirement-free stand-ins for torch's stack (the
+    target has it): a wheel the walk above missed fails here, where there is an index, not on the target."""
+    with tempfile.TemporaryDirectory() as scratch:
+        for item in report["install"]:
+            if canonicalize_name(item["metadata"]["name"]) in TORCH_STACK:
+                stub_wheel(Path(scratch) / "stubs", item["metadata"]["name"], item["metadata"]["version"])
+        pip("install", "--quiet", "--dry-run", "--ignore-installed", "--no-index", "--target", str(Path(scratch) / "t"),
+            "--find-links", str(wheelhouse), "--find-links", str(Path(scratch) / "stubs"), *target, f"pretrain[{extras}]")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("wheelhouse", type=Path)
+    parser.add_argument("--python", help="the target's Python version, e.g. 3.12 (default: this one)")
+    parser.add_argument("--platform", help="the target's platform tag, e.g. manylinux_2_28_x86_64 (default: this one)")
+    parser.add_argument("--extras", default="all", help="pretrain's extras to include (default: all)")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))  # run as a script: the checkout's pretrain names its extras
+    from pretrain.environment import requirement, requirements
+
+    EXTRAS = sorted({req.extra for req in requirements() if req.extra})
+    unknown = sorted(set(args.extras.split(",")) - {"all", *EXTRAS} - {""})
+    if unknown:
+        print(f"error: --extras {args.extras}: pretrain has no extra {', '.join(unknown)}; its extras: all, "
+              f"{', '.join(EXTRAS)}", file=sys.stderr)
+        return 2
+    wheelhouse = args.wheelhouse.resolve()
+    wheelhouse.mkdir(parents=True, exist_ok=True)
+    target = target_args(args.python, args.platform)
+
+    pip("wheel", "--quiet", "--no-deps", "--wheel-dir", str(wheelhouse), str(ROOT))
+    # DeepSpeed publishes only its source; built without ops (DS_BUILD_OPS=0) it is pure Python and compiles
+    # the ops it needs on first use on the target, against the target's torch.
+    if {"all", "deepspeed"} & set(args.extras.split(",")):
+        os.environ["DS_BUILD_OPS"] = "0"
+        pip("wheel", "--quiet", "--no-deps", "--no-build-isolation", "--wheel-dir", str(wheelhouse),
+            requirement("deepspeed").install_command().split("'")[1])
+
+    report = resolve(args.extras, wheelhouse, target)
+    keep = needed_without_torch(report, args.python)
+    have = {canonicalize_name(p.name.split("-")[0]) for p in wheelhouse.glob("*.whl")}
+    todo = sorted(f"{name}=={version}" for name, version in keep.items() if name not in have)
+    if todo:
+        pip("download", "--quiet", "--no-deps", *target, "--dest", str(wheelhouse), *todo)
+    check_complete(wheelhouse, args.extras, target, report)
+    wheels = sorted(wheelhouse.glob("*.whl"))
+    size_mib = sum(p.stat().st_size for p in wheels) / 2**20
+    print(f"wheelhouse {wheelhouse}: {len(wheels)} wheels, {size_mib:.0f} MiB (pretrain[{args.extras}] without "
+          f"{', '.join(sorted(TORCH_STACK))} and what only torch needs)")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except subprocess.CalledProcessError as exc:  # pip has said why
+        print(f"error: {' '.join(exc.cmd[2:5])} ... failed (exit {exc.returncode}): see pip's message above; "
+              "building a wheelhouse needs the package index", file=sys.stderr)
+        sys.exit(1)
