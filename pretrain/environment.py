@@ -126,9 +126,9 @@ def meets(version: str, floor: str | None) -> bool:
     return floor is None or _release(version) >= _release(floor)
 
 
-def package_problem(req: Requirement, why: str, version_of=installed_version) -> str | None:
+def package_problem(req: Requirement, why: str, version_of=None) -> str | None:
     """One line when ``req`` is missing or below its floor, else None."""
-    found = version_of(req.package)
+    found = (version_of or installed_version)(req.package)
     if found is not None and meets(found, req.floor):
         return None
     needed = f">= {req.floor}" if req.floor else "any version"

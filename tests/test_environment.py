@@ -85,7 +85,7 @@ def test_the_recipe_asks_for_datasets_wandb_and_liger_only_when_it_uses_them():
                                                "model.loss=liger"])
     problems = package_problems(recipe, Launch(), version_of=versions())
     assert [p.split(" ")[0] for p in problems] == ["datasets", "wandb", "liger-kernel"]
-    assert "data source hf:wikitext needs datasets" in problems[0]
+    assert "data.source = 'hf:wikitext' needs datasets" in problems[0]
     assert "model.loss: liger needs liger-kernel" in problems[2]
 
 

@@ -119,9 +119,9 @@ def test_the_loss_resolves_per_device_and_launch(liger_supports, overrides, laun
 
 def test_auto_is_chunked_where_liger_kernel_is_missing_or_has_no_kernel(monkeypatch):
     monkeypatch.setitem(sys.modules, "liger_kernel", None)  # import liger_kernel raises ImportError
-    assert "pip install liger-kernel" in pretrain.loss.liger_unsupported("llama")
+    assert "pip install 'liger-kernel>=" in pretrain.loss.liger_unsupported("llama")
     assert resolve_loss(_recipe(), Launch(), cuda=True) == "chunked"
-    with pytest.raises(ConfigError, match="pip install liger-kernel"):
+    with pytest.raises(ConfigError, match="pip install 'liger-kernel>="):
         resolve_loss(_recipe("model.loss=liger"), Launch(), cuda=True)
 
 
@@ -147,7 +147,7 @@ def test_a_liger_import_failing_with_any_exception_falls_back_to_chunked(monkeyp
 
 
 @pytest.mark.parametrize(("overrides", "launch", "message"), [
-    (("model.loss=liger",), Launch(), "needs a CUDA GPU and `pip install liger-kernel`"),
+    (("model.loss=liger",), Launch(), "needs a CUDA GPU and `pip install 'liger-kernel>="),
     (("model.loss=liger",), ZERO3, "cannot run under DeepSpeed ZeRO-3"),
     (("model.loss=plain", "stability.z_loss=1e-4"), Launch(), "has no z-loss"),
 ])

@@ -22,6 +22,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+import tomllib
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -130,10 +131,9 @@ def main() -> int:
     parser.add_argument("--platform", help="the target's platform tag, e.g. manylinux_2_28_x86_64 (default: this one)")
     parser.add_argument("--extras", default="all", help="pretrain's extras to include (default: all)")
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT))  # run as a script: the checkout's pretrain names its extras
-    from pretrain.environment import requirement, requirements
-
-    EXTRAS = sorted({req.extra for req in requirements() if req.extra})
+    # pyproject.toml names the extras and their floors (pretrain itself may not be importable on a login node).
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    EXTRAS = sorted(set(optional) - {"all", "dev"})
     unknown = sorted(set(args.extras.split(",")) - {"all", *EXTRAS} - {""})
     if unknown:
         print(f"error: --extras {args.extras}: pretrain has no extra {', '.join(unknown)}; its extras: all, "
@@ -149,7 +149,7 @@ def main() -> int:
     if {"all", "deepspeed"} & set(args.extras.split(",")):
         os.environ["DS_BUILD_OPS"] = "0"
         pip("wheel", "--quiet", "--no-deps", "--no-build-isolation", "--wheel-dir", str(wheelhouse),
-            requirement("deepspeed").install_command().split("'")[1])
+            optional["deepspeed"][0])
 
     report = resolve(args.extras, wheelhouse, target)
     keep = needed_without_torch(report, args.python)
