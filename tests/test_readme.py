@@ -47,6 +47,8 @@ SKIPPED = {
         "a ZeRO-1 resume on 3 processes (minutes); tests/test_reshard.py runs it",
     "accelerate launch --config_file accelerate_configs/cpu_ddp.yaml --num_processes 3 -m pretrain doctor":
         "3 processes measuring (10 s); tests/test_doctor.py runs it, healthy and with a slowed rank",
+    "pretrain-launch --config_file accelerate_configs/zero2.yaml --recipe recipes/tiny.yaml":
+        "needs an environment without deepspeed: tests/test_environment.py runs it in one and checks this message",
     "pretrain-launch --doctor": "the doctor, then a training (minutes); tests/test_doctor.py runs the doctor",
     "pretrain-launch --config_file accelerate_configs/zero3.yaml --num_processes 2 --recipe recipes/tiny.yaml":
         "a 2-process ZeRO-3 training (minutes)",
