@@ -252,7 +252,7 @@ def measure_collectives(device, sizes: Sizes, timer: Timer, node_group, node_siz
     import torch
     import torch.distributed as dist
 
-    world = dist.get_world_size()
+    world = dist.get_world_size() if dist.is_initialized() else 1  # one process: no group, nothing to measure
     out: dict[str, float | None] = dict.fromkeys(("allreduce_busbw_gb_s", "allgather_busbw_gb_s",
                                                   "node_allreduce_busbw_gb_s"))
     if world == 1:

@@ -75,6 +75,16 @@ def test_bad_input_is_one_message_exit_2(tmp_path):
     assert "--threshold must be a fraction in (0, 1]" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_one_process_without_a_launcher_measures_its_device(tmp_path):
+    """A single GPU's check (`python -m pretrain doctor`, no accelerate launch): no process group, so no
+    collectives; the device figures, its share of the peak, doctor.json."""
+    proc = run_cmd([sys.executable, "-m", "pretrain", "doctor", "--recipe", TINY, f"output_dir={tmp_path}"], timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "doctor: all 1 host(s) healthy" in proc.stdout and "matmul of peak" in proc.stdout
+    [rank] = json.loads((tmp_path / "doctor.json").read_text())["ranks"]
+    assert rank["figures"]["matmul_tflops"] > 0 and rank["figures"]["allreduce_busbw_gb_s"] is None
+
+
 def doctor(tmp_path, extra_env: dict, *args: str):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",

@@ -2,10 +2,11 @@
 # Install pretrain. Three ways:
 #   bash tools/install.sh [--dev] [--venv DIR]
 #       create ./.venv (or DIR) with torch, every extra and pretrain (editable); --dev adds pytest and ruff.
-#   bash tools/install.sh --wheelhouse DIR [--python 3.12] [--platform manylinux_2_28_x86_64] [--extras all]
+#   bash tools/install.sh --wheelhouse DIR [--python 3.12] [--platform manylinux_2_28_x86_64] [--extras all] [--have FILE]
 #       on a machine with an index (the active Python needs pip; the project's .venv will do): the wheels pretrain
 #       needs on a target whose environment already has torch (pretrain, DeepSpeed built without ops, the rest for
-#       that Python and platform; never torch). Copy DIR to the target.
+#       that Python and platform; never torch). Copy DIR to the target. --have FILE: the target's
+#       `pip list --format=freeze`; what it already has (at a version that will do) is left out.
 #   bash tools/install.sh --offline DIR [--extras all]
 #       on the target, with its environment active: pretrain[extras] from DIR alone, keeping its torch.
 # --wheelhouse and --offline use python3 from PATH (the active environment); PYTHON=/path/to/python picks another.
@@ -13,7 +14,7 @@
 # torch, or pip pulls the newest CUDA build (several GB). DeepSpeed builds from source against that torch, hence
 # --no-build-isolation.
 set -euo pipefail
-usage="usage: bash tools/install.sh [--dev] [--venv DIR] | --wheelhouse DIR [--python X.Y] [--platform TAG] [--extras LIST] | --offline DIR [--extras LIST]"
+usage="usage: bash tools/install.sh [--dev] [--venv DIR] | --wheelhouse DIR [--python X.Y] [--platform TAG] [--extras LIST] [--have FILE] | --offline DIR [--extras LIST]"
 mode=venv extra="" venv=".venv" dir="" target=() extras="all"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -22,6 +23,7 @@ while [ $# -gt 0 ]; do
     --wheelhouse) mode=wheelhouse; dir="$2"; shift ;;
     --offline) mode=offline; dir="$2"; shift ;;
     --python|--platform) target+=("$1" "$2"); shift ;;
+    --have) target+=("$1" "$(realpath -m "$2")"); shift ;;   # the target's pip list --format=freeze
     --extras) extras="$2"; shift ;;
     *) echo "$usage" >&2; exit 2 ;;
   esac

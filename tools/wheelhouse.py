@@ -7,7 +7,12 @@ for it. torch is left out, and so is whatever only torch needs (its CUDA librari
 compiler; a CUDA torch pins its own): the target's torch build is the one that matches its driver, and the offline
 install pins it (tools/install.sh --offline).
 
-    python tools/wheelhouse.py DIR [--python 3.12] [--platform manylinux_2_28_x86_64] [--extras all]
+    python tools/wheelhouse.py DIR [--python 3.12] [--platform manylinux_2_28_x86_64] [--extras all] [--have FILE]
+
+``--have FILE``: what the target already has, as ``pip list --format=freeze`` prints it there (``name==version``
+lines; a bare ``name`` line: there at a version taken to do, which the offline install then checks). A package
+it has at a version that meets what asks for it is left out, with what only it needs: a cluster image with
+accelerate, transformers, numpy, ... then needs a few MiB of wheels instead of 170.
 """
 
 from __future__ import annotations
@@ -69,8 +74,25 @@ def resolve(extras: str, wheelhouse: Path, target: list[str]) -> dict:
         return json.loads(report.read_text())
 
 
-def needed_without_torch(report: dict, python: str | None) -> dict[str, str]:
-    """{name: version} of what pretrain[extras] reaches without going through torch's stack."""
+def read_have(path: Path | None) -> dict[str, str | None]:
+    """{name: version, or None for a bare name} from a ``pip list --format=freeze`` file (comments and other
+    lines, e.g. ``-e`` ones, are skipped)."""
+    if path is None:
+        return {}
+    have: dict[str, str | None] = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        name, sep, version = line.partition("==")
+        if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name.strip()) and (not sep or version.strip()):
+            have[canonicalize_name(name)] = version.strip() if sep else None
+    return have
+
+
+def needed_without_torch(report: dict, python: str | None, have: dict[str, str | None] | None = None
+                         ) -> dict[str, str]:
+    """{name: version} of what pretrain[extras] reaches without going through torch's stack, nor through a
+    package the target already ``have``s at a version that meets the requirement."""
+    have = have or {}
     env = dict(report.get("environment") or default_environment())
     if python:  # the report's markers are this interpreter's; the target's Python decides python_version
         env["python_version"] = python
@@ -90,6 +112,8 @@ def needed_without_torch(report: dict, python: str | None) -> dict[str, str]:
                                                   for e in (extras or {""})):
                 continue
             dep = canonicalize_name(req.name)
+            if dep in have and (have[dep] is None or req.specifier.contains(have[dep], prereleases=True)):
+                continue  # on the target already, at a version that will do
             # pretrain[all] names pretrain[deepspeed,...]: the same package, more extras.
             key = (dep, ",".join(sorted(req.extras)))
             if key not in seen:
@@ -113,13 +137,19 @@ def stub_wheel(folder: Path, name: str, version: str, requires: tuple[str, ...] 
     return path
 
 
-def check_complete(wheelhouse: Path, extras: str, target: list[str], report: dict) -> None:
-    """Resolve pretrain[extras] from the wheelhouse alone, with requirement-free stand-ins for torch's stack (the
-    target has it): a wheel the walk above missed fails here, where there is an index, not on the target."""
+def check_complete(wheelhouse: Path, extras: str, target: list[str], report: dict,
+                   have: dict[str, str | None]) -> None:
+    """Resolve pretrain[extras] from the wheelhouse alone, with requirement-free stand-ins for torch's stack and
+    what the target ``have``s: a wheel the walk above missed fails here, where there is an index, not on the
+    target."""
     with tempfile.TemporaryDirectory() as scratch:
         for item in report["install"]:
             if canonicalize_name(item["metadata"]["name"]) in TORCH_STACK:
                 stub_wheel(Path(scratch) / "stubs", item["metadata"]["name"], item["metadata"]["version"])
+        resolved = {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"] for i in report["install"]}
+        for name, version in have.items():
+            if name not in TORCH_STACK and name != "pretrain" and (version or name in resolved):
+                stub_wheel(Path(scratch) / "stubs", name, version or resolved[name])
         pip("install", "--quiet", "--dry-run", "--ignore-installed", "--no-index", "--target", str(Path(scratch) / "t"),
             "--find-links", str(wheelhouse), "--find-links", str(Path(scratch) / "stubs"), *target, f"pretrain[{extras}]")
 
@@ -130,6 +160,7 @@ def main() -> int:
     parser.add_argument("--python", help="the target's Python version, e.g. 3.12 (default: this one)")
     parser.add_argument("--platform", help="the target's platform tag, e.g. manylinux_2_28_x86_64 (default: this one)")
     parser.add_argument("--extras", default="all", help="pretrain's extras to include (default: all)")
+    parser.add_argument("--have", type=Path, help="the target's `pip list --format=freeze`: what it has is left out")
     args = parser.parse_args()
     # pyproject.toml names the extras and their floors (pretrain itself may not be importable on a login node).
     optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
@@ -152,16 +183,18 @@ def main() -> int:
             optional["deepspeed"][0])
 
     report = resolve(args.extras, wheelhouse, target)
-    keep = needed_without_torch(report, args.python)
-    have = {canonicalize_name(p.name.split("-")[0]) for p in wheelhouse.glob("*.whl")}
-    todo = sorted(f"{name}=={version}" for name, version in keep.items() if name not in have)
+    have = read_have(args.have)
+    keep = needed_without_torch(report, args.python, have)
+    built = {canonicalize_name(p.name.split("-")[0]) for p in wheelhouse.glob("*.whl")}
+    todo = sorted(f"{name}=={version}" for name, version in keep.items() if name not in built)
     if todo:
         pip("download", "--quiet", "--no-deps", *target, "--dest", str(wheelhouse), *todo)
-    check_complete(wheelhouse, args.extras, target, report)
+    check_complete(wheelhouse, args.extras, target, report, have)
     wheels = sorted(wheelhouse.glob("*.whl"))
     size_mib = sum(p.stat().st_size for p in wheels) / 2**20
     print(f"wheelhouse {wheelhouse}: {len(wheels)} wheels, {size_mib:.0f} MiB (pretrain[{args.extras}] without "
-          f"{', '.join(sorted(TORCH_STACK))} and what only torch needs)")
+          f"{', '.join(sorted(TORCH_STACK))} and what only torch needs"
+          + (f", nor what {args.have} lists" if args.have else "") + ")")
     return 0
 
 

@@ -14,6 +14,7 @@ What each figure is and how the verdict is made: pretrain/doctor.py.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -88,11 +89,16 @@ def start(recipe, settings: Settings):
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
+    from pretrain.environment import check_environment
     from pretrain.launch import Launch
     from pretrain.tracking import build_trackers
 
     launch = Launch.from_env()
+    # The environment first: a package below its floor, one the recipe asks for, GPUs torch cannot see.
+    check_environment(recipe, launch, gpu_launch=os.environ.get("ACCELERATE_USE_CPU", "").lower() != "true")
     cpu = not torch.cuda.is_available()
+    if recipe is not None and launch.is_main:
+        (settings.output_dir / "doctor").mkdir(parents=True, exist_ok=True)  # the trackers write there at once
     trackers = (build_trackers(recipe, settings.output_dir / "doctor", None, launch.is_main)
                 if recipe is not None else [])
     handlers = [InitProcessGroupKwargs(backend="gloo")] if cpu and launch.world_size > 1 else []

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One short visit to a lent GPU machine (no package index there), in the order that matters most. The runs go
+# under runs/gpu_visit; the 8 summary files (logs, doctor.json, the benchmark's table and rows) into OUT (the
+# device tool's folder that comes back; default runs/gpu_visit too), each as soon as its step ends.
+#
+# Prepare on a machine with an index (6 MiB of wheels: what the GPU image lacks, tools/gpu_image_packages.txt):
+#   bash tools/install.sh --wheelhouse .whl --python 3.12 --platform manylinux_2_28_x86_64 \
+#       --extras deepspeed,liger --have tools/gpu_image_packages.txt
+# On the GPU machine, from the checkout (the .whl folder travels with it):
+#   BUDGET_S=480 bash tools/gpu_visit.sh
+#
+# Steps: 1. the offline install of what the image lacks (its torch kept); 2. the GPU tests (`pytest -m gpu`);
+# 3. `pretrain doctor` on this GPU; 4. `tools/bench_gpu.py --budget` with the seconds left of BUDGET_S.
+# GPU_VISIT_SKIP_INSTALL=1 skips step 1; BENCH_ARGS adds options to step 4 (a CPU rehearsal: --reduced).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+work=runs/gpu_visit
+out="${OUT:-$work}"
+budget="${BUDGET_S:-480}"
+py="${PYTHON:-python3}"
+mkdir -p "$work" "$out"
+start=$(date +%s)
+left() { echo $(( budget - ($(date +%s) - start) )); }
+step() { echo "gpu_visit: $1 ($(left) s of $budget left)" | tee -a "$out/visit.log"; }
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || echo "no nvidia-smi"
+  "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name(0))"
+} | tee "$out/visit.log"
+if [ "${GPU_VISIT_SKIP_INSTALL:-0}" != 1 ]; then
+  step "1. offline install"
+  PYTHON="$py" bash tools/install.sh --offline .whl --extras deepspeed,liger 2>&1 | tee "$out/install.log"
+fi
+step "2. GPU tests"
+timeout $(( $(left) * 2 / 5 )) "$py" -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.log"
+step "3. pretrain doctor"
+timeout 120 "$py" -m pretrain doctor --recipe recipes/llama-1b.yaml "output_dir=$work/doctor" \
+  "logging.backends=[jsonl]" 2>&1 | tee "$out/doctor.log"
+cp "$work/doctor/doctor.json" "$out/" 2>/dev/null
+step "4. benchmark"
+# shellcheck disable=SC2086  # BENCH_ARGS holds several options
+"$py" tools/bench_gpu.py --budget $(( $(left) - 20 )) --out "$work/bench" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
+cp "$work/bench/bench_gpu.md" "$work/bench/bench_gpu.jsonl" "$out/" 2>/dev/null
+step "done"
