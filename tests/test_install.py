@@ -105,3 +105,28 @@ def test_a_wheelhouse_installs_offline_next_to_torch_and_trains(tmp_path):
                   f"output_dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert train.returncode == 0, train.stderr[-3000:]
     assert (tmp_path / "run" / "final_model" / "config.json").exists()
+
+
+def test_what_the_target_has_is_left_out_of_the_wheelhouse(tmp_path):
+    """--have: a package the target holds at a version that meets the requirement is not downloaded, nor what only
+    it needs; one at a version too old, or absent, is. (A pip report in the shape `pip install --report` writes.)"""
+    from tools.wheelhouse import needed_without_torch, read_have
+
+    def item(name, version, *requires, extras=()):
+        return {"metadata": {"name": name, "version": version, "requires_dist": list(requires)},
+                "requested_extras": list(extras)}
+
+    report = {"environment": {}, "install": [
+        item("pretrain", "0.1.0", "accelerate>=1.14", "pydantic>=2.7", "torch>=2.11",
+             'deepspeed>=0.16.9; extra == "deepspeed"', extras=("deepspeed",)),
+        item("accelerate", "1.15.0", "huggingface-hub>=0.21"), item("huggingface-hub", "1.33.0"),
+        item("pydantic", "2.14.4", "pydantic-core==2.50.5"), item("pydantic-core", "2.50.5"),
+        item("deepspeed", "0.19.8", "hjson", "torch"), item("hjson", "3.1.0"), item("torch", "2.11.0")]}
+    have_file = tmp_path / "freeze.txt"
+    have_file.write_text("# the image\naccelerate==1.15.0\npydantic==2.5.0\nhjson\n-e git+https://x#egg=y\n")
+    have = read_have(have_file)
+    assert have == {"accelerate": "1.15.0", "pydantic": "2.5.0", "hjson": None}
+    assert needed_without_torch(report, "3.12", have) == {"pretrain": "0.1.0", "pydantic": "2.14.4",
+                                                          "pydantic-core": "2.50.5", "deepspeed": "0.19.8"}
+    assert set(needed_without_torch(report, "3.12")) == {"pretrain", "accelerate", "huggingface-hub", "pydantic",
+                                                         "pydantic-core", "deepspeed", "hjson"}
