@@ -12,13 +12,14 @@ import copy
 import difflib
 import math
 import re
+import reprlib
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pretrain import checkpointing
+from pretrain import checkpointing, safe_yaml
 from pretrain.errors import ConfigError
 
 
@@ -585,9 +586,10 @@ class RuntimeConfig(Section):
         "(10 min NCCL, 30 min gloo).",
     )
     profile: ProfileConfig = Field(default_factory=ProfileConfig, description="Trace some optimizer steps.")
-    hang_timeout_s: float | None = positive_or_null(
-        "Hang watchdog: if no optimizer step (with its evaluation and checkpoint) completes within this many seconds, "
-        "every rank writes its Python stacks to output_dir/hang/ and exits 1; null = no watchdog. Set it above "
+    hang_timeout_s: float | None = Field(
+        None, gt=0, le=30 * 86400,
+        description="Hang watchdog: if no optimizer step (with its evaluation and checkpoint) completes within this "
+        "many seconds (at most 30 days), every rank writes its Python stacks to output_dir/hang/ and exits 1; null = no watchdog. Set it above "
         "the slowest step, evaluation or checkpoint save (and the first step's compilation)."
     )
     memory_snapshot_on_oom: bool = Field(
@@ -686,19 +688,10 @@ def _read_yaml(path: Path) -> dict[str, Any]:
             if near:
                 hint = f" (did you mean {path.parent / near[0]}?)"
         raise ConfigError(f"recipe file not found: {path}{hint}; give the path of a recipe YAML, e.g. recipes/tiny.yaml")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read recipe {path}: {exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"malformed YAML in {path}{where}: {problem}; fix the syntax there") from None
+    data = safe_yaml.read(path, "recipe")
     if data is None:
-        data = {}
+        raise ConfigError(f"recipe {path} is empty; a recipe needs at least batch: and train: (or base: another "
+                          "recipe), e.g. recipes/tiny.yaml")
     if not isinstance(data, dict):
         raise ConfigError(f"recipe {path} must be a YAML mapping of sections, got a {type(data).__name__}")
     return data
@@ -741,11 +734,10 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     parts = key.strip().split(".")
     if not all(parts):
         raise ConfigError(f"override {item!r} has an empty key; write it like optim.lr=1e-3")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        value = raw
-    return parts, value
+    if not raw.strip():
+        return parts, None
+    # Text that is not YAML is the value itself (a path with a colon, say); valid YAML gets the recipe's refusals.
+    return parts, safe_yaml.loads(raw, f"override {item!r}", or_text=True)
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
@@ -778,6 +770,12 @@ def _field_names(model_cls: type[BaseModel], loc: tuple) -> list[str]:
     return list(cls.model_fields)
 
 
+def _shown(value: Any, limit: int = 80) -> str:
+    """A value for an error message: its repr, cut short (a wrong-typed section can be a large structure)."""
+    text = reprlib.repr(value) if isinstance(value, (dict, list, tuple, set)) else repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
 def format_validation_error(exc: ValidationError, source: str, model_cls: type[BaseModel] = Recipe) -> ConfigError:
     problems = []
     for err in exc.errors():
@@ -797,7 +795,7 @@ def format_validation_error(exc: ValidationError, source: str, model_cls: type[B
             if err["type"] == "value_error":
                 problems.append(msg if loc == () else f"{key}: {msg}")
             else:
-                problems.append(f"{key} = {err.get('input')!r}: {msg}")
+                problems.append(f"{key} = {_shown(err.get('input'))}: {msg}")
     return ConfigError([f"{source}: {p}" for p in problems] if len(problems) > 1 else f"{source}: {problems[0]}")
 
 

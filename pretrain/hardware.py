@@ -15,6 +15,7 @@ source gives, is absent (V100 and T4 have no bf16 or tf32): no MFU rather than a
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -243,7 +244,7 @@ def gpu_for_device(device_name: str, total_memory_bytes: int) -> GpuSpec:
 
 
 def custom_gpu(memory_gib: float, like: GpuSpec | None = None) -> GpuSpec:
-    if memory_gib <= 0:
-        raise ConfigError(f"--gpu-memory-gib must be > 0, got {memory_gib}")
+    if not (math.isfinite(memory_gib) and memory_gib > 0):
+        raise ConfigError(f"--gpu-memory-gib must be a finite number > 0, got {memory_gib}")
     base = like or GPUS[DEFAULT_GPU]
     return replace(base, name=f"{memory_gib:g} GiB device", memory_mib=round(memory_gib * 1024))

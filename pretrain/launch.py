@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from pretrain import safe_yaml
 from pretrain.errors import ConfigError
 
 RUN_PY = Path(__file__).resolve().parent / "run.py"
@@ -201,8 +200,10 @@ class Launch:
             kind = "DEEPSPEED"
         elif "--use_fsdp" in accelerate_args:
             kind = "FSDP"
-        nodes = num_nodes or int(option_value(accelerate_args, "--num_machines") or config.get("num_machines", 1) or 1)
-        processes = int(option_value(accelerate_args, "--num_processes") or config.get("num_processes", 1) or 1)
+        nodes = num_nodes or _count(option_value(accelerate_args, "--num_machines") or config.get("num_machines", 1)
+                                    or 1, "num_machines", source)
+        processes = _count(option_value(accelerate_args, "--num_processes") or config.get("num_processes", 1) or 1,
+                           "num_processes", source)
         if gpus_per_node is None:
             if processes % nodes:
                 raise ConfigError(f"{source}: num_processes ({processes}) is not divisible by num_machines ({nodes})")
@@ -415,6 +416,17 @@ def check_offload(launch: Launch) -> None:
         raise ConfigError(problems)
 
 
+def _count(value: Any, key: str, source: str) -> int:
+    """A process or machine count from an accelerate config or option: a whole number from 1 to 2**31 - 1
+    (a YAML float such as .nan or 2.5, text, or a 400-digit integer is refused by name)."""
+    from pretrain.cli.options import MAX_COUNT
+
+    text = str(value).strip()
+    if isinstance(value, bool) or not text.lstrip("-").isdigit() or len(text) > 12 or not 1 <= int(text) <= MAX_COUNT:
+        raise ConfigError(f"{source}: {key} = {text[:40]!r} must be a whole number from 1 to {MAX_COUNT:,}")
+    return int(text)
+
+
 def read_accelerate_config(path: str | os.PathLike) -> dict[str, Any]:
     """An accelerate config file as a mapping; a missing or malformed file is a ConfigError with the fix."""
     file = Path(path)
@@ -422,12 +434,12 @@ def read_accelerate_config(path: str | os.PathLike) -> dict[str, Any]:
         near = sorted(p.name for p in file.parent.glob("*.yaml")) if file.parent.is_dir() else []
         hint = f"; files in {file.parent}: {', '.join(near)}" if near else ""
         raise ConfigError(f"accelerate config file not found: {path}{hint}")
-    try:
-        config = yaml.safe_load(file.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"accelerate config {path} is not valid YAML: {exc}") from None
+    config = safe_yaml.read(file, "accelerate config")
+    if config is None:
+        raise ConfigError(f"accelerate config {path} is empty; write one with `accelerate config` or start from "
+                          "accelerate_configs/ddp.yaml")
     if not isinstance(config, dict):
-        raise ConfigError(f"accelerate config {path} must be a YAML mapping")
+        raise ConfigError(f"accelerate config {path} must be a YAML mapping, got a {type(config).__name__}")
     return config
 
 

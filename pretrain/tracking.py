@@ -10,8 +10,11 @@ import json
 import math
 import netrc
 import os
+import socket
 import sys
+import threading
 import time
+import urllib.parse
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -116,8 +119,51 @@ def wandb_key_configured() -> bool:
         return False
 
 
-def wandb_mode() -> str:
-    return os.environ.get("WANDB_MODE") or ("online" if wandb_key_configured() else "offline")
+# How long a run start waits to learn whether wandb's server answers: wandb.init itself retries for minutes
+# and then fails with a traceback on a node without a route out.
+WANDB_PROBE_TIMEOUT_S = 3.0
+
+
+def wandb_unreachable(timeout_s: float = WANDB_PROBE_TIMEOUT_S) -> str | None:
+    """Why wandb's server (WANDB_BASE_URL, through HTTPS_PROXY when one is set) cannot be reached, or None.
+    A TCP connect in a thread with a deadline: name resolution on a host without a network can block far longer
+    than any socket timeout."""
+    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    target = urllib.parse.urlsplit(proxy or os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+    host, port = target.hostname or "", target.port or (443 if target.scheme == "https" else 80)
+    outcome: dict[str, str] = {}
+
+    def connect() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+            outcome["ok"] = ""
+        except OSError as exc:
+            outcome["error"] = str(exc.strerror or exc)
+
+    probe = threading.Thread(target=connect, daemon=True, name="wandb-probe")
+    probe.start()
+    probe.join(timeout_s)
+    if "ok" in outcome:
+        return None
+    return f"{host}:{port}: {outcome.get('error') or f'no answer within {timeout_s:g} s'}"
+
+
+def wandb_mode(output_dir: Path) -> str:
+    """WANDB_MODE when it says offline or disabled; else online if wandb can log in (a key or a netrc entry)
+    and its server answers, offline otherwise. Falling back from online says so in one line, with the command
+    that uploads the run later."""
+    mode = os.environ.get("WANDB_MODE")
+    if mode and mode != "online":
+        return mode
+    if not mode and not wandb_key_configured():
+        return "offline"
+    reason = wandb_unreachable()
+    if reason is None:
+        return "online"
+    print(f"wandb: the server is unreachable ({reason}); logging offline to {output_dir / 'wandb'} instead. "
+          f"Upload it later from a machine with network: wandb sync {output_dir / 'wandb'}/offline-run-*",
+          file=sys.stderr, flush=True)
+    return "offline"
 
 
 def _stable_run_id(output_dir: Path) -> str:
@@ -142,7 +188,8 @@ def build_trackers(recipe: Recipe, output_dir: Path, resume_step: int | None, is
             trackers.append(
                 WandBTracker(
                     recipe.logging.project, name=run_name, id=run_id, resume="allow", dir=str(output_dir),
-                    mode=wandb_mode(),
+                    # Only the main process starts a wandb run (accelerate's tracker is main-process only).
+                    mode=wandb_mode(output_dir) if is_main else "offline",
                 )
             )
     return trackers

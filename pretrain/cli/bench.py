@@ -27,6 +27,7 @@ import tempfile
 import time
 
 from pretrain.cli import recipe_parser
+from pretrain.cli.options import count
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import Launch
 
@@ -130,12 +131,10 @@ def format_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = recipe_parser("pretrain-bench", "Time Trainer.train_step against a minimal accelerate loop on the same "
                            "model and data (one process).", overrides_example="batch.micro_batch_size=8")
-    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per timed block (default 10)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed block pairs (default 5)")
+    parser.add_argument("--steps", type=count(), default=10, help="optimizer steps per timed block (default 10)")
+    parser.add_argument("--repeats", type=count(), default=5, help="timed block pairs (default 5)")
     args = parser.parse_intermixed_args(argv)
     try:
-        if args.steps < 1 or args.repeats < 1:
-            raise ConfigError(f"--steps and --repeats must be >= 1, got {args.steps} and {args.repeats}")
         if Launch.from_env().world_size != 1:
             raise ConfigError("pretrain-bench runs in one process: start it with python, not accelerate launch")
         with tempfile.TemporaryDirectory(prefix="bench_loop-") as output_dir:

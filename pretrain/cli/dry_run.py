@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 
+from pretrain.cli.options import count, positive_gib
 from pretrain.errors import ConfigError
 from pretrain.launch import Launch
 
@@ -32,13 +33,13 @@ DRY_RUN_OPTIONS = ("num_processes", "nodes", "config_file", "gpu", "gpu_memory_g
 
 def add_dry_run_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("--dry-run: the launch and the GPU to plan for")
-    group.add_argument("--num-processes", "--num_processes", type=int, dest="num_processes",
+    group.add_argument("--num-processes", "--num_processes", type=count(), dest="num_processes",
                        help="processes (GPUs) in all, as accelerate launch's --num_processes")
-    group.add_argument("--nodes", "--num_machines", type=int, dest="nodes", help="machines (default 1)")
+    group.add_argument("--nodes", "--num_machines", type=count(), dest="nodes", help="machines (default 1)")
     group.add_argument("--config_file", "--accelerate-config", dest="config_file",
                        help="an accelerate config (DDP, FSDP, DeepSpeed ZeRO): the layout; default DDP")
     group.add_argument("--gpu", help="GPU model, a name from pretrain-estimate --list-gpus (default: this machine's)")
-    group.add_argument("--gpu-memory-gib", type=float, help="a device capacity the GPU table lacks (GiB)")
+    group.add_argument("--gpu-memory-gib", type=positive_gib, help="a device capacity the GPU table lacks (GiB)")
 
 
 def check_options(args: argparse.Namespace) -> None:
@@ -66,10 +67,6 @@ def planned_launch(args: argparse.Namespace, started_by: Launch) -> Launch:
     options = accelerate_options(args)
     if not options:
         return started_by
-    for name in ("num_processes", "nodes"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     return Launch.from_accelerate_config(args.config_file, options)
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from pretrain import hardware, memory
 from pretrain.checkpointing import normalize as normalize_policy
+from pretrain.cli.options import count, positive_gib
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import Launch, check_offload
 from pretrain.shape import ModelShape
@@ -43,9 +44,9 @@ def build_parser(prog: str = "pretrain-estimate") -> argparse.ArgumentParser:
     src.add_argument("--model-config", help="a transformers config.json (or its directory) instead of a recipe")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="recipe overrides, e.g. data.seq_len=2048")
     world = parser.add_argument_group("world")
-    world.add_argument("--num-gpus", type=int, help="GPUs in total on one node (= --nodes 1 --gpus-per-node N)")
-    world.add_argument("--nodes", type=int, help="nodes")
-    world.add_argument("--gpus-per-node", type=int, help="GPUs per node")
+    world.add_argument("--num-gpus", type=count(), help="GPUs in total on one node (= --nodes 1 --gpus-per-node N)")
+    world.add_argument("--nodes", type=count(), help="nodes")
+    world.add_argument("--gpus-per-node", type=count(), help="GPUs per node")
     lay = parser.add_argument_group("layout")
     lay.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="DeepSpeed ZeRO stage")
     lay.add_argument("--fsdp", nargs="?", const="FULL_SHARD", choices=FSDP_SHARDING,
@@ -62,8 +63,8 @@ def build_parser(prog: str = "pretrain-estimate") -> argparse.ArgumentParser:
                      help="DeepSpeed buffer size, e.g. --ds reduce_bucket_size=2e8 (DeepSpeed's defaults otherwise)")
     run = parser.add_argument_group("workload (override the recipe)")
     run.add_argument("--precision", choices=("fp32", "bf16", "fp16"))
-    run.add_argument("--micro-batch-size", type=int, help="MBS: sequences per GPU per forward/backward")
-    run.add_argument("--seq-len", type=int, help="tokens per sequence")
+    run.add_argument("--micro-batch-size", type=count(), help="MBS: sequences per GPU per forward/backward")
+    run.add_argument("--seq-len", type=count(), help="tokens per sequence")
     run.add_argument("--activation-checkpointing", metavar="POLICY", type=_policy, default=None,
                      help="none, full, selective or every_N (N >= 2): what is recomputed in backward "
                      "(README: Activation checkpointing)")
@@ -71,7 +72,7 @@ def build_parser(prog: str = "pretrain-estimate") -> argparse.ArgumentParser:
     run.add_argument("--optimizer", help="torch.optim name (with --model-config; default AdamW)")
     dev = parser.add_argument_group("device")
     dev.add_argument("--gpu", help=f"GPU name (capacity from a table; default {hardware.DEFAULT_GPU}); --list-gpus shows it")
-    dev.add_argument("--gpu-memory-gib", type=float, help="device capacity in GiB instead of --gpu")
+    dev.add_argument("--gpu-memory-gib", type=positive_gib, help="device capacity in GiB instead of --gpu")
     dev.add_argument("--list-gpus", action="store_true", help="print the GPU table and exit")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="one JSON object")
@@ -94,15 +95,9 @@ def resolve_gpu(args) -> hardware.GpuSpec:
 
 def resolve_world(args, accelerate_config: str | None) -> tuple[int | None, int | None]:
     if args.num_gpus is not None:
-        if args.num_gpus < 1:
-            raise ConfigError(f"--num-gpus must be >= 1, got {args.num_gpus}")
         if args.nodes not in (None, 1) or (args.gpus_per_node not in (None, args.num_gpus)):
             raise ConfigError("give --num-gpus N (one node) or --nodes N --gpus-per-node G, not both")
         return 1, args.num_gpus
-    for name in ("nodes", "gpus_per_node"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if accelerate_config:
         return args.nodes, args.gpus_per_node
     return args.nodes or 1, args.gpus_per_node or 1

@@ -62,6 +62,7 @@ from pathlib import Path
 from pretrain import hardware, memory
 from pretrain.checkpointing import PLANNER_POLICIES, recompute_label, runs_under_zero3
 from pretrain.cli import add_recipe_arguments
+from pretrain.cli.options import count, positive_gib
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import Launch, accelerate_command, shell_join
 from pretrain.shape import ModelShape
@@ -535,25 +536,23 @@ def main(argv: list[str] | None = None) -> int:
         "cluster, ranked by expected throughput; writes the best as an accelerate config.",
     )
     add_recipe_arguments(parser, "recipes/7b.yaml")
-    parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    parser.add_argument("--nodes", type=count(), default=1, help="nodes (default 1)")
+    parser.add_argument("--gpus-per-node", type=count(), default=8, help="GPUs per node (default 8)")
     parser.add_argument("--gpu", default=hardware.DEFAULT_GPU, help=f"GPU name (default {hardware.DEFAULT_GPU})")
-    parser.add_argument("--gpu-memory-gib", type=float, help="device capacity in GiB instead of the table's")
-    parser.add_argument("--host-memory-gib", type=float, default=1024.0,
+    parser.add_argument("--gpu-memory-gib", type=positive_gib, help="device capacity in GiB instead of the table's")
+    parser.add_argument("--host-memory-gib", type=positive_gib, default=1024.0,
                         help="CPU memory per node available to offload (GiB, default 1024)")
     parser.add_argument("--calibration", metavar="FILE",
                         help="measured MFU rows (JSON list of {gpu, mfu, seq_len, mbs, ...}, as tools/bench_gpu.py writes) "
                              f"to calibrate the step-time model; default <cache root>/{CALIBRATION_FILE} if it exists, "
                              f"else {DEFAULT_BASE_MFU * 100:.0f}%% from torchtitan's published FSDP measurement")
-    parser.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
+    parser.add_argument("--top", type=count(), default=10, help="layouts to list (default 10)")
     parser.add_argument("--output", help="where to write the accelerate config (default runs/plan/<recipe>-<N>x<G>-<gpu>.yaml)")
     parser.add_argument("--json", action="store_true", help="the ranking as JSON")
     args = parser.parse_args(argv)
     try:
         from pretrain.config import load_recipe
 
-        if args.nodes < 1 or args.gpus_per_node < 1:
-            raise ConfigError(f"--nodes ({args.nodes}) and --gpus-per-node ({args.gpus_per_node}) must be >= 1")
         gpu = hardware.find_gpu(args.gpu)
         if args.gpu_memory_gib is not None:
             gpu = hardware.custom_gpu(args.gpu_memory_gib, gpu)

@@ -16,6 +16,7 @@ import argparse
 import sys
 
 from pretrain.cli import add_recipe_arguments
+from pretrain.cli.options import count
 from pretrain.config import load_recipe
 from pretrain.errors import EXIT_USAGE, ConfigError
 
@@ -76,20 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tokenize a recipe's data into the token store that training reads.",
     )
     add_recipe_arguments(parser, "recipes/tiny.yaml")
-    parser.add_argument("--workers", type=int, default=None, metavar="N",
+    parser.add_argument("--workers", type=count(), default=None, metavar="N",
                         help="tokenizing processes on this machine (default: data.num_proc, else min(cores, 8))")
     prepare_slurm.add_arguments(parser)
     steps = parser.add_argument_group("the steps of an array build (what the SLURM jobs run)")
-    steps.add_argument("--task", type=int, metavar="I", help="tokenize only the shards i with i mod --num-tasks == I")
-    steps.add_argument("--num-tasks", type=int, metavar="N", help="the number of tasks that share the shards")
+    steps.add_argument("--task", type=count(0), metavar="I", help="tokenize only the shards i with i mod --num-tasks == I")
+    steps.add_argument("--num-tasks", type=count(), metavar="N", help="the number of tasks that share the shards")
     steps.add_argument("--finish", action="store_true",
                        help="write the manifest once every shard is complete; tokenize nothing")
     return parser
 
 
 def check_steps(args: argparse.Namespace) -> None:
-    if args.workers is not None and args.workers < 1:
-        raise ConfigError(f"--workers {args.workers}: give at least 1 process")
     if (args.task is None) != (args.num_tasks is None):
         raise ConfigError("--task I and --num-tasks N go together (task I of N takes the shards i with i mod N == I)")
     if args.task is not None and not 0 <= args.task < args.num_tasks:

@@ -25,6 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from pretrain.cli.options import count
 from pretrain.cli.slurm import (
     add_sbatch_options,
     environment_lines,
@@ -40,9 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("SLURM (with --slurm)")
     group.add_argument("--slurm", action="store_true",
                        help="submit the tokenization as a SLURM array job instead of running it here")
-    group.add_argument("--array", type=int, metavar="N", help="array tasks (one node each); shard i goes to task i mod N")
-    group.add_argument("--max-running", type=int, metavar="M", help="at most M tasks at once (--array=0-N%%M)")
-    group.add_argument("--cpus-per-task", type=int, metavar="C",
+    group.add_argument("--array", type=count(), metavar="N", help="array tasks (one node each); shard i goes to task i mod N")
+    group.add_argument("--max-running", type=count(), metavar="M", help="at most M tasks at once (--array=0-N%%M)")
+    group.add_argument("--cpus-per-task", type=count(), metavar="C",
                        help="#SBATCH --cpus-per-task; each task's default --workers is what SLURM gives it")
     add_sbatch_options(group)
     group.add_argument("--dry-run", action="store_true", help="print the batch scripts; submit nothing")
@@ -81,12 +82,6 @@ def check_arguments(args: argparse.Namespace) -> None:
     problems = sbatch_option_problems(args)
     if args.array is None:
         problems.append("--slurm needs --array N: the number of array tasks (one node each) that share the shards")
-    elif args.array < 1:
-        problems.append(f"--array must be at least 1 (got {args.array})")
-    if args.max_running is not None and args.max_running < 1:
-        problems.append(f"--max-running must be at least 1 (got {args.max_running})")
-    if args.cpus_per_task is not None and args.cpus_per_task < 1:
-        problems.append(f"--cpus-per-task must be at least 1 (got {args.cpus_per_task})")
     if args.task is not None or args.finish:
         problems.append("--slurm submits the array; --task and --finish are what its jobs run")
     if problems:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from pretrain import rundir
 from pretrain.cli import add_recipe_arguments
+from pretrain.cli.options import count, slurm_time, slurm_time_seconds
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import (
     DOCTOR_ENTRY,
@@ -49,6 +50,7 @@ EXCLUDED_HOSTS = "excluded_hosts"  # nodes pretrain doctor found unhealthy, one 
 PASSTHROUGH_ENV = ("HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_DATASETS_CACHE", "TRANSFORMERS_OFFLINE",
                    "PRETRAIN_CACHE_DIR", "WANDB_MODE", "WANDB_DIR", "DS_ACCELERATOR", "TOKENIZERS_PARALLELISM")
 DEFAULT_PORT_BASE = 20000  # --port auto: 20000 + job id mod 10000, below the Linux ephemeral range
+MAX_SIGNAL_LEAD_S = 65535  # sbatch --signal=<sig>@<sig_time>: sig_time is at most 65535 s
 
 
 @dataclass
@@ -90,7 +92,7 @@ def add_sbatch_options(parser: argparse.ArgumentParser, time_help: str = "") -> 
     parser.add_argument("--partition", help="#SBATCH --partition")
     parser.add_argument("--account", help="#SBATCH --account")
     parser.add_argument("--qos", help="#SBATCH --qos")
-    parser.add_argument("--time", help=f"#SBATCH --time, e.g. 2-00:00:00{time_help}")
+    parser.add_argument("--time", type=slurm_time, help=f"#SBATCH --time, e.g. 2-00:00:00{time_help}")
     parser.add_argument("--constraint", help="#SBATCH --constraint, e.g. h100")
     parser.add_argument("--exclusive", action="store_true", help="#SBATCH --exclusive (whole nodes)")
     parser.add_argument("--job-name", help="#SBATCH --job-name; default: the recipe name")
@@ -144,20 +146,20 @@ def add_submit_arguments(submit: argparse.ArgumentParser) -> None:
     submit.add_argument("--accelerate-config", required=True,
                         help="accelerate config, e.g. accelerate_configs/zero3.yaml (its num_machines / "
                         "num_processes / machine_rank / main_process_* are replaced for the job)")
-    submit.add_argument("--nodes", type=int, required=True, help="number of nodes (machines)")
-    submit.add_argument("--processes-per-node", type=int, required=True,
+    submit.add_argument("--nodes", type=count(), required=True, help="number of nodes (machines)")
+    submit.add_argument("--processes-per-node", type=count(), required=True,
                         help="training processes per node: the GPUs per node on a GPU cluster")
-    submit.add_argument("--gpus-per-node", type=int, default=None,
+    submit.add_argument("--gpus-per-node", type=count(0), default=None,
                         help="GPUs to request per node (#SBATCH --gpus-per-node); default: none when the accelerate "
                         "config runs on CPUs (use_cpu: true or MULTI_CPU), else --processes-per-node; 0 = request none")
-    submit.add_argument("--cpus-per-node", type=int, default=None,
+    submit.add_argument("--cpus-per-node", type=count(), default=None,
                         help="CPU cores to request per node (#SBATCH --cpus-per-task); default: SLURM's default "
                         "for the partition (often DefCpuPerGPU x GPUs)")
     add_sbatch_options(submit, time_help=" (the USR1 warning needs a time limit)")
     submit.add_argument("--port", default="auto",
                         help="rendezvous port on the first node; auto (default) = 20000 + job id mod 10000, "
                         "so two jobs sharing a node do not collide")
-    submit.add_argument("--signal-lead-s", type=int, default=300,
+    submit.add_argument("--signal-lead-s", type=count(1, MAX_SIGNAL_LEAD_S), default=300,
                         help="seconds before the time limit at which SLURM sends USR1 (checkpoint, requeue); "
                         "default 300")
     submit.add_argument("--no-doctor", action="store_true",
@@ -200,17 +202,11 @@ def check_job(args: argparse.Namespace) -> Job:
     from pretrain.preflight import check_run
 
     problems = []
-    if args.nodes < 1:
-        problems.append(f"--nodes must be at least 1 (got {args.nodes})")
-    if args.processes_per_node < 1:
-        problems.append(f"--processes-per-node must be at least 1 (got {args.processes_per_node}); "
-                        "on a GPU cluster it is the GPUs per node")
-    if args.gpus_per_node is not None and args.gpus_per_node < 0:
-        problems.append(f"--gpus-per-node must be 0 or more (got {args.gpus_per_node})")
-    if args.cpus_per_node is not None and args.cpus_per_node < 1:
-        problems.append(f"--cpus-per-node must be at least 1 (got {args.cpus_per_node})")
-    if not 1 <= args.signal_lead_s <= 65535:
-        problems.append(f"--signal-lead-s must be between 1 and 65535 seconds (got {args.signal_lead_s})")
+    limit_s = slurm_time_seconds(args.time) if args.time else None
+    if limit_s is not None and args.signal_lead_s >= limit_s:
+        problems.append(f"--signal-lead-s {args.signal_lead_s} is not shorter than --time {args.time} ({limit_s} s): "
+                        "SLURM would send the checkpoint signal before the job starts; give a longer --time or a "
+                        f"--signal-lead-s below {limit_s} (the default 300 s suits limits of an hour or more)")
     if args.port != "auto" and not (args.port.isdigit() and 1024 <= int(args.port) <= 65535):
         problems.append(f"--port must be auto or a port number 1024-65535 (got {args.port!r})")
     problems += sbatch_option_problems(args)

@@ -28,6 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pretrain.cli import recipe_parser
+from pretrain.cli.options import count, positive_gib, positive_seconds
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.sweep import SCALING_THRESHOLD, MBSResult, analyse, format_table, measure, plot, repeat_rounds
 from pretrain.sweep.analysis import fmt
@@ -40,16 +41,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                            overrides_example="model.num_layers=2")
     parser.add_argument("--accelerate-config",
                         help="accelerate config YAML; none = one process (python pretrain/run.py)")
-    parser.add_argument("--num-processes", type=int, help="override the accelerate config's num_processes")
-    parser.add_argument("--max-memory-gib", type=float, help="stop at the first MBS whose peak memory exceeds this")
-    parser.add_argument("--steps", type=int, default=5, help="measured optimizer steps per MBS (default 5)")
-    parser.add_argument("--warmup-steps", type=int, default=2,
+    parser.add_argument("--num-processes", type=count(), help="override the accelerate config's num_processes")
+    parser.add_argument("--max-memory-gib", type=positive_gib, help="stop at the first MBS whose peak memory exceeds this")
+    parser.add_argument("--steps", type=count(), default=5, help="measured optimizer steps per MBS (default 5)")
+    parser.add_argument("--warmup-steps", type=count(0), default=2,
                         help="optimizer steps per MBS left out of the measurement (default 2)")
-    parser.add_argument("--max-mbs", type=int, default=256, help="largest MBS to try (default 256)")
-    parser.add_argument("--repeats", type=int, default=1,
+    parser.add_argument("--max-mbs", type=count(), default=256, help="largest MBS to try (default 256)")
+    parser.add_argument("--repeats", type=count(), default=1,
                         help="runs per MBS on a shared machine: rounds after the first re-run the MBS that "
                         "fit, interleaved, and each MBS reports its fastest run (default 1)")
-    parser.add_argument("--timeout-s", type=float, help="kill a run that takes longer than this (default: no limit)")
+    parser.add_argument("--timeout-s", type=positive_seconds, help="kill a run that takes longer than this (default: no limit)")
     parser.add_argument("--out", help="output directory (default <recipe output_dir>/sweep)")
     return parser.parse_intermixed_args(argv)
 
@@ -60,17 +61,8 @@ def check_inputs(args: argparse.Namespace) -> tuple[object, int, int, Path]:
     from pretrain.launch import Launch
     from pretrain.preflight import check_run
 
-    problems = [f"--{name.replace('_', '-')} must be >= {low}, got {value}"
-                for name, value, low in (("steps", args.steps, 1), ("warmup_steps", args.warmup_steps, 0),
-                                         ("max_mbs", args.max_mbs, 1), ("repeats", args.repeats, 1),
-                                         ("num_processes", args.num_processes, 1))
-                if value is not None and value < low]
-    if args.max_memory_gib is not None and args.max_memory_gib <= 0:
-        problems.append(f"--max-memory-gib must be > 0, got {args.max_memory_gib:g}")
     if args.num_processes is not None and args.accelerate_config is None:
-        problems.append("--num-processes needs --accelerate-config (without one the sweep runs one process)")
-    if problems:
-        raise ConfigError(problems)
+        raise ConfigError("--num-processes needs --accelerate-config (without one the sweep runs one process)")
     recipe = load_recipe(args.recipe, args.overrides)
     launch = (Launch.from_accelerate_config(args.accelerate_config,
                                             accelerate_args(args.accelerate_config, args.num_processes))
