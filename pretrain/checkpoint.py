@@ -41,7 +41,15 @@ from pydantic import BaseModel
 from pretrain.config import CheckpointConfig, DataConfig, Recipe
 from pretrain.data import data_changes, planned_data_identity
 from pretrain.errors import ConfigError, TrainingDiverged, disk_full_error, is_disk_full
-from pretrain.integrity import MANIFEST_FILE, Unverified, check_sizes, record_own, verify_own, write_manifest
+from pretrain.integrity import (
+    MANIFEST_FILE,
+    Unverified,
+    check_sizes,
+    own_files,
+    record_own,
+    verify_own,
+    write_manifest,
+)
 from pretrain.reshard import ResumeSource, views
 from pretrain.rundir import (
     CHECKPOINTS_DIR,
@@ -52,6 +60,7 @@ from pretrain.rundir import (
     read_state,
 )
 from pretrain.runtime import SHARED_FS_HINT, rank_problems
+from pretrain.trust import check_files, is_inside, weights_only
 
 # Recipe keys whose change makes a checkpoint unusable: the weights' shapes or meaning, the sample stream, or
 # optimizer hyper-parameters the checkpoint's optimizer state would silently override (its param groups carry
@@ -310,6 +319,13 @@ def agree_on_resume(accelerator: Accelerator, choice: ResumeChoice | None, outpu
                 f"rank must load the checkpoint rank 0 chose: {SHARED_FS_HINT}"
             )
         damage = rank_problems(accelerator, verify_own(path, accelerator.process_index, accelerator.num_processes))
+        # A file whose checksum matches may still have been crafted (whoever replaces a file can update the
+        # manifest): each rank reads the pickles of its share without running them; one is refused, not passed
+        # over as damage.
+        refused = rank_problems(accelerator, check_files(path, own_files(path, accelerator.process_index,
+                                                                         accelerator.num_processes)))
+        if refused:
+            raise ConfigError(f"cannot resume from {path}: {'; '.join(refused)}")
         if not damage:
             chosen = (path, step)
             break
@@ -319,6 +335,12 @@ def agree_on_resume(accelerator: Accelerator, choice: ResumeChoice | None, outpu
     path, step = chosen
     if accelerator.is_main_process:  # every rank has verified (and given up on) the damaged ones by now
         for name, problem in damaged:
+            if not is_inside(Path(name), Path(output_dir) / CHECKPOINTS_DIR):
+                # not this run's (rank 0 decides among its own checkpoints only): pretrain moves nothing it
+                # does not own
+                log(f"warning: checkpoint {name} is damaged ({problem}); resuming from the previous intact "
+                    f"checkpoint {path} (step {step}) instead. {name} is outside {output_dir}: left in place")
+                continue
             aside = set_aside(Path(name))
             log(f"warning: checkpoint {name} is damaged ({problem}); resuming from the previous intact checkpoint "
                 f"{path} (step {step}) instead. The damaged one is moved to {aside}: inspect it, then delete it")
@@ -460,7 +482,8 @@ class Checkpointer:
             self.log(f"resume: applying the recipe's {'; '.join(applied)}")
         if other:
             self.log(f"resume: recipe differs from the checkpoint's in: {'; '.join(other)}")
-        self.accelerator.load_state(str(source.load_dir))
+        with weights_only(source.load_dir):
+            self.accelerator.load_state(str(source.load_dir))
         # load_state restores accelerate's micro-step counter (which decides the micro-step that synchronises)
         # from each process's RNG file: counted in the old GAS, and missing for a process the old run lacked.
         self.accelerator.step = state.step * self.accelerator.gradient_accumulation_steps

@@ -808,7 +808,14 @@ def build_recipe(data: dict[str, Any], source: str = "recipe", default_name: str
     except ValidationError as exc:
         raise format_validation_error(exc, source) from None
     if recipe.output_dir is None:
-        recipe = recipe.model_copy(update={"output_dir": str(Path("runs") / recipe.name)})
+        from pretrain.trust import contained
+
+        # the name comes from the recipe: "../x" or "/x" would put the run outside runs/
+        default = contained(Path("runs"), recipe.name, f"{source}: the recipe's name (the default output_dir is runs/<name>)")
+        recipe = recipe.model_copy(update={"output_dir": str(default)})
+    from pretrain.trust import check_output_dir
+
+    check_output_dir(recipe.output_dir)
     return recipe
 
 

@@ -33,6 +33,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from pretrain.errors import ConfigError
+from pretrain.trust import contained
+
 MANIFEST_FILE = "manifest.json"
 FORMAT = "pretrain-checkpoint-manifest"
 VERSION = 1
@@ -87,6 +90,11 @@ def checkpoint_files(directory: Path) -> list[str]:
     return sorted(out)
 
 
+def own_files(directory: Path, rank: int, world_size: int) -> list[str]:
+    """The files of ``directory`` that ``rank`` writes and verifies (those on disk, listed or not)."""
+    return [rel for rel in checkpoint_files(directory) if owner(rel, world_size) == rank]
+
+
 def _checksums(directory: Path, relpaths: Iterable[str], algorithm: str, segment_bytes: int) -> dict[str, list[str]]:
     """Each file's segment checksums, the segments of all files hashed by a pool of threads."""
     checksum = CHECKSUMS[algorithm]
@@ -134,6 +142,11 @@ def read_manifest(directory: Path) -> dict[str, Any]:
             or manifest.get("algorithm") not in CHECKSUMS or not isinstance(manifest.get("files"), dict)
             or not isinstance(manifest.get("segment_bytes"), int) or manifest["segment_bytes"] <= 0):
         raise ValueError(f"{path} is not a checkpoint manifest this version reads")
+    for rel in manifest["files"]:
+        try:
+            contained(directory, rel, f"the manifest {path}")
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
     return manifest
 
 

@@ -45,9 +45,10 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.errors import ConfigError
-from pretrain.integrity import MANIFEST_FILE
+from pretrain.integrity import MANIFEST_FILE, checkpoint_files
 from pretrain.launch import Launch
 from pretrain.rundir import STATE_FILE, read_state
+from pretrain.trust import check_files, weights_only
 
 DEEPSPEED_DIR = "pytorch_model"  # accelerate save_state: DeepSpeed's save_checkpoint(output_dir, tag=this)
 MODEL_FILE = "model.safetensors"  # accelerate save_state: the model of a DDP / one-process run
@@ -267,7 +268,9 @@ def _convert(checkpoint: Path, view: Path, kind: str, stamp: dict, saved: Layout
             if item.is_file() and item.name not in skip:
                 _link_or_copy(item, tmp / item.name)
         if kind == UNIVERSAL:
-            _to_universal(checkpoint / DEEPSPEED_DIR, tmp / DEEPSPEED_DIR)
+            _refuse_crafted(checkpoint)
+            with weights_only(checkpoint):  # DeepSpeed's converter loads with weights_only=False
+                _to_universal(checkpoint / DEEPSPEED_DIR, tmp / DEEPSPEED_DIR)
         else:
             _rename_keys(checkpoint / MODEL_FILE, tmp / MODEL_FILE, prefixed=kind == DDP_KEYS)
         (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=1, sort_keys=True))
@@ -331,13 +334,29 @@ def _wait_for(view: Path, stamp: dict[str, Any], timeout_s: float = WAIT_TIMEOUT
 def full_state_dict(checkpoint: Path, log: Log = print) -> dict[str, Any]:
     """The full fp32 model state dict of a checkpoint of any layout, read on CPU without a process group:
     DeepSpeed ZeRO-1/2/3 through ``zero_to_fp32`` (the fp32 master partitions, merged), ZeRO-0 and DDP from
-    the saved module, FSDP's sharded state through accelerate's ``merge_fsdp_weights`` (DCP)."""
-    import torch
-    from safetensors.torch import load_file
-
+    the saved module, FSDP's sharded state through accelerate's ``merge_fsdp_weights`` (DCP). Every pickle is
+    read without running it first, and loaded weights-only (pretrain/trust.py)."""
     state = read_state(checkpoint)
     assert state is not None
     layout = saved_layout(checkpoint, state)
+    _refuse_crafted(checkpoint)
+    with weights_only(checkpoint):  # zero_to_fp32 and DCP load with weights_only=False
+        weights = _read_weights(checkpoint, layout)
+    log(f"export: read {len(weights)} tensors of {layout.describe()} from {checkpoint}")
+    return {k.removeprefix("module."): v.float() if v.is_floating_point() else v for k, v in weights.items()}
+
+
+def _refuse_crafted(checkpoint: Path) -> None:
+    """Every pickle of ``checkpoint`` read without running it, before one process loads them all."""
+    refused = check_files(checkpoint, checkpoint_files(checkpoint))
+    if refused:
+        raise ConfigError(refused)
+
+
+def _read_weights(checkpoint: Path, layout: Layout) -> dict[str, Any]:
+    import torch
+    from safetensors.torch import load_file
+
     if layout.engine == "deepspeed":
         ds = checkpoint / DEEPSPEED_DIR
         if layout.zero_stage == 0:
@@ -362,5 +381,4 @@ def full_state_dict(checkpoint: Path, log: Log = print) -> dict[str, Any]:
             raise ConfigError(f"{checkpoint} has no {MODEL_FILE} (a checkpoint saved without safetensors?); "
                               "nothing to export")
         weights = load_file(str(checkpoint / MODEL_FILE))
-    log(f"export: read {len(weights)} tensors of {layout.describe()} from {checkpoint}")
-    return {k.removeprefix("module."): v.float() if v.is_floating_point() else v for k, v in weights.items()}
+    return weights

@@ -52,6 +52,9 @@ def _main(args: argparse.Namespace) -> int:
     is_main = True
     try:
         from pretrain.config import load_recipe
+        from pretrain.trust import enforce
+
+        enforce()  # every torch.load of this run is weights-only (pretrain/trust.py)
 
         launch = Launch.from_env()
         is_main = launch.is_main

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.errors import ConfigError
+from pretrain.trust import contained
 
 METRICS_FILE = "metrics.jsonl"
 RUN_CONFIG_FILE = "run_config.json"
@@ -90,8 +91,9 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     directory = Path(run_dir) / CHECKPOINTS_DIR
     pointer = directory / LATEST_FILE
     if pointer.is_file():
-        path = directory / pointer.read_text().strip()
-        if read_state(path) is not None:
+        name = pointer.read_text().strip()
+        path = contained(directory, name, str(pointer)) if name else directory
+        if name and read_state(path) is not None:
             return path
     complete = complete_checkpoints(run_dir)
     return complete[-1][1] if complete else None

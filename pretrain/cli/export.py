@@ -93,6 +93,9 @@ def _tied(model) -> set[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from pretrain.trust import enforce
+
+    enforce()  # every torch.load of the export is weights-only (pretrain/trust.py)
     try:
         export(Path(args.checkpoint), Path(args.out))
     except ConfigError as exc:

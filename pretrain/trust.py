@@ -1,0 +1,177 @@
+"""What pretrain trusts of the files it reads: no code from a checkpoint, no path out of its directory.
+
+A checkpoint is data, and may come from anyone (a shared filesystem, a copied run). Its manifest's CRCs
+(``pretrain/integrity.py``) detect accidents, not attacks: whoever can replace a file can update its CRC.
+So two rules hold for every file pretrain, or a library it calls, reads from a checkpoint:
+
+- **No unpickling beyond torch's weights-only unpickler.** ``enforce()`` (called first by the entry point
+  and pretrain-export) sets ``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1``, torch's own switch that makes every
+  ``torch.load`` in this process, and in the processes it starts, ``weights_only=True`` whatever the caller
+  passes: DeepSpeed's checkpoint engine, ``zero_to_fp32``, ``ds_to_universal`` and torch.distributed.checkpoint
+  pass ``weights_only=False``. The few types their states hold beyond tensors and containers are allowed by
+  name (``ALLOWED``, registered with ``torch.serialization.add_safe_globals``); anything else is refused
+  without being constructed. DCP's ``.metadata`` is read by a plain ``pickle.load``, so ``check_files`` reads
+  it first with an unpickler restricted to DCP's metadata types (the standard library's ``find_class``
+  hook). ``check_files`` runs before any load (each rank its own files, rank 0 before a conversion,
+  pretrain-export on all) so that a refused file is one ConfigError naming the file and the type, on every
+  rank, exit 2; ``refusals`` turns an unpickling error raised by a load despite that into the same message.
+- **A path read from a file stays inside its directory** (``contained``): a manifest entry inside its
+  checkpoint, ``checkpoints/latest`` inside ``checkpoints/``, a recipe's name inside ``runs/``. pretrain
+  moves, renames or deletes nothing outside the run's own output_dir (``owned``); ``check_output_dir``
+  refuses an output_dir that is a filesystem root or the home directory. ``checkpoint.resume`` is the
+  user's own choice and may name a checkpoint anywhere: it is read, never moved.
+
+No torch import at module level: the recipe loader uses ``contained`` and ``check_output_dir``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import io
+import os
+import pickle
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from pretrain.errors import ConfigError
+
+FORCE_ENV = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+
+# The types beyond tensors and containers that the states pretrain loads hold, by module (found by loading
+# real ZeRO-1/2/3, DDP and FSDP checkpoints with weights_only=True). accelerate's RNG files need numpy's,
+# which accelerate allows itself (accelerate.utils.other.TORCH_SAFE_GLOBALS); they are added here too so that
+# check_files reads those files as the load will.
+ALLOWED = {
+    "deepspeed.runtime.zero.config": ("ZeroStageEnum",),
+    "deepspeed.runtime.fp16.loss_scaler": ("LossScaler", "DynamicLossScaler"),
+    "deepspeed.utils.tensor_fragment": ("fragment_address",),
+}
+# DCP's .metadata (a plain pickle): its dataclasses, and the torch / pathlib values they hold.
+DCP_METADATA = {
+    "torch.distributed.checkpoint.metadata": ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                              "StorageMeta", "_MEM_FORMAT_ENCODING"),
+    "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+    "torch.serialization": ("_get_layout",),
+    "torch": ("Size", "strided", "contiguous_format", "preserve_format", "channels_last", "channels_last_3d",
+              "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+              "float8_e4m3fn", "float8_e5m2", "complex64", "complex128"),
+    "pathlib": ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"),
+    "collections": ("OrderedDict",),
+}
+# Files that are pickles (torch.save zips, or DCP's metadata); safetensors and JSON hold no code.
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".metadata")
+
+
+@functools.cache
+def allowed_globals() -> tuple:
+    """The objects of ALLOWED that are installed (DeepSpeed's only where deepspeed is), plus accelerate's."""
+    from accelerate.utils.other import TORCH_SAFE_GLOBALS
+
+    out = list(TORCH_SAFE_GLOBALS)
+    for module_name, names in ALLOWED.items():
+        if importlib.util.find_spec(module_name.split(".")[0]) is None:
+            continue
+        module = importlib.import_module(module_name)
+        out += [getattr(module, name) for name in names]
+    return tuple(out)
+
+
+def enforce() -> None:
+    """Every torch.load of this process (and of the processes it starts) is weights-only, with ALLOWED."""
+    os.environ[FORCE_ENV] = "1"
+    os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)  # torch refuses both set
+
+
+@contextmanager
+def weights_only(directory: Path) -> Iterator[None]:
+    """Loads from ``directory``: weights-only (``enforce``) with ALLOWED registered; an unpickling refusal is
+    the ConfigError ``check_files`` gives, naming the file and type (found after the fact)."""
+    import torch
+
+    enforce()
+    torch.serialization.add_safe_globals(list(allowed_globals()))
+    try:
+        yield
+    except pickle.UnpicklingError as exc:
+        files = [str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()]
+        raise ConfigError(check_files(directory, files) or refusal(directory, str(exc).splitlines()[-1])) from None
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if name in DCP_METADATA.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def refused_types(path: Path) -> list[str]:
+    """The types a pickle file names that the weights-only load would refuse (none: []); nothing is run.
+    torch.save files are read statically (torch.serialization.get_unsafe_globals_in_checkpoint reads only
+    their pickle, not the tensors); DCP's ``.metadata`` is unpickled with only DCP_METADATA's types."""
+    import torch
+
+    torch.serialization.add_safe_globals(list(allowed_globals()))
+    if path.name.endswith(".metadata"):
+        try:
+            with open(path, "rb") as f:
+                _MetadataUnpickler(io.BytesIO(f.read())).load()
+        except pickle.UnpicklingError as exc:
+            return [str(exc)]
+        except Exception as exc:  # noqa: BLE001 - a malformed pickle is refused, whatever it raises
+            return [f"unreadable ({type(exc).__name__}: {exc})"]
+        return []
+    try:
+        return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+    except Exception:  # noqa: BLE001
+        # Not a zip torch.save wrote (the legacy format, or damage): only the load can read it, and it does so
+        # weights-only too (enforce), refusing what it must (weights_only turns that into the same ConfigError).
+        return []
+
+
+def refusal(where: Path, found: str) -> str:
+    return (f"{where} holds a pickle that names {found}, which pretrain does not load: a checkpoint is "
+            "read with torch.load(weights_only=True), and only tensors, containers and the types DeepSpeed and "
+            "accelerate save are allowed (pretrain/trust.py). The file was not written by pretrain as it is: "
+            "restore the checkpoint from a copy you trust, or resume from another one")
+
+
+def check_files(directory: Path, relpaths: Iterable[str]) -> str | None:
+    """The refusal for the first pickle among ``relpaths`` (of ``directory``) that names a type the load
+    would refuse, or None."""
+    for rel in sorted(relpaths):
+        path = directory / rel
+        if path.name.endswith(PICKLE_SUFFIXES) and path.is_file():
+            refused = refused_types(path)
+            if refused:
+                return refusal(path, ", ".join(refused))
+    return None
+
+
+# ---- paths ---------------------------------------------------------------------------------------------------
+def is_inside(path: Path, directory: Path) -> bool:
+    """Whether ``path`` resolves (symbolic links followed) to ``directory`` or below it."""
+    return Path(path).resolve().is_relative_to(Path(directory).resolve())
+
+
+def contained(directory: Path, relative: str, what: str) -> Path:
+    """``directory / relative``, refused (ConfigError naming ``what`` and the value) unless it resolves inside
+    ``directory``: an absolute path, ``..`` or a link out are refused."""
+    path = Path(directory) / relative
+    if not relative or Path(relative).is_absolute() or not is_inside(path, directory) \
+            or path.resolve() == Path(directory).resolve():
+        raise ConfigError(f"{what} names {relative!r}, which is not inside {directory}; refused (pretrain reads "
+                          f"nothing a file names outside its own directory). Correct or remove it")
+    return path
+
+
+def check_output_dir(output_dir: str) -> None:
+    """Refuse an output_dir that is a filesystem root or the home directory: a run writes run.lock,
+    metrics.jsonl and checkpoints/ into it, and moves and deletes within it."""
+    resolved = Path(output_dir).resolve()
+    if resolved == Path(resolved.anchor) or resolved == Path.home().resolve():
+        raise ConfigError(f"output_dir = {output_dir!r} is {resolved}, a filesystem root or the home directory; "
+                          "a run writes and deletes files in its output_dir: give a directory of its own, e.g. "
+                          "output_dir=runs/my-run")

@@ -1,0 +1,167 @@
+"""Trust boundaries (pretrain/trust.py): a checkpoint cannot run code, and no path read from a file leads out.
+
+The attack: a checkpoint's optimizer file replaced by a pickle whose ``__reduce__`` creates a marker directory,
+the manifest's CRC updated to match (CRCs detect accidents, not attacks). Real 2-process ZeRO-2 and DDP
+checkpoints (one module fixture) are resumed and exported: exit 2 naming the file, and the marker never
+appears. The path rules are checked on hand-made run directories, with no launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pretrain.checkpoint import ResumeChoice, TrainerState
+from pretrain.config import CheckpointConfig, load_recipe
+from pretrain.errors import ConfigError
+from pretrain.integrity import read_manifest, record_own, verify_all, write_manifest
+from pretrain.trust import FORCE_ENV, check_output_dir, weights_only
+from tests.helpers import FAST, TINY, accelerate_launch, check_ok, run_cmd, train
+
+
+class _Payload:
+    """Unpickled, it creates the directory ``marker``: proof that the file's code ran."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.makedirs, (self.marker,)
+
+
+def _craft(checkpoint: Path, rel: str, marker: Path, **save_kwargs) -> None:
+    """Replace ``rel`` by the payload and record its size and CRC in the manifest, as an attacker can."""
+    torch.save({"state": _Payload(marker)}, checkpoint / rel, **save_kwargs)
+    manifest = read_manifest(checkpoint)
+    manifest["files"].update(record_own(checkpoint, 0, 1))
+    write_manifest(checkpoint, manifest["files"], manifest["world_size"])
+    assert verify_all(checkpoint) is None  # the checksums do not see it
+
+
+STEPS_ARGS = [*FAST, "train.max_steps=2", "checkpoint.every_steps=2", "checkpoint.save_final_model=false"]
+LAYOUTS = {  # layout: (accelerate config, the optimizer file rank 0 writes)
+    "ZeRO-2": ("zero2.yaml", "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+    "DDP": ("cpu_ddp.yaml", "optimizer.bin"),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trust")
+    out = {}
+    for name, (config, _) in LAYOUTS.items():
+        run = root / name
+        check_ok(accelerate_launch(config, [*STEPS_ARGS, f"output_dir={run}"], extra=["--num_processes", "2"]))
+        out[name] = run / "checkpoints" / "step_00000002"
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_crafted_optimizer_file_is_refused_by_resume_and_export_and_never_runs(checkpoints, layout, tmp_path):
+    crafted = tmp_path / "crafted" / "step_00000002"
+    shutil.copytree(checkpoints[layout], crafted)
+    marker = tmp_path / "MARKER"
+    rel = LAYOUTS[layout][1]
+    _craft(crafted, rel, marker)
+
+    proc = accelerate_launch(LAYOUTS[layout][0], [*STEPS_ARGS, "train.max_steps=4", f"output_dir={tmp_path / 'run'}",
+                                                  f"checkpoint.resume={crafted}"], extra=["--num_processes", "2"])
+    # every rank refuses with exit 2 (torchrun's summary; accelerate launch itself then exits 1), one message
+    assert proc.returncode != 0 and proc.stderr.count("exitcode  : 2") == 2, proc.stderr[-3000:]
+    assert proc.stderr.count(f"rank 0 (host {socket.gethostname()}) {crafted / rel} holds a pickle that names "
+                             "os.makedirs") == 1, proc.stderr[-3000:]
+    assert "pretrain/" not in proc.stderr.split("error: cannot resume")[0]  # no traceback of pretrain's
+    assert not marker.exists()
+
+    proc = run_cmd([sys.executable, "-m", "pretrain.cli.export", str(crafted), str(tmp_path / "exported")])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"{crafted / rel} holds a pickle that names os.makedirs" in proc.stderr and "Traceback" not in proc.stderr
+    assert not marker.exists() and not (tmp_path / "exported").exists()
+
+
+@pytest.mark.parametrize("zip_format", [True, False])
+def test_a_library_load_with_weights_only_false_is_made_weights_only(tmp_path, monkeypatch, zip_format):
+    """The second line of defence, for a file no check read first: DeepSpeed's own call
+    ``torch.load(..., weights_only=False)`` inside pretrain's load is weights-only (torch's
+    TORCH_FORCE_WEIGHTS_ONLY_LOAD), in the zip and in the legacy format; the refusal names the file."""
+    monkeypatch.setenv(FORCE_ENV, "0")  # restored after the test: enforce() sets it for this process
+    marker = tmp_path / "MARKER"
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    torch.save({"state": _Payload(marker)}, checkpoint / "optim_states.pt", _use_new_zipfile_serialization=zip_format)
+    with pytest.raises(ConfigError, match="names os.makedirs|holds a pickle that names"), weights_only(checkpoint):
+        torch.load(checkpoint / "optim_states.pt", weights_only=False)
+    assert not marker.exists()
+
+
+# ---- paths ------------------------------------------------------------------------------------------------
+def _checkpoint(path: Path, step: int = 2) -> Path:
+    path.mkdir(parents=True)
+    (path / "model.safetensors").write_bytes(os.urandom(64))
+    (path / "trainer_state.json").write_text(TrainerState(step=step, tokens_seen=0, num_steps=4, plan={},
+                                                          recipe={}).to_json())
+    write_manifest(path, record_own(path, 0, 1), 1)
+    return path
+
+
+def test_a_manifest_entry_outside_its_checkpoint_is_refused_and_not_read(tmp_path):
+    checkpoint = _checkpoint(tmp_path / "run" / "checkpoints" / "step_00000002")
+    outside = tmp_path / "secret"
+    outside.write_text("not the checkpoint's")
+    for entry in ("../../../secret", str(outside)):
+        manifest = json.loads((checkpoint / "manifest.json").read_text())
+        manifest["files"] = {entry: {"size": 20, "crc32": ["00000000"]}}
+        (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(ValueError, match=f"names {entry!r}, which is not inside {checkpoint}"):
+            read_manifest(checkpoint)
+        assert "is not inside" in verify_all(checkpoint)  # pretrain-export: "damaged", exit 2
+        choice = ResumeChoice.decide(tmp_path / "other", CheckpointConfig(resume=str(checkpoint)))
+        assert choice.path is None and f"names {entry!r}" in choice.error
+
+
+@pytest.mark.parametrize("pointer", ["../../victim/checkpoints/step_00000002", "ABSOLUTE", ".."])
+def test_latest_naming_a_directory_outside_checkpoints_is_refused_and_nothing_outside_is_renamed(tmp_path, pointer):
+    """``latest`` of a run pointing at a damaged checkpoint of another run: refused (exit 2 on every rank),
+    and the other run's checkpoint is neither loaded nor moved aside as damaged."""
+    victim = _checkpoint(tmp_path / "victim" / "checkpoints" / "step_00000002")
+    os.truncate(victim / "model.safetensors", 1)  # damaged: a resume would move it to .damaged-step_*
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    pointer = str(victim) if pointer == "ABSOLUTE" else pointer
+    (run / "checkpoints" / "latest").write_text(pointer + "\n")
+    choice = ResumeChoice.decide(run, CheckpointConfig())
+    assert choice.path is None and choice.error.startswith(f"{run / 'checkpoints' / 'latest'} names {pointer!r}")
+    assert victim.is_dir() and sorted(p.name for p in victim.parent.iterdir()) == ["step_00000002"]
+
+
+def test_a_run_whose_latest_points_outside_stops_with_exit_2(tmp_path):
+    victim = _checkpoint(tmp_path / "victim" / "checkpoints" / "step_00000002")
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("../../victim/checkpoints/step_00000002\n")
+    proc = train([*FAST, "train.max_steps=2", f"output_dir={run}"])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "latest names '../../victim/checkpoints/step_00000002', which is not inside" in proc.stderr
+    assert "Traceback" not in proc.stderr and victim.is_dir()
+
+
+@pytest.mark.parametrize("name", ["../escape", "../../tmp/x", "/etc/x", ".."])
+def test_a_recipe_name_that_leaves_runs_is_refused(name):
+    with pytest.raises(ConfigError, match="the recipe's name .* is not inside runs"):
+        load_recipe(TINY, [f"name={name}"])
+    assert load_recipe(TINY, ["name=ok.v2"]).output_dir == str(Path("runs") / "ok.v2")
+
+
+@pytest.mark.parametrize("output_dir", ["/", str(Path.home()), "/tmp/.."])
+def test_an_output_dir_that_is_a_root_or_the_home_directory_is_refused(output_dir):
+    with pytest.raises(ConfigError, match="a filesystem root or the home directory"):
+        load_recipe(TINY, [f"output_dir={output_dir}"])
+    check_output_dir("/tmp/some-run")  # a directory of its own is fine
