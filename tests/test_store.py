@@ -134,17 +134,39 @@ def test_multi_node_launch_without_a_store_stops_with_the_command(tmp_path):
     assert not store.exists()
 
 
+SLOW_BUILD_RUN = """
+import os, sys, time
+from pretrain.data import prepare
+from pretrain.run import main
+
+finish = prepare._finish
+
+
+def slow_finish(*args, **kwargs):  # the build outlasts the collective timeout however fast this machine is
+    time.sleep(float(os.environ["SLOW_BUILD_S"]))
+    return finish(*args, **kwargs)
+
+
+prepare._finish = slow_finish
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 @pytest.mark.slow
 def test_two_process_launch_prepares_the_missing_store_before_the_process_group(tmp_path):
-    # Tokenizing the stdlib corpus (6 s on an idle 2-core machine, more under load) takes longer than this
-    # collective timeout: had rank 1 waited for rank 0 in a barrier (the old main_process_first), the run
-    # would die with a gloo timeout. (Shorter would risk the run's ordinary collectives on a loaded machine.)
+    # Local rank 0's build is made to last longer than this collective timeout (a wrapper of run.py sleeps before
+    # the manifest is written): had rank 1 waited for rank 0 in a barrier (the old main_process_first), the run
+    # would die with a gloo timeout. (A shorter timeout would risk the run's ordinary collectives on a loaded
+    # machine.)
     timeout_s = 4
     store = tmp_path / "store"
     out = tmp_path / "run"
+    script = tmp_path / "slow_build_run.py"
+    script.write_text(SLOW_BUILD_RUN)
     proc = accelerate_launch("cpu_ddp.yaml", [*FAST, "batch.micro_batch_size=2", "train.max_steps=2",
                                               f"runtime.collective_timeout_s={timeout_s}", f"data.store={store}",
-                                              f"output_dir={out}", "checkpoint.save_final_model=false"])
+                                              f"output_dir={out}", "checkpoint.save_final_model=false"],
+                             script=[str(script)], extra_env={"SLOW_BUILD_S": str(timeout_s + 2)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     logs = proc.stdout + proc.stderr
     built = re.search(r"built in ([\d.]+)s at " + re.escape(str(store)), logs)

@@ -387,6 +387,7 @@ import os, signal, sys
 from types import SimpleNamespace
 import torch.distributed as dist
 from pretrain.preemption import StopSignals
+from pretrain.supervise import leave
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -400,7 +401,7 @@ with StopSignals() as stop:
             break
 with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
     f.write(repr(answers))
-dist.destroy_process_group()
+leave(0)  # as a worker of pretrain leaves: no teardown for gloo's threads to abort (pretrain/supervise.py)
 """
 
 
