@@ -117,6 +117,66 @@ def test_a_store_made_with_another_tokenizer_is_refused(tmp_path, capsys):
     assert err.count("\n") == 1 and re.search(message, err) and "Traceback" not in err
 
 
+def _corrupt_same_size(path: Path, value: int) -> None:
+    """Overwrite the middle token of a shard file in place: its size stays what the manifest records."""
+    tokens = np.fromfile(path, dtype="<u2")
+    tokens[len(tokens) // 2] = value
+    tokens.tofile(path)
+
+
+def test_a_same_size_corrupted_shard_is_refused_naming_it(tmp_path, capsys, monkeypatch):
+    from pretrain.cli.prepare_data import main
+    from pretrain.data import store as store_module
+
+    corpus = write_corpus(tmp_path / "corpus", make_docs(30, seed=17))
+    store = tmp_path / "store"
+    data_cfg = store_config(tmp_path, corpus, store)
+    prepare_data(data_cfg, log=lambda _: None)
+    manifest = json.loads((store / "manifest.json").read_text())
+    shard = store / "shards" / manifest["shards"][1]["train"]["file"]
+    # In the vocabulary (300 ids): only the checksum can tell.
+    middle = np.fromfile(shard, dtype="<u2")[shard.stat().st_size // 4]
+    _corrupt_same_size(shard, (int(middle) + 1) % 300)
+    named = rf"{re.escape(str(shard))}: its SHA-256 differs from the manifest's .* delete {re.escape(str(store))}/manifest\.json"
+
+    # A small store (up to VERIFY_ON_OPEN_MAX_BYTES) is hashed whenever it is opened: by training too.
+    with pytest.raises(DataError, match=named):
+        open_store(data_cfg, log=lambda _: None)
+    # A larger one is checked by size on open; pretrain-prepare-data --verify hashes it and names the shard.
+    monkeypatch.setattr(store_module, "VERIFY_ON_OPEN_MAX_BYTES", 0)
+    logged = []
+    assert len(open_store(data_cfg, log=logged.append).train) > 0
+    assert "sizes verified" in logged[-1]
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("batch: {global_batch_size: 8, micro_batch_size: 2}\ntrain: {max_steps: 10}\n"
+                      f"data: {{source: {corpus}, store: {store}, tokenizer_vocab_size: 300, val_fraction: 0.2, "
+                      f"seq_len: 32, store_shard_bytes: 2000}}\n")
+    assert main(["--recipe", str(recipe)]) == 0  # no --verify: complete by its sizes
+    capsys.readouterr()
+    assert main(["--recipe", str(recipe), "--verify"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(named, err) and "Traceback" not in err
+
+
+def test_a_token_outside_the_vocabulary_is_refused_naming_the_shard(tmp_path, monkeypatch):
+    """Past the checks on open (a large store is checked by size only): the loader's rows refuse an id the
+    embedding has no row for, instead of an IndexError inside the model."""
+    from pretrain.data import store as store_module
+
+    corpus = write_corpus(tmp_path / "corpus", make_docs(30, seed=17))
+    store = tmp_path / "store"
+    data_cfg = store_config(tmp_path, corpus, store)
+    prepare_data(data_cfg, log=lambda _: None)
+    manifest = json.loads((store / "manifest.json").read_text())
+    shard = store / "shards" / manifest["shards"][0]["train"]["file"]
+    _corrupt_same_size(shard, 40000)
+    monkeypatch.setattr(store_module, "VERIFY_ON_OPEN_MAX_BYTES", 0)
+    rows = open_store(data_cfg, log=lambda _: None).train
+    with pytest.raises(DataError, match=rf"token id 40,000 at token \d+ of {re.escape(str(shard))}, outside its "
+                                        r"tokenizer's vocabulary of 300 ids"):
+        rows[:]
+
+
 def test_multi_node_launch_without_a_store_stops_with_the_command(tmp_path):
     corpus = write_corpus(tmp_path / "corpus", make_docs(10, seed=14))
     cfg = store_config(tmp_path, corpus, tmp_path / "store")

@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=None, metavar="N",
                         help="tokenizing processes on this machine (default: data.num_proc, else min(cores, 8))")
     prepare_slurm.add_arguments(parser)
+    parser.add_argument("--verify", action="store_true",
+                        help="check every shard file of a complete store against its manifest's SHA-256 (a damaged "
+                        "shard is named, exit 2); opening a store checks sizes, and checksums only up to 1 GiB")
     steps = parser.add_argument_group("the steps of an array build (what the SLURM jobs run)")
     steps.add_argument("--task", type=int, metavar="I", help="tokenize only the shards i with i mod --num-tasks == I")
     steps.add_argument("--num-tasks", type=int, metavar="N", help="the number of tasks that share the shards")
@@ -121,9 +124,9 @@ def main(argv: list[str] | None = None) -> int:
             prepare_store_part(recipe.data, args.task, args.num_tasks, args.workers, progress=True)
             return 0
         if args.finish:
-            data = open_store(recipe.data, target=finish_store(recipe.data))
+            data = open_store(recipe.data, target=finish_store(recipe.data), checksums=args.verify or None)
         else:
-            data = prepare_data(recipe.data, num_workers=args.workers, progress=True)
+            data = prepare_data(recipe.data, num_workers=args.workers, progress=True, checksums=args.verify or None)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

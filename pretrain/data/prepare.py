@@ -37,6 +37,7 @@ from pretrain.data.store import (
     _count_words,
     _read_json,
     _write_json,
+    check_files,
     split_rows,
     store_identity,
     token_dtype,
@@ -298,15 +299,20 @@ def _too_few_tokens(split: str, manifest: dict[str, Any], data_cfg: DataConfig) 
 
 
 def open_store(data_cfg: DataConfig, log: Log = print, target: StoreTarget | None = None,
-               prepare_command: str = "pretrain-prepare-data --recipe RECIPE") -> PackedData:
+               prepare_command: str = "pretrain-prepare-data --recipe RECIPE",
+               checksums: bool | None = None) -> PackedData:
     """The store's rows of seq_len + 1 tokens (memory-mapped) and its tokenizer; StoreMissing if it has not
-    been prepared, DataError if it was made for other data or another tokenizer."""
+    been prepared, DataError if it was made for other data or another tokenizer, or if its files are not what
+    its manifest promises (``store.check_files``: sizes always; ``checksums``, None: every SHA-256 of a store
+    up to VERIFY_ON_OPEN_MAX_BYTES)."""
     start = time.perf_counter()
     target = target or find_store(data_cfg, log)
     manifest = _manifest(target)
     if manifest is None:
         raise StoreMissing(f"data: no token store at {target.path} for data.source = {data_cfg.source!r} "
                            f"(tokenizer {target.build['tokenizer']['name']}); prepare it first: {prepare_command}")
+    # Every file's size (and, for a store up to VERIFY_ON_OPEN_MAX_BYTES, its SHA-256) against the manifest.
+    verified = check_files(target.path, manifest, checksums)
     row_len = data_cfg.seq_len + 1
     train = split_rows(target.path, manifest, "train", row_len, data_cfg.train_subset)
     val = split_rows(target.path, manifest, "val", row_len, data_cfg.val_subset)
@@ -329,7 +335,8 @@ def open_store(data_cfg: DataConfig, log: Log = print, target: StoreTarget | Non
     )
     bad = manifest.get("num_decode_errors", 0)
     log(f"data: {len(train):,} train / {len(val):,} val sequences of {row_len} tokens from the store at "
-        f"{target.path} ({len(manifest['shards'])} shard(s), {time.perf_counter() - start:.2f}s)"
+        f"{target.path} ({len(manifest['shards'])} shard(s), "
+        f"{'checksums' if verified else 'sizes'} verified, {time.perf_counter() - start:.2f}s)"
         + (f"; {bad:,} document(s) had non-UTF-8 bytes ({'replaced with U+FFFD' if data_cfg.on_decode_error == 'replace' else 'skipped'}, data.on_decode_error)"
            if bad else ""))
     return PackedData(train=train, val=val, tokenizer=tokenizer, stats=stats,
