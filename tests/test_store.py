@@ -177,6 +177,17 @@ def test_a_token_outside_the_vocabulary_is_refused_naming_the_shard(tmp_path, mo
         rows[:]
 
 
+def test_a_directory_that_is_not_a_store_is_never_written_into(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus", make_docs(10, seed=19))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "manifest.json").write_text("my own file")
+    with pytest.raises(DataError, match=rf"{re.escape(str(mine))} already exists and is not a token store"):
+        prepare_data(store_config(tmp_path, corpus, mine), log=lambda _: None)
+    assert sorted(p.name for p in mine.iterdir()) == ["manifest.json"]
+    assert (mine / "manifest.json").read_text() == "my own file"
+
+
 def test_multi_node_launch_without_a_store_stops_with_the_command(tmp_path):
     corpus = write_corpus(tmp_path / "corpus", make_docs(10, seed=14))
     cfg = store_config(tmp_path, corpus, tmp_path / "store")

@@ -126,6 +126,7 @@ def _check_identity(target: StoreTarget, found: dict[str, Any], what: str, finge
 
 
 def _manifest(target: StoreTarget, fingerprints: bool = True) -> dict[str, Any] | None:
+    _refuse_foreign_directory(target.path)  # not its manifest.json either
     try:
         manifest = _read_json(target.path / MANIFEST)
     except FileNotFoundError:
@@ -163,9 +164,17 @@ def find_store(data_cfg: DataConfig, log: Log = print) -> StoreTarget:
 @contextlib.contextmanager
 def _store_lock(path: Path):
     """An exclusive lock beside the store (flock: released if the holder dies), so that two builders of one
-    store never run at once."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(f".{path.name}.lock"), "w") as handle:
+    store never run at once. A directory pretrain cannot write is one DataError naming it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_name(f".{path.name}.lock"), "w")
+    except OSError as exc:
+        raise DataError(
+            f"data: cannot write the token store at {path}: {exc.strerror} ({exc.filename}). Point data.store (or "
+            "data.cache_dir, or the PRETRAIN_CACHE_DIR environment variable) at a directory this user can write, "
+            "or prepare the store where it can be written and name it with data.store"
+        ) from None
+    with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -173,9 +182,21 @@ def _store_lock(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _refuse_foreign_directory(path: Path) -> None:
+    """pretrain writes only into a store it created: an existing, non-empty directory without the store's
+    build.json (written first, before any shard) is someone else's."""
+    if path.is_dir() and not (path / BUILD).is_file() and any(path.iterdir()):
+        raise DataError(
+            f"data: {path} already exists and is not a token store (no {BUILD}); pretrain does not write into a "
+            "directory it did not create. Point data.store at a new or empty directory, or at a store "
+            "pretrain-prepare-data built"
+        )
+
+
 def _set_up(target: StoreTarget, data_cfg: DataConfig, log: Log) -> BuildSpec:
     """build.json and the tokenizer written into the store (once; checked on a rerun): what every shard
     needs. The caller holds the store's lock."""
+    _refuse_foreign_directory(target.path)
     target.path.mkdir(parents=True, exist_ok=True)
     if (target.path / BUILD).is_file():
         _check_identity(target, _read_json(target.path / BUILD), "partly built store")
