@@ -82,8 +82,8 @@ def _main(args: argparse.Namespace) -> int:
         if is_main:
             print(f"error: {exc}", file=sys.stderr)
         return EXIT_DIVERGED
-    except KeyboardInterrupt:  # Ctrl-C outside the loop, or a second one inside it: no checkpoint
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # Ctrl-C outside the loop, or a second one inside it: no checkpoint
+        print(f"interrupted: {exc}" if str(exc) else "interrupted", file=sys.stderr)  # a store build says what it kept
         return EXIT_INTERRUPTED
 
 

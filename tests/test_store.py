@@ -96,6 +96,36 @@ def test_kill_9_mid_build_then_rerun_gives_the_uninterrupted_store(tmp_path):
     assert checksums(killed) == checksums(whole)
 
 
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_an_interrupted_build_says_what_it_kept_in_one_line(tmp_path, how):
+    """Ctrl-C (SIGINT to the whole process group: the parent and its pool's workers) or SIGTERM of the parent:
+    no worker traceback, one line on what was kept and how to continue, exit 130; the rerun finishes the store."""
+    corpus = write_corpus(tmp_path / "corpus", make_docs(400, seed=12, words=200))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("batch: {global_batch_size: 8, micro_batch_size: 2}\ntrain: {max_steps: 10}\n"
+                      f"data: {{source: {corpus}, seq_len: 32, tokenizer_vocab_size: 300, store_shard_bytes: 4000}}\n")
+    store = tmp_path / "store"
+    cmd = [sys.executable, "-m", "pretrain.cli.prepare_data", "--recipe", str(recipe), "--workers", "2",
+           f"data.cache_dir={tmp_path / 'cache'}", f"data.store={store}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not list((store / "shards").glob("0000[01].json")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    if how == "ctrl-c":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and not (store / "manifest.json").exists(), (proc.returncode, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    kept = re.search(r"interrupted: (\d+) of (\d+) shards of the token store at (.+) are complete and kept; the "
+                     r"same command tokenizes only the rest\n", err)
+    assert kept and kept[3] == str(store) and int(kept[1]) < int(kept[2]), err
+    rerun = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0 and (store / "manifest.json").is_file(), rerun.stderr
+
+
 def test_a_store_made_with_another_tokenizer_is_refused(tmp_path, capsys):
     corpus = write_corpus(tmp_path / "corpus", make_docs(30, seed=13))
     store = tmp_path / "store"

@@ -13,11 +13,12 @@ and `--finish` are the steps the array's jobs run.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from pretrain.cli import add_recipe_arguments
 from pretrain.config import load_recipe
-from pretrain.errors import EXIT_USAGE, ConfigError
+from pretrain.errors import EXIT_INTERRUPTED, EXIT_USAGE, ConfigError
 
 
 def prepare_commands(recipe_path: str, overrides: list[str], num_nodes: int, sbatch_args: list[str] = ()) -> str:
@@ -105,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     from pretrain.cli import prepare_slurm
 
     args = build_parser().parse_intermixed_args(argv)
+    # SIGTERM (a scheduler, kill) stops the build as Ctrl-C does: the pool ended, one line on what was kept.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         check_steps(args)
         prepare_slurm.check_arguments(args)
@@ -130,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt as exc:  # build.BuildInterrupted says what was kept
+        print(f"interrupted: {exc}" if str(exc) else "interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(format_stats(data.stats))
     return 0
 
