@@ -66,6 +66,9 @@ def disk_full_error(path: str | os.PathLike, writing: str, fix: str) -> ConfigEr
 
 
 EXIT_DIVERGED = 3
+# Ctrl-C (SIGINT): the run checkpointed the step in flight and stopped; the shell's code for an interrupt (128 + 2),
+# so `run && next` does not go on as if training had finished. SIGTERM / SIGUSR1 (a scheduler) exit 0.
+EXIT_INTERRUPTED = 130
 
 
 class TrainingDiverged(Exception):

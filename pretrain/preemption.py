@@ -1,8 +1,14 @@
-"""Preemption: SIGTERM / SIGUSR1 mean "stop after the optimizer step in flight, with a checkpoint".
+"""Preemption and Ctrl-C: SIGTERM / SIGUSR1 / SIGINT mean "stop after the optimizer step in flight, with a
+checkpoint".
 
-SLURM (``--signal``), Kubernetes and most schedulers send one of them some time before the kill. The
-handlers only set a flag; they are installed for the training loop and the previous ones are restored
-after it, also when the loop raises.
+SLURM (``--signal``), Kubernetes and most schedulers send SIGTERM or SIGUSR1 some time before the kill. Ctrl-C
+sends SIGINT: to ``python pretrain/run.py`` directly; under ``accelerate launch`` (torchrun) to the launcher
+only (torchrun starts each worker in a session of its own), whose elastic agent sends SIGINT on to every
+worker, waits ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (default 30) for them to exit, then SIGKILLs them.
+The handlers only set a flag; they are installed for the training loop and the previous ones are restored
+after it, also when the loop raises. A second SIGINT is the user insisting: it goes to the previous handler
+(Python's KeyboardInterrupt), so the process stops at once. (Under torchrun the second Ctrl-C ends the agent,
+and every worker dies with it: ``supervise.stop_with_launcher``.)
 
 Every rank must stop after the same step. With several processes the flags are summed by a non-blocking
 all-reduce on a host-side (gloo) group, started after step k and read after step k+1: the step never waits
@@ -18,21 +24,25 @@ import signal
 import torch
 import torch.distributed as dist
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class StopSignals:
     """``with StopSignals() as stop:`` records a stop signal in ``stop.received`` instead of dying."""
 
-    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS):
+    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS, log=None):
         self.signals = signals
+        self.log = log  # the run's rank-0 log: says once what a Ctrl-C will do
         self.received: int | None = None
+        self._announced = False
         self._previous: dict[int, object] = {}
         self._group = None  # the gloo group of the agreement, made on the first multi-process call
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
 
     def __enter__(self) -> StopSignals:
         for sig in self.signals:
+            if sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN:
+                continue  # started in the background (`cmd &`, nohup): Ctrl-C was never meant for this process
             self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
 
@@ -46,8 +56,19 @@ class StopSignals:
         self._previous.clear()
 
     def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            # A second Ctrl-C: stop now, as if pretrain had no handler (the steps since the last checkpoint are lost).
+            previous = self._previous.get(signal.SIGINT)
+            if callable(previous):
+                previous(signum, frame)
+            raise KeyboardInterrupt
         # Only a flag: the loop finishes the optimizer step in flight, then every rank stops at the same step.
         self.received = signum
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether the stop was asked for by SIGINT (Ctrl-C): the run exits 130 after its checkpoint."""
+        return self.received == signal.SIGINT
 
     def agreed(self, accelerator) -> bool:
         """Whether a rank was asked to stop, with the same answer on every rank. Every rank must call this
@@ -55,6 +76,11 @@ class StopSignals:
         previous call, summed over ranks (see the module docstring); once it says stop, nothing is left
         in flight."""
         flag = 1.0 if self.received is not None else 0.0
+        if self.received is not None and not self._announced and self.log is not None:
+            self._announced = True
+            name = signal.Signals(self.received).name
+            again = " (Ctrl-C again stops at once, losing the steps since the last checkpoint)" if self.interrupted else ""
+            self.log(f"{name}: stopping after the step in flight with a checkpoint{again}")
         if accelerator.num_processes == 1:
             return flag > 0
         stop = False

@@ -14,7 +14,7 @@ import sys
 from pretrain.cli import add_recipe_arguments
 from pretrain.cli.dry_run import add_dry_run_arguments, check_options, dry_run
 from pretrain.environment import check_environment
-from pretrain.errors import EXIT_DIVERGED, EXIT_USAGE, ConfigError, TrainingDiverged
+from pretrain.errors import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_USAGE, ConfigError, TrainingDiverged
 from pretrain.launch import Launch
 from pretrain.quiet import install_warning_filters
 
@@ -74,8 +74,9 @@ def _main(args: argparse.Namespace) -> int:
         from pretrain.train import Trainer
 
         prepare_command = prepare_commands(args.recipe, args.overrides, launch.num_nodes)
-        Trainer(recipe, launch, prepare_command).train()
-        return 0
+        trainer = Trainer(recipe, launch, prepare_command)
+        trainer.train()
+        return EXIT_INTERRUPTED if trainer.interrupted else 0  # Ctrl-C: checkpointed, yet not finished
     except ConfigError as exc:
         if is_main:
             print(f"error: {exc}", file=sys.stderr)
@@ -84,9 +85,9 @@ def _main(args: argparse.Namespace) -> int:
         if is_main:
             print(f"error: {exc}", file=sys.stderr)
         return EXIT_DIVERGED
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C outside the loop, or a second one inside it: no checkpoint
+        print(f"interrupted: {exc}" if str(exc) else "interrupted", file=sys.stderr)  # a store build says what it kept
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -151,7 +151,15 @@ class RunLock:
 def stop_with_launcher() -> bool:
     """Under torchrun, have the kernel SIGKILL this process when the launcher that started it dies. Whether
     it was set (Linux, started by torchrun's elastic agent)."""
-    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    return die_with_parent()
+
+
+def die_with_parent() -> bool:
+    """Have the kernel SIGKILL this process when the thread that started it exits, however it exits (a worker
+    of ``kill -9``-ed parent must not go on writing). Whether it was set (Linux)."""
+    if not sys.platform.startswith("linux"):
         return False
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:

@@ -224,6 +224,7 @@ class Trainer:
         self.tokens_seen = 0
         self.skipped_steps = 0  # fp16 overflow: the optimizer step (and the schedule) were skipped
         self.preempted = False
+        self.interrupted = False  # the stop was a Ctrl-C (SIGINT): run.py exits 130
         self.resumed: dict | None = None  # what run_config.json records of the resume
         if self.resume is not None:
             state, applied = self.checkpointer.load(self.resume.checkpoint, recipe.to_dict(), self.resume,
@@ -293,7 +294,7 @@ class Trainer:
             self.log(f"run already complete at step {self.step}/{self.num_steps}")
             self.finish()
             return last_metrics
-        with StopSignals() as stop:  # SIGTERM / SIGUSR1: stop after the step in flight
+        with StopSignals(log=self.log) as stop:  # SIGTERM / SIGUSR1 / Ctrl-C: stop after the step in flight
             if self.step == 0 and self.evaluator.due(0):
                 self.evaluator.evaluate(self.model, 0)
             self.model.train()
@@ -311,6 +312,7 @@ class Trainer:
                     raise TrainingDiverged(f"{exc} (newest checkpoint: {newest or 'none'})") from None
             # Outside the loop's diagnostics: the watchdog does not time the export or the preemption checkpoint.
             if ended == "preempted":
+                self.interrupted = stop.interrupted
                 self.stop_preempted()
             elif ended == "exhausted":
                 self.stop_exhausted(first_step)
@@ -508,7 +510,8 @@ class Trainer:
         self.save_checkpoint()
         self.preempted = True
         self.console.close()
-        self.log(f"preempted: stopped after step {self.step}/{self.num_steps} with a checkpoint; "
+        what = "interrupted" if self.interrupted else "preempted"  # pretrain-slurm status counts "preempted: ..."
+        self.log(f"{what}: stopped after step {self.step}/{self.num_steps} with a checkpoint; "
                  "the same command resumes from it")
         self.end()
 

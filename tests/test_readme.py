@@ -72,6 +72,7 @@ SKIPPED = {
     "ruff check": "the linter (CI)",
     "python tools/recipe_reference.py --write": "rewrites the README; tests/test_tools.py checks the reference",
     "pretrain-prepare-data --workers": "an option named in the recipe reference, not a command",
+    "pretrain-prepare-data --verify": "an option named in the text; tests/test_store.py runs it on a damaged store",
     "python -m tests.golden_losses --write": "rewrites the golden losses",
     "python tools/bench_data.py": "the data benchmark: a 0.5-2 GB corpus tokenized four times (tens of minutes)",
     "python tools/bench_gpu.py --reduced": "2 training launches (a minute or two); tests/test_tools.py runs it",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -11,7 +12,21 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import FAST, RUN, TINY, check_ok, env, metrics, train, train_killed_at, train_losses, val_losses
+from tests.helpers import (
+    FAST,
+    ROOT,
+    RUN,
+    TINY,
+    accelerate_launch,
+    check_ok,
+    env,
+    free_port,
+    metrics,
+    train,
+    train_killed_at,
+    train_losses,
+    val_losses,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -189,6 +204,48 @@ def test_stop_signal_checkpoints_the_step_in_flight_and_resume_continues(tmp_pat
     expected, resumed = train_losses(reference), train_losses(out)
     assert sorted(resumed) == list(range(1, 31))
     for step in range(stopped_at + 1, 31):
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-6), step
+
+
+CTRL_C_ARGS = [*FAST, "train.max_steps=40", "checkpoint.every_steps=100", "checkpoint.keep_last=0",
+               "checkpoint.save_final_model=false"]
+
+
+def test_ctrl_c_of_a_two_process_launch_checkpoints_and_the_rerun_continues_the_curve(tmp_path):
+    """Ctrl-C in a terminal: SIGINT to the launcher's whole foreground process group. torchrun's agent sends
+    SIGINT on to its workers (each in a session of its own); they finish the step in flight, agree on it,
+    checkpoint and stop; the same command resumes on the uninterrupted run's curve."""
+    out = tmp_path / "interrupted"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" /
+           "cpu_ddp.yaml"), "--main_process_port", str(free_port()), RUN, "--recipe", TINY, *CTRL_C_ARGS,
+           f"output_dir={out}"]
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not ((out / "metrics.jsonl").exists() and '"step": 3,' in (out / "metrics.jsonl").read_text()):
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "SIGINT: stopping after the step in flight with a checkpoint" in output, output
+    assert "interrupted: stopped after step" in output, output
+    (checkpoint,) = (out / "checkpoints").glob("step_*")
+    stopped_at = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
+    assert 3 <= stopped_at < 40 and f"interrupted: stopped after step {stopped_at}/40" in output
+    assert not (out / "final_model").exists()
+
+    check_ok(accelerate_launch("cpu_ddp.yaml", [*CTRL_C_ARGS, f"output_dir={out}"],
+                               extra=["--main_process_port", str(free_port())]))
+    reference = tmp_path / "reference"
+    check_ok(accelerate_launch("cpu_ddp.yaml", [*CTRL_C_ARGS, f"output_dir={reference}"],
+                               extra=["--main_process_port", str(free_port())]))
+    expected, resumed = train_losses(reference), train_losses(out)
+    assert sorted(resumed) == list(range(1, 41))
+    for step in range(1, 41):
         assert resumed[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-6), step
 
 

@@ -96,6 +96,36 @@ def test_kill_9_mid_build_then_rerun_gives_the_uninterrupted_store(tmp_path):
     assert checksums(killed) == checksums(whole)
 
 
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_an_interrupted_build_says_what_it_kept_in_one_line(tmp_path, how):
+    """Ctrl-C (SIGINT to the whole process group: the parent and its pool's workers) or SIGTERM of the parent:
+    no worker traceback, one line on what was kept and how to continue, exit 130; the rerun finishes the store."""
+    corpus = write_corpus(tmp_path / "corpus", make_docs(400, seed=12, words=200))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("batch: {global_batch_size: 8, micro_batch_size: 2}\ntrain: {max_steps: 10}\n"
+                      f"data: {{source: {corpus}, seq_len: 32, tokenizer_vocab_size: 300, store_shard_bytes: 4000}}\n")
+    store = tmp_path / "store"
+    cmd = [sys.executable, "-m", "pretrain.cli.prepare_data", "--recipe", str(recipe), "--workers", "2",
+           f"data.cache_dir={tmp_path / 'cache'}", f"data.store={store}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not list((store / "shards").glob("0000[01].json")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    if how == "ctrl-c":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and not (store / "manifest.json").exists(), (proc.returncode, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    kept = re.search(r"interrupted: (\d+) of (\d+) shards of the token store at (.+) are complete and kept; the "
+                     r"same command tokenizes only the rest\n", err)
+    assert kept and kept[3] == str(store) and int(kept[1]) < int(kept[2]), err
+    rerun = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0 and (store / "manifest.json").is_file(), rerun.stderr
+
+
 def test_a_store_made_with_another_tokenizer_is_refused(tmp_path, capsys):
     corpus = write_corpus(tmp_path / "corpus", make_docs(30, seed=13))
     store = tmp_path / "store"
@@ -117,6 +147,77 @@ def test_a_store_made_with_another_tokenizer_is_refused(tmp_path, capsys):
     assert err.count("\n") == 1 and re.search(message, err) and "Traceback" not in err
 
 
+def _corrupt_same_size(path: Path, value: int) -> None:
+    """Overwrite the middle token of a shard file in place: its size stays what the manifest records."""
+    tokens = np.fromfile(path, dtype="<u2")
+    tokens[len(tokens) // 2] = value
+    tokens.tofile(path)
+
+
+def test_a_same_size_corrupted_shard_is_refused_naming_it(tmp_path, capsys, monkeypatch):
+    from pretrain.cli.prepare_data import main
+    from pretrain.data import store as store_module
+
+    corpus = write_corpus(tmp_path / "corpus", make_docs(30, seed=17))
+    store = tmp_path / "store"
+    data_cfg = store_config(tmp_path, corpus, store)
+    prepare_data(data_cfg, log=lambda _: None)
+    manifest = json.loads((store / "manifest.json").read_text())
+    shard = store / "shards" / manifest["shards"][1]["train"]["file"]
+    # In the vocabulary (300 ids): only the checksum can tell.
+    middle = np.fromfile(shard, dtype="<u2")[shard.stat().st_size // 4]
+    _corrupt_same_size(shard, (int(middle) + 1) % 300)
+    named = rf"{re.escape(str(shard))}: its SHA-256 differs from the manifest's .* delete {re.escape(str(store))}/manifest\.json"
+
+    # A small store (up to VERIFY_ON_OPEN_MAX_BYTES) is hashed whenever it is opened: by training too.
+    with pytest.raises(DataError, match=named):
+        open_store(data_cfg, log=lambda _: None)
+    # A larger one is checked by size on open; pretrain-prepare-data --verify hashes it and names the shard.
+    monkeypatch.setattr(store_module, "VERIFY_ON_OPEN_MAX_BYTES", 0)
+    logged = []
+    assert len(open_store(data_cfg, log=logged.append).train) > 0
+    assert "sizes verified" in logged[-1]
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("batch: {global_batch_size: 8, micro_batch_size: 2}\ntrain: {max_steps: 10}\n"
+                      f"data: {{source: {corpus}, store: {store}, tokenizer_vocab_size: 300, val_fraction: 0.2, "
+                      f"seq_len: 32, store_shard_bytes: 2000}}\n")
+    assert main(["--recipe", str(recipe)]) == 0  # no --verify: complete by its sizes
+    capsys.readouterr()
+    assert main(["--recipe", str(recipe), "--verify"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(named, err) and "Traceback" not in err
+
+
+def test_a_token_outside_the_vocabulary_is_refused_naming_the_shard(tmp_path, monkeypatch):
+    """Past the checks on open (a large store is checked by size only): the loader's rows refuse an id the
+    embedding has no row for, instead of an IndexError inside the model."""
+    from pretrain.data import store as store_module
+
+    corpus = write_corpus(tmp_path / "corpus", make_docs(30, seed=17))
+    store = tmp_path / "store"
+    data_cfg = store_config(tmp_path, corpus, store)
+    prepare_data(data_cfg, log=lambda _: None)
+    manifest = json.loads((store / "manifest.json").read_text())
+    shard = store / "shards" / manifest["shards"][0]["train"]["file"]
+    _corrupt_same_size(shard, 40000)
+    monkeypatch.setattr(store_module, "VERIFY_ON_OPEN_MAX_BYTES", 0)
+    rows = open_store(data_cfg, log=lambda _: None).train
+    with pytest.raises(DataError, match=rf"token id 40,000 at token \d+ of {re.escape(str(shard))}, outside its "
+                                        r"tokenizer's vocabulary of 300 ids"):
+        rows[:]
+
+
+def test_a_directory_that_is_not_a_store_is_never_written_into(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus", make_docs(10, seed=19))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "manifest.json").write_text("my own file")
+    with pytest.raises(DataError, match=rf"{re.escape(str(mine))} already exists and is not a token store"):
+        prepare_data(store_config(tmp_path, corpus, mine), log=lambda _: None)
+    assert sorted(p.name for p in mine.iterdir()) == ["manifest.json"]
+    assert (mine / "manifest.json").read_text() == "my own file"
+
+
 def test_multi_node_launch_without_a_store_stops_with_the_command(tmp_path):
     corpus = write_corpus(tmp_path / "corpus", make_docs(10, seed=14))
     cfg = store_config(tmp_path, corpus, tmp_path / "store")
@@ -134,17 +235,39 @@ def test_multi_node_launch_without_a_store_stops_with_the_command(tmp_path):
     assert not store.exists()
 
 
+SLOW_BUILD_RUN = """
+import os, sys, time
+from pretrain.data import prepare
+from pretrain.run import main
+
+finish = prepare._finish
+
+
+def slow_finish(*args, **kwargs):  # the build outlasts the collective timeout however fast this machine is
+    time.sleep(float(os.environ["SLOW_BUILD_S"]))
+    return finish(*args, **kwargs)
+
+
+prepare._finish = slow_finish
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 @pytest.mark.slow
 def test_two_process_launch_prepares_the_missing_store_before_the_process_group(tmp_path):
-    # Tokenizing the stdlib corpus (6 s on an idle 2-core machine, more under load) takes longer than this
-    # collective timeout: had rank 1 waited for rank 0 in a barrier (the old main_process_first), the run
-    # would die with a gloo timeout. (Shorter would risk the run's ordinary collectives on a loaded machine.)
+    # Local rank 0's build is made to last longer than this collective timeout (a wrapper of run.py sleeps before
+    # the manifest is written): had rank 1 waited for rank 0 in a barrier (the old main_process_first), the run
+    # would die with a gloo timeout. (A shorter timeout would risk the run's ordinary collectives on a loaded
+    # machine.)
     timeout_s = 4
     store = tmp_path / "store"
     out = tmp_path / "run"
+    script = tmp_path / "slow_build_run.py"
+    script.write_text(SLOW_BUILD_RUN)
     proc = accelerate_launch("cpu_ddp.yaml", [*FAST, "batch.micro_batch_size=2", "train.max_steps=2",
                                               f"runtime.collective_timeout_s={timeout_s}", f"data.store={store}",
-                                              f"output_dir={out}", "checkpoint.save_final_model=false"])
+                                              f"output_dir={out}", "checkpoint.save_final_model=false"],
+                             script=[str(script)], extra_env={"SLOW_BUILD_S": str(timeout_s + 2)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     logs = proc.stdout + proc.stderr
     built = re.search(r"built in ([\d.]+)s at " + re.escape(str(store)), logs)

@@ -230,6 +230,30 @@ def test_stop_signals_are_recorded_inside_and_previous_handlers_restored_after()
         signal.signal(signal.SIGUSR1, previous)
 
 
+def test_ctrl_c_asks_for_a_checkpoint_and_a_second_ctrl_c_stops_at_once():
+    logged = []
+    with pytest.raises(KeyboardInterrupt), StopSignals(log=logged.append) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.interrupted and stop.agreed(SimpleNamespace(num_processes=1))
+        assert logged == ["SIGINT: stopping after the step in flight with a checkpoint (Ctrl-C again stops at once, "
+                          "losing the steps since the last checkpoint)"]
+        os.kill(os.getpid(), signal.SIGINT)
+        raise AssertionError("the second Ctrl-C did not stop the loop")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_is_left_alone_where_it_was_ignored():
+    """A run started in the background (`cmd &`, nohup) ignores SIGINT: a Ctrl-C meant for the shell must not stop it."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopSignals() as stop:
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGINT)
+            assert stop.received is None
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_stop_signal_handlers_are_restored_when_the_loop_raises():
     before = _handlers()
     with pytest.raises(RuntimeError, match="boom"), StopSignals():
@@ -363,6 +387,7 @@ import os, signal, sys
 from types import SimpleNamespace
 import torch.distributed as dist
 from pretrain.preemption import StopSignals
+from pretrain.supervise import leave
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -376,7 +401,7 @@ with StopSignals() as stop:
             break
 with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
     f.write(repr(answers))
-dist.destroy_process_group()
+leave(0)  # as a worker of pretrain leaves: no teardown for gloo's threads to abort (pretrain/supervise.py)
 """
 
 

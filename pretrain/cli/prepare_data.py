@@ -13,12 +13,13 @@ and `--finish` are the steps the array's jobs run.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from pretrain.cli import add_recipe_arguments
 from pretrain.cli.options import count
 from pretrain.config import load_recipe
-from pretrain.errors import EXIT_USAGE, ConfigError
+from pretrain.errors import EXIT_INTERRUPTED, EXIT_USAGE, ConfigError
 
 
 def prepare_commands(recipe_path: str, overrides: list[str], num_nodes: int, sbatch_args: list[str] = ()) -> str:
@@ -80,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=count(), default=None, metavar="N",
                         help="tokenizing processes on this machine (default: data.num_proc, else min(cores, 8))")
     prepare_slurm.add_arguments(parser)
+    parser.add_argument("--verify", action="store_true",
+                        help="check every shard file of a complete store against its manifest's SHA-256 (a damaged "
+                        "shard is named, exit 2); opening a store checks sizes, and checksums only up to 1 GiB")
     steps = parser.add_argument_group("the steps of an array build (what the SLURM jobs run)")
     steps.add_argument("--task", type=count(0), metavar="I", help="tokenize only the shards i with i mod --num-tasks == I")
     steps.add_argument("--num-tasks", type=count(), metavar="N", help="the number of tasks that share the shards")
@@ -101,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     from pretrain.cli import prepare_slurm
 
     args = build_parser().parse_intermixed_args(argv)
+    # SIGTERM (a scheduler, kill) stops the build as Ctrl-C does: the pool ended, one line on what was kept.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         check_steps(args)
         prepare_slurm.check_arguments(args)
@@ -120,12 +126,15 @@ def main(argv: list[str] | None = None) -> int:
             prepare_store_part(recipe.data, args.task, args.num_tasks, args.workers, progress=True)
             return 0
         if args.finish:
-            data = open_store(recipe.data, target=finish_store(recipe.data))
+            data = open_store(recipe.data, target=finish_store(recipe.data), checksums=args.verify or None)
         else:
-            data = prepare_data(recipe.data, num_workers=args.workers, progress=True)
+            data = prepare_data(recipe.data, num_workers=args.workers, progress=True, checksums=args.verify or None)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt as exc:  # build.BuildInterrupted says what was kept
+        print(f"interrupted: {exc}" if str(exc) else "interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(format_stats(data.stats))
     return 0
 

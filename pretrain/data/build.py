@@ -15,6 +15,7 @@ import itertools
 import multiprocessing
 import os
 import queue
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from pretrain.data.store import (
 )
 from pretrain.data.tokenizer import _load_saved_tokenizer
 from pretrain.errors import DataError
+from pretrain.supervise import die_with_parent
 
 ENCODE_BATCH_DOCS = 256
 PROGRESS_EVERY_DOCS = 2048
@@ -201,9 +203,19 @@ def tokenize_shard(spec: BuildSpec, shard: ShardPlan, report: Report) -> dict[st
 _worker_queue: Any = None
 
 
+class BuildInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM during a build; the message says what was kept and how to continue."""
+
+
 def _init_worker(progress_queue) -> None:
     global _worker_queue
     _worker_queue = progress_queue
+    # Ctrl-C reaches the whole foreground process group: the parent alone handles it (it terminates the pool and
+    # says what was kept); a worker would print a KeyboardInterrupt traceback each. A worker of a parent that was
+    # killed outright dies with it instead of writing on.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # forked with pretrain-prepare-data's handler; Pool.terminate's
+    die_with_parent()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # forked workers: one thread each, no fork warning
 
 
@@ -266,6 +278,10 @@ def build_shards(spec: BuildSpec, shards: list[ShardPlan], num_workers: int, log
                 records[shard.index] = tokenize_shard(spec, shard, bar)
         else:
             _run_pool(spec, todo, num_workers, bar, records)
+    except KeyboardInterrupt:
+        raise BuildInterrupted(
+            f"{len(records)} of {len(shards)} shards of the token store at {spec.store_dir} are complete and kept; "
+            "the same command tokenizes only the rest") from None
     finally:
         bar.close()
     return [records[s.index] for s in shards]

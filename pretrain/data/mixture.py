@@ -141,7 +141,8 @@ class MixtureData:
 
 
 def open_mixture(data_cfg: DataConfig, log: Log = print,
-                 prepare_command: str = "pretrain-prepare-data --recipe RECIPE") -> MixtureData:
+                 prepare_command: str = "pretrain-prepare-data --recipe RECIPE",
+                 checksums: bool | None = None) -> MixtureData:
     """Every source's store opened (StoreMissing if one is not prepared, DataError if one was made for other
     data or another tokenizer, the error naming the source)."""
     opened: dict[str, PackedData] = {}
@@ -150,7 +151,7 @@ def open_mixture(data_cfg: DataConfig, log: Log = print,
         log(f"data: source {source.name!r}, weight {source.weight:.4g}:")
         with _source(source.name):
             target = replace(source.target, tokenizer=source.target.tokenizer or tokenizer)
-            opened[source.name] = open_store(source.data_cfg, log, target, prepare_command)
+            opened[source.name] = open_store(source.data_cfg, log, target, prepare_command, checksums)
         tokenizer = tokenizer or opened[source.name].tokenizer
     weights = data_cfg.mixture_weights()
     first = next(iter(opened.values())).stats
@@ -171,12 +172,13 @@ def open_mixture(data_cfg: DataConfig, log: Log = print,
 
 
 def prepare_data(data_cfg: DataConfig, log: Log = print, num_workers: int | None = None,
-                 progress: bool = False) -> PackedData | MixtureData:
-    """The recipe's store(s), built first where needed, opened (see the pretrain.data docstring)."""
+                 progress: bool = False, checksums: bool | None = None) -> PackedData | MixtureData:
+    """The recipe's store(s), built first where needed, opened (see the pretrain.data docstring); ``checksums``:
+    True verifies every shard file's SHA-256 (pretrain-prepare-data --verify), None as open_store decides."""
     if data_cfg.mixture:
         prepare_mixture(data_cfg, num_workers, log, progress)
-        return open_mixture(data_cfg, log)
-    return open_store(data_cfg, log, prepare_store(data_cfg, num_workers, log, progress))
+        return open_mixture(data_cfg, log, checksums=checksums)
+    return open_store(data_cfg, log, prepare_store(data_cfg, num_workers, log, progress), checksums=checksums)
 
 
 def open_data(data_cfg: DataConfig, log: Log = print,

@@ -37,6 +37,7 @@ from pretrain.data.store import (
     _count_words,
     _read_json,
     _write_json,
+    check_files,
     split_rows,
     store_identity,
     token_dtype,
@@ -125,6 +126,7 @@ def _check_identity(target: StoreTarget, found: dict[str, Any], what: str, finge
 
 
 def _manifest(target: StoreTarget, fingerprints: bool = True) -> dict[str, Any] | None:
+    _refuse_foreign_directory(target.path)  # not its manifest.json either
     try:
         manifest = _read_json(target.path / MANIFEST)
     except FileNotFoundError:
@@ -162,9 +164,17 @@ def find_store(data_cfg: DataConfig, log: Log = print) -> StoreTarget:
 @contextlib.contextmanager
 def _store_lock(path: Path):
     """An exclusive lock beside the store (flock: released if the holder dies), so that two builders of one
-    store never run at once."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(f".{path.name}.lock"), "w") as handle:
+    store never run at once. A directory pretrain cannot write is one DataError naming it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_name(f".{path.name}.lock"), "w")
+    except OSError as exc:
+        raise DataError(
+            f"data: cannot write the token store at {path}: {exc.strerror} ({exc.filename}). Point data.store (or "
+            "data.cache_dir, or the PRETRAIN_CACHE_DIR environment variable) at a directory this user can write, "
+            "or prepare the store where it can be written and name it with data.store"
+        ) from None
+    with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -172,9 +182,21 @@ def _store_lock(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _refuse_foreign_directory(path: Path) -> None:
+    """pretrain writes only into a store it created: an existing, non-empty directory without the store's
+    build.json (written first, before any shard) is someone else's."""
+    if path.is_dir() and not (path / BUILD).is_file() and any(path.iterdir()):
+        raise DataError(
+            f"data: {path} already exists and is not a token store (no {BUILD}); pretrain does not write into a "
+            "directory it did not create. Point data.store at a new or empty directory, or at a store "
+            "pretrain-prepare-data built"
+        )
+
+
 def _set_up(target: StoreTarget, data_cfg: DataConfig, log: Log) -> BuildSpec:
     """build.json and the tokenizer written into the store (once; checked on a rerun): what every shard
     needs. The caller holds the store's lock."""
+    _refuse_foreign_directory(target.path)
     target.path.mkdir(parents=True, exist_ok=True)
     if (target.path / BUILD).is_file():
         _check_identity(target, _read_json(target.path / BUILD), "partly built store")
@@ -298,15 +320,20 @@ def _too_few_tokens(split: str, manifest: dict[str, Any], data_cfg: DataConfig) 
 
 
 def open_store(data_cfg: DataConfig, log: Log = print, target: StoreTarget | None = None,
-               prepare_command: str = "pretrain-prepare-data --recipe RECIPE") -> PackedData:
+               prepare_command: str = "pretrain-prepare-data --recipe RECIPE",
+               checksums: bool | None = None) -> PackedData:
     """The store's rows of seq_len + 1 tokens (memory-mapped) and its tokenizer; StoreMissing if it has not
-    been prepared, DataError if it was made for other data or another tokenizer."""
+    been prepared, DataError if it was made for other data or another tokenizer, or if its files are not what
+    its manifest promises (``store.check_files``: sizes always; ``checksums``, None: every SHA-256 of a store
+    up to VERIFY_ON_OPEN_MAX_BYTES)."""
     start = time.perf_counter()
     target = target or find_store(data_cfg, log)
     manifest = _manifest(target)
     if manifest is None:
         raise StoreMissing(f"data: no token store at {target.path} for data.source = {data_cfg.source!r} "
                            f"(tokenizer {target.build['tokenizer']['name']}); prepare it first: {prepare_command}")
+    # Every file's size (and, for a store up to VERIFY_ON_OPEN_MAX_BYTES, its SHA-256) against the manifest.
+    verified = check_files(target.path, manifest, checksums)
     row_len = data_cfg.seq_len + 1
     train = split_rows(target.path, manifest, "train", row_len, data_cfg.train_subset)
     val = split_rows(target.path, manifest, "val", row_len, data_cfg.val_subset)
@@ -329,7 +356,8 @@ def open_store(data_cfg: DataConfig, log: Log = print, target: StoreTarget | Non
     )
     bad = manifest.get("num_decode_errors", 0)
     log(f"data: {len(train):,} train / {len(val):,} val sequences of {row_len} tokens from the store at "
-        f"{target.path} ({len(manifest['shards'])} shard(s), {time.perf_counter() - start:.2f}s)"
+        f"{target.path} ({len(manifest['shards'])} shard(s), "
+        f"{'checksums' if verified else 'sizes'} verified, {time.perf_counter() - start:.2f}s)"
         + (f"; {bad:,} document(s) had non-UTF-8 bytes ({'replaced with U+FFFD' if data_cfg.on_decode_error == 'replace' else 'skipped'}, data.on_decode_error)"
            if bad else ""))
     return PackedData(train=train, val=val, tokenizer=tokenizer, stats=stats,
