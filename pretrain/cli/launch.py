@@ -8,6 +8,10 @@ batch size that does not divide for its world size, a DeepSpeed JSON that contra
 without a GPU) is reported here as one message with exit code 2. Then the command is exactly
 `accelerate launch <accelerate args> pretrain/run.py --recipe ... [overrides]`.
 
+The checkpoint the run would resume (checkpoint.resume, as rank 0 chooses it) is checked against the launch's
+layout by the function every process asks (reshard.plan_resume): a checkpoint no process could load is refused
+in about two seconds, with the pretrain-launch command that resumes it.
+
 Memory too: the estimator (pretrain/memory, as `pretrain-estimate` reports it) sizes one GPU's share of
 the run on the launch's layout and world size with the recipe's MBS and GAS. A run that does not fit the
 GPU is refused (exit 2) with the estimate, the GPU's capacity, and the best layout `pretrain-plan` finds
@@ -219,9 +223,10 @@ def preflight(accelerate_args: list[str], run_args: list[str], options: argparse
     recipe = load_recipe(recipe_path, recipe_overrides)
     cpu = "--cpu" in accelerate_args or _config_uses_cpu(option_value(accelerate_args, "--config_file"))
     check_environment(recipe, launch, gpu_launch=not cpu)
-    run_plan = check_run(recipe, launch)
-    # The checkpoint to resume against this launch, before transformers is imported (a refusal in ~2 s).
+    # The checkpoint to resume against this launch first: its refusal, with the command that resumes it, comes
+    # in ~2 s (before torch._dynamo, which the optimizer check imports, and transformers).
     check_resume(recipe, launch, accelerate_args, run_args, options, cpu)
+    run_plan = check_run(recipe, launch)
     # A model config transformers cannot build is refused here, not in every process; the attention kernel is
     # the nodes' to check (this machine may lack flash-attn).
     from pretrain.model import meta_model
@@ -270,7 +275,7 @@ def resuming_command(refusal, checkpoint, recipe, launch: Launch, accelerate_arg
     import torch
 
     from pretrain.launch import Launch
-    from pretrain.preflight import check_run
+    from pretrain.preflight import check_layout
     from pretrain.reshard import plan_resume
 
     saved = refusal.saved
@@ -289,7 +294,7 @@ def resuming_command(refusal, checkpoint, recipe, launch: Launch, accelerate_arg
     args = _without_engine_options(accelerate_args) + ["--num_processes", str(world)]
     try:
         resuming = Launch.from_accelerate_config(config, args)
-        check_run(recipe, resuming)
+        check_layout(recipe, resuming)  # what the launch changes; the rest of check_run is the recipe's alone
         plan_resume(checkpoint, resuming)
     except ConfigError:
         return None
