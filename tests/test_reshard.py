@@ -445,6 +445,8 @@ def test_ddp_resumes_across_one_and_several_processes_continue_the_curve(ddp_res
     for name, first, world in [("1 -> 2 processes", 3, 2), ("2 -> 3 processes", 5, 3), ("2 -> 1 process", 5, 1)]:
         curve = {m["step"]: m for m in metrics(runs[name]) if "train/loss" in m}
         assert sorted(curve) == list(range(first, 7)), name
+        worst = max(abs(m["train/loss"] / reference[step]["train/loss"] - 1) for step, m in curve.items())
+        print(f"{name}: steps {sorted(curve)}, largest relative loss difference {worst:.1e}")
         for step, m in curve.items():
             assert m["train/loss"] == pytest.approx(reference[step]["train/loss"], rel=1e-5), (name, step)
             assert m["train/lr"] == pytest.approx(reference[step]["train/lr"], rel=1e-9), (name, step)
@@ -461,6 +463,7 @@ def test_pretrain_launch_refuses_the_one_process_checkpoint_under_zero2_in_secon
     """Exit 2 before any process starts, in under 5 s, naming the layouts, and a command that works when run
     (it produced the 1 -> 2 processes curve above)."""
     runs, _, refused, refused_s, suggested = ddp_resumes
+    print(f"refused in {refused_s:.2f}s (exit {refused.returncode}):\n{refused.stderr}")
     assert refused.returncode == 2 and refused_s < 5.0, (refused.returncode, refused_s, refused.stderr)
     assert "Traceback" not in refused.stderr and "launch: " not in refused.stdout
     assert ("written by one process" in refused.stderr and "DeepSpeed ZeRO-2 on 2 processes" in refused.stderr)
