@@ -20,12 +20,12 @@ number in ``trainer_state.json``. What does depend on it is how the state was wr
   world size changes every process is re-seeded from (seed, step, process index) after the load instead.
 
 The saved layout is read from the checkpoint (``trainer_state.json``'s ``layout``; for checkpoints written
-before it was recorded, from the files) and compared with the launch before any process group exists:
-an impossible combination is refused there. The conversion runs on global rank 0 under a temporary name
-and is renamed into place when complete; the other processes wait for it on the shared filesystem, still
-before any process group, so a conversion that outlasts a collective timeout (minutes for a 7B model)
-cannot kill the job. A converted sibling is stamped with its checkpoint's save time and reused while the
-stamp matches.
+before it was recorded, from the files) and compared with the launch by ``plan_resume``, which pretrain-launch
+asks before any process starts and every process asks before its process group exists: an impossible
+combination is refused there. The conversion runs on global rank 0 under a temporary name and is renamed
+into place when complete; the other processes wait for it on the shared filesystem, still before any process
+group, so a conversion that outlasts a collective timeout (minutes for a 7B model) cannot kill the job. A
+converted sibling is stamped with its checkpoint's save time and reused while the stamp matches.
 
 ``full_state_dict`` reads the full fp32 weights of a checkpoint of any layout, with no process group.
 """

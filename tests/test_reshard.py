@@ -1,9 +1,12 @@
-"""Resume on another layout (pretrain/reshard.py) and pretrain-export's argument checks.
+"""Resume on another layout (pretrain/reshard.py), pretrain-launch's check of it, and pretrain-export's argument
+checks.
 
-The decisions are pure file reads and are tested here on hand-made checkpoint directories; the real
-conversions and continued curves are in the slow tests at the end (a 2-process ZeRO-2 run resumed on 1 and
-on 3 processes; 2-process ZeRO-3 and FSDP runs resumed on 3) and in tests/test_distributed.py (exports of the
-shared curves' checkpoints, FSDP's among them)."""
+The decisions are pure file reads and are tested here on hand-made checkpoint directories (pretrain-launch's
+refusals too, each with the command it prints, which must pass); the real conversions and continued curves
+are in the slow tests at the end (a 2-process ZeRO-2 run resumed on 1 and on 3 processes; 2-process ZeRO-3
+and FSDP runs resumed on 3; DDP 1 -> 2 -> 3 and 2 -> 1 processes, the first through the command
+pretrain-launch's refusal prints) and in tests/test_distributed.py (exports of the shared curves'
+checkpoints, FSDP's among them)."""
 
 from __future__ import annotations
 
