@@ -246,6 +246,14 @@ def test_pretrain_launch_refuses_zero0_on_another_count_naming_the_saved_one(tmp
     assert code == 2 and "ZeRO-0 on 2 processes as saved" in err and "This launch" not in err
 
 
+def test_pretrain_launch_refuses_an_nvme_offloaded_checkpoint_on_another_count(tmp_path, capsys, monkeypatch):
+    saved = Launch("deepspeed", zero_stage=2, offload_optimizer="nvme", gpus_per_node=2)
+    ckpt = make_checkpoint(tmp_path / "c", world=2, layout=saved.to_dict())
+    code, err, _ = preflight(capsys, monkeypatch, "--config_file", str(CONFIGS / "zero2.yaml"), "--num_processes",
+                             "3", "--recipe", TINY, *SMALL, f"output_dir={tmp_path / 'run'}", f"checkpoint.resume={ckpt}")
+    assert code == 2 and "NVMe" in err and "This launch" not in err
+
+
 def test_pretrain_launch_passes_the_changes_a_resume_converts(tmp_path, capsys, monkeypatch):
     """ZeRO-2 on 2 processes -> ZeRO-1 on 3 (a universal checkpoint) is decided supported before any process
     starts, and converts nothing there (the run converts, on rank 0)."""

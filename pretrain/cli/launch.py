@@ -285,6 +285,8 @@ def resuming_command(refusal, checkpoint, recipe, launch: Launch, accelerate_arg
             ("cpu.yaml" if cpu else "single_gpu.yaml")
     elif saved.engine == "fsdp":
         name = "fsdp.yaml"
+    elif saved.offload_optimizer == "nvme":
+        return None  # the shipped configs offload no state to NVMe; the refusal names what to keep
     elif saved.zero_stage in (None, 1, 2, 3):
         name = f"zero{saved.zero_stage or 2}.yaml"
     else:
