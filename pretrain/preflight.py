@@ -27,17 +27,27 @@ class RunPlan:
 def check_run(recipe: Recipe, launch: Launch) -> RunPlan:
     """Raise one ConfigError for the first section that cannot run on ``launch``; else the plan."""
     from pretrain.loss import resolve_loss
-    from pretrain.optim import check_optimizer_args, check_schedule, scaled_lr
+    from pretrain.optim import check_optimizer_args, check_schedule
+
+    batch, lr = check_layout(recipe, launch)
+    num_steps = num_training_steps(recipe.train.max_steps, recipe.train.max_tokens, batch)
+    check_optimizer_args(recipe.optim, lr)
+    check_schedule(recipe.lr_schedule, num_steps)
+    if recipe.model.loss != "auto":  # auto always resolves; an explicit liger (or plain) may not run here
+        resolve_loss(recipe, launch)
+    return RunPlan(launch, batch, num_steps, lr)
+
+
+def check_layout(recipe: Recipe, launch: Launch) -> tuple[BatchPlan, float]:
+    """The checks of ``check_run`` that depend on the launch's layout, and no torch optimizer (building one
+    imports torch._dynamo: seconds): the batch plan for its world size, the precision on its engine and
+    device, a DeepSpeed JSON against the recipe. The batch plan and the peak lr."""
+    from pretrain.optim import scaled_lr
     from pretrain.runtime import check_precision, deepspeed_config
 
     batch = plan_batches(recipe.batch, launch.world_size, recipe.data.seq_len)
-    num_steps = num_training_steps(recipe.train.max_steps, recipe.train.max_tokens, batch)
     lr = scaled_lr(recipe.optim, batch.global_batch_size)
-    check_optimizer_args(recipe.optim, lr)
-    check_schedule(recipe.lr_schedule, num_steps)
     check_precision(recipe, launch)
-    if recipe.model.loss != "auto":  # auto always resolves; an explicit liger (or plain) may not run here
-        resolve_loss(recipe, launch)
     if launch.uses_deepspeed:
         deepspeed_config(recipe, batch, launch, lr)  # the user's JSON against the recipe: conflicts are errors
-    return RunPlan(launch, batch, num_steps, lr)
+    return batch, lr

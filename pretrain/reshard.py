@@ -11,20 +11,21 @@ number in ``trainer_state.json``. What does depend on it is how the state was wr
   Refused: ZeRO-1/2 <-> ZeRO-3 (the converter writes the two kinds' optimizer states in different formats
   and the stage-3 loader reads only its own; deepspeed 0.19.8), ZeRO-0 (no ZeRO optimizer to convert
   from or to) and NVMe-offloaded states (they live outside the checkpoint).
-- DDP / one process: the state is complete, but accelerate saves the model as it is wrapped: keys start
-  with ``module.`` under DDP (more than one process) and not in one process. Between those two the
-  sibling ``<checkpoint>.ddp/`` or ``<checkpoint>.single/`` holds the renamed weights (other files linked).
+- DDP / one process: the state is complete and loads on any number of processes. accelerate registers a
+  model before wrapping it in DDP and saves and loads that registered module, so the keys are the model's
+  own on any process count; a file whose keys carry DDP's ``module.`` prefix (written by other tools) is
+  renamed once into the sibling ``<checkpoint>.single/`` (other files linked).
 - FSDP: torch.distributed.checkpoint reshards on load; nothing to convert.
 - Each process's RNG file (``random_states_{i}.pkl``) belongs to a process of the old layout; when the
   world size changes every process is re-seeded from (seed, step, process index) after the load instead.
 
 The saved layout is read from the checkpoint (``trainer_state.json``'s ``layout``; for checkpoints written
-before it was recorded, from the files) and compared with the launch before any process group exists:
-an impossible combination is refused there. The conversion runs on global rank 0 under a temporary name
-and is renamed into place when complete; the other processes wait for it on the shared filesystem, still
-before any process group, so a conversion that outlasts a collective timeout (minutes for a 7B model)
-cannot kill the job. A converted sibling is stamped with its checkpoint's save time and reused while the
-stamp matches.
+before it was recorded, from the files) and compared with the launch by ``plan_resume``, which pretrain-launch
+asks before any process starts and every process asks before its process group exists: an impossible
+combination is refused there. The conversion runs on global rank 0 under a temporary name and is renamed
+into place when complete; the other processes wait for it on the shared filesystem, still before any process
+group, so a conversion that outlasts a collective timeout (minutes for a 7B model) cannot kill the job. A
+converted sibling is stamped with its checkpoint's save time and reused while the stamp matches.
 
 ``full_state_dict`` reads the full fp32 weights of a checkpoint of any layout, with no process group.
 """
@@ -55,8 +56,9 @@ MODEL_FILE = "model.safetensors"  # accelerate save_state: the model of a DDP / 
 FSDP_SHARDED_DIR = "pytorch_model_fsdp_0"  # accelerate save_state: FSDP SHARDED_STATE_DICT (DCP)
 FSDP_FULL_FILE = "pytorch_model_fsdp.bin"  # accelerate save_state: FSDP FULL_STATE_DICT
 STAMP_FILE = "converted_from.json"
-UNIVERSAL, DDP_KEYS, SINGLE_KEYS = "universal", "ddp", "single"  # the sibling's suffix: what it holds
-VIEW_SUFFIXES = (UNIVERSAL, DDP_KEYS, SINGLE_KEYS)
+UNIVERSAL, SINGLE_KEYS = "universal", "single"  # the sibling's suffix: what it holds
+# ".ddp" siblings (keys given the "module." prefix) were written by earlier versions: still deleted with their checkpoint
+VIEW_SUFFIXES = (UNIVERSAL, "ddp", SINGLE_KEYS)
 WAIT_TIMEOUT_S = 4 * 3600.0  # the other processes wait this long for rank 0's conversion
 DEEPSPEED_CONFIGS = "accelerate_configs/zero1.yaml, zero2.yaml or zero3.yaml"
 
@@ -112,16 +114,25 @@ def saved_layout(checkpoint: Path, state: dict[str, Any]) -> Layout:
     return Layout("ddp", world)
 
 
+class LayoutRefused(ConfigError):
+    """A checkpoint this launch cannot resume. ``saved``: the layout that wrote it; ``same_world``: it resumes
+    only on its own number of processes (ZeRO-0). pretrain-launch turns these into a command that resumes it."""
+
+    def __init__(self, message: str, saved: Layout, *, same_world: bool = False):
+        super().__init__(message)
+        self.saved, self.same_world = saved, same_world
+
+
 def conversion(checkpoint: Path, saved: Layout, target: Layout) -> str | None:
     """What resuming ``checkpoint`` (written by ``saved``) under ``target`` needs: None (load as it is),
-    UNIVERSAL (DeepSpeed universal checkpoint), or ConfigError naming what to do instead.
-    (DDP key renaming is decided from the weights file itself, see ``prepare_resume``.)"""
+    UNIVERSAL (DeepSpeed universal checkpoint), or LayoutRefused naming what to do instead.
+    (DDP key renaming is decided from the weights file itself, see ``plan_resume``.)"""
     if saved.engine != target.engine:
-        raise ConfigError(
+        raise LayoutRefused(
             f"cannot resume {checkpoint} with {target.describe()}: it was written by {saved.describe()}, and "
             f"its optimizer state ({_ENGINE_FORMAT[saved.engine]}) loads only there. Resume it with "
             f"{_ENGINE_LAUNCH[saved.engine]} (any number of processes), or take its weights alone as a "
-            f"transformers model with pretrain-export {checkpoint} <dir>"
+            f"transformers model with pretrain-export {checkpoint} <dir>", saved
         )
     if saved.engine != "deepspeed":
         return None
@@ -130,24 +141,24 @@ def conversion(checkpoint: Path, saved: Layout, target: Layout) -> str | None:
         return None
     change = f"{saved.describe()} -> {target.describe()}"
     if 0 in (saved.zero_stage, target.zero_stage):
-        raise ConfigError(
+        raise LayoutRefused(
             f"cannot resume {checkpoint} across {change}: DeepSpeed's universal checkpoint converts and restores "
             "optimizer states through a ZeRO optimizer (stage 1-3), and ZeRO-0 has none. Resume it with ZeRO-"
             f"{saved.zero_stage} on {saved.world_size} processes as saved, or take its weights with "
-            f"pretrain-export {checkpoint} <dir>"
+            f"pretrain-export {checkpoint} <dir>", saved, same_world=saved.zero_stage == 0
         )
     if (saved.zero_stage == 3) != (target.zero_stage == 3):
-        raise ConfigError(
+        raise LayoutRefused(
             f"cannot resume {checkpoint} across {change}: DeepSpeed's universal checkpoint (deepspeed "
             f"{_deepspeed_version()}) writes ZeRO-3 and ZeRO-1/2 optimizer states in different formats and "
             f"loads each only into its own kind. Resume it with {_same_kind(saved)} on any number of processes, "
-            f"or take its weights with pretrain-export {checkpoint} <dir>"
+            f"or take its weights with pretrain-export {checkpoint} <dir>", saved
         )
     if "nvme" in (saved.offload_optimizer, target.offload_optimizer):
-        raise ConfigError(
+        raise LayoutRefused(
             f"cannot resume {checkpoint} across {change} with NVMe optimizer offload: DeepSpeed keeps those "
             "states per rank outside the universal checkpoint. Resume with the saved layout and offload, or use "
-            "offload_optimizer_device: cpu / none on both sides"
+            "offload_optimizer_device: cpu / none on both sides", saved, same_world=True
         )
     return UNIVERSAL
 
@@ -193,24 +204,43 @@ def views(checkpoint: Path) -> list[Path]:
     return [p for kind in VIEW_SUFFIXES if (p := view_path(checkpoint, kind)).exists()]
 
 
-def prepare_resume(checkpoint: Path, launch: Launch, log: Log = print) -> ResumeSource:
-    """Check that ``checkpoint`` can be resumed under ``launch`` and convert it if needed (rank 0 converts,
-    the others wait for the result). Plain file reads; call before any process group exists."""
+@dataclass(frozen=True)
+class ResumePlan:
+    """The decision for one checkpoint under one launch: what the run does, and what pretrain-launch checks."""
+
+    checkpoint: Path
+    saved: Layout
+    target: Layout
+    kind: str | None  # the sibling to convert into (UNIVERSAL, SINGLE_KEYS), or None: load the checkpoint itself
+
+    @property
+    def world_changed(self) -> bool:
+        return self.saved.world_size != self.target.world_size
+
+
+def plan_resume(checkpoint: Path, launch: Launch) -> ResumePlan:
+    """How ``checkpoint`` resumes under ``launch``, or LayoutRefused: plain file reads (the trainer state, a
+    safetensors header), no conversion. The run (``prepare_resume``) and pretrain-launch's check before any
+    process starts both decide here, so they cannot disagree."""
     state = read_state(checkpoint)
     assert state is not None, f"{checkpoint} is not a complete checkpoint"
     saved, target = saved_layout(checkpoint, state), Layout.of(launch)
     kind = conversion(checkpoint, saved, target)
-    if kind is None and saved.engine == "ddp" and saved != target:
-        # The same layout reads back what it wrote; a renaming is only for another process count, and whether
-        # the saved keys carry DDP's "module." prefix is read from the file, not assumed from the world size
-        # (checkpoints of this version have none on any process count, local or a 2-node SLURM job alike;
-        # a prefixed file from elsewhere is renamed for one process).
-        kind = _ddp_keys_kind(checkpoint, target)
-    world_changed = saved.world_size != target.world_size
+    if saved.engine == "ddp":
+        kind = _ddp_keys_kind(checkpoint)
+    return ResumePlan(checkpoint, saved, target, kind)
+
+
+def prepare_resume(checkpoint: Path, launch: Launch, log: Log = print) -> ResumeSource:
+    """Check that ``checkpoint`` can be resumed under ``launch`` and convert it if needed (rank 0 converts,
+    the others wait for the result). Plain file reads; call before any process group exists."""
+    plan = plan_resume(checkpoint, launch)
+    saved, target, kind, world_changed = plan.saved, plan.target, plan.kind, plan.world_changed
     if kind is None:
-        if world_changed or saved != target:
+        if saved != target:
             log(f"resume: {checkpoint} was written by {saved.describe()}; loading it with {target.describe()}")
         return ResumeSource(checkpoint, checkpoint, saved, world_changed=world_changed)
+    state = read_state(checkpoint)
     view = view_path(checkpoint, kind)
     stamp = {"checkpoint": checkpoint.name, "saved_at": state.get("saved_at"), "step": state["step"], "kind": kind}
     if _stamp(view) == stamp:
@@ -222,9 +252,12 @@ def prepare_resume(checkpoint: Path, launch: Launch, log: Log = print) -> Resume
     return ResumeSource(checkpoint, view, saved, load_universal=kind == UNIVERSAL, world_changed=world_changed)
 
 
-def _ddp_keys_kind(checkpoint: Path, target: Layout) -> str | None:
-    """accelerate saves a DDP model's ``module.``-prefixed keys; a process count across 1 <-> many needs
-    them renamed (the safetensors header is read, not the weights)."""
+def _ddp_keys_kind(checkpoint: Path) -> str | None:
+    """SINGLE_KEYS when the saved weights carry DDP's ``module.`` prefix, else None (the safetensors header is
+    read, not the weights). accelerate's ``prepare`` registers the model before wrapping it in DDP, and
+    ``save_state`` / ``load_state`` use the registered module: the keys it reads and writes are the model's
+    own on one process and on many alike, so only a prefixed file from elsewhere needs renaming, for any
+    process count (tests/test_reshard.py resumes 1 -> 2, 2 -> 3 and 2 -> 1 processes end to end)."""
     from safetensors import safe_open
 
     weights = checkpoint / MODEL_FILE
@@ -232,10 +265,7 @@ def _ddp_keys_kind(checkpoint: Path, target: Layout) -> str | None:
         return None  # .bin weights (safe_serialization=False): accelerate reports what it cannot load
     with safe_open(str(weights), framework="pt") as f:
         prefixed = any(key.startswith("module.") for key in f.keys())
-    wrapped = target.engine == "ddp" and target.world_size > 1
-    if prefixed == wrapped:
-        return None
-    return DDP_KEYS if wrapped else SINGLE_KEYS
+    return SINGLE_KEYS if prefixed else None
 
 
 def _stamp(view: Path) -> dict[str, Any] | None:
@@ -272,7 +302,7 @@ def _convert(checkpoint: Path, view: Path, kind: str, stamp: dict, saved: Layout
             with weights_only(checkpoint):  # DeepSpeed's converter loads with weights_only=False
                 _to_universal(checkpoint / DEEPSPEED_DIR, tmp / DEEPSPEED_DIR)
         else:
-            _rename_keys(checkpoint / MODEL_FILE, tmp / MODEL_FILE, prefixed=kind == DDP_KEYS)
+            _strip_ddp_prefix(checkpoint / MODEL_FILE, tmp / MODEL_FILE)
         (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=1, sort_keys=True))
         if view.exists():
             shutil.rmtree(view)  # converted from an earlier save of the same step
@@ -308,11 +338,11 @@ def _to_universal(deepspeed_dir: Path, out: Path) -> None:
         ds_to_universal.main(args)
 
 
-def _rename_keys(source: Path, dest: Path, *, prefixed: bool) -> None:
+def _strip_ddp_prefix(source: Path, dest: Path) -> None:
     from safetensors.torch import load_file, save_file
 
     weights = load_file(str(source))
-    renamed = {("module." + k if prefixed else k.removeprefix("module.")): v for k, v in weights.items()}
+    renamed = {k.removeprefix("module."): v for k, v in weights.items()}
     save_file(renamed, str(dest), metadata={"format": "pt"})
 
 

@@ -1,13 +1,19 @@
-"""Resume on another layout (pretrain/reshard.py) and pretrain-export's argument checks.
+"""Resume on another layout (pretrain/reshard.py), pretrain-launch's check of it, and pretrain-export's argument
+checks.
 
-The decisions are pure file reads and are tested here on hand-made checkpoint directories; the real
-conversions and continued curves are in the slow tests at the end (a 2-process ZeRO-2 run resumed on 1 and
-on 3 processes; 2-process ZeRO-3 and FSDP runs resumed on 3) and in tests/test_distributed.py (exports of the
-shared curves' checkpoints, FSDP's among them)."""
+The decisions are pure file reads and are tested here on hand-made checkpoint directories (pretrain-launch's
+refusals too, each with the command it prints, which must pass); the real conversions and continued curves
+are in the slow tests at the end (a 2-process ZeRO-2 run resumed on 1 and on 3 processes; 2-process ZeRO-3
+and FSDP runs resumed on 3; DDP 1 -> 2 -> 3 and 2 -> 1 processes, the first through the command
+pretrain-launch's refusal prints) and in tests/test_distributed.py (exports of the shared curves'
+checkpoints, FSDP's among them)."""
 
 from __future__ import annotations
 
 import json
+import shlex
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +26,17 @@ from pretrain.cli import export
 from pretrain.errors import ConfigError
 from pretrain.launch import Launch
 from pretrain.reshard import UNIVERSAL, Layout, conversion, prepare_resume, saved_layout
-from tests.helpers import FAST, accelerate_launch, check_ok, metrics, train
+from tests.helpers import (
+    FAST,
+    ROOT,
+    TINY,
+    accelerate_launch,
+    check_ok,
+    free_port,
+    metrics,
+    run_cmd,
+    train,
+)
 
 DS2_W2 = Layout("deepspeed", 2, 2)
 
@@ -94,23 +110,23 @@ def test_impossible_combinations_are_refused_with_what_to_do(saved, target, word
         assert word in str(info.value)
 
 
-def _ddp_checkpoint(tmp_path: Path, prefixed: bool) -> Path:
-    ckpt = make_checkpoint(tmp_path / "checkpoints" / "step_00000003", world=2 if prefixed else 1,
+def _ddp_checkpoint(tmp_path: Path, prefixed: bool, world: int = 2) -> Path:
+    ckpt = make_checkpoint(tmp_path / "checkpoints" / "step_00000003", world=world,
                            files=["optimizer.bin", "scheduler.bin", "random_states_0.pkl"])
     save_file({("module." if prefixed else "") + "w": torch.arange(4.0)}, str(ckpt / "model.safetensors"))
     return ckpt
 
 
-@pytest.mark.parametrize("prefixed, world, kind", [(True, 1, "single"), (False, 3, "ddp")])
-def test_ddp_weights_are_renamed_across_one_and_many_processes_and_reused(tmp_path, prefixed, world, kind):
-    """accelerate saves a DDP model with ``module.`` keys and a single process's without; loading one into the
-    other fails on the keys, so the weights are renamed into a sibling (the rest linked)."""
-    ckpt = _ddp_checkpoint(tmp_path, prefixed)
+@pytest.mark.parametrize("world", [1, 3])
+def test_ddp_weights_with_the_module_prefix_are_renamed_for_any_process_count_and_reused(tmp_path, world):
+    """accelerate saves and loads the model it registered before wrapping it in DDP (its own keys on any process
+    count); weights whose keys carry DDP's ``module.`` are renamed into a sibling (the rest linked)."""
+    ckpt = _ddp_checkpoint(tmp_path, prefixed=True)
     logged = []
     source = prepare_resume(ckpt, Launch("ddp", gpus_per_node=world), log=logged.append)
-    assert source.load_dir == ckpt.with_name(f"step_00000003.{kind}") and source.world_changed
-    assert not source.load_universal
-    assert list(load_file(str(source.load_dir / "model.safetensors"))) == ["module.w" if world > 1 else "w"]
+    assert source.load_dir == ckpt.with_name("step_00000003.single")
+    assert source.world_changed == (world != 2) and not source.load_universal
+    assert list(load_file(str(source.load_dir / "model.safetensors"))) == ["w"]
     assert {p.name for p in source.load_dir.iterdir()} == {"model.safetensors", "optimizer.bin", "scheduler.bin",
                                                           "random_states_0.pkl", "converted_from.json"}
     assert "converting" in logged[0] and "trainer_state.json" not in {p.name for p in source.load_dir.iterdir()}
@@ -121,9 +137,18 @@ def test_ddp_weights_are_renamed_across_one_and_many_processes_and_reused(tmp_pa
     assert again == source and "reusing" in logged[-1]
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_ddp_weights_as_accelerate_saves_them_load_as_they_are_on_any_process_count(tmp_path, world):
+    ckpt = _ddp_checkpoint(tmp_path, prefixed=False, world=1)
+    source = prepare_resume(ckpt, Launch("ddp", gpus_per_node=world), log=lambda _: None)
+    assert (source.load_dir, source.world_changed) == (ckpt, world != 1)
+    assert reshard.views(ckpt) == []
+
+
 def test_a_converted_sibling_of_an_earlier_save_is_not_reused(tmp_path):
     ckpt = _ddp_checkpoint(tmp_path, prefixed=True)
     first = prepare_resume(ckpt, Launch("ddp"), log=lambda _: None)
+    assert first.load_dir != ckpt
     state = json.loads((ckpt / "trainer_state.json").read_text())
     (ckpt / "trainer_state.json").write_text(json.dumps({**state, "saved_at": 2.0}))  # the step saved again
     logged = []
@@ -133,12 +158,13 @@ def test_a_converted_sibling_of_an_earlier_save_is_not_reused(tmp_path):
 
 
 def test_same_layout_loads_the_checkpoint_itself_quietly(tmp_path):
-    ckpt = _ddp_checkpoint(tmp_path, prefixed=True)
+    ckpt = _ddp_checkpoint(tmp_path, prefixed=False, world=2)
     logged = []
     source = prepare_resume(ckpt, Launch("ddp", gpus_per_node=2), log=logged.append)
     assert (source.load_dir, source.world_changed, logged) == (ckpt, False, [])
     three = prepare_resume(ckpt, Launch("ddp", gpus_per_node=3), log=logged.append)
     assert three.load_dir == ckpt and three.world_changed  # the RNG files of 2 processes are not used by 3
+    assert "written by DDP on 2 processes; loading it with DDP on 3 processes" in logged[-1]
 
 
 def test_other_processes_wait_for_rank0s_conversion_and_report_its_failure(tmp_path):
@@ -166,6 +192,85 @@ def test_converted_siblings_go_with_their_checkpoint(tmp_path):
     (tmp_path / "checkpoints" / "step_00000003.single").mkdir()
     checkpointer.save(TrainerState(step=6, tokens_seen=6, num_steps=10, plan={}, recipe={}))
     assert sorted(p.name for p in first.parent.iterdir()) == ["latest", "step_00000006"]
+
+
+# ---- pretrain-launch: the same decision before any process starts ----------------------------------------
+CONFIGS = ROOT / "accelerate_configs"
+# GBS 6 divides over 1, 2 and 3 processes (MBS 1).
+SMALL = [*FAST, "batch.global_batch_size=6", "batch.micro_batch_size=1"]
+
+
+def preflight(capsys, monkeypatch, *argv: str) -> tuple[int, str, list]:
+    """pretrain-launch in this process: its exit code, stderr, and the command it would exec."""
+    from pretrain.cli import launch as launch_cli
+
+    execs = []
+    monkeypatch.setattr(launch_cli.os, "execve", lambda path, argv, environment: execs.append(argv))
+    code = launch_cli.main(list(argv))
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return code, err, execs
+
+
+@pytest.mark.parametrize("saved, config, num, resumed_by", [
+    (Launch("ddp"), "zero2.yaml", 2, "cpu_ddp.yaml --num_processes 2"),  # the demo's checkpoint under ZeRO-2
+    (Launch("ddp"), "fsdp.yaml", 3, "cpu_ddp.yaml --num_processes 3"),
+    (Launch("ddp", gpus_per_node=2), "zero3.yaml", 1, "cpu.yaml --num_processes 1"),
+    (Launch("deepspeed", zero_stage=2, gpus_per_node=2), "cpu_ddp.yaml", 2, "zero2.yaml --num_processes 2"),
+    (Launch("deepspeed", zero_stage=2, gpus_per_node=2), "zero3.yaml", 3, "zero2.yaml --num_processes 3"),
+    (Launch("deepspeed", zero_stage=3, gpus_per_node=2), "zero1.yaml", 1, "zero3.yaml --num_processes 1"),
+    (Launch("fsdp", gpus_per_node=2), "zero2.yaml", 2, "fsdp.yaml --num_processes 2"),
+])
+def test_pretrain_launch_refuses_a_checkpoint_of_another_kind_with_a_command_that_passes(
+        tmp_path, capsys, monkeypatch, saved, config, num, resumed_by):
+    """Found as the run finds it (checkpoint.resume=auto: output_dir's latest), decided as the run decides it;
+    the command printed passes the same checks and reaches accelerate launch."""
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "run"
+    make_checkpoint(out / "checkpoints" / "step_00000003", world=saved.world_size, layout=saved.to_dict())
+    code, err, execs = preflight(capsys, monkeypatch, "--config_file", str(CONFIGS / config), "--num_processes",
+                                 str(num), "--recipe", TINY, *SMALL, f"output_dir={out}")
+    assert code == 2 and execs == [], err
+    assert Layout.of(saved).describe() in err and "pretrain-export" in err
+    command = shlex.split(err.splitlines()[-1])
+    assert err.splitlines()[-2] == "This launch resumes it:" and command[0] == "pretrain-launch"
+    assert shlex.join(command[1:5]) == f"--config_file accelerate_configs/{resumed_by}", command
+    code, err, execs = preflight(capsys, monkeypatch, *command[1:])
+    assert code == 0 and len(execs) == 1, err
+
+
+def test_pretrain_launch_refuses_zero0_on_another_count_naming_the_saved_one(tmp_path, capsys, monkeypatch):
+    ckpt = make_checkpoint(tmp_path / "c", world=2, layout=Launch("deepspeed", zero_stage=0, gpus_per_node=2).to_dict())
+    code, err, _ = preflight(capsys, monkeypatch, "--config_file", str(CONFIGS / "zero2.yaml"), "--num_processes",
+                             "3", "--recipe", TINY, *SMALL, f"output_dir={tmp_path / 'run'}", f"checkpoint.resume={ckpt}")
+    assert code == 2 and "ZeRO-0 on 2 processes as saved" in err and "This launch" not in err
+
+
+def test_pretrain_launch_refuses_an_nvme_offloaded_checkpoint_on_another_count(tmp_path, capsys, monkeypatch):
+    saved = Launch("deepspeed", zero_stage=2, offload_optimizer="nvme", gpus_per_node=2)
+    ckpt = make_checkpoint(tmp_path / "c", world=2, layout=saved.to_dict())
+    code, err, _ = preflight(capsys, monkeypatch, "--config_file", str(CONFIGS / "zero2.yaml"), "--num_processes",
+                             "3", "--recipe", TINY, *SMALL, f"output_dir={tmp_path / 'run'}", f"checkpoint.resume={ckpt}")
+    assert code == 2 and "NVMe" in err and "This launch" not in err
+
+
+def test_pretrain_launch_passes_the_changes_a_resume_converts(tmp_path, capsys, monkeypatch):
+    """ZeRO-2 on 2 processes -> ZeRO-1 on 3 (a universal checkpoint) is decided supported before any process
+    starts, and converts nothing there (the run converts, on rank 0)."""
+    ckpt = make_checkpoint(tmp_path / "c", world=2, layout=Launch("deepspeed", zero_stage=2, gpus_per_node=2).to_dict())
+    code, err, execs = preflight(capsys, monkeypatch, "--config_file", str(CONFIGS / "zero1.yaml"), "--num_processes",
+                                 "3", "--recipe", TINY, *SMALL, f"output_dir={tmp_path / 'run'}",
+                                 f"checkpoint.resume={ckpt}")
+    assert code == 0 and len(execs) == 1, err
+    assert reshard.views(ckpt) == []
+
+
+def test_pretrain_launch_refuses_what_the_run_would_refuse_about_its_checkpoints(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    make_checkpoint(out / "checkpoints" / "step_00000003", world=1, layout=Launch("ddp").to_dict())
+    code, err, _ = preflight(capsys, monkeypatch, "--config_file", str(CONFIGS / "cpu.yaml"), "--recipe", TINY,
+                             *SMALL, f"output_dir={out}", "checkpoint.resume=none")
+    assert code == 2 and "checkpoint.resume=none but" in err
 
 
 # ---- pretrain-export: bad input --------------------------------------------------------------------------
@@ -297,3 +402,82 @@ def test_sharded_checkpoint_of_2_processes_continues_on_3_on_the_same_curve(resh
         assert "converting" not in logs[layout]
     state = json.loads((runs[layout, 3] / "checkpoints" / "step_00000006" / "trainer_state.json").read_text())
     assert state["layout"]["world_size"] == 3
+
+
+# ---- real runs: DDP across one process and several, and the refusal pretrain-launch prints ---------------------
+# Checkpoints at 2 and 4: one process's step 2 continues on 2 processes (through the command pretrain-launch's
+# refusal of ZeRO-2 prints), whose step 4 continues on 3 processes and on one. GBS 6, MBS 1: GAS 6, 3, 2.
+DDP_ARGS = [*SMALL, "train.max_steps=6", "checkpoint.every_steps=2", "checkpoint.keep_last=0",
+            "checkpoint.save_final_model=false"]
+
+
+def _step(run: Path, step: int) -> Path:
+    return run / "checkpoints" / f"step_{step:08d}"
+
+
+@pytest.fixture(scope="module")
+def ddp_resumes(tmp_path_factory):
+    """The uninterrupted one-process run, and the resumes 1 -> 2 -> 3 and 2 -> 1 processes of its curve."""
+    root = tmp_path_factory.mktemp("ddp_resume")
+    runs, logs = {"1 process": root / "one"}, {}
+    check_ok(train([*DDP_ARGS, f"output_dir={runs['1 process']}"]))
+    # The demo's one-process checkpoint under ZeRO-2: pretrain-launch refuses it before any process starts ...
+    runs["1 -> 2 processes"] = root / "two"
+    refused_cmd = [sys.executable, "-m", "pretrain.cli.launch", "--config_file", "accelerate_configs/zero2.yaml",
+                   "--num_processes", "2", "--main_process_port", str(free_port()), "--recipe", TINY, *DDP_ARGS,
+                   f"output_dir={runs['1 -> 2 processes']}", f"checkpoint.resume={_step(runs['1 process'], 2)}"]
+    start = time.perf_counter()
+    refused = run_cmd(refused_cmd, timeout=120)
+    refused_s = time.perf_counter() - start
+    # ... and the command it prints resumes it on 2 DDP processes
+    suggested = shlex.split(refused.stderr.splitlines()[-1]) if refused.stderr else ["?"]
+    assert suggested[0] == "pretrain-launch", refused.stderr
+    proc = run_cmd([sys.executable, "-m", "pretrain.cli.launch", *suggested[1:]])
+    check_ok(proc)
+    logs["1 -> 2 processes"] = proc.stdout
+    for name, num in [("2 -> 3 processes", 3), ("2 -> 1 process", 1)]:
+        runs[name] = root / name.replace(" ", "").replace(">", "")
+        resume = [*DDP_ARGS, f"output_dir={runs[name]}", f"checkpoint.resume={_step(runs['1 -> 2 processes'], 4)}"]
+        proc = (accelerate_launch("cpu_ddp.yaml", resume, extra=["--num_processes", str(num), "--main_process_port",
+                                                                 str(free_port())])
+                if num > 1 else train(resume))
+        check_ok(proc)
+        logs[name] = proc.stdout
+    return runs, logs, refused, refused_s, suggested
+
+
+@pytest.mark.slow
+def test_ddp_resumes_across_one_and_several_processes_continue_the_curve(ddp_resumes):
+    """1 -> 2, 2 -> 3 and 2 -> 1 processes: the uninterrupted run's per-step loss (1e-5 relative: only the
+    reduction order differs), LR and tokens seen; nothing converted, the RNG re-seeded."""
+    runs, logs, *_ = ddp_resumes
+    reference = {m["step"]: m for m in metrics(runs["1 process"]) if "train/loss" in m}
+    assert sorted(reference) == list(range(1, 7))
+    for name, first, world in [("1 -> 2 processes", 3, 2), ("2 -> 3 processes", 5, 3), ("2 -> 1 process", 5, 1)]:
+        curve = {m["step"]: m for m in metrics(runs[name]) if "train/loss" in m}
+        assert sorted(curve) == list(range(first, 7)), name
+        worst = max(abs(m["train/loss"] / reference[step]["train/loss"] - 1) for step, m in curve.items())
+        print(f"{name}: steps {sorted(curve)}, largest relative loss difference {worst:.1e}")
+        for step, m in curve.items():
+            assert m["train/loss"] == pytest.approx(reference[step]["train/loss"], rel=1e-5), (name, step)
+            assert m["train/lr"] == pytest.approx(reference[step]["train/lr"], rel=1e-9), (name, step)
+            assert m["train/tokens_seen"] == reference[step]["train/tokens_seen"], (name, step)
+            assert m["batch/gas"] == 6 // world, name
+        assert "re-seeded" in logs[name] and "converting" not in logs[name], name
+        state = json.loads((_step(runs[name], 6) / "trainer_state.json").read_text())
+        assert (state["layout"]["engine"], state["layout"]["world_size"]) == ("ddp", world), name
+    assert reshard.views(_step(runs["1 process"], 2)) == [] and reshard.views(_step(runs["1 -> 2 processes"], 4)) == []
+
+
+@pytest.mark.slow
+def test_pretrain_launch_refuses_the_one_process_checkpoint_under_zero2_in_seconds(ddp_resumes):
+    """Exit 2 before any process starts, in under 5 s, naming the layouts, and a command that works when run
+    (it produced the 1 -> 2 processes curve above)."""
+    runs, _, refused, refused_s, suggested = ddp_resumes
+    print(f"refused in {refused_s:.2f}s (exit {refused.returncode}):\n{refused.stderr}")
+    assert refused.returncode == 2 and refused_s < 5.0, (refused.returncode, refused_s, refused.stderr)
+    assert "Traceback" not in refused.stderr and "launch: " not in refused.stdout
+    assert ("written by one process" in refused.stderr and "DeepSpeed ZeRO-2 on 2 processes" in refused.stderr)
+    assert suggested[1:5] == ["--config_file", "accelerate_configs/cpu_ddp.yaml", "--main_process_port",
+                              suggested[4]] and "--num_processes" in suggested
+    assert not (runs["1 -> 2 processes"] / "deepspeed_config.json").exists()

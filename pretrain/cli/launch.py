@@ -8,6 +8,10 @@ batch size that does not divide for its world size, a DeepSpeed JSON that contra
 without a GPU) is reported here as one message with exit code 2. Then the command is exactly
 `accelerate launch <accelerate args> pretrain/run.py --recipe ... [overrides]`.
 
+The checkpoint the run would resume (checkpoint.resume, as rank 0 chooses it) is checked against the launch's
+layout by the function every process asks (reshard.plan_resume): a checkpoint no process could load is refused
+in about two seconds, with the pretrain-launch command that resumes it.
+
 Memory too: the estimator (pretrain/memory, as `pretrain-estimate` reports it) sizes one GPU's share of
 the run on the launch's layout and world size with the recipe's MBS and GAS. A run that does not fit the
 GPU is refused (exit 2) with the estimate, the GPU's capacity, and the best layout `pretrain-plan` finds
@@ -33,11 +37,15 @@ import os
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pretrain.checkpointing import recompute_label
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import DOCTOR_ENTRY, accelerate_command, option_value, threads_per_process
+
+CONFIGS_DIR = Path(__file__).resolve().parents[2] / "accelerate_configs"
+"""The shipped accelerate configs (a refusal names the one that resumes a checkpoint)."""
 
 if TYPE_CHECKING:
     from pretrain.hardware import GpuSpec
@@ -208,7 +216,6 @@ def preflight(accelerate_args: list[str], run_args: list[str], options: argparse
     launch = Launch.from_accelerate_config(option_value(accelerate_args, "--config_file"), accelerate_args)
     check_environment(None, launch)  # the core packages and the engine's, before anything imports them
     from pretrain.config import load_recipe
-    from pretrain.model import meta_model
     from pretrain.preflight import check_run
 
     recipe_path, overrides = run_args[1] if len(run_args) > 1 else "", run_args[2:]
@@ -216,13 +223,108 @@ def preflight(accelerate_args: list[str], run_args: list[str], options: argparse
     recipe = load_recipe(recipe_path, recipe_overrides)
     cpu = "--cpu" in accelerate_args or _config_uses_cpu(option_value(accelerate_args, "--config_file"))
     check_environment(recipe, launch, gpu_launch=not cpu)
+    # The checkpoint to resume against this launch first: its refusal, with the command that resumes it, comes
+    # in ~2 s (before torch._dynamo, which the optimizer check imports, and transformers).
+    check_resume(recipe, launch, accelerate_args, run_args, options, cpu)
     run_plan = check_run(recipe, launch)
     # A model config transformers cannot build is refused here, not in every process; the attention kernel is
     # the nodes' to check (this machine may lack flash-attn).
+    from pretrain.model import meta_model
+
     meta_model(recipe, attention="sdpa")
     check_memory(recipe, run_plan, options, accelerate_args, recipe_path, recipe_overrides)
     check_data(recipe, launch, recipe_path, recipe_overrides)
     return launch
+
+
+# accelerate launch options that choose the engine and its settings: a command resuming on another engine
+# drops them and takes that engine's config file instead.
+_ENGINE_FLAGS = ("--use_deepspeed", "--use_fsdp", "--multi_gpu", "--cpu")
+_ENGINE_OPTION_PREFIXES = ("--distributed_type", "--deepspeed_", "--fsdp_", "--zero_stage", "--zero3_", "--offload_",
+                           "--gradient_accumulation_steps", "--gradient_clipping", "--parallelism_config_",
+                           "--num_processes")
+
+
+def check_resume(recipe, launch: Launch, accelerate_args: list[str], run_args: list[str],
+                 options: argparse.Namespace, cpu: bool) -> None:
+    """The checkpoint the run would resume (``ResumeChoice.decide``, as rank 0 decides it) against this launch
+    (``reshard.plan_resume``, as every process decides it): a refusal here, before any process starts, with a
+    pretrain-launch command that resumes it (checked by the same two functions before it is printed)."""
+    from pretrain.checkpoint import ResumeChoice
+    from pretrain.reshard import LayoutRefused, plan_resume
+
+    choice = ResumeChoice.decide(recipe.output_dir, recipe.checkpoint)
+    if choice.error is not None:
+        raise ConfigError(choice.error)
+    if choice.path is None:
+        return
+    try:
+        plan_resume(Path(choice.path), launch)
+    except LayoutRefused as exc:
+        command = resuming_command(exc, Path(choice.path), recipe, launch, accelerate_args, run_args, options, cpu)
+        if command is None:
+            raise
+        raise ConfigError(f"{exc}.\nThis launch resumes it:\n  {shlex.join(command)}") from None
+
+
+def resuming_command(refusal, checkpoint, recipe, launch: Launch, accelerate_args: list[str], run_args: list[str],
+                     options: argparse.Namespace, cpu: bool) -> list[str] | None:
+    """pretrain-launch with the shipped accelerate config of the layout that wrote ``checkpoint`` (this launch's
+    other options, its number of processes unless only the saved one resumes), or None when no shipped config
+    resumes it or the batch does not divide there."""
+    import torch
+
+    from pretrain.launch import Launch
+    from pretrain.preflight import check_layout
+    from pretrain.reshard import plan_resume
+
+    saved = refusal.saved
+    cpu = cpu or not torch.cuda.is_available()  # zero2.yaml runs over gloo on a CPU machine, DDP needs cpu_ddp.yaml
+    if saved.engine == "ddp":
+        name = ("cpu_ddp.yaml" if cpu else "ddp.yaml") if launch.world_size > 1 else \
+            ("cpu.yaml" if cpu else "single_gpu.yaml")
+    elif saved.engine == "fsdp":
+        name = "fsdp.yaml"
+    elif saved.offload_optimizer == "nvme":
+        return None  # the shipped configs offload no state to NVMe; the refusal names what to keep
+    elif saved.zero_stage in (None, 1, 2, 3):
+        name = f"zero{saved.zero_stage or 2}.yaml"
+    else:
+        return None  # ZeRO-0: no shipped config; the refusal names the layout
+    config = CONFIGS_DIR / name
+    world = saved.world_size if refusal.same_world else launch.world_size
+    args = _without_engine_options(accelerate_args) + ["--num_processes", str(world)]
+    try:
+        resuming = Launch.from_accelerate_config(config, args)
+        check_layout(recipe, resuming)  # what the launch changes; the rest of check_run is the recipe's alone
+        plan_resume(checkpoint, resuming)
+    except ConfigError:
+        return None
+    gpu = ([] if options.gpu is None else ["--gpu", options.gpu]) + \
+        ([] if options.gpu_memory_gib is None else ["--gpu-memory-gib", str(options.gpu_memory_gib)])
+    return ["pretrain-launch", "--config_file", _shown(config), *args, *gpu, *run_args]
+
+
+def _without_engine_options(args: list[str]) -> list[str]:
+    out, rest = [], iter(args)
+    for arg in rest:
+        name, has_value, _ = arg.partition("=")
+        if name in _ENGINE_FLAGS:
+            continue
+        if name.startswith(_ENGINE_OPTION_PREFIXES) or name == "--config_file":
+            if not has_value:
+                next(rest, None)
+            continue
+        out.append(arg)
+    return out
+
+
+def _shown(path: Path) -> str:
+    """A shipped config as a user in the repository's root types it, else its absolute path."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def check_data(recipe, launch: Launch, recipe_path: str, overrides: list[str]) -> None:
