@@ -23,7 +23,7 @@ from pretrain.config import CheckpointConfig, load_recipe
 from pretrain.errors import ConfigError
 from pretrain.integrity import read_manifest, record_own, verify_all, write_manifest
 from pretrain.trust import FORCE_ENV, check_output_dir, weights_only
-from tests.helpers import FAST, TINY, accelerate_launch, check_ok, run_cmd, train
+from tests.helpers import FAST, ROOT, TINY, accelerate_launch, check_ok, run_cmd, train
 
 
 class _Payload:
@@ -72,8 +72,16 @@ def test_a_crafted_optimizer_file_is_refused_by_resume_and_export_and_never_runs
     rel = LAYOUTS[layout][1]
     _craft(crafted, rel, marker)
 
-    proc = accelerate_launch(LAYOUTS[layout][0], [*STEPS_ARGS, "train.max_steps=4", f"output_dir={tmp_path / 'run'}",
-                                                  f"checkpoint.resume={crafted}"], extra=["--num_processes", "2"])
+    resume = [*STEPS_ARGS, "train.max_steps=4", f"output_dir={tmp_path / 'run'}", f"checkpoint.resume={crafted}"]
+    # pretrain-launch refuses it before any process starts: exit 2, the file named
+    proc = run_cmd([sys.executable, "-m", "pretrain.cli.launch", "--config_file",
+                    str(ROOT / "accelerate_configs" / LAYOUTS[layout][0]), "--num_processes", "2", "--recipe", TINY,
+                    *resume])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"{crafted / rel} holds a pickle that names os.makedirs" in proc.stderr and "launch:" not in proc.stdout
+    assert not marker.exists()
+
+    proc = accelerate_launch(LAYOUTS[layout][0], resume, extra=["--num_processes", "2"])
     # every rank refuses with exit 2 (torchrun's summary; accelerate launch itself then exits 1), one message
     assert proc.returncode != 0 and proc.stderr.count("exitcode  : 2") == 2, proc.stderr[-3000:]
     assert proc.stderr.count(f"rank 0 (host {socket.gethostname()}) {crafted / rel} holds a pickle that names "

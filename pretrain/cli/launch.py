@@ -251,13 +251,19 @@ def check_resume(recipe, launch: Launch, accelerate_args: list[str], run_args: l
     (``reshard.plan_resume``, as every process decides it): a refusal here, before any process starts, with a
     pretrain-launch command that resumes it (checked by the same two functions before it is printed)."""
     from pretrain.checkpoint import ResumeChoice
+    from pretrain.integrity import checkpoint_files
     from pretrain.reshard import LayoutRefused, plan_resume
+    from pretrain.trust import check_files
 
     choice = ResumeChoice.decide(recipe.output_dir, recipe.checkpoint)
     if choice.error is not None:
         raise ConfigError(choice.error)
     if choice.path is None:
         return
+    # A checkpoint file that names a type the weights-only load refuses (a crafted pickle): exit 2 here, not
+    # inside the workers, whose 2 torchrun reports as its own 1 (pretrain/trust.py; the run checks again).
+    if refused := check_files(Path(choice.path), checkpoint_files(Path(choice.path))):
+        raise ConfigError(refused)
     try:
         plan_resume(Path(choice.path), launch)
     except LayoutRefused as exc:
