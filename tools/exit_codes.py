@@ -1,7 +1,7 @@
 """Exit codes of consecutive 2-process CPU (gloo) launches: each run must exit with its own code, never with the
 interpreter teardown's SIGABRT (-6) that gloo's threads used to cause (pretrain/supervise.py ``leave``).
 
-    python tools/exit_codes.py [--runs 20] [--kinds ddp,zero2,fsdp,refused]
+    python -m tools.exit_codes [--runs 20] [--kinds ddp,zero2,fsdp,refused]      (from the repository's root)
 
 Runs ``--runs`` launches of ``pretrain/run.py`` under ``accelerate launch``, cycling through the kinds:
 
@@ -27,10 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # tests.helpers: the tests' FAST shapes, environment and free ports
+from tests.helpers import FAST, RUN, TINY, env, free_port  # the tests' FAST shapes, environment, free ports
 
-from tests.helpers import FAST, RUN, TINY, env, free_port  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 KINDS = {  # kind -> (accelerate config, launcher options, script, expected launcher code, expected rank code)
     "ddp": ("cpu_ddp.yaml", [], [RUN], 0, 0),
