@@ -38,7 +38,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from pretrain.checkpointing import recompute_label
 from pretrain.errors import EXIT_USAGE, ConfigError
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from pretrain.hardware import GpuSpec
     from pretrain.launch import Launch
     from pretrain.memory import MemoryEstimate
+    from pretrain.reshard import Layout, ResumePlan
 
 USAGE = ("usage: pretrain-launch --config_file FILE [accelerate launch options] [--gpu NAME | --gpu-memory-gib GIB] "
          "[--force] [--doctor] --recipe R [key=value ...]")
@@ -225,7 +226,7 @@ def preflight(accelerate_args: list[str], run_args: list[str], options: argparse
     check_environment(recipe, launch, gpu_launch=not cpu)
     # The checkpoint to resume against this launch first: its refusal, with the command that resumes it, comes
     # in ~2 s (before torch._dynamo, which the optimizer check imports, and transformers).
-    check_resume(recipe, launch, accelerate_args, run_args, options, cpu)
+    check_resume(recipe, launch, LaunchSpelling(accelerate_args, run_args, options, cpu))
     run_plan = check_run(recipe, launch)
     # A model config transformers cannot build is refused here, not in every process; the attention kernel is
     # the nodes' to check (this machine may lack flash-attn).
@@ -245,70 +246,117 @@ _ENGINE_OPTION_PREFIXES = ("--distributed_type", "--deepspeed_", "--fsdp_", "--z
                            "--num_processes")
 
 
-def check_resume(recipe, launch: Launch, accelerate_args: list[str], run_args: list[str],
-                 options: argparse.Namespace, cpu: bool) -> None:
-    """The checkpoint the run would resume (``ResumeChoice.decide``, as rank 0 decides it) against this launch
-    (``reshard.plan_resume``, as every process decides it): a refusal here, before any process starts, with a
-    pretrain-launch command that resumes it (checked by the same two functions before it is printed)."""
+class LaunchSpelling:
+    """How pretrain-launch spells the launch that resumes a checkpoint: this launch's accelerate options with the
+    engine's replaced by another config and process count, its own options and the run's arguments."""
+
+    intro = "This launch resumes it:"
+
+    def __init__(self, accelerate_args: list[str], run_args: list[str], options: argparse.Namespace, cpu: bool):
+        self.accelerate_args, self.run_args, self.options, self.cpu = accelerate_args, run_args, options, cpu
+
+    def on_cpu(self) -> bool:
+        import torch
+
+        return self.cpu or not torch.cuda.is_available()  # zero2.yaml runs over gloo on a CPU machine, DDP needs cpu_ddp.yaml
+
+    def __call__(self, config: Path, world: int) -> tuple[Launch, list[str]] | None:
+        from pretrain.launch import Launch
+
+        args = _without_engine_options(self.accelerate_args) + ["--num_processes", str(world)]
+        gpu = ([] if self.options.gpu is None else ["--gpu", self.options.gpu]) + \
+            ([] if self.options.gpu_memory_gib is None else ["--gpu-memory-gib", str(self.options.gpu_memory_gib)])
+        command = ["pretrain-launch", "--config_file", _shown(config), *args, *gpu, *self.run_args]
+        return Launch.from_accelerate_config(config, args), command
+
+
+class Spelling(Protocol):
+    """How an entry point spells the command that resumes a checkpoint (pretrain-launch: ``LaunchSpelling``;
+    pretrain-slurm submit: ``slurm.SubmitSpelling``): everything but the layout is the entry point's own."""
+
+    intro: str  # the line before the command
+
+    def on_cpu(self) -> bool:
+        """The resuming processes run on CPUs (a DDP checkpoint resumes under cpu_ddp.yaml, not ddp.yaml)."""
+
+    def __call__(self, config: Path, world: int) -> tuple[Launch, list[str]] | None:
+        """The launch of ``config`` on ``world`` processes and the command that makes it, or None when this entry
+        point cannot spell it."""
+
+
+def resume_checkpoint(recipe) -> Path | None:
+    """The checkpoint the run would resume (``ResumeChoice.decide``, as rank 0 decides it), None for a fresh start;
+    ConfigError for what the run would refuse about its checkpoints, or a file holding a crafted pickle."""
     from pretrain.checkpoint import ResumeChoice
     from pretrain.integrity import checkpoint_files
-    from pretrain.reshard import LayoutRefused, plan_resume
     from pretrain.trust import check_files
 
     choice = ResumeChoice.decide(recipe.output_dir, recipe.checkpoint)
     if choice.error is not None:
         raise ConfigError(choice.error)
     if choice.path is None:
-        return
+        return None
     # A checkpoint file that names a type the weights-only load refuses (a crafted pickle): exit 2 here, not
     # inside the workers, whose 2 torchrun reports as its own 1 (pretrain/trust.py; the run checks again).
     if refused := check_files(Path(choice.path), checkpoint_files(Path(choice.path))):
         raise ConfigError(refused)
+    return Path(choice.path)
+
+
+def check_resume(recipe, launch: Launch, spelling: Spelling) -> ResumePlan | None:
+    """The checkpoint the run would resume (``resume_checkpoint``) against this launch (``reshard.plan_resume``,
+    as every process decides it): its plan, None for a fresh start, or a refusal before any process starts, with
+    the command that resumes it in the entry point's spelling (checked by the same functions before it is
+    printed)."""
+    from pretrain.reshard import LayoutRefused, plan_resume
+
+    checkpoint = resume_checkpoint(recipe)
+    if checkpoint is None:
+        return None
     try:
-        plan_resume(Path(choice.path), launch)
+        return plan_resume(checkpoint, launch)
     except LayoutRefused as exc:
-        command = resuming_command(exc, Path(choice.path), recipe, launch, accelerate_args, run_args, options, cpu)
+        command = resuming_command(exc, checkpoint, recipe, launch, spelling)
         if command is None:
             raise
-        raise ConfigError(f"{exc}.\nThis launch resumes it:\n  {shlex.join(command)}") from None
+        raise ConfigError(f"{exc}.\n{spelling.intro}\n  {shlex.join(command)}") from None
 
 
-def resuming_command(refusal, checkpoint, recipe, launch: Launch, accelerate_args: list[str], run_args: list[str],
-                     options: argparse.Namespace, cpu: bool) -> list[str] | None:
-    """pretrain-launch with the shipped accelerate config of the layout that wrote ``checkpoint`` (this launch's
-    other options, its number of processes unless only the saved one resumes), or None when no shipped config
-    resumes it or the batch does not divide there."""
-    import torch
+def resuming_config(saved: Layout, launch: Launch, cpu: bool) -> str | None:
+    """The shipped accelerate config of the layout that wrote a checkpoint, or None when none resumes it."""
+    if saved.engine == "ddp":
+        return ("cpu_ddp.yaml" if cpu else "ddp.yaml") if launch.world_size > 1 else \
+            ("cpu.yaml" if cpu else "single_gpu.yaml")
+    if saved.engine == "fsdp":
+        return "fsdp.yaml"
+    if saved.offload_optimizer == "nvme":
+        return None  # the shipped configs offload no state to NVMe; the refusal names what to keep
+    if saved.zero_stage in (None, 1, 2, 3):
+        return f"zero{saved.zero_stage or 2}.yaml"
+    return None  # ZeRO-0: no shipped config; the refusal names the layout
 
-    from pretrain.launch import Launch
+
+def resuming_command(refusal, checkpoint: Path, recipe, launch: Launch, spelling: Spelling) -> list[str] | None:
+    """The command (``spelling``'s) with the shipped accelerate config of the layout that wrote ``checkpoint``
+    (this launch's number of processes unless only the saved one resumes), or None when no shipped config
+    resumes it, the entry point cannot spell it, or the batch does not divide there."""
     from pretrain.preflight import check_layout
     from pretrain.reshard import plan_resume
 
-    saved = refusal.saved
-    cpu = cpu or not torch.cuda.is_available()  # zero2.yaml runs over gloo on a CPU machine, DDP needs cpu_ddp.yaml
-    if saved.engine == "ddp":
-        name = ("cpu_ddp.yaml" if cpu else "ddp.yaml") if launch.world_size > 1 else \
-            ("cpu.yaml" if cpu else "single_gpu.yaml")
-    elif saved.engine == "fsdp":
-        name = "fsdp.yaml"
-    elif saved.offload_optimizer == "nvme":
-        return None  # the shipped configs offload no state to NVMe; the refusal names what to keep
-    elif saved.zero_stage in (None, 1, 2, 3):
-        name = f"zero{saved.zero_stage or 2}.yaml"
-    else:
-        return None  # ZeRO-0: no shipped config; the refusal names the layout
-    config = CONFIGS_DIR / name
-    world = saved.world_size if refusal.same_world else launch.world_size
-    args = _without_engine_options(accelerate_args) + ["--num_processes", str(world)]
+    name = resuming_config(refusal.saved, launch, spelling.on_cpu())
+    if name is None:
+        return None
+    world = refusal.saved.world_size if refusal.same_world else launch.world_size
     try:
-        resuming = Launch.from_accelerate_config(config, args)
+        spelled = spelling(CONFIGS_DIR / name, world)
+        if spelled is None:
+            return None
+        resuming, command = spelled
         check_layout(recipe, resuming)  # what the launch changes; the rest of check_run is the recipe's alone
         plan_resume(checkpoint, resuming)
     except ConfigError:
         return None
-    gpu = ([] if options.gpu is None else ["--gpu", options.gpu]) + \
-        ([] if options.gpu_memory_gib is None else ["--gpu-memory-gib", str(options.gpu_memory_gib)])
-    return ["pretrain-launch", "--config_file", _shown(config), *args, *gpu, *run_args]
+    return command
 
 
 def _without_engine_options(args: list[str]) -> list[str]:
