@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -22,6 +23,8 @@ from pathlib import Path
 import pytest
 
 from pretrain.cli import slurm
+from pretrain.launch import Launch
+from pretrain.reshard import Layout
 from tests.helpers import FAST, ROOT, TINY, accelerate_launch, check_ok, env, metrics, train_losses
 from tests.slurm_cluster import SlurmCluster
 
@@ -343,6 +346,42 @@ def test_a_store_made_from_other_data_is_refused_before_submitting(tmp_path, cap
     # (a BPE is trained on the training documents: another val_fraction is another tokenizer)
     assert "the store was made with tokenizer 'bpe-4096' (identity" in capsys.readouterr().err
     assert not (tmp_path / "sbatch.calls").exists()
+
+
+@pytest.mark.parametrize("saved, config, resumed_by", [
+    (Launch("deepspeed", zero_stage=2, gpus_per_node=2), "cpu_ddp.yaml", "zero2.yaml"),
+    (Launch("ddp", gpus_per_node=2), "zero3.yaml", "cpu_ddp.yaml"),  # CPU nodes (--gpus-per-node 0): cpu_ddp
+])
+def test_a_checkpoint_the_job_cannot_resume_is_not_submitted_and_gets_the_submission_that_does(
+        tmp_path, capsys, monkeypatch, store, saved, config, resumed_by):
+    """pretrain-launch's resume check (tests/test_reshard.py), asked for the job's launch on the submitting
+    machine: refused before anything is written or queued, with a pretrain-slurm submit command (the same
+    options) that passes the same checks and submits."""
+    from tests.test_reshard import make_checkpoint
+
+    fake_programs(tmp_path / "bin", tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "run"
+    make_checkpoint(out / "checkpoints" / "step_00000003", world=saved.world_size, layout=saved.to_dict())
+    argv = ["submit", "--recipe", TINY, "--accelerate-config", str(CONFIGS / config), *TWO_NODES, "--partition", "cpu",
+            "--sbatch-arg=--mem=0", f"output_dir={out}", *store]
+    for extra in ([], ["--dry-run"]):  # the script a dry run prints would fail on the nodes as well
+        assert slurm.main([*argv, *extra]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and "Traceback" not in captured.err
+    err = captured.err.splitlines()
+    assert err[0].startswith(f"error: cannot resume {out / 'checkpoints' / 'step_00000003'}")
+    assert Layout.of(saved).describe() in err[0] and err[-2] == "This submission resumes it:"
+    command = shlex.split(err[-1])
+    assert command[:2] == ["pretrain-slurm", "submit"]
+    assert command[command.index("--accelerate-config") + 1] == f"accelerate_configs/{resumed_by}"
+    for option in ("--partition", "cpu", "--sbatch-arg=--mem=0", "--no-doctor", f"output_dir={out}", *store):
+        assert option in command, command
+    assert "--dry-run" in command and not (out / "slurm").exists() and not (tmp_path / "sbatch.calls").exists()
+    command.remove("--dry-run")
+    assert slurm.main(command[1:]) == 0, capsys.readouterr().err
+    assert "submitted job 4242: 2 node(s) x 1 process(es)" in capsys.readouterr().out
 
 
 def test_single_process_accelerate_config_on_two_nodes(capsys):

@@ -266,7 +266,7 @@ class LaunchSpelling:
         args = _without_engine_options(self.accelerate_args) + ["--num_processes", str(world)]
         gpu = ([] if self.options.gpu is None else ["--gpu", self.options.gpu]) + \
             ([] if self.options.gpu_memory_gib is None else ["--gpu-memory-gib", str(self.options.gpu_memory_gib)])
-        command = ["pretrain-launch", "--config_file", _shown(config), *args, *gpu, *self.run_args]
+        command = ["pretrain-launch", "--config_file", shown_config(config), *args, *gpu, *self.run_args]
         return Launch.from_accelerate_config(config, args), command
 
 
@@ -373,7 +373,7 @@ def _without_engine_options(args: list[str]) -> list[str]:
     return out
 
 
-def _shown(path: Path) -> str:
+def shown_config(path: Path) -> str:
     """A shipped config as a user in the repository's root types it, else its absolute path."""
     try:
         return str(path.relative_to(Path.cwd()))

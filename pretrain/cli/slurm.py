@@ -37,6 +37,7 @@ from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import (
     DOCTOR_ENTRY,
     RUN_PY,
+    Launch,
     accelerate_command,
     config_uses_cpu,
     read_accelerate_config,
@@ -181,13 +182,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def submit_parser() -> argparse.ArgumentParser:
+    submit = argparse.ArgumentParser(prog="pretrain-slurm submit", epilog=SUBMIT_EPILOG)
+    add_submit_arguments(submit)
+    return submit
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["submit"]:
         # Overrides may come before, between or after the options.
-        submit = argparse.ArgumentParser(prog="pretrain-slurm submit", epilog=SUBMIT_EPILOG)
-        add_submit_arguments(submit)
-        args = submit.parse_intermixed_args(argv[1:])
+        args = submit_parser().parse_intermixed_args(argv[1:])
         args.command = "submit"
         return args
     return build_parser().parse_args(argv)
@@ -198,7 +203,6 @@ def check_job(args: argparse.Namespace) -> Job:
     """Validate the whole submission (options, accelerate config, recipe, launch); raise one ConfigError."""
     from pretrain.config import load_recipe
     from pretrain.environment import check_environment
-    from pretrain.launch import Launch
     from pretrain.preflight import check_run
 
     problems = []
@@ -229,6 +233,12 @@ def check_job(args: argparse.Namespace) -> Job:
     recipe = load_recipe(recipe_path, args.overrides)
     # The packages the job needs, in this environment (a job's nodes run the python that submits it).
     check_environment(recipe, launch)
+    # The checkpoint the job would resume, read where the nodes read it (output_dir is on a filesystem this
+    # machine shares with them: the script and the log are written there): a job whose nodes could not load it
+    # is not queued, and the refusal gives the submission that resumes it.
+    from pretrain.cli.launch import check_resume
+
+    check_resume(recipe, launch, SubmitSpelling(args, cpu=requested_gpus(args, config) == 0))
     check_run(recipe, launch)  # on the job's world size, before anything is written
     check_data(args, recipe, recipe_path)
     output_dir = Path(recipe.output_dir).resolve()
@@ -253,6 +263,49 @@ def check_job(args: argparse.Namespace) -> Job:
         sbatch_options=options,
         doctor=not args.no_doctor,
     )
+
+
+class SubmitSpelling:
+    """How pretrain-slurm spells the submission that resumes a checkpoint (``cli/launch.py``'s ``check_resume``):
+    this submission's options, with another accelerate config and, when only the saved number of processes
+    resumes it, the nodes that make that number at this many processes per node."""
+
+    intro = "This submission resumes it:"
+
+    def __init__(self, args: argparse.Namespace, cpu: bool):
+        self.args, self.cpu = args, cpu
+
+    def on_cpu(self) -> bool:
+        return self.cpu  # the job's nodes, not this login node, run it
+
+    def __call__(self, config: Path, world: int) -> tuple[Launch, list[str]] | None:
+        from pretrain.cli.launch import shown_config
+
+        per_node = self.args.processes_per_node
+        if world % per_node:
+            return None
+        launch = Launch.from_accelerate_config(config, num_nodes=world // per_node, gpus_per_node=per_node)
+        changes = {"accelerate_config": shown_config(config), "nodes": world // per_node}
+        return launch, ["pretrain-slurm", "submit", *submit_options(self.args, changes), *self.args.overrides]
+
+
+def submit_options(args: argparse.Namespace, changes: dict) -> list[str]:
+    """The options of a parsed submission as its parser takes them (the defaults left out), ``changes`` applied."""
+    out = []
+    for action in submit_parser()._actions:
+        flag = next((o for o in action.option_strings if o.startswith("--")), None)
+        if flag is None or flag == "--help":
+            continue  # the overrides (positional) go last
+        value = changes.get(action.dest, getattr(args, action.dest))
+        if value == action.default:
+            continue
+        if action.nargs == 0:  # a flag
+            out.append(flag)
+        elif isinstance(value, list):  # --sbatch-arg: its values start with -- themselves
+            out += [f"{flag}={v}" for v in value]
+        else:
+            out += [flag, str(value)]
+    return out
 
 
 def requested_gpus(args: argparse.Namespace, config: dict) -> int:
