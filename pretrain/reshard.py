@@ -217,6 +217,17 @@ class ResumePlan:
     def world_changed(self) -> bool:
         return self.saved.world_size != self.target.world_size
 
+    def describe(self) -> str:
+        """What the run does with the checkpoint, in a few words (the dry run's resume line)."""
+        written = f"layout {self.saved.describe()}"
+        if self.kind == UNIVERSAL:
+            return f"{written}, converted by rank 0 to a DeepSpeed universal checkpoint for {self.target.describe()}"
+        if self.kind == SINGLE_KEYS:
+            return f"{written}, converted by rank 0: DDP's module. prefix taken off its weights' keys"
+        if self.saved != self.target:
+            return f"{written}, loaded as saved by {self.target.describe()}"
+        return f"{written}, loaded as saved"
+
 
 def plan_resume(checkpoint: Path, launch: Launch) -> ResumePlan:
     """How ``checkpoint`` resumes under ``launch``, or LayoutRefused: plain file reads (the trainer state, a

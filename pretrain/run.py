@@ -65,9 +65,7 @@ def _main(args: argparse.Namespace) -> int:
             print(recipe.to_yaml(), end="")
             return 0
         if args.dry_run:
-            if is_main:
-                dry_run(recipe, args, launch)
-            return 0
+            return dry_run(recipe, args, launch) if is_main else 0
         # The recipe's packages, and GPUs that torch cannot see (unless accelerate launch --cpu / use_cpu).
         check_environment(recipe, launch, gpu_launch=os.environ.get("ACCELERATE_USE_CPU", "").lower() != "true")
         from pretrain.cli.prepare_data import prepare_commands

@@ -273,6 +273,57 @@ def test_pretrain_launch_refuses_what_the_run_would_refuse_about_its_checkpoints
     assert code == 2 and "checkpoint.resume=none but" in err
 
 
+# ---- --dry-run: the same decision as its resume line ----------------------------------------------------
+def dry_run(capsys, *argv: str) -> tuple[int, list[str]]:
+    """python pretrain/run.py --dry-run in this process: its exit code and its resume line(s)."""
+    from pretrain import run
+
+    code = run.main(["--recipe", TINY, "--dry-run", *argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and err == "", err
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("resume "))
+    end = next(i for i in range(start + 1, len(lines)) if not lines[i].startswith(" " * 17))
+    return code, lines[start:end]
+
+
+def test_dry_run_refuses_what_pretrain_launch_refuses_with_its_command(tmp_path, capsys, monkeypatch):
+    """The demo's one-process checkpoint planned under ZeRO-2: the dry run's answer is no (exit 2), with
+    pretrain-launch's refusal and the command that resumes it, which pretrain-launch then runs."""
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "run"
+    make_checkpoint(out / "checkpoints" / "step_00000003", world=1, layout=Launch("ddp").to_dict())
+    code, resume = dry_run(capsys, "--config_file", str(CONFIGS / "zero2.yaml"), "--num-processes", "2", *SMALL,
+                           f"output_dir={out}")
+    assert code == 2
+    assert resume[0].startswith(f"resume           refused: cannot resume {out / 'checkpoints' / 'step_00000003'} "
+                                "with DeepSpeed ZeRO-2 on 2 processes: it was written by one process"), resume
+    assert resume[1].strip() == "This launch resumes it:"
+    command = shlex.split(resume[2])
+    assert command[:5] == ["pretrain-launch", "--config_file", "accelerate_configs/cpu_ddp.yaml", "--num_processes", "2"]
+    code, err, execs = preflight(capsys, monkeypatch, *command[1:])
+    assert code == 0 and len(execs) == 1, err
+    # Planned for a GPU (from this CPU machine), the command is the GPU one.
+    code, resume = dry_run(capsys, "--config_file", str(CONFIGS / "zero2.yaml"), "--num-processes", "2", "--gpu",
+                           "H100-80GB", *SMALL, f"output_dir={out}")
+    assert code == 2 and resume[2].split()[:3] == ["pretrain-launch", "--config_file", "accelerate_configs/ddp.yaml"]
+    assert "--gpu H100-80GB --recipe" in resume[2]
+
+
+def test_dry_run_reports_the_checkpoint_it_resumes_and_its_conversion_or_a_fresh_start(tmp_path, capsys):
+    out = tmp_path / "run"
+    common = ["--config_file", str(CONFIGS / "zero1.yaml"), "--num-processes", "3", *SMALL, f"output_dir={out}"]
+    assert dry_run(capsys, *common) == (0, [f"resume           fresh start (no checkpoint in {out})"])
+    make_checkpoint(out / "checkpoints" / "step_00000003", world=2,
+                    layout=Launch("deepspeed", zero_stage=2, gpus_per_node=2).to_dict())
+    assert dry_run(capsys, *common) == (0, [
+        "resume           from checkpoints/step_00000003 (step 3; layout DeepSpeed ZeRO-2 on 2 processes, converted by "
+        "rank 0 to a DeepSpeed universal checkpoint for DeepSpeed ZeRO-1 on 3 processes)"])
+    assert reshard.views(out / "checkpoints" / "step_00000003") == []  # decided, not converted
+    code, resume = dry_run(capsys, *common, "checkpoint.resume=none")
+    assert code == 2 and resume[0].startswith("resume           refused: checkpoint.resume=none but"), resume
+
+
 # ---- pretrain-export: bad input --------------------------------------------------------------------------
 def test_export_refuses_what_is_not_a_checkpoint_and_a_non_empty_out(tmp_path, capsys):
     assert export.main([str(tmp_path), str(tmp_path / "out")]) == 2

@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 
 from pretrain.cli.options import count, positive_gib
-from pretrain.errors import ConfigError
+from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.launch import Launch
 
 DRY_RUN_OPTIONS = ("num_processes", "nodes", "config_file", "gpu", "gpu_memory_gib")
@@ -88,10 +88,33 @@ def parameter_count(recipe) -> tuple[int, int]:
     return count_parameters(model), vocab
 
 
+def resume_report(recipe, args: argparse.Namespace, launch: Launch, gpu) -> tuple[str, bool]:
+    """The resume line (pretrain-launch's check, ``cli/launch.py``'s ``check_resume``: the checkpoint the run
+    would resume and what it does with it, a fresh start, or pretrain-launch's refusal with the pretrain-launch
+    command that resumes it) and whether it is a refusal."""
+    from pretrain.checkpoint import TrainerState
+    from pretrain.cli.launch import LaunchSpelling, check_resume
+
+    spelling = LaunchSpelling(accelerate_options(args), ["--recipe", args.recipe, *args.overrides], args,
+                              cpu=gpu is None, detect=False)
+    try:
+        plan = check_resume(recipe, launch, spelling)
+    except ConfigError as exc:
+        return "refused: " + str(exc).replace("\n", "\n" + " " * 17), True
+    if plan is None:
+        why = "checkpoint.resume=none" if recipe.checkpoint.resume == "none" else f"no checkpoint in {recipe.output_dir}"
+        return f"fresh start ({why})", False
+    try:
+        shown = plan.checkpoint.relative_to(recipe.output_dir)
+    except ValueError:
+        shown = plan.checkpoint
+    return f"from {shown} (step {TrainerState.read(plan.checkpoint).step}; {plan.describe()})", False
+
+
 def report(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu, config_file: str | None,
-           detected: bool = False) -> list[str]:
+           detected: bool = False, resume: str = "") -> list[str]:
     """The dry run's lines. ``gpu``: the GPU to check against (None: a CPU process); ``detected``: it is this
-    machine's, not one named on the command line."""
+    machine's, not one named on the command line; ``resume``: the resume line (``resume_report``)."""
     from pretrain.cli.launch import best_layout, does_not_fit, planner_gpu
     from pretrain.cli.plan import calibration, plan, throughput
     from pretrain.memory import estimate
@@ -111,6 +134,7 @@ def report(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu, 
         f"tokens per step  {batch.tokens_per_step:,} ({batch.global_batch_size} x {batch.seq_len} tokens)",
         f"optimizer steps  {steps:,} ({steps * batch.tokens_per_step:,} tokens)",
         f"output_dir       {recipe.output_dir}",
+        *([f"resume           {resume}"] if resume else []),
         f"compile          {compile_choice(recipe.model.compile, 'cuda' if gpu else 'cpu', launch)[1]}",
         "",
     ]
@@ -146,7 +170,9 @@ def report(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu, 
     return lines
 
 
-def dry_run(recipe, args: argparse.Namespace, started_by: Launch) -> None:
+def dry_run(recipe, args: argparse.Namespace, started_by: Launch) -> int:
+    """Print the report; the exit status: 2 when pretrain-launch would refuse the resume (the run would not start,
+    so "will it run" is no), else 0."""
     from pretrain.cli.launch import launch_gpu
     from pretrain.environment import check_environment
 
@@ -154,4 +180,7 @@ def dry_run(recipe, args: argparse.Namespace, started_by: Launch) -> None:
     check_environment(recipe, launch)  # the packages this launch would need here (the device is the run's check)
     gpu = launch_gpu(args, accelerate_options(args))
     detected = args.gpu is None and args.gpu_memory_gib is None
-    print("\n".join(report(recipe, args.recipe, list(args.overrides), launch, gpu, args.config_file, detected)))
+    resume, refused = resume_report(recipe, args, launch, gpu)
+    print("\n".join(report(recipe, args.recipe, list(args.overrides), launch, gpu, args.config_file, detected,
+                           resume)))
+    return EXIT_USAGE if refused else 0

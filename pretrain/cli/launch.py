@@ -252,13 +252,19 @@ class LaunchSpelling:
 
     intro = "This launch resumes it:"
 
-    def __init__(self, accelerate_args: list[str], run_args: list[str], options: argparse.Namespace, cpu: bool):
+    def __init__(self, accelerate_args: list[str], run_args: list[str], options: argparse.Namespace, cpu: bool,
+                 detect: bool = True):
+        """``cpu``: the launch runs on CPUs; ``detect``: so does any launch from a machine CUDA sees no GPU on (a
+        dry run that plans for a named GPU detects nothing)."""
         self.accelerate_args, self.run_args, self.options, self.cpu = accelerate_args, run_args, options, cpu
+        self.detect = detect
 
     def on_cpu(self) -> bool:
+        if self.cpu or not self.detect:
+            return self.cpu
         import torch
 
-        return self.cpu or not torch.cuda.is_available()  # zero2.yaml runs over gloo on a CPU machine, DDP needs cpu_ddp.yaml
+        return not torch.cuda.is_available()  # zero2.yaml runs over gloo on a CPU machine, DDP needs cpu_ddp.yaml
 
     def __call__(self, config: Path, world: int) -> tuple[Launch, list[str]] | None:
         from pretrain.launch import Launch

@@ -6,7 +6,8 @@
     pretrain-slurm status runs/7b
 
 `submit` checks the recipe and the launch for the job's world size (nodes x processes per node) first,
-exactly as `pretrain-launch` does, then writes `<output_dir>/slurm/job.sbatch` and hands it to `sbatch`.
+exactly as `pretrain-launch` does (the checkpoint it would resume too: a refusal gives the submission that
+resumes it), then writes `<output_dir>/slurm/job.sbatch` and hands it to `sbatch`.
 The script runs one `srun` task per node; each task `exec`s `accelerate launch` with its own
 `--machine_rank` (evaluated on the node) and the first node's address.
 
