@@ -23,9 +23,21 @@ from pretrain import checkpointing, safe_yaml
 from pretrain.errors import ConfigError
 
 
-def positive_or_null(description: str):
-    """A field that is null (meaning: a default stated in the description) or a positive number."""
-    return Field(None, gt=0, description=description)
+def positive_or_null(description: str, le: int | None = None):
+    """A field that is null (meaning: a default stated in the description) or a positive number (at most ``le``)."""
+    return Field(None, gt=0, le=le, description=description)
+
+
+# Bounds no real run comes near, so that a well-typed but absurd number (GBS 2**62) is refused where it enters
+# instead of overflowing an index or allocating for ever further on.
+MAX_SEQUENCES = 2**24
+"""Batch sizes (sequences): Llama 3 405B's largest batch was 4,096 sequences (16M tokens); this is 4,096 times it,
+and a step's sample indices (int64, MAX_SEQUENCES x 8 B = 128 MiB) still fit any host."""
+MAX_SEQ_LEN = 2**24
+"""data.seq_len (tokens): 16M, above every published training context (1M-10M); attention's cost grows with its
+square."""
+MAX_NUM_WORKERS = 1024
+"""data.num_workers (processes per rank): more than the hardware threads of any one node."""
 
 
 class Section(BaseModel):
@@ -251,7 +263,8 @@ class DataConfig(Section):
         description="Input bytes per store shard: consecutive input files are grouped up to this size (a larger "
         "file is a shard of its own); the unit of parallel tokenization and of resume.",
     )
-    seq_len: int = Field(256, gt=0, description="Sequence length of a training sample (tokens).")
+    seq_len: int = Field(256, gt=0, le=MAX_SEQ_LEN,
+                         description=f"Sequence length of a training sample (tokens, at most 2**24 = {MAX_SEQ_LEN:,}).")
     train_subset: int = Field(0, ge=0, description="Use only this many training sequences (of each source); 0 = all.")
     val_subset: int = Field(0, ge=0, description="Use only this many validation sequences (of each source); 0 = all.")
     val_fraction: float = Field(
@@ -264,7 +277,8 @@ class DataConfig(Section):
         "false carries them into the next epoch's first batch. A single source only (a mixture's steps always "
         "mix sources, each source's epochs run on).",
     )
-    num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
+    num_workers: int = Field(0, ge=0, le=MAX_NUM_WORKERS,
+                             description=f"DataLoader worker processes per rank (at most {MAX_NUM_WORKERS:,}).")
     prefetch_factor: int | None = positive_or_null("Batches prefetched per DataLoader worker (needs num_workers > 0).")
     num_proc: int | None = positive_or_null(
         "Processes that tokenize into the store (`pretrain-prepare-data --workers` overrides); "
@@ -336,13 +350,17 @@ class DataConfig(Section):
 
 
 class BatchConfig(Section):
-    global_batch_size: int | None = positive_or_null("GBS: sequences per optimizer step across all processes.")
-    micro_batch_size: int | None = positive_or_null("MBS: sequences per process per forward/backward.")
+    # Each at most MAX_SEQUENCES (2**24).
+    global_batch_size: int | None = positive_or_null(
+        "GBS: sequences per optimizer step across all processes (at most 2**24).", le=MAX_SEQUENCES)
+    micro_batch_size: int | None = positive_or_null(
+        "MBS: sequences per process per forward/backward (at most 2**24).", le=MAX_SEQUENCES)
     gradient_accumulation_steps: int | None = positive_or_null(
-        "GAS: micro-batches per optimizer step; GBS = MBS x GAS x world."
+        "GAS: micro-batches per optimizer step; GBS = MBS x GAS x world (at most 2**24).", le=MAX_SEQUENCES
     )
     local_batch_size: int | None = positive_or_null(
-        "Sequences per process per optimizer step with GAS = 1; GBS = world x local."
+        "Sequences per process per optimizer step with GAS = 1; GBS = world x local (at most 2**24).",
+        le=MAX_SEQUENCES
     )
 
     @model_validator(mode="after")
@@ -436,7 +454,11 @@ class PrecisionConfig(Section):
     )
     loss_scale_window: int = Field(1000, gt=0, description="fp16 dynamic scaling: steps without overflow before the scale grows.")
     hysteresis: int = Field(2, gt=0, description="fp16 dynamic scaling: overflows tolerated before the scale shrinks.")
-    min_loss_scale: float = Field(1.0, gt=0, description="fp16 dynamic scaling: the scale never goes below this.")
+    # Below 2**-24 (fp16's smallest subnormal) every scaled gradient under 1 underflows to zero; above 2**64 it is
+    # beyond the largest initial scale (initial_scale_power <= 64), so the scale could never have reached it.
+    min_loss_scale: float = Field(
+        1.0, ge=2.0**-24, le=2.0**64,
+        description="fp16 dynamic scaling: the scale never goes below this (2**-24 to 2**64).")
     reduce_dtype: Literal["fp32", "bf16"] = Field(
         "fp32",
         description="bf16 only: dtype gradients are accumulated over micro-steps and reduced across ranks in. `fp32` "
@@ -587,9 +609,9 @@ class RuntimeConfig(Section):
     )
     profile: ProfileConfig = Field(default_factory=ProfileConfig, description="Trace some optimizer steps.")
     hang_timeout_s: float | None = Field(
-        None, gt=0, le=30 * 86400,
+        None, ge=1, le=30 * 86400,  # under 1 s the watchdog would fire inside any real step
         description="Hang watchdog: if no optimizer step (with its evaluation and checkpoint) completes within this "
-        "many seconds (at most 30 days), every rank writes its Python stacks to output_dir/hang/ and exits 1; null = no watchdog. Set it above "
+        "many seconds (1 s to 30 days), every rank writes its Python stacks to output_dir/hang/ and exits 1; null = no watchdog. Set it above "
         "the slowest step, evaluation or checkpoint save (and the first step's compilation)."
     )
     memory_snapshot_on_oom: bool = Field(

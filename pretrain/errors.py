@@ -11,6 +11,8 @@ import contextlib
 import errno
 import os
 import shutil
+import tempfile
+from pathlib import Path
 
 EXIT_USAGE = 2
 
@@ -63,6 +65,22 @@ def disk_full_error(path: str | os.PathLike, writing: str, fix: str) -> ConfigEr
         free = f"{shutil.disk_usage(path).free / 2**30:.2f} GiB free"
     return ConfigError(f"disk full: no space left on the filesystem of {path} ({free}) while writing {writing}; "
                        f"{fix}")
+
+
+def writable_dir(path: str | os.PathLike, what: str, fix: str, error: type[ConfigError] = ConfigError) -> Path:
+    """``path``, created if missing and proven writable by this user (a file created and removed in it), or one
+    ``error`` (a ConfigError): "<what> is not writable (<reason>); <fix>". A probe, not ``os.access``: root without
+    CAP_DAC_OVERRIDE, ACLs, a read-only mount and another user's directory all answer only to a real write."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        at = f" at {exc.filename}" if exc.filename and str(exc.filename) != str(path) else ""
+        raise error(f"{what} is not writable ({exc.strerror or exc}{at}); {fix}") from None
+    return path
 
 
 EXIT_DIVERGED = 3

@@ -32,7 +32,7 @@ from pretrain.checkpoint import Checkpointer, ResumeChoice, TrainerState, agree_
 from pretrain.config import Recipe
 from pretrain.data import cache_root, data_identity, ensure_data, open_data
 from pretrain.diagnostics import Diagnostics
-from pretrain.errors import ConfigError, TrainingDiverged
+from pretrain.errors import ConfigError, TrainingDiverged, writable_dir
 from pretrain.evaluation import Evaluator
 from pretrain.hardware import gpu_for_device
 from pretrain.launch import Launch
@@ -57,16 +57,7 @@ from pretrain.tracking import Console, StepLog, build_trackers, set_resume_step
 
 def check_output_dir(output_dir: Path) -> None:
     """Fail before any compute if the run cannot write where it is told to."""
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        probe = output_dir / f".write-test-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise ConfigError(
-            f"output_dir = {str(output_dir)!r} is not writable ({exc.strerror or exc}); "
-            "choose another, e.g. output_dir=/tmp/my-run"
-        ) from None
+    writable_dir(output_dir, f"output_dir = {str(output_dir)!r}", "choose another, e.g. output_dir=/tmp/my-run")
 
 
 def write_json(path: Path, value: Any) -> None:

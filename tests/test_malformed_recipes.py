@@ -39,6 +39,16 @@ CASES = [
     ("a negative eps", "", ["optim.args={eps: -1.0}"], "eps"),
     ("a timeout past timedelta", "", ["runtime.collective_timeout_s=1e300"], "runtime.collective_timeout_s"),
     ("a loss-scale power past float", "", ["precision.initial_scale_power=5000"], "precision.initial_scale_power"),
+    # Well-typed but absurd: each refused by its schema bound, before anything is sized by it.
+    ("a global batch of 2**62 sequences", "", ["batch.global_batch_size=4611686018427387904"],
+     "batch.global_batch_size = 4611686018427387904: Input should be less than or equal to 16777216"),
+    ("a micro-batch past the bound", "", ["batch.micro_batch_size=16777217"],
+     "batch.micro_batch_size = 16777217: Input should be less than or equal to 16777216"),
+    ("a sequence of 2**40 tokens", "", ["data.seq_len=1099511627776"], "data.seq_len = 1099511627776"),
+    ("2**40 loader workers", "", ["data.num_workers=1099511627776"], "data.num_workers = 1099511627776"),
+    ("a watchdog of 1e-300 s", "", ["runtime.hang_timeout_s=1e-300"], "runtime.hang_timeout_s"),
+    ("a minimum loss scale of 1e308", "", ["precision.min_loss_scale=1e308"], "precision.min_loss_scale"),
+    ("a minimum loss scale fp16 cannot hold", "", ["precision.min_loss_scale=1e-30"], "precision.min_loss_scale"),
 ]
 
 

@@ -20,6 +20,15 @@ from pretrain.config import DataConfig
 DOCUMENTS_VERSION = 1
 TOKENIZER_VERSION = 1
 
+# The fix when the cache cannot be written (a shared, read-only cache; another user's). A run that finds all it
+# needs there writes nothing into it: a complete store is only read, and the CPU peak (metrics.py) is measured
+# again instead of cached.
+CACHE_FIX = ("point data.cache_dir (or the PRETRAIN_CACHE_DIR environment variable) at a directory this user can "
+             "write, or prepare the store where it can be written (pretrain-prepare-data) and name it with data.store")
+STORE_FIX = ("point data.store (or data.cache_dir, or the PRETRAIN_CACHE_DIR environment variable) at a directory "
+             "this user can write, or prepare the store where it can be written (pretrain-prepare-data) and name it "
+             "with data.store")
+
 
 def cache_root(data_cfg: DataConfig) -> Path:
     """Where tokenizers and token stores are cached: data.cache_dir, $PRETRAIN_CACHE_DIR or ~/.cache/pretrain."""

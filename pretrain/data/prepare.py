@@ -24,7 +24,7 @@ from pretrain.data.build import (
     plan_shards,
     write_manifest,
 )
-from pretrain.data.cache import _hash, cache_root
+from pretrain.data.cache import STORE_FIX, _hash, cache_root
 from pretrain.data.documents import Log, _default_num_proc
 from pretrain.data.sources import _Corpus, _resolve_corpus
 from pretrain.data.store import (
@@ -43,7 +43,7 @@ from pretrain.data.store import (
     token_dtype,
 )
 from pretrain.data.tokenizer import _bpe_key, _get_tokenizer, _load_saved_tokenizer
-from pretrain.errors import DataError
+from pretrain.errors import DataError, writable_dir
 
 WAIT_LOG_EVERY_S = 60.0
 
@@ -165,15 +165,8 @@ def find_store(data_cfg: DataConfig, log: Log = print) -> StoreTarget:
 def _store_lock(path: Path):
     """An exclusive lock beside the store (flock: released if the holder dies), so that two builders of one
     store never run at once. A directory pretrain cannot write is one DataError naming it."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(path.with_name(f".{path.name}.lock"), "w")
-    except OSError as exc:
-        raise DataError(
-            f"data: cannot write the token store at {path}: {exc.strerror} ({exc.filename}). Point data.store (or "
-            "data.cache_dir, or the PRETRAIN_CACHE_DIR environment variable) at a directory this user can write, "
-            "or prepare the store where it can be written and name it with data.store"
-        ) from None
+    writable_dir(path.parent, f"data: the token store's directory {path.parent}", STORE_FIX, DataError)
+    handle = open(path.with_name(f".{path.name}.lock"), "w")
     with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -197,7 +190,7 @@ def _set_up(target: StoreTarget, data_cfg: DataConfig, log: Log) -> BuildSpec:
     """build.json and the tokenizer written into the store (once; checked on a rerun): what every shard
     needs. The caller holds the store's lock."""
     _refuse_foreign_directory(target.path)
-    target.path.mkdir(parents=True, exist_ok=True)
+    writable_dir(target.path, f"data: the token store {target.path}", STORE_FIX, DataError)
     if (target.path / BUILD).is_file():
         _check_identity(target, _read_json(target.path / BUILD), "partly built store")
     else:

@@ -11,10 +11,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pretrain.config import DataConfig
-from pretrain.data.cache import TOKENIZER_VERSION, _hash, _make_tmp_dir, _publish, cache_root
+from pretrain.data.cache import CACHE_FIX, TOKENIZER_VERSION, _hash, _make_tmp_dir, _publish, cache_root
 from pretrain.data.documents import Log, _sample_train_texts
 from pretrain.data.sources import _Corpus, _resolve_corpus
-from pretrain.errors import DataError
+from pretrain.errors import DataError, writable_dir
 
 EOS_TOKEN = "<|endoftext|>"
 
@@ -186,6 +186,8 @@ def _cached_bpe(data_cfg: DataConfig, key: str, sample: Callable[[], list[str]],
         tok = _load_saved_tokenizer(target)
         log(f"tokenizer: cached byte-level BPE, {len(tok):,} tokens, at {target}")
         return tok
+    # Before the training, which a cache this user cannot write would throw away.
+    writable_dir(target.parent, f"data: the tokenizer cache {target.parent}", CACHE_FIX, DataError)
     start = time.perf_counter()
     texts = sample()
     tok = _train_bpe(_batches(texts), len(texts), data_cfg.tokenizer_vocab_size)
