@@ -4,7 +4,9 @@ checkpoint".
 SLURM (``--signal``), Kubernetes and most schedulers send SIGTERM or SIGUSR1 some time before the kill. Ctrl-C
 sends SIGINT: to ``python pretrain/run.py`` directly; under ``accelerate launch`` (torchrun) to the launcher
 only (torchrun starts each worker in a session of its own), whose elastic agent sends SIGINT on to every
-worker, waits ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (default 30) for them to exit, then SIGKILLs them.
+worker, waits ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (default 30) for them to exit, then SIGKILLs them;
+under ``pretrain-launch`` to pretrain-launch only, which sends it to the workers itself, so that torchrun
+does not report the stop as its own failure (``supervise.run_launcher``).
 The handlers only set a flag; they are installed for the training loop and the previous ones are restored
 after it, also when the loop raises. A second SIGINT is the user insisting: it goes to the previous handler
 (Python's KeyboardInterrupt), so the process stops at once. (Under torchrun the second Ctrl-C ends the agent,

@@ -69,12 +69,14 @@ def _main(args: argparse.Namespace) -> int:
         # The recipe's packages, and GPUs that torch cannot see (unless accelerate launch --cpu / use_cpu).
         check_environment(recipe, launch, gpu_launch=os.environ.get("ACCELERATE_USE_CPU", "").lower() != "true")
         from pretrain.cli.prepare_data import prepare_commands
+        from pretrain.supervise import interrupted_exit_code
         from pretrain.train import Trainer
 
         prepare_command = prepare_commands(args.recipe, args.overrides, launch.num_nodes)
         trainer = Trainer(recipe, launch, prepare_command)
         trainer.train()
-        return EXIT_INTERRUPTED if trainer.interrupted else 0  # Ctrl-C: checkpointed, yet not finished
+        # Ctrl-C: checkpointed, yet not finished (130, or 0 when pretrain-launch reports the 130)
+        return interrupted_exit_code() if trainer.interrupted else 0
     except ConfigError as exc:
         if is_main:
             print(f"error: {exc}", file=sys.stderr)

@@ -28,10 +28,25 @@ multi-process launch the way torch's own multiprocessing tests end theirs: flush
 (streams, logging), then ``os._exit(code)``, skipping the teardown. Everything a run writes is closed
 before: trackers by ``end_training``, checkpoints and the final model synchronously, the run lock
 released (the kernel would release it anyway).
+
+**pretrain-launch takes Ctrl-C itself.** torchrun's elastic agent turns the SIGINT a terminal sends it into
+a ``SignalException`` that it re-raises after its workers' checkpoint: a traceback, and exit 1 instead of
+130. ``run_launcher`` therefore runs ``accelerate launch`` as a child in a session of its own, so the
+terminal's SIGINT reaches pretrain-launch alone, which sends it to the launcher's children (torchrun's
+workers, or the one process of a single-process launch), exactly as the agent would. Their environment
+says that the launcher reports the interrupt (``LAUNCHER_REPORTS_INTERRUPT``): a worker that stopped with
+its checkpoint exits 0, which torchrun ends on quietly (any other code is a failure to it, with its
+``ChildFailedError`` report), and pretrain-launch exits 130. A second Ctrl-C (or a first one before any
+worker exists) SIGKILLs the launcher's process group; the workers die with their launcher (above). The
+other signals that reached ``accelerate launch`` when pretrain-launch exec'd it (SIGTERM, SIGHUP, SIGQUIT,
+SIGUSR1, SIGUSR2) are sent on to it unchanged, and the launcher asks for SIGKILL when pretrain-launch dies,
+so ``kill -9`` of pretrain-launch or of its process group still ends the whole run. (pretrain-slurm's
+node command runs ``accelerate launch`` directly: its signals are the job script's.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -39,6 +54,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -46,7 +62,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from pretrain.errors import ConfigError
+from pretrain.errors import EXIT_INTERRUPTED, ConfigError
 
 LOCK_FILE = "run.lock"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -154,6 +170,88 @@ def stop_with_launcher() -> bool:
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return False
     return die_with_parent()
+
+
+LAUNCHER_REPORTS_INTERRUPT = "PRETRAIN_LAUNCHER_REPORTS_INTERRUPT"
+"""Set to 1 in the workers' environment by pretrain-launch, which exits 130 itself after a Ctrl-C."""
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+"""What pretrain-launch sends on to ``accelerate launch`` as it is (SIGINT is its own)."""
+
+
+def interrupted_exit_code() -> int:
+    """A run stopped by Ctrl-C with its checkpoint: 130, or 0 under pretrain-launch, which reports the 130 (torchrun
+    and accelerate's single-process launcher report any other code as a failure, with a traceback)."""
+    return 0 if os.environ.get(LAUNCHER_REPORTS_INTERRUPT) == "1" else EXIT_INTERRUPTED
+
+
+def run_launcher(command: list[str], environment: dict[str, str]) -> int:
+    """Run ``command`` (``accelerate launch ...``) as pretrain-launch's child, taking Ctrl-C for it (see the module
+    docstring); the exit code for the shell: 130 after a Ctrl-C, else the launcher's (128 + N for signal N)."""
+    import psutil
+
+    handled = (*FORWARDED_SIGNALS, signal.SIGINT)
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+    parent = os.getpid()
+    launcher: subprocess.Popen | None = None
+    state = {"interrupts": 0, "stopped": None}  # stopped: why the launcher's process group was SIGKILLed
+
+    def in_child() -> None:  # between fork and exec: the launcher dies with pretrain-launch, and takes signals
+        if libc is not None:
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != parent:  # pretrain-launch died before the request: nothing would signal us now
+                os._exit(128 + signal.SIGKILL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, handled)
+
+    def stop_now(why: str) -> None:
+        state["stopped"] = why
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+
+    def on_interrupt(signum, frame) -> None:
+        state["interrupts"] += 1
+        if launcher is None:  # caught by Python before this handler was installed, run now: stopped once started
+            return
+        try:
+            workers = psutil.Process(launcher.pid).children()
+        except psutil.NoSuchProcess:
+            return  # it has just exited: wait() returns its code
+        if state["interrupts"] > 1:
+            return stop_now("Ctrl-C again: stopped every process at once; the steps since the last checkpoint "
+                            "are lost")
+        if not workers:
+            return stop_now("stopped the launch before its processes started")
+        for worker in workers:  # as torchrun's agent sends it: to each worker, not to the worker's own children
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.pid, signal.SIGINT)
+
+    def forward(signum, frame) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(launcher.pid, signum)
+
+    handlers = {signal.SIGINT: on_interrupt, **dict.fromkeys(FORWARDED_SIGNALS, forward)}
+    # Started in the background (`cmd &`, nohup): an ignored signal stays ignored, in the launcher too.
+    handlers = {sig: h for sig, h in handlers.items() if signal.getsignal(sig) != signal.SIG_IGN}
+    # The signals wait until the launcher exists (the handlers need its pid); the child unblocks them.
+    signal.pthread_sigmask(signal.SIG_BLOCK, handled)
+    previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
+    try:
+        launcher = subprocess.Popen(command, env={**environment, LAUNCHER_REPORTS_INTERRUPT: "1"},
+                                    start_new_session=True, preexec_fn=in_child)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, handled)
+    if state["interrupts"]:
+        stop_now("stopped the launch before its processes started")
+    try:
+        code = launcher.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    if state["stopped"] is not None:
+        print(f"interrupted: {state['stopped']}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    if state["interrupts"] and code == 0:  # the workers stopped with their checkpoint, and said so
+        return EXIT_INTERRUPTED
+    return code if code >= 0 else 128 - code
 
 
 def die_with_parent() -> bool:

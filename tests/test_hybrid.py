@@ -101,7 +101,7 @@ def test_pretrain_launch_refuses_hpz_on_one_node_before_accelerate(tmp_path, cap
     from pretrain.cli import launch as launch_cli
 
     started = []
-    monkeypatch.setattr(launch_cli.os, "execve", lambda path, argv, environment: started.append(argv))
+    monkeypatch.setattr(launch_cli, "run_launcher", lambda argv, environment: started.append(argv) or 0)
     config = write(tmp_path, {"stage": 3, "zero_hpz_partition_size": "auto"}, processes=2, machines=1)
     assert launch_cli.main(["--config_file", str(config), "--recipe", TINY]) == 2
     err = capsys.readouterr().err

@@ -157,11 +157,11 @@ R7B = str(ROOT / "recipes" / "7b.yaml")
 
 @pytest.fixture
 def execv(monkeypatch):
-    """Record the command pretrain-launch would exec instead of starting accelerate launch."""
+    """Record the command pretrain-launch would start instead of starting accelerate launch."""
     from pretrain.cli import launch as launch_cli
 
     calls = []
-    monkeypatch.setattr(launch_cli.os, "execve", lambda path, argv, environment: calls.append(argv))
+    monkeypatch.setattr(launch_cli, "run_launcher", lambda argv, environment: calls.append(argv) or 0)
     return calls
 
 
@@ -220,7 +220,7 @@ def test_threads_per_process_are_the_cores_shared_out_unless_set(capsys, monkeyp
     from pretrain.cli import launch as launch_cli
 
     environments = []
-    monkeypatch.setattr(launch_cli.os, "execve", lambda path, argv, environment: environments.append(environment))
+    monkeypatch.setattr(launch_cli, "run_launcher", lambda argv, environment: environments.append(environment) or 0)
     monkeypatch.setattr("pretrain.launch.usable_cores", lambda: 16)
     if given is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

@@ -201,11 +201,11 @@ SMALL = [*FAST, "batch.global_batch_size=6", "batch.micro_batch_size=1"]
 
 
 def preflight(capsys, monkeypatch, *argv: str) -> tuple[int, str, list]:
-    """pretrain-launch in this process: its exit code, stderr, and the command it would exec."""
+    """pretrain-launch in this process: its exit code, stderr, and the command it would start."""
     from pretrain.cli import launch as launch_cli
 
     execs = []
-    monkeypatch.setattr(launch_cli.os, "execve", lambda path, argv, environment: execs.append(argv))
+    monkeypatch.setattr(launch_cli, "run_launcher", lambda argv, environment: execs.append(argv) or 0)
     code = launch_cli.main(list(argv))
     err = capsys.readouterr().err
     assert "Traceback" not in err

@@ -211,6 +211,24 @@ CTRL_C_ARGS = [*FAST, "train.max_steps=40", "checkpoint.every_steps=100", "check
                "checkpoint.save_final_model=false"]
 
 
+def ctrl_c_after_step(cmd: list[str], out: Path, step: int) -> tuple[int, str]:
+    """Start ``cmd`` as a terminal's foreground job, press Ctrl-C (SIGINT to its whole process group) once
+    ``out``'s metrics have ``step``; its exit code and output."""
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not ((out / "metrics.jsonl").exists() and f'"step": {step},' in (out / "metrics.jsonl").read_text()):
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, output
+
+
 def test_ctrl_c_of_a_two_process_launch_checkpoints_and_the_rerun_continues_the_curve(tmp_path):
     """Ctrl-C in a terminal: SIGINT to the launcher's whole foreground process group. torchrun's agent sends
     SIGINT on to its workers (each in a session of its own); they finish the step in flight, agree on it,
@@ -219,18 +237,7 @@ def test_ctrl_c_of_a_two_process_launch_checkpoints_and_the_rerun_continues_the_
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" /
            "cpu_ddp.yaml"), "--main_process_port", str(free_port()), RUN, "--recipe", TINY, *CTRL_C_ARGS,
            f"output_dir={out}"]
-    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        deadline = time.time() + 300
-        while not ((out / "metrics.jsonl").exists() and '"step": 3,' in (out / "metrics.jsonl").read_text()):
-            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
-            time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    _, output = ctrl_c_after_step(cmd, out, 3)
     assert "SIGINT: stopping after the step in flight with a checkpoint" in output, output
     assert "interrupted: stopped after step" in output, output
     (checkpoint,) = (out / "checkpoints").glob("step_*")
@@ -247,6 +254,30 @@ def test_ctrl_c_of_a_two_process_launch_checkpoints_and_the_rerun_continues_the_
     assert sorted(resumed) == list(range(1, 41))
     for step in range(1, 41):
         assert resumed[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-6), step
+
+
+def test_ctrl_c_of_pretrain_launch_exits_130_without_a_traceback_and_the_same_command_continues(tmp_path):
+    """pretrain-launch takes the terminal's Ctrl-C itself (pretrain/supervise.py): the workers checkpoint the
+    step they stop after, torchrun ends quietly, and the shell sees 130 (torchrun alone prints its
+    SignalException traceback and exits 1). Rerunning the same command continues from that checkpoint."""
+    out = tmp_path / "run"
+
+    def command() -> list[str]:
+        return [sys.executable, "-m", "pretrain.cli.launch", "--config_file", str(ROOT / "accelerate_configs" /
+                "cpu_ddp.yaml"), "--main_process_port", str(free_port()), "--recipe", TINY, *CTRL_C_ARGS,
+                f"output_dir={out}"]
+
+    code, output = ctrl_c_after_step(command(), out, 2)
+    assert code == 130 and "Traceback" not in output and "SignalException" not in output, output
+    (checkpoint,) = (out / "checkpoints").glob("step_*")
+    stopped_at = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
+    assert 2 <= stopped_at < 40 and f"interrupted: stopped after step {stopped_at}/40 with a checkpoint" in output
+
+    rerun = subprocess.run(command(), env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=600)
+    assert rerun.returncode == 0, rerun.stdout
+    assert f"resume: continuing from {checkpoint} at step {stopped_at}\n" in rerun.stdout, rerun.stdout
+    assert sorted(train_losses(out)) == list(range(1, 41))
 
 
 @pytest.mark.parametrize(

@@ -41,8 +41,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from pretrain.checkpointing import recompute_label
-from pretrain.errors import EXIT_USAGE, ConfigError
+from pretrain.errors import EXIT_INTERRUPTED, EXIT_USAGE, ConfigError
 from pretrain.launch import DOCTOR_ENTRY, accelerate_command, option_value, threads_per_process
+from pretrain.supervise import run_launcher
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "accelerate_configs"
 """The shipped accelerate configs (a refusal names the one that resumes a checkpoint)."""
@@ -399,7 +400,14 @@ def check_data(recipe, launch: Launch, recipe_path: str, overrides: list[str]) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:  # Ctrl-C before the launcher takes it (the checks, the doctor): nothing trained yet
+        print("interrupted: before the launch", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str]) -> int:
     if "--recipe" not in argv and {"-h", "--help"} & set(argv):
         print(__doc__.strip())  # after --recipe, --help is accelerate's own
         return 0
@@ -424,8 +432,9 @@ def main(argv: list[str] | None = None) -> int:
                   "output_dir/doctor.json)", file=sys.stderr, flush=True)
             return status
     print(f"launch: {threads}" + " ".join(shlex.quote(c) for c in command), flush=True)
-    os.execve(sys.executable, command, environment)
-    return 0  # not reached
+    # Not exec'd: pretrain-launch stays its parent and takes Ctrl-C, so that torchrun prints no traceback for
+    # it and the shell sees 130 (pretrain/supervise.py).
+    return run_launcher(command, environment)
 
 
 if __name__ == "__main__":
