@@ -154,16 +154,21 @@ def _corrupt_same_size(path: Path, value: int) -> None:
     tokens.tofile(path)
 
 
-def test_a_same_size_corrupted_shard_is_refused_naming_it(tmp_path, capsys, monkeypatch):
-    from pretrain.cli.prepare_data import main
-    from pretrain.data import store as store_module
-
+def _prepared_store(tmp_path: Path, shard_index: int):
+    """(corpus, store, data config, the train file of shard ``shard_index``) of a small prepared store."""
     corpus = write_corpus(tmp_path / "corpus", make_docs(30, seed=17))
     store = tmp_path / "store"
     data_cfg = store_config(tmp_path, corpus, store)
     prepare_data(data_cfg, log=lambda _: None)
     manifest = json.loads((store / "manifest.json").read_text())
-    shard = store / "shards" / manifest["shards"][1]["train"]["file"]
+    return corpus, store, data_cfg, store / "shards" / manifest["shards"][shard_index]["train"]["file"]
+
+
+def test_a_same_size_corrupted_shard_is_refused_naming_it(tmp_path, capsys, monkeypatch):
+    from pretrain.cli.prepare_data import main
+    from pretrain.data import store as store_module
+
+    corpus, store, data_cfg, shard = _prepared_store(tmp_path, shard_index=1)
     # In the vocabulary (300 ids): only the checksum can tell.
     middle = np.fromfile(shard, dtype="<u2")[shard.stat().st_size // 4]
     _corrupt_same_size(shard, (int(middle) + 1) % 300)
@@ -193,12 +198,7 @@ def test_a_token_outside_the_vocabulary_is_refused_naming_the_shard(tmp_path, mo
     embedding has no row for, instead of an IndexError inside the model."""
     from pretrain.data import store as store_module
 
-    corpus = write_corpus(tmp_path / "corpus", make_docs(30, seed=17))
-    store = tmp_path / "store"
-    data_cfg = store_config(tmp_path, corpus, store)
-    prepare_data(data_cfg, log=lambda _: None)
-    manifest = json.loads((store / "manifest.json").read_text())
-    shard = store / "shards" / manifest["shards"][0]["train"]["file"]
+    _, store, data_cfg, shard = _prepared_store(tmp_path, shard_index=0)
     _corrupt_same_size(shard, 40000)
     monkeypatch.setattr(store_module, "VERIFY_ON_OPEN_MAX_BYTES", 0)
     rows = open_store(data_cfg, log=lambda _: None).train
