@@ -26,8 +26,8 @@ FAST = [
     "batch.global_batch_size=8",
     "batch.micro_batch_size=4",
     "lr_schedule.warmup_steps=1",
-    "train.eval_batches=2",
-    "train.log_every_steps=1",
+    "eval.batches=2",
+    "logging.every_steps=1",
     "logging.progress=plain",
 ]
 

@@ -208,8 +208,8 @@ def test_prepare_data_cli_on_a_mixture_and_a_bad_weight_exit_2(tmp_path, capsys)
 
 # ---- end to end (slow) ----------------------------------------------------------------------------------
 
-E2E = [*FAST, "data.tokenizer_vocab_size=512", "data.val_fraction=0.2", "train.eval_every_steps=4",
-       "train.eval_batches=1", "checkpoint.every_steps=4", "checkpoint.keep_last=0"]
+E2E = [*FAST, "data.tokenizer_vocab_size=512", "data.val_fraction=0.2", "eval.every_steps=4",
+       "eval.batches=1", "checkpoint.every_steps=4", "checkpoint.keep_last=0"]
 
 
 def e2e_recipe(tmp_path: Path) -> str:

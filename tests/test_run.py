@@ -50,13 +50,13 @@ def test_demo_recipe_learns_three_nats(tmp_path):
 
 def test_metrics_files_and_final_model(tmp_path):
     out = tmp_path / "run"
-    check_ok(train([*FAST, "train.max_steps=6", "train.log_every_steps=3", f"output_dir={out}"]))
+    check_ok(train([*FAST, "train.max_steps=6", "logging.every_steps=3", f"output_dir={out}"]))
     records = metrics(out)
     train_steps = [r["step"] for r in records if "train/loss" in r]
     assert train_steps == [1, 3, 6]  # step 1, every N, and the last
     for record in records:
         if "train/loss" in record:
-            # Step 1 is a warm-up step (runtime.throughput_warmup_steps=1): logged, but without throughput.
+            # Step 1 is a warm-up step (logging.throughput_warmup_steps=1): logged, but without throughput.
             required = REQUIRED_KEYS if record["step"] > 1 else REQUIRED_KEYS - {"perf/tokens_per_s"}
             assert required <= record.keys(), record["step"]
             assert record["batch/gbs"] == 8 and record["batch/mbs"] == 4 and record["batch/gas"] == 2

@@ -25,7 +25,7 @@ SWEEP = ["-m", "pretrain.cli.sweep"]
 BENCH = ["-m", "pretrain.cli.bench"]
 # A 2-layer, 64-wide model on 64-token sequences; a given peak skips the CPU peak measurement (2 s a run).
 SMALL = ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128", "data.seq_len=64",
-         "runtime.peak_tflops=1"]
+         "logging.peak_tflops=1"]
 TINY_GBS = 32  # recipes/tiny.yaml
 
 
