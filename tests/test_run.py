@@ -23,6 +23,7 @@ from tests.helpers import (
     free_port,
     metrics,
     train,
+    train_in_process,
     train_killed_at,
     train_losses,
     val_losses,
@@ -298,27 +299,25 @@ def test_recipe_file_errors_exit_2_without_traceback(tmp_path, text, message):
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
-RESTORE_SCRIPT = """
-import signal, sys
-from pretrain.config import load_recipe
-from pretrain.train import Trainer
+# A handler of the caller's own, installed before the Trainer exists: it must be the one in force outside the loop.
+MINE = """
+import signal
 
 def mine(signum, frame):
     pass
 
 signal.signal(signal.SIGUSR1, mine)
-trainer = Trainer(load_recipe(sys.argv[1], sys.argv[2:]))
-assert signal.getsignal(signal.SIGUSR1) is mine, "building the trainer installed a handler"
-trainer.train()
-assert signal.getsignal(signal.SIGUSR1) is mine, signal.getsignal(signal.SIGUSR1)
-assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, signal.getsignal(signal.SIGTERM)
-print("handlers restored")
 """
 
 
 def test_stop_signal_handlers_are_installed_for_the_loop_only(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", RESTORE_SCRIPT, TINY, *FAST, "train.max_steps=2",
-                           "checkpoint.save_final_model=false", f"output_dir={tmp_path / 'run'}"],
-                          env=env(), capture_output=True, text=True, timeout=300)
+    proc = train_in_process(
+        [*FAST, "train.max_steps=2", "checkpoint.save_final_model=false", f"output_dir={tmp_path / 'run'}"],
+        before=MINE,
+        between='assert signal.getsignal(signal.SIGUSR1) is mine, "building the trainer installed a handler"',
+        after="assert signal.getsignal(signal.SIGUSR1) is mine, signal.getsignal(signal.SIGUSR1)\n"
+              "assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, signal.getsignal(signal.SIGTERM)\n"
+              'print("handlers restored")',
+    )
     check_ok(proc)
     assert "handlers restored" in proc.stdout
