@@ -38,7 +38,7 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from pydantic import BaseModel
 
-from pretrain.config import CheckpointConfig, DataConfig, Recipe
+from pretrain.config import CheckpointConfig, DataConfig, Recipe, renamed_keys
 from pretrain.data import data_changes, planned_data_identity
 from pretrain.errors import ConfigError, TrainingDiverged, disk_full_error, is_disk_full
 from pretrain.integrity import (
@@ -153,6 +153,7 @@ def check_compatible(path: Path, saved: dict[str, Any], recipe: dict[str, Any]) 
     """Raise ConfigError if ``recipe`` changed a ``MUST_MATCH`` key since the checkpoint at ``path`` was
     saved with ``saved``; else the other differences, for a warning. A key naming no recipe field is a bug
     here, and raises KeyError rather than comparing None with None."""
+    saved = renamed_keys(saved)  # a checkpoint of an older pretrain: its moved keys are no change
     for key in MUST_MATCH:
         recipe_field(key)
     changed = [key for key in MUST_MATCH if _lookup(saved, key) != _lookup(recipe, key)]

@@ -10,7 +10,7 @@
       checkpoints/latest         the name of the newest complete checkpoint
       checkpoints/.damaged-step_XXXXXXXX/  a damaged checkpoint a resume passed over (not a checkpoint)
       run.lock                   flocked by the run's global rank 0 (pretrain/supervise.py)
-      profile/, hang/            runtime.profile traces, hang-watchdog stacks (pretrain/diagnostics.py)
+      profile/, hang/            profile traces, hang-watchdog stacks (pretrain/diagnostics.py)
       checkpoints/step_XXXXXXXX.universal/ (.single/)  a checkpoint converted for another layout
                                  (pretrain/reshard.py); no trainer_state.json, so never taken for a checkpoint
       final_model/               transformers save_pretrained + tokenizer

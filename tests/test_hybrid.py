@@ -13,12 +13,12 @@ import yaml
 from pretrain import memory
 from pretrain.batching import plan_batches
 from pretrain.cli import plan
-from pretrain.config import build_recipe, load_recipe
+from pretrain.config import load_recipe
 from pretrain.deepspeed_config import build_deepspeed_config
 from pretrain.errors import ConfigError
 from pretrain.hardware import find_gpu
 from pretrain.launch import Launch
-from tests.helpers import ROOT, TINY
+from tests.helpers import ROOT, TINY, make_recipe
 
 CONFIGS = ROOT / "accelerate_configs"
 HPZ, HSDP = CONFIGS / "multinode_zero3_hpz.yaml", CONFIGS / "multinode_hsdp.yaml"
@@ -112,8 +112,7 @@ def test_pretrain_launch_refuses_hpz_on_one_node_before_accelerate(tmp_path, cap
 
 
 def ds_config(launch: Launch, user=None):
-    recipe = build_recipe({"batch": {"global_batch_size": 64, "micro_batch_size": 1}, "train": {"max_steps": 10}},
-                          default_name="t")
+    recipe = make_recipe(batch={"global_batch_size": 64, "micro_batch_size": 1})
     batch = plan_batches(recipe.batch, launch.world_size, recipe.data.seq_len)
     return build_deepspeed_config(recipe, batch, launch, recipe.optim.lr, user)[0]["zero_optimization"]
 

@@ -19,13 +19,12 @@ import pytest
 from pretrain.cli import sweep as sweep_batch_size
 from pretrain.sweep import MBSResult, analyse, nearest_multiples
 from pretrain.sweep import runner as sweep_runner
-from tests.helpers import ROOT, TINY, check_ok, env, run_cmd
+from tests.helpers import FAST_MODEL, ROOT, TINY, check_ok, env, run_cmd
 
 SWEEP = ["-m", "pretrain.cli.sweep"]
 BENCH = ["-m", "pretrain.cli.bench"]
-# A 2-layer, 64-wide model on 64-token sequences; a given peak skips the CPU peak measurement (2 s a run).
-SMALL = ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128", "data.seq_len=64",
-         "runtime.peak_tflops=1"]
+# The tests' small model; a given peak skips the CPU peak measurement (2 s a run).
+SMALL = [*FAST_MODEL, "logging.peak_tflops=1"]
 TINY_GBS = 32  # recipes/tiny.yaml
 
 

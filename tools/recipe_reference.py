@@ -59,7 +59,7 @@ def reference() -> str:
         section: type[BaseModel] = field.annotation
         lines += ["", f"### `{name}`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         for key, sub in section.model_fields.items():
-            if _is_section(sub.annotation):  # a section inside a section (runtime.profile): its keys
+            if _is_section(sub.annotation):  # a section inside a section: its keys
                 lines += [f"| `{name}.{key}.{k}` | {_type_name(f.annotation)} | {_default(f)} | {f.description} |"
                           for k, f in sub.annotation.model_fields.items()]
                 continue
