@@ -262,7 +262,7 @@ def test_zero3_hpz_on_two_nodes_of_two_processes_trains_the_layout_independent_c
     out = tmp_path / "hpz"
     args = [*golden_losses.DIST_ARGS, "train.max_steps=3", "checkpoint.every_steps=0", "checkpoint.save_last=false",
             "checkpoint.save_final_model=false", f"output_dir={out}"]
-    # a multi-node launch does not prepare its token store (README, Data): the curve's store, found or built once
+    # a multi-node launch does not prepare its token store (docs/data.md): the curve's store, found or built once
     assert prepare_data.main(["--recipe", TINY, *args]) == 0
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(HPZ),

@@ -89,7 +89,7 @@ def test_a_stand_in_with_a_hyphenated_name_satisfies_a_requirement(tmp_path):
 
 @pytest.mark.slow
 def test_a_wheelhouse_installs_offline_next_to_torch_and_trains(tmp_path):
-    """The README's three commands: the wheelhouse (needs the index), then a fresh environment with torch installs
+    """docs/install.md's three commands: the wheelhouse (needs the index), then a fresh environment with torch installs
     from it alone and trains the tiny recipe with the installed pretrain."""
     wheelhouse = tmp_path / "wheels"
     built = _run(["bash", INSTALL, "--wheelhouse", str(wheelhouse)], cwd=tmp_path, extra={"PYTHON": sys.executable})

@@ -162,7 +162,7 @@ def _relative_error_of_summed_gradient(gas: int, ranks: int = 8, n: int = 10_000
 
 
 def test_bf16_accumulation_and_reduction_error_grows_with_gas():
-    """The README's numbers for the cost of precision.reduce_dtype=bf16 (run with -s to see them): relative
+    """docs/distributed.md's numbers for the cost of precision.reduce_dtype=bf16 (run with -s to see them): relative
     error of the summed gradient over 8 ranks, 0.34% at GAS 1 and 0.50% at GAS 128 in bf16, at most 4e-8 in fp32."""
     one, many = _relative_error_of_summed_gradient(1), _relative_error_of_summed_gradient(128)
     print(f"\nGAS 1: {one}\nGAS 128: {many}")
