@@ -8,6 +8,7 @@ Once the process group exists, ``check_shared_output_dir`` makes sure every proc
 
 from __future__ import annotations
 
+import copy
 import os
 import secrets
 import socket
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate import Accelerator
@@ -42,10 +43,14 @@ from pretrain.deepspeed_config import build_deepspeed_config, read_user_config
 from pretrain.errors import ConfigError
 from pretrain.launch import Launch
 
+if TYPE_CHECKING:
+    from pretrain.preflight import RunPlan
+
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 
-def check_precision(recipe: Recipe, launch: Launch) -> None:
+def check_precision(recipe: Recipe, launch: Launch) -> str:
+    """accelerate's mixed_precision for the recipe's dtype on this launch, or one ConfigError."""
     dtype = recipe.precision.dtype
     launched = launch.mixed_precision
     if launched not in ("no", MIXED_PRECISION[dtype]):
@@ -64,6 +69,7 @@ def check_precision(recipe: Recipe, launch: Launch) -> None:
             "precision.reduce_dtype=bf16 under DDP needs CUDA and NCCL (torch's bf16 all-reduce hook); on CPU "
             "DDP reduces in fp32: remove precision.reduce_dtype=bf16 (or use a DeepSpeed ZeRO config)"
         )
+    return MIXED_PRECISION[dtype]
 
 
 def gradient_dtypes(recipe: Recipe, launch: Launch) -> dict[str, str]:
@@ -193,9 +199,9 @@ def deepspeed_config(recipe: Recipe, plan: BatchPlan, launch: Launch, lr: float)
     return build_deepspeed_config(recipe, plan, launch, lr, user)
 
 
-def deepspeed_plugin(recipe: Recipe, plan: BatchPlan, launch: Launch, lr: float,
-                     load_universal: bool = False) -> tuple[DeepSpeedPlugin, dict, bool]:
-    config, ds_optimizer = deepspeed_config(recipe, plan, launch, lr)
+def deepspeed_plugin(config: dict, launch: Launch, load_universal: bool = False) -> tuple[DeepSpeedPlugin, dict]:
+    """accelerate's plugin for the DeepSpeed ``config`` check_run built (a copy: the plan keeps its own)."""
+    config = copy.deepcopy(config)
     if load_universal:
         # The resume checkpoint was converted to DeepSpeed's universal format (pretrain/reshard.py).
         config.setdefault("checkpoint", {})["load_universal"] = True
@@ -211,20 +217,24 @@ def deepspeed_plugin(recipe: Recipe, plan: BatchPlan, launch: Launch, lr: float,
             os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = hidden
     # accelerate silences DeepSpeed's own step printing; the recipe decides (deepspeed.steps_per_print).
     plugin.deepspeed_config["steps_per_print"] = config["steps_per_print"]
-    return plugin, plugin.deepspeed_config, ds_optimizer
+    return plugin, plugin.deepspeed_config
 
 
-def build_accelerator(recipe: Recipe, plan: BatchPlan, launch: Launch, output_dir: Path, trackers: list,
-                      lr: float, load_universal: bool = False) -> Runtime:
-    check_precision(recipe, launch)
+def build_accelerator(recipe: Recipe, run_plan: RunPlan, output_dir: Path, trackers: list,
+                      load_universal: bool = False) -> Runtime:
+    """The accelerator for ``run_plan`` (check_run's: the precision and the DeepSpeed config are its decisions,
+    not taken again here)."""
+    plan, launch = run_plan.batch, run_plan.launch
     if launch.engine == "fsdp" and not torch.cuda.is_available():
         check_fsdp_on_cpu(launch)
     if not torch.cuda.is_available():
         # DeepSpeed (imported by accelerate for ZeRO and state gathering) would otherwise probe for
         # accelerators and warn on every CPU run.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    plugin, ds_config, ds_optimizer = (deepspeed_plugin(recipe, plan, launch, lr, load_universal) if launch.uses_deepspeed
-                                       else (None, None, False))
+    plugin, ds_config, ds_optimizer = None, None, False
+    if run_plan.deepspeed is not None:
+        plugin, ds_config = deepspeed_plugin(run_plan.deepspeed[0], launch, load_universal)
+        ds_optimizer = run_plan.deepspeed[1]
     handlers = []
     timeout = recipe.runtime.collective_timeout_s
     group = {"timeout": timedelta(seconds=timeout)} if timeout else {}
@@ -254,7 +264,7 @@ def build_accelerator(recipe: Recipe, plan: BatchPlan, launch: Launch, output_di
             # No CUDA and not DeepSpeed: run as MULTI_CPU over gloo. Without this, processes started by
             # torchrun on a CPU box would each become an unrelated single-process run.
             cpu=not torch.cuda.is_available() and plugin is None,
-            mixed_precision=MIXED_PRECISION[prec.dtype],
+            mixed_precision=run_plan.mixed_precision,
             gradient_accumulation_steps=plan.grad_accum_steps,
             # The trainer steps the LR scheduler once per optimizer step itself. By default accelerate's
             # AcceleratedScheduler would step it num_processes times per optimizer step.

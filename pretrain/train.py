@@ -16,54 +16,46 @@ which steps log, the ``ThroughputMonitor`` (pretrain/metrics.py) the measured in
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate.utils import set_seed
-from torch.distributed.tensor import DTensor
 
 from pretrain.batching import BatchPlan
-from pretrain.checkpoint import Checkpointer, ResumeChoice, TrainerState, agree_on_resume, check_resume_data
+from pretrain.checkpoint import Checkpointer, TrainerState
 from pretrain.config import Recipe
 from pretrain.data import cache_root, data_identity, ensure_data, open_data
 from pretrain.diagnostics import Diagnostics
+from pretrain.engine import Engine
 from pretrain.errors import ConfigError, TrainingDiverged, writable_dir
 from pretrain.evaluation import Evaluator
 from pretrain.hardware import gpu_for_device
 from pretrain.launch import Launch
 from pretrain.loader import DocumentMasking, build_train_loader, build_val_loaders, data_horizon
-from pretrain.loss import install_loss, loss_choice
+from pretrain.loss import install_loss
 from pretrain.memory import MemoryEstimate, estimate
 from pretrain.metrics import ThroughputMonitor, memory_metrics, resolve_peak
 from pretrain.model import build_model, count_parameters, resolve_vocab_size, save_pretrained_model
-from pretrain.optim import build_optimizer, build_scheduler, deepspeed_optimizer, set_peak_lr
+from pretrain.optim import build_optimizer, build_scheduler, deepspeed_optimizer
 from pretrain.preemption import StopSignals
 from pretrain.preflight import check_run
 from pretrain.quiet import TiedWeightsSaved
-from pretrain.reshard import prepare_resume
+from pretrain.resume import Resume
 from pretrain.run_record import start_run_record
 from pretrain.rundir import latest_checkpoint
 from pretrain.runtime import build_accelerator, check_shared_output_dir, compile_in_place, model_placement
 from pretrain.shape import flops_per_token
-from pretrain.stability import DeepSpeedGate, SkipPolicy, StepGate, Verdict, injected_loss_factors
+from pretrain.stability import SkipPolicy, StepGate, Verdict, injected_loss_factors
 from pretrain.supervise import RunLock
-from pretrain.tracking import Console, StepLog, build_trackers, set_resume_step
+from pretrain.tracking import Console, StepLog, build_trackers
 
 
 def check_output_dir(output_dir: Path) -> None:
     """Fail before any compute if the run cannot write where it is told to."""
     writable_dir(output_dir, f"output_dir = {str(output_dir)!r}", "choose another, e.g. output_dir=/tmp/my-run")
-
-
-def write_json(path: Path, value: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2, sort_keys=True, default=str))
-    os.replace(tmp, path)
 
 
 def document_masking(recipe: Recipe, tokenizer) -> DocumentMasking | None:
@@ -139,39 +131,22 @@ class Trainer:
         # One run per output_dir: global rank 0 holds the lock (a second run stops here with exit 2, and a
         # rank 0 that stops takes its launch down with it).
         self.lock = RunLock.acquire(self.output_dir, log=self.log) if self.is_main else None
-        # Rank 0 decides which checkpoint to resume from, now: its trackers (main-process only) need the step
-        # to drop the metrics of redone steps. Every rank follows that choice once the process group exists.
-        # Every rank reads the same files now (errors are kept, not raised) for one purpose: a checkpoint of
-        # another layout is converted (or refused) before any process group exists, by rank 0, while the other
-        # ranks wait for the conversion of the checkpoint they see; agree_on_resume checks below that it is
-        # rank 0's.
-        seen = ResumeChoice.decide(self.output_dir, recipe.checkpoint)
-        if seen.path:
-            check_resume_data(Path(seen.path), recipe.data)  # before the store is prepared: exit 2 at once
-        choice = seen if self.is_main else None
-        self.resume = prepare_resume(Path(seen.path), self.launch, log=self.log) if seen.path else None
+        # The resume (pretrain/resume.py): decided, its data checked and its layout converted (or refused) now,
+        # before any process group exists; loaded once the model and optimizer are prepared (below).
+        self.resume = Resume.prepare(recipe, self.launch, log=self.log)
 
         # The token store exists before the process group does: no rank ever waits for data in a collective.
         prepare_command = prepare_command or f"pretrain-prepare-data --recipe <the recipe of {recipe.name!r}>"
         ensure_data(recipe.data, self.launch, prepare_command, log=self.log)
 
-        trackers = build_trackers(recipe, self.output_dir, choice.step if choice else None, self.is_main)
-        self.runtime = build_accelerator(recipe, self.plan, self.launch, self.output_dir, trackers, self.lr,
-                                         load_universal=self.resume is not None and self.resume.load_universal)
+        self.trackers = build_trackers(recipe, self.output_dir, self.resume.step, self.is_main)
+        self.runtime = build_accelerator(recipe, run_plan, self.output_dir, self.trackers,
+                                         load_universal=self.resume.load_universal)
         self.accelerator = self.runtime.accelerator
         self.log(f"compile: {self.runtime.compile_mode} ({self.runtime.compile_reason})")
         self.device = self.accelerator.device
         # Collectives: every rank raises the same ConfigError, or none does.
         check_shared_output_dir(self.accelerator, self.output_dir)
-        resume_from = agree_on_resume(self.accelerator, choice, self.output_dir, log=self.log)
-        if resume_from is None:
-            self.resume = None
-        elif self.resume is None or self.resume.checkpoint != resume_from:
-            # This rank saw another checkpoint before the process group existed (or the checksums sent every
-            # rank to an older one); it sees rank 0's (agreed above): follow rank 0, which prepares it first.
-            self.resume = prepare_resume(resume_from, self.launch, log=self.log)
-            # The trackers were built for the step of the checkpoint seen first.
-            set_resume_step(trackers, TrainerState.read(resume_from).step)
         self.checkpointer = Checkpointer(self.accelerator, self.output_dir, recipe.checkpoint, self.num_steps,
                                          log=self.log)
         self.diagnostics = Diagnostics(self.accelerator, recipe.runtime, recipe.profile, self.output_dir, self.log)
@@ -186,7 +161,7 @@ class Trainer:
         model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed,
                             device=placement.device, shard=placement.shard)
         self.num_params = count_parameters(model)
-        self.loss_implementation, why = loss_choice(recipe, self.launch)  # model.loss (auto: liger on CUDA, if it can)
+        self.loss_implementation, why = run_plan.loss  # model.loss (auto: liger on CUDA, if it can)
         self.log(f"loss: {self.loss_implementation} ({why})")
         self.loss_terms = install_loss(model, self.loss_implementation, recipe.stability.z_loss)
         TiedWeightsSaved.install(model)  # checkpoints leave out the tied LM head copy; loading ties it again
@@ -201,33 +176,26 @@ class Trainer:
             scheduler = build_scheduler(optimizer, recipe.lr_schedule, self.num_steps)
         compile_in_place(model, self.runtime.compile_mode, self.launch)  # one process / DDP; else accelerate's
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
-        self.deepspeed = self.runtime.deepspeed_config is not None
         fp16 = recipe.precision.dtype == "fp16"
         self.policy = SkipPolicy(recipe.stability, fp16=fp16)
         self.gate = StepGate(self.policy) if recipe.stability.checks_steps else None
-        if self.gate is not None and self.deepspeed:
-            DeepSpeedGate(self.gate, self.model)  # the update happens inside DeepSpeed's step
+        # Backward, clipping, the update and the loss scale: the engine's (pretrain/engine.py).
+        self.engine = Engine.build(self.accelerator, self.model, self.optimizer, self.scheduler, self.gate,
+                                   fp16=fp16, deepspeed_config=self.runtime.deepspeed_config)
         self.loss_factors = injected_loss_factors()  # a test hook: {} in any real run
-        if self.runtime.deepspeed_config is not None and self.is_main:
-            write_json(self.output_dir / "deepspeed_config.json", self.runtime.deepspeed_config)
+        if self.is_main:
+            self.engine.write_config(self.output_dir)
 
         self.step = 0
         self.tokens_seen = 0
-        self.skipped_steps = 0  # fp16 overflow: the optimizer step (and the schedule) were skipped
         self.preempted = False
         self.interrupted = False  # the stop was a Ctrl-C (SIGINT): run.py exits 130
         self.resumed: dict | None = None  # what run_config.json records of the resume
-        if self.resume is not None:
-            state, applied = self.checkpointer.load(self.resume.checkpoint, recipe.to_dict(), self.resume,
-                                                    data=data_identity(self.data))
-            self.step, self.tokens_seen = state.step, state.tokens_seen
-            self.policy.load_state_dict(state.stability)
-            # The checkpoint's scheduler and optimizer state carry its peak lr: this recipe's is the one in force.
-            lr_now = set_peak_lr(self.scheduler, self.lr)
-            if applied:
-                self.log(f"resume: lr {lr_now:.4g} at step {self.step} (peak {self.lr:.4g}, {self.num_steps} steps)")
-            self.resumed = {"from": str(self.resume.checkpoint), "step": self.step, "applied": applied,
-                            "lr": lr_now}
+        resumed = self.resume.load(self.accelerator, self.checkpointer, trackers=self.trackers,
+                                   data=data_identity(self.data), scheduler=self.scheduler, policy=self.policy,
+                                   lr=self.lr, num_steps=self.num_steps)
+        if resumed is not None:
+            self.step, self.tokens_seen, self.resumed = resumed.step, resumed.tokens_seen, resumed.record
 
         pin = self.device.type == "cuda"
         masking = document_masking(recipe, self.tokenizer)
@@ -354,7 +322,7 @@ class Trainer:
         """Forward and backward of one micro-batch; on the micro-step that synchronises gradients also clip,
         judge (stability), update and step the schedule. Returns the detached loss, and the gradient norm and
         the verdict (None on the other micro-steps). ``loss_before``: this step's earlier micro-step losses."""
-        acc, model = self.accelerator, self.model
+        acc, model, engine = self.accelerator, self.model, self.engine
         grad_norm = verdict = None
         with acc.accumulate(model):
             # Only the loss is kept: the output's logits are freed before backward, not at the next forward.
@@ -376,37 +344,12 @@ class Trainer:
                 if self.loss_terms is not None and self.loss_terms.z_loss is not None:
                     local = local - self.loss_terms.z_loss
                 self.gate.begin(acc.reduce(local, reduction="mean"), self.plan.grad_accum_steps)
-            acc.backward(loss)
+            engine.backward(loss)
             if acc.sync_gradients:
-                grad_norm = acc.clip_grad_norm_(model.parameters(), self.recipe.optim.grad_clip or float("inf"))
-                if isinstance(grad_norm, DTensor):
-                    # FSDP2: the norm over sharded gradients is a DTensor (each rank's partial sum, reduced on
-                    # demand); the gate and the logs need the plain global value, the same on every rank.
-                    grad_norm = grad_norm.full_tensor()
-                if self.gate is not None and not self.deepspeed:
-                    verdict = self.gate.judge(grad_norm)
-                elif self.gate is not None:
-                    # Judged inside DeepSpeed's step (DeepSpeedGate); no verdict: DeepSpeed's own non-finite
-                    # check skipped the update before the torch optimizer's step was reached.
-                    verdict = self.gate.verdict or self.gate.judge(float("inf"))
-            if verdict is not None and verdict.skip:
-                self.skip_update()
-            else:
-                self.optimizer.step()  # accelerate skips it on micro-steps that do not synchronise
-                if acc.sync_gradients:
-                    if acc.optimizer_step_was_skipped:
-                        self.skipped_steps += 1
-                    else:
-                        self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+                grad_norm = engine.clip_grad_norm(self.recipe.optim.grad_clip)
+                verdict = engine.judge(grad_norm)
+            engine.update(verdict)  # or its skip, by the verdict
         return loss.detach(), grad_norm, verdict
-
-    def skip_update(self) -> None:
-        """No update, no schedule step; the gradients are dropped by zero_grad (DeepSpeed: the gate held the
-        update back inside its step, which dropped them). fp16 without DeepSpeed: clipping unscaled the
-        gradients, and the scaler needs its update() before it unscales again."""
-        if self.accelerator.scaler is not None and not self.deepspeed:
-            self.accelerator.scaler.update()
 
     def log_skip(self, verdict: Verdict) -> None:
         limit = self.recipe.stability.max_consecutive_skips
@@ -440,29 +383,12 @@ class Trainer:
             "memory/estimated_gib": self.memory_estimate_gib,
             "memory/estimated_tensors_gib": self.memory_estimate_tensors_gib,  # no allowance: max_memory_allocated's basis
             **self.plan.as_metrics(),
-            **self.loss_scale_metrics(),
+            **self.engine.metrics(),  # fp16: train/loss_scale, train/skipped_steps
             **self.sample_order.metrics(self.step),  # a mixture: data/tokens/<name>, data/epochs/<name>
             **self.diagnostics.step_time_metrics(),  # collective: perf/step_time_max_s, _min_s, _slowest_rank
             **(self.policy.metrics(result.verdict) if self.gate is not None else {}),
         }
         return self.step_log.write(self.step, metrics)
-
-    def loss_scale_metrics(self) -> dict[str, float]:
-        """fp16 only: the current loss scale and the optimizer steps skipped on overflow so far."""
-        if self.recipe.precision.dtype != "fp16":
-            return {}
-        if self.runtime.deepspeed_config is not None:
-            engine = self.model  # DeepSpeedEngine: its fp16 optimizer owns the dynamic scaler
-            scale = getattr(engine.optimizer, "cur_scale", None) or getattr(engine.optimizer, "loss_scale", None)
-            skipped = int(getattr(engine, "skipped_steps", self.skipped_steps))
-        else:
-            scaler = self.accelerator.scaler
-            scale = scaler.get_scale() if scaler is not None else None
-            skipped = self.skipped_steps
-        out = {"train/skipped_steps": skipped}
-        if scale is not None:
-            out["train/loss_scale"] = float(scale)
-        return out
 
     def report(self, result: OptimizerStep) -> dict[str, float] | None:
         """Count the step's verdict, log the step (on logging steps, and always when its update was skipped);

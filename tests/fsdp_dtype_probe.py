@@ -30,6 +30,7 @@ def main() -> None:
     from pretrain.config import load_recipe
     from pretrain.launch import Launch
     from pretrain.model import build_model
+    from pretrain.preflight import check_run
     from pretrain.runtime import build_accelerator
 
     out_dir, _, recipe_path, *overrides = sys.argv[1:]
@@ -37,7 +38,7 @@ def main() -> None:
     launch = Launch.from_env()
     plan = plan_batches(recipe.batch, launch.world_size, recipe.data.seq_len)
     assert plan.grad_accum_steps > 1, "the probe needs a no_sync micro-step: GAS > 1"
-    acc = build_accelerator(recipe, plan, launch, Path(out_dir), [], recipe.optim.lr).accelerator
+    acc = build_accelerator(recipe, check_run(recipe, launch), Path(out_dir), []).accelerator
     model = build_model(recipe.model, VOCAB_SIZE, recipe.data.seq_len, seed=0)
     model, _ = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     fsdp_params = [fp for module in model.modules() if isinstance(module, FSDPModule)

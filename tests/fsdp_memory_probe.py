@@ -87,6 +87,7 @@ def main() -> None:
     from pretrain.config import load_recipe
     from pretrain.launch import Launch
     from pretrain.model import build_model, count_parameters
+    from pretrain.preflight import check_run
     from pretrain.runtime import build_accelerator, model_placement
 
     out_dir, dtype, *extra = sys.argv[1:]
@@ -95,7 +96,7 @@ def main() -> None:
     launch = Launch.from_env()
     plan = plan_batches(recipe.batch, launch.world_size, recipe.data.seq_len)
     assert plan.grad_accum_steps == GRAD_ACCUM_STEPS, plan
-    acc = build_accelerator(recipe, plan, launch, out_dir, [], recipe.optim.lr).accelerator
+    acc = build_accelerator(recipe, check_run(recipe, launch), out_dir, []).accelerator
     # Held before the model exists (the process group, RNG states): kept alive so that no freed address can be
     # taken by a model state and wrongly excluded.
     baseline = {ptr: tensor for ptr, (_, tensor) in live(torch.nn.Module()).items()}

@@ -9,7 +9,7 @@ without a GPU) is reported here as one message with exit code 2. Then the comman
 `accelerate launch <accelerate args> pretrain/run.py --recipe ... [overrides]`.
 
 The checkpoint the run would resume (checkpoint.resume, as rank 0 chooses it) is checked against the launch's
-layout by the function every process asks (reshard.plan_resume): a checkpoint no process could load is refused
+layout by the object every process resumes with (resume.Resume.plan): a checkpoint no process could load is refused
 in about two seconds, with the pretrain-launch command that resumes it.
 
 Memory too: the estimator (pretrain/memory, as `pretrain-estimate` reports it) sizes one GPU's share of
@@ -291,37 +291,18 @@ class Spelling(Protocol):
         point cannot spell it."""
 
 
-def resume_checkpoint(recipe) -> Path | None:
-    """The checkpoint the run would resume (``ResumeChoice.decide``, as rank 0 decides it), None for a fresh start;
-    ConfigError for what the run would refuse about its checkpoints, or a file holding a crafted pickle."""
-    from pretrain.checkpoint import ResumeChoice
-    from pretrain.integrity import checkpoint_files
-    from pretrain.trust import check_files
-
-    choice = ResumeChoice.decide(recipe.output_dir, recipe.checkpoint)
-    if choice.error is not None:
-        raise ConfigError(choice.error)
-    if choice.path is None:
-        return None
-    # A checkpoint file that names a type the weights-only load refuses (a crafted pickle): exit 2 here, not
-    # inside the workers, whose 2 torchrun reports as its own 1 (pretrain/trust.py; the run checks again).
-    if refused := check_files(Path(choice.path), checkpoint_files(Path(choice.path))):
-        raise ConfigError(refused)
-    return Path(choice.path)
-
-
 def check_resume(recipe, launch: Launch, spelling: Spelling) -> ResumePlan | None:
-    """The checkpoint the run would resume (``resume_checkpoint``) against this launch (``reshard.plan_resume``,
-    as every process decides it): its plan, None for a fresh start, or a refusal before any process starts, with
-    the command that resumes it in the entry point's spelling (checked by the same functions before it is
-    printed)."""
-    from pretrain.reshard import LayoutRefused, plan_resume
+    """The checkpoint the run would resume against this launch (``resume.Resume.plan``, the object every
+    process resumes with): its plan, None for a fresh start, or a refusal before any process starts, with the
+    command that resumes it in the entry point's spelling (checked by the same object before it is printed)."""
+    from pretrain.reshard import LayoutRefused
+    from pretrain.resume import Resume
 
-    checkpoint = resume_checkpoint(recipe)
+    checkpoint = Resume.checkpoint(recipe)
     if checkpoint is None:
         return None
     try:
-        return plan_resume(checkpoint, launch)
+        return Resume.plan(recipe, launch, checkpoint)
     except LayoutRefused as exc:
         command = resuming_command(exc, checkpoint, recipe, launch, spelling)
         if command is None:
@@ -348,7 +329,7 @@ def resuming_command(refusal, checkpoint: Path, recipe, launch: Launch, spelling
     (this launch's number of processes unless only the saved one resumes), or None when no shipped config
     resumes it, the entry point cannot spell it, or the batch does not divide there."""
     from pretrain.preflight import check_layout
-    from pretrain.reshard import plan_resume
+    from pretrain.resume import Resume
 
     name = resuming_config(refusal.saved, launch, spelling.on_cpu())
     if name is None:
@@ -360,7 +341,7 @@ def resuming_command(refusal, checkpoint: Path, recipe, launch: Launch, spelling
             return None
         resuming, command = spelled
         check_layout(recipe, resuming)  # what the launch changes; the rest of check_run is the recipe's alone
-        plan_resume(checkpoint, resuming)
+        Resume.plan(recipe, resuming, checkpoint)
     except ConfigError:
         return None
     return command
