@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from pretrain.config import Recipe, apply_overrides, load_recipe
 from pretrain.errors import ConfigError
+from pretrain.recipe.config import Recipe, apply_overrides, load_recipe
 
 MINIMAL = """
 batch: {global_batch_size: 8, micro_batch_size: 2}

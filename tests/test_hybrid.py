@@ -10,14 +10,14 @@ import sys
 import pytest
 import yaml
 
-from pretrain import memory
-from pretrain.batching import plan_batches
 from pretrain.cli import plan
-from pretrain.config import build_recipe, load_recipe
-from pretrain.deepspeed_config import build_deepspeed_config
+from pretrain.distributed.deepspeed import build_deepspeed_config
+from pretrain.distributed.layout import Launch
 from pretrain.errors import ConfigError
-from pretrain.hardware import find_gpu
-from pretrain.launch import Launch
+from pretrain.plan import memory
+from pretrain.recipe.batching import plan_batches
+from pretrain.recipe.config import build_recipe, load_recipe
+from pretrain.system.hardware import find_gpu
 from tests.helpers import ROOT, TINY
 
 CONFIGS = ROOT / "accelerate_configs"

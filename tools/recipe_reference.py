@@ -1,4 +1,4 @@
-"""Generate the README's recipe reference from the schema in pretrain/config.py.
+"""Generate the README's recipe reference from the schema in pretrain/recipe/config.py.
 
     python tools/recipe_reference.py            # print the markdown
     python tools/recipe_reference.py --write    # replace the block between the markers in README.md
@@ -14,7 +14,7 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from pretrain.config import Recipe
+from pretrain.recipe.config import Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import argparse
 
 from pretrain.cli.options import count, positive_gib
+from pretrain.distributed.layout import Launch
 from pretrain.errors import EXIT_USAGE, ConfigError
-from pretrain.launch import Launch
 
 DRY_RUN_OPTIONS = ("num_processes", "nodes", "config_file", "gpu", "gpu_memory_gib")
 
@@ -82,7 +82,7 @@ def parameter_count(recipe) -> tuple[int, int]:
     """(parameters, vocabulary rows) of transformers' model built on the meta device (``model.meta_model``), as
     pretrain-launch builds it: a config transformers cannot build (a config override it rejects, a size no
     machine holds) is refused here, before anything is queued."""
-    from pretrain.model import count_parameters, meta_model
+    from pretrain.model.build import count_parameters, meta_model
 
     model, vocab = meta_model(recipe)
     return count_parameters(model), vocab
@@ -92,7 +92,7 @@ def resume_report(recipe, args: argparse.Namespace, launch: Launch, gpu) -> tupl
     """The resume line (pretrain-launch's check, ``cli/launch.py``'s ``check_resume``: the checkpoint the run
     would resume and what it does with it, a fresh start, or pretrain-launch's refusal with the pretrain-launch
     command that resumes it) and whether it is a refusal."""
-    from pretrain.checkpoint import TrainerState
+    from pretrain.checkpoint.checkpointer import TrainerState
     from pretrain.cli.launch import LaunchSpelling, check_resume
 
     spelling = LaunchSpelling(accelerate_options(args), ["--recipe", args.recipe, *args.overrides], args,
@@ -117,9 +117,9 @@ def report(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu, 
     machine's, not one named on the command line; ``resume``: the resume line (``resume_report``)."""
     from pretrain.cli.launch import best_layout, does_not_fit, planner_gpu
     from pretrain.cli.plan import calibration, plan, throughput
-    from pretrain.memory import estimate
-    from pretrain.preflight import check_run
-    from pretrain.runtime import compile_choice
+    from pretrain.distributed.accelerator import compile_choice
+    from pretrain.plan.memory import estimate
+    from pretrain.train.preflight import check_run
 
     run_plan = check_run(recipe, launch)
     batch, steps = run_plan.batch, run_plan.num_steps
@@ -174,7 +174,7 @@ def dry_run(recipe, args: argparse.Namespace, started_by: Launch) -> int:
     """Print the report; the exit status: 2 when pretrain-launch would refuse the resume (the run would not start,
     so "will it run" is no), else 0."""
     from pretrain.cli.launch import launch_gpu
-    from pretrain.environment import check_environment
+    from pretrain.system.environment import check_environment
 
     launch = planned_launch(args, started_by)
     check_environment(recipe, launch)  # the packages this launch would need here (the device is the run's check)

@@ -40,19 +40,19 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from pretrain.checkpointing import recompute_label
+from pretrain.distributed.layout import DOCTOR_ENTRY, accelerate_command, option_value, threads_per_process
+from pretrain.distributed.supervise import run_launcher
 from pretrain.errors import EXIT_INTERRUPTED, EXIT_USAGE, ConfigError
-from pretrain.launch import DOCTOR_ENTRY, accelerate_command, option_value, threads_per_process
-from pretrain.supervise import run_launcher
+from pretrain.recipe.recompute import recompute_label
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "accelerate_configs"
 """The shipped accelerate configs (a refusal names the one that resumes a checkpoint)."""
 
 if TYPE_CHECKING:
-    from pretrain.hardware import GpuSpec
-    from pretrain.launch import Launch
-    from pretrain.memory import MemoryEstimate
-    from pretrain.reshard import Layout, ResumePlan
+    from pretrain.checkpoint.reshard import Layout, ResumePlan
+    from pretrain.distributed.layout import Launch
+    from pretrain.plan.memory import MemoryEstimate
+    from pretrain.system.hardware import GpuSpec
 
 USAGE = ("usage: pretrain-launch --config_file FILE [accelerate launch options] [--gpu NAME | --gpu-memory-gib GIB] "
          "[--force] [--doctor] --recipe R [key=value ...]")
@@ -113,14 +113,14 @@ def launch_gpu(options: argparse.Namespace, accelerate_args: list[str]) -> GpuSp
 
     if not torch.cuda.is_available():
         return None
-    from pretrain.hardware import gpu_for_device
+    from pretrain.system.hardware import gpu_for_device
 
     props = torch.cuda.get_device_properties(0)
     return gpu_for_device(props.name, props.total_memory)
 
 
 def _config_uses_cpu(path: str | None) -> bool:
-    from pretrain.launch import config_uses_cpu, read_accelerate_config
+    from pretrain.distributed.layout import config_uses_cpu, read_accelerate_config
 
     return path is not None and config_uses_cpu(read_accelerate_config(path))
 
@@ -130,7 +130,7 @@ def planner_gpu(gpu: GpuSpec) -> tuple[list[str], GpuSpec]:
     (a detected device the table lacks) its capacity with --gpu-memory-gib, and its card's table name for
     the rates when the table has that card."""
     from pretrain.cli.estimate import resolve_gpu
-    from pretrain.hardware import GPUS
+    from pretrain.system.hardware import GPUS
 
     same_card = [g for g in GPUS.values() if gpu.card is not None and g.card == gpu.card]
     named = GPUS.get(gpu.name) or next((g for g in same_card if g.memory_mib == gpu.memory_mib), None)
@@ -184,7 +184,7 @@ def check_memory(recipe, run_plan, options: argparse.Namespace, accelerate_args:
                  overrides: list[str]) -> None:
     """Refuse a launch the estimator says does not fit its GPU (ConfigError naming a layout that does); with
     --force, warn and go on. No GPU known: nothing to check."""
-    from pretrain.memory import estimate
+    from pretrain.plan.memory import estimate
 
     gpu = launch_gpu(options, accelerate_args)
     if gpu is None:
@@ -211,14 +211,14 @@ def check_memory(recipe, run_plan, options: argparse.Namespace, accelerate_args:
 def preflight(accelerate_args: list[str], run_args: list[str], options: argparse.Namespace | None = None) -> Launch:
     """Raise ConfigError for anything that would fail inside the launched processes, or not fit their GPUs;
     returns the launch."""
-    from pretrain.environment import check_environment
-    from pretrain.launch import Launch
+    from pretrain.distributed.layout import Launch
+    from pretrain.system.environment import check_environment
 
     options = options or own_options([])[0]
     launch = Launch.from_accelerate_config(option_value(accelerate_args, "--config_file"), accelerate_args)
     check_environment(None, launch)  # the core packages and the engine's, before anything imports them
-    from pretrain.config import load_recipe
-    from pretrain.preflight import check_run
+    from pretrain.recipe.config import load_recipe
+    from pretrain.train.preflight import check_run
 
     recipe_path, overrides = run_args[1] if len(run_args) > 1 else "", run_args[2:]
     recipe_overrides = [o for o in overrides if not o.startswith("--")]
@@ -231,7 +231,7 @@ def preflight(accelerate_args: list[str], run_args: list[str], options: argparse
     run_plan = check_run(recipe, launch)
     # A model config transformers cannot build is refused here, not in every process; the attention kernel is
     # the nodes' to check (this machine may lack flash-attn).
-    from pretrain.model import meta_model
+    from pretrain.model.build import meta_model
 
     meta_model(recipe, attention="sdpa")
     check_memory(recipe, run_plan, options, accelerate_args, recipe_path, recipe_overrides)
@@ -268,7 +268,7 @@ class LaunchSpelling:
         return not torch.cuda.is_available()  # zero2.yaml runs over gloo on a CPU machine, DDP needs cpu_ddp.yaml
 
     def __call__(self, config: Path, world: int) -> tuple[Launch, list[str]] | None:
-        from pretrain.launch import Launch
+        from pretrain.distributed.layout import Launch
 
         args = _without_engine_options(self.accelerate_args) + ["--num_processes", str(world)]
         gpu = ([] if self.options.gpu is None else ["--gpu", self.options.gpu]) + \
@@ -294,8 +294,8 @@ class Spelling(Protocol):
 def resume_checkpoint(recipe) -> Path | None:
     """The checkpoint the run would resume (``ResumeChoice.decide``, as rank 0 decides it), None for a fresh start;
     ConfigError for what the run would refuse about its checkpoints, or a file holding a crafted pickle."""
-    from pretrain.checkpoint import ResumeChoice
-    from pretrain.integrity import checkpoint_files
+    from pretrain.checkpoint.checkpointer import ResumeChoice
+    from pretrain.checkpoint.integrity import checkpoint_files
     from pretrain.trust import check_files
 
     choice = ResumeChoice.decide(recipe.output_dir, recipe.checkpoint)
@@ -315,7 +315,7 @@ def check_resume(recipe, launch: Launch, spelling: Spelling) -> ResumePlan | Non
     as every process decides it): its plan, None for a fresh start, or a refusal before any process starts, with
     the command that resumes it in the entry point's spelling (checked by the same functions before it is
     printed)."""
-    from pretrain.reshard import LayoutRefused, plan_resume
+    from pretrain.checkpoint.reshard import LayoutRefused, plan_resume
 
     checkpoint = resume_checkpoint(recipe)
     if checkpoint is None:
@@ -347,8 +347,8 @@ def resuming_command(refusal, checkpoint: Path, recipe, launch: Launch, spelling
     """The command (``spelling``'s) with the shipped accelerate config of the layout that wrote ``checkpoint``
     (this launch's number of processes unless only the saved one resumes), or None when no shipped config
     resumes it, the entry point cannot spell it, or the batch does not divide there."""
-    from pretrain.preflight import check_layout
-    from pretrain.reshard import plan_resume
+    from pretrain.checkpoint.reshard import plan_resume
+    from pretrain.train.preflight import check_layout
 
     name = resuming_config(refusal.saved, launch, spelling.on_cpu())
     if name is None:
@@ -433,7 +433,7 @@ def _main(argv: list[str]) -> int:
             return status
     print(f"launch: {threads}" + " ".join(shlex.quote(c) for c in command), flush=True)
     # Not exec'd: pretrain-launch stays its parent and takes Ctrl-C, so that torchrun prints no traceback for
-    # it and the shell sees 130 (pretrain/supervise.py).
+    # it and the shell sees 130 (pretrain/distributed/supervise.py).
     return run_launcher(command, environment)
 
 

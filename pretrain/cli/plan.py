@@ -5,7 +5,7 @@
 
 Every combination of DDP / ZeRO stage / FSDP (FULL_SHARD, SHARD_GRAD_OP), on more than one node also hybrid
 sharding (ZeRO-3 with ZeRO++ hpZ, FSDP2 HSDP: sharded within a node, replicated across nodes), offload,
-activation checkpointing policy (none, selective, every_2, full: pretrain/checkpointing.py) and micro batch
+activation checkpointing policy (none, selective, every_2, full: pretrain/recipe/recompute.py) and micro batch
 size that divides the recipe's global batch is estimated with
 pretrain/memory; those that fit the GPU are
 ranked by a simple step-time model (below), the best is written as an accelerate config, and the launch
@@ -13,7 +13,7 @@ command is printed.
 
 Step time = compute + exposed communication + offload traffic, per optimizer step, per GPU:
 
-- compute: FLOPs per token (pretrain/shape.py's convention, 6 x matmul weights + 12 x layers x heads x
+- compute: FLOPs per token (pretrain/recipe/shape.py's convention, 6 x matmul weights + 12 x layers x heads x
   head_dim x seq; its hardware FLOPs, which add what the checkpointing policy recomputes: full one
   forward of the blocks, every_2 half of that, selective no matmul) x tokens per GPU / (peak bf16 FLOP/s x
   base MFU x T / (T + 1024)), where T = MBS x seq tokens: a small micro-batch leaves the GPU under-used (the
@@ -59,13 +59,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretrain import hardware, memory
-from pretrain.checkpointing import PLANNER_POLICIES, recompute_label, runs_under_zero3
 from pretrain.cli import add_recipe_arguments
 from pretrain.cli.options import count, positive_gib
+from pretrain.distributed.layout import Launch, accelerate_command, shell_join
 from pretrain.errors import EXIT_USAGE, ConfigError
-from pretrain.launch import Launch, accelerate_command, shell_join
-from pretrain.shape import ModelShape
+from pretrain.plan import memory
+from pretrain.recipe.recompute import PLANNER_POLICIES, recompute_label, runs_under_zero3
+from pretrain.recipe.shape import ModelShape
+from pretrain.system import hardware
 
 MBS_HALF_RATE_TOKENS = 1024
 DEFAULT_BASE_MFU = 0.35
@@ -114,7 +115,7 @@ def layout_name(lay: Launch) -> str:
 class Candidate:
     layout: Launch
     checkpointing: str
-    """The activation checkpointing policy (pretrain/checkpointing.py)."""
+    """The activation checkpointing policy (pretrain/recipe/recompute.py)."""
     micro_batch_size: int
     grad_accum_steps: int
     estimate: memory.MemoryEstimate
@@ -551,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="the ranking as JSON")
     args = parser.parse_args(argv)
     try:
-        from pretrain.config import load_recipe
+        from pretrain.recipe.config import load_recipe
 
         gpu = hardware.find_gpu(args.gpu)
         if args.gpu_memory_gib is not None:

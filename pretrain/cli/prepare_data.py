@@ -18,13 +18,13 @@ import sys
 
 from pretrain.cli import add_recipe_arguments
 from pretrain.cli.options import count
-from pretrain.config import load_recipe
 from pretrain.errors import EXIT_INTERRUPTED, EXIT_USAGE, ConfigError
+from pretrain.recipe.config import load_recipe
 
 
 def prepare_commands(recipe_path: str, overrides: list[str], num_nodes: int, sbatch_args: list[str] = ()) -> str:
     """The commands that prepare a recipe's store: on one machine, and as a SLURM array of num_nodes tasks."""
-    from pretrain.launch import shell_join
+    from pretrain.distributed.layout import shell_join
 
     local = shell_join(["pretrain-prepare-data", "--recipe", recipe_path, *overrides])
     array = shell_join(["pretrain-prepare-data", "--recipe", recipe_path, "--slurm", "--array", str(num_nodes),

@@ -31,11 +31,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretrain import rundir
+from pretrain.checkpoint import rundir
 from pretrain.cli import add_recipe_arguments
 from pretrain.cli.options import count, slurm_time, slurm_time_seconds
-from pretrain.errors import EXIT_USAGE, ConfigError
-from pretrain.launch import (
+from pretrain.distributed.layout import (
     DOCTOR_ENTRY,
     RUN_PY,
     Launch,
@@ -44,6 +43,7 @@ from pretrain.launch import (
     read_accelerate_config,
     shell_join,
 )
+from pretrain.errors import EXIT_USAGE, ConfigError
 
 SLURM_SUBDIR = "slurm"  # inside the run's output_dir: job.sbatch, jobs.jsonl, slurm-<jobid>.out, excluded_hosts
 EXCLUDED_HOSTS = "excluded_hosts"  # nodes pretrain doctor found unhealthy, one a line
@@ -202,9 +202,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # ---- checking a submission ------------------------------------------------------------------------
 def check_job(args: argparse.Namespace) -> Job:
     """Validate the whole submission (options, accelerate config, recipe, launch); raise one ConfigError."""
-    from pretrain.config import load_recipe
-    from pretrain.environment import check_environment
-    from pretrain.preflight import check_run
+    from pretrain.recipe.config import load_recipe
+    from pretrain.system.environment import check_environment
+    from pretrain.train.preflight import check_run
 
     problems = []
     limit_s = slurm_time_seconds(args.time) if args.time else None

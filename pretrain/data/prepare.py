@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from pretrain.config import DataConfig
 from pretrain.data.build import (
     BuildSpec,
     apply_split_rules,
@@ -44,6 +43,7 @@ from pretrain.data.store import (
 )
 from pretrain.data.tokenizer import _bpe_key, _get_tokenizer, _load_saved_tokenizer
 from pretrain.errors import DataError, writable_dir
+from pretrain.recipe.config import DataConfig
 
 WAIT_LOG_EVERY_S = 60.0
 
