@@ -350,6 +350,26 @@ def agree_on_resume(accelerator: Accelerator, choice: ResumeChoice | None, outpu
     return path
 
 
+def nonfinite_state(optimizer) -> str | None:
+    """What is not finite in this rank's part of the training state (the parameters the torch optimizer
+    updates, i.e. DeepSpeed's fp32 master partitions or the model's parameters or FSDP shards, and their
+    optimizer state), or None. Read before a checkpoint is written."""
+    while hasattr(optimizer, "optimizer") and optimizer.optimizer is not optimizer:
+        optimizer = optimizer.optimizer
+    flags: dict[torch.device, list[torch.Tensor]] = {}  # by device: offloaded state lives on the CPU
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            tensors = [p.detach(), *(v for v in optimizer.state.get(p, {}).values()
+                                     if isinstance(v, torch.Tensor) and v.is_floating_point())]
+            for tensor in tensors:
+                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # an FSDP2 shard
+                flags.setdefault(local.device, []).append(torch.isfinite(local).all())
+    # Expensive device-to-host synchronization: once per device, before a checkpoint.
+    if all(bool(torch.stack(found).all()) for found in flags.values()):
+        return None
+    return "the parameters or optimizer state hold NaN or inf"
+
+
 class Checkpointer:
     """Saves and restores checkpoints under ``<output_dir>/checkpoints`` and decides when to save."""
 
@@ -376,8 +396,6 @@ class Checkpointer:
         healthy ones pruned for it); TrainingDiverged instead."""
         acc = self.accelerator
         if optimizer is not None:
-            from pretrain.train.stability import nonfinite_state
-
             problems = rank_problems(acc, nonfinite_state(optimizer))
             if problems:
                 newest = latest_checkpoint(self.dir.parent)

@@ -12,9 +12,8 @@ import argparse
 import math
 import re
 
-# The largest count any option takes (processes, nodes, steps, workers, ...): a C int, as torch, SLURM and
-# the OS take them; a larger number is a typo, not a cluster.
-MAX_COUNT = 2**31 - 1
+from pretrain.distributed.layout import MAX_COUNT  # the bound of every count; the layout checks it too
+
 # The longest duration any option takes (seconds): a year, far beyond any job, well inside timedelta and
 # threading's limits.
 MAX_SECONDS = 365 * 86400

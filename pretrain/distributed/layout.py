@@ -27,11 +27,14 @@ from typing import Any
 from pretrain.errors import ConfigError
 from pretrain.recipe import safe_yaml
 
-RUN_PY = Path(__file__).resolve().parent / "run.py"
+RUN_PY = Path(__file__).resolve().parents[1] / "run.py"
 """The training entry point every launch command starts."""
 DOCTOR_ENTRY = ("-m", "pretrain", "doctor")
 """`pretrain doctor` as accelerate launch starts it (``-m``: a module, in every process)."""
 
+# The largest count any option takes (processes, nodes, steps, workers, ...): a C int, as torch, SLURM and
+# the OS take them; a larger number is a typo, not a cluster. (Here, below cli/options.py, which reads it.)
+MAX_COUNT = 2**31 - 1
 ENGINES = ("ddp", "fsdp", "deepspeed")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 # accelerate's distributed types that are plain data parallelism (or one process).
@@ -419,8 +422,6 @@ def check_offload(launch: Launch) -> None:
 def _count(value: Any, key: str, source: str) -> int:
     """A process or machine count from an accelerate config or option: a whole number from 1 to 2**31 - 1
     (a YAML float such as .nan or 2.5, text, or a 400-digit integer is refused by name)."""
-    from pretrain.cli.options import MAX_COUNT
-
     text = str(value).strip()
     if isinstance(value, bool) or not text.lstrip("-").isdigit() or len(text) > 12 or not 1 <= int(text) <= MAX_COUNT:
         raise ConfigError(f"{source}: {key} = {text[:40]!r} must be a whole number from 1 to {MAX_COUNT:,}")

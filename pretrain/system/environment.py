@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from pretrain.recipe.config import Recipe
 
 DISTRIBUTION = "pretrain"
-PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 BUILD_FROM_SOURCE = {"deepspeed"}
 """Packages whose pip install must build against the installed torch (``--no-build-isolation``)."""
 

@@ -210,23 +210,3 @@ class DeepSpeedGate:
             return None if skip else step(*args, **kwargs)
 
         base.step = gated_step
-
-
-def nonfinite_state(optimizer) -> str | None:
-    """What is not finite in this rank's part of the training state (the parameters the torch optimizer
-    updates, i.e. DeepSpeed's fp32 master partitions or the model's parameters or FSDP shards, and their
-    optimizer state), or None. Read before a checkpoint is written."""
-    while hasattr(optimizer, "optimizer") and optimizer.optimizer is not optimizer:
-        optimizer = optimizer.optimizer
-    flags: dict[torch.device, list[torch.Tensor]] = {}  # by device: offloaded state lives on the CPU
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            tensors = [p.detach(), *(v for v in optimizer.state.get(p, {}).values()
-                                     if isinstance(v, torch.Tensor) and v.is_floating_point())]
-            for tensor in tensors:
-                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # an FSDP2 shard
-                flags.setdefault(local.device, []).append(torch.isfinite(local).all())
-    # Expensive device-to-host synchronization: once per device, before a checkpoint.
-    if all(bool(torch.stack(found).all()) for found in flags.values()):
-        return None
-    return "the parameters or optimizer state hold NaN or inf"
