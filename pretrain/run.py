@@ -68,7 +68,7 @@ def _main(args: argparse.Namespace) -> int:
             return dry_run(recipe, args, launch) if is_main else 0
         # The recipe's packages, and GPUs that torch cannot see (unless accelerate launch --cpu / use_cpu).
         check_environment(recipe, launch, gpu_launch=os.environ.get("ACCELERATE_USE_CPU", "").lower() != "true")
-        from pretrain.cli.prepare_data import prepare_commands
+        from pretrain.data.prepare import prepare_commands
         from pretrain.distributed.supervise import interrupted_exit_code
         from pretrain.train.trainer import Trainer
 

@@ -16,7 +16,7 @@ one GPU) is not repeated. A row the estimator says does not fit the GPU (nvidia-
 ``--device-memory-gib``) is a ``no-fit`` row, not a launch (llama-3b at MBS 8). With ``--budget SECONDS`` a row
 starts only if its expected time fits in what is left (start-up + compile where it compiles + steps x step
 time: assumed until the first row has run, then that row's measured start-up, compile and time per unit of the
-planner's step-time work, ``pretrain.cli.plan``), the first row that does not fit and every later one are
+planner's step-time work, ``pretrain.plan.planner``), the first row that does not fit and every later one are
 ``budget`` rows, and a row in flight is killed at the deadline (``timeout``). Under ``--budget`` the default
 is 10 + 50 steps per row.
 
@@ -93,12 +93,12 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.checkpoint import rundir
-from pretrain.cli.plan import DEFAULT_BASE_MFU, mbs_efficiency
 from pretrain.distributed.accelerator import compile_mode
 from pretrain.distributed.layout import Launch
 from pretrain.errors import ConfigError
 from pretrain.model.loss import resolve_loss
 from pretrain.plan import memory
+from pretrain.plan.planner import DEFAULT_BASE_MFU, mbs_efficiency
 from pretrain.plan.sweep.runner import launch_command, run_process, stderr_tail, sweep_overrides
 from pretrain.recipe.batching import plan_batches
 from pretrain.recipe.config import load_recipe
@@ -365,7 +365,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def calibration(rows: list[dict[str, Any]], gpu: str) -> list[dict[str, Any]]:
-    """The rows pretrain-plan --calibration reads (pretrain.cli.plan.read_calibration)."""
+    """The rows pretrain-plan --calibration reads (pretrain.plan.planner.read_calibration)."""
     return [{"gpu": gpu, "model": r["model"], "params": r["params"], "seq_len": r["seq_len"],
              "mbs": r["micro_batch_size"], "mfu": r["mfu"], **({"hfu": r["hfu"]} if r["hfu"] != r["mfu"] else {}),
              "tokens_per_s": r["tokens_per_s_per_gpu"], "settings": {"name": r["setting"], "overrides": r["overrides"]}}

@@ -28,6 +28,7 @@ from pretrain.plan import memory
 from pretrain.recipe.recompute import normalize as normalize_policy
 from pretrain.recipe.shape import ModelShape
 from pretrain.system import hardware
+from pretrain.system.hardware import resolve_gpu
 
 SWEEP_MAX_MBS = 128
 FSDP_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
@@ -85,13 +86,6 @@ def build_parser(prog: str = "pretrain-estimate") -> argparse.ArgumentParser:
 
 # --------------------------------------------------------------------------------------------------
 # From arguments to (shape, workload, layout, buffers, gpu)
-
-
-def resolve_gpu(args) -> hardware.GpuSpec:
-    if args.gpu_memory_gib is not None:
-        like = hardware.find_gpu(args.gpu) if args.gpu else None
-        return hardware.custom_gpu(args.gpu_memory_gib, like)
-    return hardware.find_gpu(args.gpu or hardware.DEFAULT_GPU)
 
 
 def resolve_world(args, accelerate_config: str | None) -> tuple[int | None, int | None]:

@@ -248,3 +248,12 @@ def custom_gpu(memory_gib: float, like: GpuSpec | None = None) -> GpuSpec:
         raise ConfigError(f"--gpu-memory-gib must be a finite number > 0, got {memory_gib}")
     base = like or GPUS[DEFAULT_GPU]
     return replace(base, name=f"{memory_gib:g} GiB device", memory_mib=round(memory_gib * 1024))
+
+
+def resolve_gpu(args) -> GpuSpec:
+    """The GPU of a command's --gpu / --gpu-memory-gib (``args.gpu``, ``args.gpu_memory_gib``): a table name, or a
+    capacity (with --gpu: that card's rates), else the default GPU."""
+    if args.gpu_memory_gib is not None:
+        like = find_gpu(args.gpu) if args.gpu else None
+        return custom_gpu(args.gpu_memory_gib, like)
+    return find_gpu(args.gpu or DEFAULT_GPU)

@@ -4,7 +4,7 @@
         [--partition P --account A --qos Q --time 04:00:00 ...] [--dry-run] [key.path=value ...]
 
 The submitting process checks the recipe and sets the store up (build.json and the tokenizer: a BPE is
-trained here, once), then submits two jobs with pretrain's own sbatch support (pretrain/cli/slurm.py):
+trained here, once), then submits two jobs with pretrain's own sbatch support (pretrain/distributed/slurm.py):
 
     prepare.sbatch  an array of N tasks, one node each: shard i is tokenized by task i mod N with
                     --workers processes (default: the CPUs SLURM gives the task); complete shards are kept,
@@ -25,9 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretrain.cli.options import count
-from pretrain.cli.slurm import (
-    add_sbatch_options,
+from pretrain.distributed.slurm import (
     environment_lines,
     require_sbatch,
     sbatch,
@@ -35,18 +33,6 @@ from pretrain.cli.slurm import (
     sbatch_options,
 )
 from pretrain.errors import ConfigError
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("SLURM (with --slurm)")
-    group.add_argument("--slurm", action="store_true",
-                       help="submit the tokenization as a SLURM array job instead of running it here")
-    group.add_argument("--array", type=count(), metavar="N", help="array tasks (one node each); shard i goes to task i mod N")
-    group.add_argument("--max-running", type=count(), metavar="M", help="at most M tasks at once (--array=0-N%%M)")
-    group.add_argument("--cpus-per-task", type=count(), metavar="C",
-                       help="#SBATCH --cpus-per-task; each task's default --workers is what SLURM gives it")
-    add_sbatch_options(group)
-    group.add_argument("--dry-run", action="store_true", help="print the batch scripts; submit nothing")
 
 
 @dataclass
@@ -148,7 +134,7 @@ def submit(job: ArrayJob, array_script: str, finish_script: str) -> tuple[str, s
     return array_id, sbatch(paths[1], f"--dependency=afterok:{array_id}")
 
 
-def main(args: argparse.Namespace, recipe) -> int:
+def prepare_on_slurm(args: argparse.Namespace, recipe) -> int:
     """Set the store up here, then submit (or print, --dry-run) the array and its finish job."""
     from pretrain.data.prepare import locate_store, set_up_store
 
