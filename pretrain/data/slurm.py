@@ -97,7 +97,7 @@ def _command(job: ArrayJob, *extra: str) -> str:
 
 
 def _header(job: ArrayJob, name: str, output: str) -> list[str]:
-    lines = ["#!/bin/bash", "# Written by pretrain-prepare-data --slurm (pretrain/cli/prepare_slurm.py).",
+    lines = ["#!/bin/bash", "# Written by pretrain-prepare-data --slurm (pretrain/data/slurm.py).",
              f"#SBATCH --job-name={name}", "#SBATCH --nodes=1", "#SBATCH --ntasks=1"]
     if job.cpus_per_task:
         lines.append(f"#SBATCH --cpus-per-task={job.cpus_per_task}")
