@@ -16,18 +16,23 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = str(ROOT / "pretrain" / "run.py")
 TINY = str(ROOT / "recipes" / "tiny.yaml")
 
-# A smaller, faster variant of the tiny recipe for tests that check mechanics, not learning.
-FAST = [
+# The one small model of the tests: the tiny recipe narrowed to 2 blocks of width 64 on 64-token sequences. A test
+# that needs another shape derives it from these with an explicit override.
+FAST_MODEL = [
     "model.hidden_size=64",
     "model.num_layers=2",
     "model.num_heads=4",
     "model.intermediate_size=128",
     "data.seq_len=64",
+]
+# A smaller, faster variant of the tiny recipe for tests that check mechanics, not learning.
+FAST = [
+    *FAST_MODEL,
     "batch.global_batch_size=8",
     "batch.micro_batch_size=4",
     "lr_schedule.warmup_steps=1",
-    "train.eval_batches=2",
-    "train.log_every_steps=1",
+    "eval.batches=2",
+    "logging.every_steps=1",
     "logging.progress=plain",
 ]
 
@@ -145,3 +150,41 @@ def accelerate_environment(config_file, *options: str) -> dict[str, str]:
     environment = {k: v for k, v in environment.items() if k.startswith(("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_"))}
     return {**environment, "WORLD_SIZE": str(args.num_processes), "GROUP_WORLD_SIZE": str(args.num_machines),
             "RANK": "0"}
+
+
+# The minimal valid recipe of the in-process tests (no file): every other key has its schema default.
+MINIMAL_RECIPE = {"batch": {"global_batch_size": 64, "micro_batch_size": 4}, "train": {"max_steps": 10}}
+
+
+def recipe_data(**sections) -> dict:
+    """MINIMAL_RECIPE with whole sections replaced (``data={...}``), as the mapping a recipe file holds."""
+    return {**MINIMAL_RECIPE, **sections}
+
+
+def make_recipe(*overrides: str, **sections):
+    """The one recipe builder of the in-process tests: ``recipe_data(**sections)`` then ``key.path=value``
+    overrides, validated as the loader validates a file (named ``t``)."""
+    from pretrain.recipe.config import apply_overrides, build_recipe
+
+    return build_recipe(apply_overrides(recipe_data(**sections), overrides), default_name="t")
+
+
+# Trains in a fresh interpreter through Trainer, not run.py: for tests of what the training process itself
+# leaves behind (signal handlers, module state). {before} runs first, {between} after the Trainer is built,
+# {after} once it has trained.
+TRAINER_SCRIPT = """
+import sys
+from pretrain.recipe.config import load_recipe
+from pretrain.train.trainer import Trainer
+{before}
+trainer = Trainer(load_recipe(sys.argv[1], sys.argv[2:]))
+{between}
+trainer.train()
+{after}
+"""
+
+
+def train_in_process(args: list[str], before: str = "", between: str = "", after: str = "", recipe: str = TINY,
+                     timeout: float = 300) -> subprocess.CompletedProcess:
+    script = TRAINER_SCRIPT.format(before=before, between=between, after=after)
+    return run_cmd([sys.executable, "-c", script, recipe, *args], timeout=timeout)

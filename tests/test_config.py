@@ -140,7 +140,7 @@ def test_recipe_is_frozen(tmp_path):
 
 
 def test_every_field_is_documented():
-    """The README's recipe reference is generated from these descriptions: none may be missing."""
+    """docs/recipe-reference.md is generated from these descriptions: none may be missing."""
     missing = []
 
     def walk(model, prefix):
@@ -155,12 +155,12 @@ def test_every_field_is_documented():
     assert missing == []
 
 
-def test_readme_recipe_reference_is_up_to_date():
-    """README's key reference is generated from the schema; regenerate with tools/recipe_reference.py --write."""
-    from tools.recipe_reference import render_readme
+def test_the_recipe_reference_page_is_generated_from_the_schema():
+    """docs/recipe-reference.md is what tools/recipe_reference.py writes from the schema now."""
+    from tools.recipe_reference import COMMAND, PAGE, page
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert render_readme(readme) == readme
+    committed = PAGE.read_text() if PAGE.exists() else ""
+    assert committed == page(), f"{PAGE.name} is not what the recipe schema gives: regenerate it with `{COMMAND}`"
 
 
 @pytest.mark.parametrize("value, policy", [
@@ -194,3 +194,74 @@ def test_model_compile_takes_a_mode_or_the_old_bool(tmp_path, given, mode):
 def test_model_compile_unknown_mode_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match=r"model.compile = 'max'"):
         load_recipe(write(tmp_path / "r.yaml", MINIMAL), ["model.compile=max"])
+
+
+# --- keys that moved to another section (config.MOVED_KEYS): refused with the new key, never renamed silently
+
+
+def test_moved_keys_name_new_keys_of_the_schema_and_old_keys_it_refuses():
+    """The table is checked against the schema: every new key exists and no old key is valid any more."""
+    from pretrain.checkpoint.checkpointer import recipe_field
+    from pretrain.recipe.config import MOVED_KEYS
+
+    for old, new in MOVED_KEYS.items():
+        recipe_field(new)
+        with pytest.raises(KeyError):
+            recipe_field(old)
+
+
+def test_moved_key_in_a_recipe_names_the_new_key_and_the_file(tmp_path):
+    path = write(tmp_path / "foo.yaml", MINIMAL.replace("{max_steps: 10}", "{max_steps: 10, eval_every_steps: 5}")
+                 + "runtime: {profile: {start_step: 2}, peak_tflops: 100}\n")
+    with pytest.raises(ConfigError) as exc:
+        load_recipe(path)
+    assert exc.value.problems == [
+        f"train.eval_every_steps moved to eval.every_steps in pretrain 0.2: rename it in {path}",
+        f"runtime.peak_tflops moved to logging.peak_tflops in pretrain 0.2: rename it in {path}",
+        f"runtime.profile moved to profile in pretrain 0.2: rename it in {path}",
+    ]
+
+
+def test_moved_key_in_an_inherited_recipe_names_that_file(tmp_path):
+    base = write(tmp_path / "base.yaml", MINIMAL.replace("{max_steps: 10}", "{max_steps: 10, log_every_steps: 1}"))
+    child = write(tmp_path / "child.yaml", "base: base.yaml\noptim: {lr: 1.0e-3}\n")
+    with pytest.raises(ConfigError, match=r"^train\.log_every_steps moved to logging\.every_steps in pretrain 0\.2: "
+                       rf"rename it in {base.resolve()}$"):
+        load_recipe(child)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.eval_every_steps=5", "train.eval_every_steps moved to eval.every_steps in pretrain 0.2: rename it in the "
+                                 "override 'train.eval_every_steps=5' (eval.every_steps=5)"),
+    ("runtime.profile.start_step=2", "runtime.profile.start_step moved to profile.start_step in pretrain 0.2: rename "
+                                     "it in the override 'runtime.profile.start_step=2' (profile.start_step=2)"),
+])
+def test_moved_key_in_an_override_names_the_new_key(tmp_path, override, message):
+    with pytest.raises(ConfigError) as exc:
+        load_recipe(write(tmp_path / "r.yaml", MINIMAL), [override])
+    assert str(exc.value) == message
+
+
+def test_new_keys_load_and_unknown_keys_in_new_sections_are_still_refused(tmp_path):
+    path = write(tmp_path / "r.yaml", MINIMAL + "eval: {every_steps: 5, batches: 2, at_start: false}\n"
+                 "logging: {every_steps: 3, peak_tflops: 100, throughput_warmup_steps: 2}\nprofile: {start_step: 4}\n")
+    recipe = load_recipe(path)
+    assert (recipe.eval.every_steps, recipe.eval.batches, recipe.eval.at_start) == (5, 2, False)
+    assert (recipe.logging.every_steps, recipe.logging.peak_tflops, recipe.logging.throughput_warmup_steps) == (3, 100, 2)
+    assert recipe.profile.start_step == 4
+    with pytest.raises(ConfigError, match=r"unknown key 'eval\.every_step': did you mean 'eval\.every_steps'\?"):
+        load_recipe(path, ["eval.every_step=1"])
+
+
+def test_a_recorded_recipe_of_an_older_pretrain_is_renamed_not_refused(tmp_path):
+    """A checkpoint's recipe is nobody's to edit: resume compares it, and export validates it, after renaming."""
+    from pretrain.checkpoint.checkpointer import check_compatible
+    from pretrain.recipe.config import renamed_keys
+
+    new = load_recipe(write(tmp_path / "r.yaml", MINIMAL), ["eval.batches=3", "profile.start_step=2"]).to_dict()
+    old = {**new, "train": {**new["train"], "eval_batches": 3}, "runtime": {**new["runtime"], "profile": new["profile"]},
+           "eval": {k: v for k, v in new["eval"].items() if k != "batches"}}
+    del old["profile"]
+    assert renamed_keys(old) == new
+    assert check_compatible(tmp_path, old, new) == []
+    Recipe.model_validate(renamed_keys(old))

@@ -25,8 +25,8 @@ STEP_LINE = re.compile(r"^step (\d+)/30 \| .* \| elapsed \d+:\d\d:\d\d \| eta \d
 def test_zero2_run_on_2_processes_prints_only_its_own_lines(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "pretrain.cli.launch", "--config_file", str(ROOT / "accelerate_configs" / "zero2.yaml"),
-           "--num_processes", "2", "--recipe", TINY, *FAST, "train.max_steps=30", "train.log_every_steps=10",
-           "train.eval_every_steps=10", "checkpoint.every_steps=10", "checkpoint.keep_last=1", f"output_dir={out}"]
+           "--num_processes", "2", "--recipe", TINY, *FAST, "train.max_steps=30", "logging.every_steps=10",
+           "eval.every_steps=10", "checkpoint.every_steps=10", "checkpoint.keep_last=1", f"output_dir={out}"]
     # no OMP_NUM_THREADS from the caller: pretrain-launch sets it (torchrun would set 1 and warn)
     proc = run_cmd(cmd, extra_env={"OMP_NUM_THREADS": None, "PYTHONWARNINGS": None})
     check_ok(proc)

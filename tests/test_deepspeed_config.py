@@ -10,12 +10,7 @@ from pretrain.distributed.deepspeed import build_deepspeed_config
 from pretrain.distributed.layout import Launch
 from pretrain.errors import ConfigError
 from pretrain.recipe.batching import plan_batches
-from pretrain.recipe.config import build_recipe
-
-
-def recipe(**sections):
-    data = {"batch": {"global_batch_size": 64, "micro_batch_size": 4}, "train": {"max_steps": 10}, **sections}
-    return build_recipe(data, default_name="t")
+from tests.helpers import make_recipe
 
 
 def launch(stage=2, opt="none", param="none", config_file=None, gas=None, clip=None):
@@ -29,7 +24,7 @@ def build(r, lau=None, user=None, world=4):
 
 
 def test_batch_triple_precision_and_clipping_come_from_the_recipe():
-    config, ds_opt = build(recipe(precision={"dtype": "bf16"}, optim={"grad_clip": 0.5}))
+    config, ds_opt = build(make_recipe(precision={"dtype": "bf16"}, optim={"grad_clip": 0.5}))
     assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (64, 4, 4)
     assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
     assert config["gradient_clipping"] == 0.5
@@ -38,11 +33,11 @@ def test_batch_triple_precision_and_clipping_come_from_the_recipe():
 
 
 def test_fp16_block_carries_the_loss_scale_knobs():
-    config, _ = build(recipe(precision={"dtype": "fp16", "initial_scale_power": 12, "loss_scale_window": 500,
+    config, _ = build(make_recipe(precision={"dtype": "fp16", "initial_scale_power": 12, "loss_scale_window": 500,
                                         "hysteresis": 3, "min_loss_scale": 0.5}))
     assert config["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
                               "hysteresis": 3, "min_loss_scale": 0.5}
-    fixed, _ = build(recipe(precision={"dtype": "fp16", "loss_scale": 1024}))
+    fixed, _ = build(make_recipe(precision={"dtype": "fp16", "loss_scale": 1024}))
     assert fixed["fp16"]["loss_scale"] == 1024.0
 
 
@@ -54,7 +49,7 @@ def test_user_json_auto_fields_are_filled_and_its_own_fields_kept(tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps(user))
     (tmp_path / "acc.yaml").write_text(f"distributed_type: DEEPSPEED\nnum_processes: 4\ndeepspeed_config:\n"
                                        f"  deepspeed_config_file: {tmp_path / 'ds.json'}\n")
-    config, ds_opt = build(recipe(optim={"args": {"betas": [0.9, 0.95]}}),
+    config, ds_opt = build(make_recipe(optim={"args": {"betas": [0.9, 0.95]}}),
                            Launch.from_accelerate_config(tmp_path / "acc.yaml"), user)
     assert ds_opt is True  # the user's JSON asks for DeepSpeed's optimizer
     assert config["optimizer"] == {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1, "betas": [0.9, 0.95]}}
@@ -67,7 +62,7 @@ def test_user_json_conflicts_are_all_named():
     user = {"gradient_accumulation_steps": 8, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
             "scheduler": {"type": "WarmupLR"}}
     with pytest.raises(ConfigError) as info:
-        build(recipe(), launch(config_file="ds.json"), user)
+        build(make_recipe(), launch(config_file="ds.json"), user)
     text = str(info.value)
     assert "ds.json has gradient_accumulation_steps=8 but the recipe gives 4" in text
     assert "ds.json has optimizer.params.lr=0.1 but the recipe gives 0.0003" in text
@@ -76,13 +71,13 @@ def test_user_json_conflicts_are_all_named():
 
 def test_accelerate_config_gas_or_clipping_disagreeing():
     with pytest.raises(ConfigError, match="gradient_accumulation_steps=2 but the recipe's batch plan gives GAS 4"):
-        build(recipe(), launch(gas="2"))
+        build(make_recipe(), launch(gas="2"))
     with pytest.raises(ConfigError, match="gradient_clipping=2.0 but the recipe has optim.grad_clip=1.0"):
-        build(recipe(), launch(clip="2.0"))
+        build(make_recipe(), launch(clip="2.0"))
 
 
 def test_offload_and_recipe_deepspeed_section():
-    config, _ = build(recipe(deepspeed={"communication_data_type": "bf16", "reduce_bucket_size": 123,
+    config, _ = build(make_recipe(deepspeed={"communication_data_type": "bf16", "reduce_bucket_size": 123,
                                         "wall_clock_breakdown": True}), launch(stage=3, opt="cpu", param="cpu"))
     zero = config["zero_optimization"]
     assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
@@ -92,7 +87,7 @@ def test_offload_and_recipe_deepspeed_section():
 
 def test_deepspeed_optimizer_for_sgd_is_refused():
     with pytest.raises(ConfigError, match="DeepSpeed's optimizers cover"):
-        build(recipe(optim={"name": "SGD", "weight_decay": 0.0}, deepspeed={"optimizer": "deepspeed"}))
+        build(make_recipe(optim={"name": "SGD", "weight_decay": 0.0}, deepspeed={"optimizer": "deepspeed"}))
 
 
 # ---- gradient accumulation and reduction dtypes (precision.reduce_dtype) ---------------------------------
@@ -100,44 +95,44 @@ def test_deepspeed_optimizer_for_sgd_is_refused():
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_bf16_accumulates_and_reduces_in_fp32_by_default(stage):
-    config, _ = build(recipe(precision={"dtype": "bf16"}), launch(stage=stage))
+    config, _ = build(make_recipe(precision={"dtype": "bf16"}), launch(stage=stage))
     assert config["data_types"] == {"grad_accum_dtype": "fp32"} and config["communication_data_type"] == "fp32"
 
 
 def test_bf16_reduction_is_opt_in():
-    config, _ = build(recipe(precision={"dtype": "bf16", "reduce_dtype": "bf16"}), launch(stage=2))
+    config, _ = build(make_recipe(precision={"dtype": "bf16", "reduce_dtype": "bf16"}), launch(stage=2))
     assert config["data_types"] == {"grad_accum_dtype": "bf16"} and config["communication_data_type"] == "bf16"
 
 
 def test_fp32_recipe_keeps_deepspeed_defaults():
-    config, _ = build(recipe())
+    config, _ = build(make_recipe())
     assert "data_types" not in config and "communication_data_type" not in config
-    config, _ = build(recipe(deepspeed={"communication_data_type": "bf16"}))
+    config, _ = build(make_recipe(deepspeed={"communication_data_type": "bf16"}))
     assert config["communication_data_type"] == "bf16"
 
 
 def test_zero0_bf16_needs_bf16_reduction():
     with pytest.raises(ConfigError, match="ZeRO stage 0 with precision.dtype=bf16 cannot accumulate.*ZeRO-1"):
-        build(recipe(precision={"dtype": "bf16"}), launch(stage=0))
-    config, _ = build(recipe(precision={"dtype": "bf16", "reduce_dtype": "bf16"}), launch(stage=0))
+        build(make_recipe(precision={"dtype": "bf16"}), launch(stage=0))
+    config, _ = build(make_recipe(precision={"dtype": "bf16", "reduce_dtype": "bf16"}), launch(stage=0))
     assert config["data_types"] == {"grad_accum_dtype": "bf16"}
 
 
 def test_communication_data_type_and_reduce_dtype_have_one_source_of_truth():
-    same, _ = build(recipe(precision={"dtype": "bf16"}, deepspeed={"communication_data_type": "fp32"}))
+    same, _ = build(make_recipe(precision={"dtype": "bf16"}, deepspeed={"communication_data_type": "fp32"}))
     assert same["communication_data_type"] == "fp32"
     conflict = "deepspeed.communication_data_type=bf16 conflicts with precision.reduce_dtype=fp32"
     with pytest.raises(ConfigError, match=conflict):
-        recipe(precision={"dtype": "bf16"}, deepspeed={"communication_data_type": "bf16"})
+        make_recipe(precision={"dtype": "bf16"}, deepspeed={"communication_data_type": "bf16"})
     with pytest.raises(ConfigError, match="precision.reduce_dtype=bf16 applies to bf16 recipes only"):
-        recipe(precision={"dtype": "fp32", "reduce_dtype": "bf16"})
+        make_recipe(precision={"dtype": "fp32", "reduce_dtype": "bf16"})
 
 
 def test_user_json_grad_accum_dtype_must_agree():
     with pytest.raises(ConfigError, match="data_types.grad_accum_dtype='bf16' but the recipe gives 'fp32'"):
-        build(recipe(precision={"dtype": "bf16"}), user={"data_types": {"grad_accum_dtype": "bf16"}})
+        build(make_recipe(precision={"dtype": "bf16"}), user={"data_types": {"grad_accum_dtype": "bf16"}})
     with pytest.raises(ConfigError, match="communication_data_type='bf16' but the recipe gives 'fp32'"):
-        build(recipe(precision={"dtype": "bf16"}), user={"communication_data_type": "bf16"})
+        build(make_recipe(precision={"dtype": "bf16"}), user={"communication_data_type": "bf16"})
 
 
 def test_fsdp_policy_and_ddp_hook_follow_reduce_dtype(monkeypatch):
@@ -147,30 +142,30 @@ def test_fsdp_policy_and_ddp_hook_follow_reduce_dtype(monkeypatch):
     from pretrain.distributed.accelerator import ddp_kwargs, fsdp_plugin, gradient_dtypes
 
     monkeypatch.setenv("FSDP_VERSION", "2")
-    bf16, fast = recipe(precision={"dtype": "bf16"}), recipe(precision={"dtype": "bf16", "reduce_dtype": "bf16"})
+    bf16, fast = make_recipe(precision={"dtype": "bf16"}), make_recipe(precision={"dtype": "bf16", "reduce_dtype": "bf16"})
     policy = fsdp_plugin(bf16).mixed_precision_policy
     bf16_, fp32_ = torch.bfloat16, torch.float32
     assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (bf16_, fp32_, None)  # fp32 loss
     assert fsdp_plugin(fast).mixed_precision_policy.reduce_dtype == torch.bfloat16
-    assert fsdp_plugin(recipe()) is None
+    assert fsdp_plugin(make_recipe()) is None
     assert ddp_kwargs(bf16) is None and ddp_kwargs(fast).comm_hook == DDPCommunicationHookType.BF16
     fsdp, ddp = Launch("fsdp"), Launch("ddp")
     assert gradient_dtypes(bf16, fsdp) == {"compute": "bf16", "grad_accum": "fp32", "reduce": "fp32"}
     assert gradient_dtypes(fast, fsdp) == {"compute": "bf16", "grad_accum": "bf16", "reduce": "bf16"}
     assert gradient_dtypes(fast, ddp) == {"compute": "bf16", "grad_accum": "fp32", "reduce": "bf16"}
-    assert gradient_dtypes(recipe(), launch()) == {"compute": "fp32", "grad_accum": "fp32", "reduce": "fp32"}
+    assert gradient_dtypes(make_recipe(), launch()) == {"compute": "fp32", "grad_accum": "fp32", "reduce": "fp32"}
 
 
 def test_selective_checkpointing_is_refused_under_zero3_only():
     """ZeRO-3's gathering hooks run other ops in the recompute than in the forward: a 2-process CPU ZeRO-3 run
     of the tiny model failed with torch's "aten.empty.memory_format encountered during backward but not found
     in storage"; ZeRO-2 and DDP ran it."""
-    selective = recipe(model={"activation_checkpointing": "selective"})
+    selective = make_recipe(model={"activation_checkpointing": "selective"})
     with pytest.raises(ConfigError, match="activation_checkpointing=selective cannot run under ZeRO-3"):
         build(selective, launch(stage=3))
     for stage in (1, 2):
         build(selective, launch(stage=stage))
-    build(recipe(model={"activation_checkpointing": "every_2"}), launch(stage=3))
+    build(make_recipe(model={"activation_checkpointing": "every_2"}), launch(stage=3))
 
 
 @pytest.mark.parametrize("mode", ["auto", "regional", "full"])
@@ -178,5 +173,5 @@ def test_compile_is_accepted_under_every_zero_stage(mode):
     """accelerate compiles DeepSpeed's engine.module in place, ZeRO-3 included (the former refusal is gone; the
     compiled ZeRO-2 and ZeRO-3 runs are in tests/test_distributed.py)."""
     for stage in (1, 2, 3):
-        config, _ = build(recipe(model={"compile": mode}), launch(stage=stage))
+        config, _ = build(make_recipe(model={"compile": mode}), launch(stage=stage))
         assert config["zero_optimization"]["stage"] == stage

@@ -126,3 +126,18 @@ def test_dry_run_of_70b_answers_in_seconds():
     assert "68,976,648,192 parameters (vocab 32,000)" in proc.stdout
     assert "pretrain-plan's best layout on 8 x 8 H100-80GB" in proc.stdout
     assert elapsed < 15, elapsed
+
+
+def test_a_moved_key_stops_the_entry_point_with_one_message_naming_the_new_key(tmp_path):
+    """An old recipe (train.eval_every_steps) and an old override each: exit 2, one line each, no traceback."""
+    recipe = tmp_path / "foo.yaml"
+    recipe.write_text(f"base: {TINY}\ntrain: {{eval_every_steps: 5}}\n")
+    proc = subprocess.run([sys.executable, RUN, "--recipe", str(recipe), "--dry-run", "runtime.profile.start_step=2"],
+                          env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == EXIT_USAGE and "Traceback" not in proc.stderr, proc.stderr
+    assert f"train.eval_every_steps moved to eval.every_steps in pretrain 0.2: rename it in {recipe}" in proc.stderr
+    proc = subprocess.run([sys.executable, RUN, "--recipe", TINY, "--dry-run", "train.log_every_steps=1"],
+                          env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == EXIT_USAGE and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().endswith("train.log_every_steps moved to logging.every_steps in pretrain 0.2: rename it "
+                                        "in the override 'train.log_every_steps=1' (logging.every_steps=1)")

@@ -189,8 +189,8 @@ def test_every_module_imports_without_the_optional_packages(core_only):
 @pytest.mark.slow
 def test_the_tiny_recipe_trains_without_the_optional_packages(core_only, tmp_path):
     proc = subprocess.run([sys.executable, "-S", "pretrain/run.py", "--recipe", "recipes/tiny.yaml", *FAST,
-                           f"output_dir={tmp_path / 'run'}", "train.max_steps=3", "train.eval_every_steps=3",
-                           "train.eval_batches=1", "checkpoint.every_steps=3"],
+                           f"output_dir={tmp_path / 'run'}", "train.max_steps=3", "eval.every_steps=3",
+                           "eval.batches=1", "checkpoint.every_steps=3"],
                           env={**core_only, "PRETRAIN_CACHE_DIR": str(tmp_path / "cache")},  # the store built too
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -27,8 +27,8 @@ pytestmark = [
                        reason="the minimum-versions smoke set: CI runs it in its own environment (tools/floors.sh)"),
 ]
 
-ARGS = [*FAST, "batch.micro_batch_size=2", "train.max_steps=4", "checkpoint.every_steps=2", "train.eval_every_steps=4",
-        "train.eval_batches=1"]
+ARGS = [*FAST, "batch.micro_batch_size=2", "train.max_steps=4", "checkpoint.every_steps=2", "eval.every_steps=4",
+        "eval.batches=1"]
 TESTED = ("torch", "accelerate", "transformers", "deepspeed")
 
 

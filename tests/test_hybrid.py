@@ -16,9 +16,9 @@ from pretrain.distributed.layout import Launch
 from pretrain.errors import ConfigError
 from pretrain.plan import memory, planner
 from pretrain.recipe.batching import plan_batches
-from pretrain.recipe.config import build_recipe, load_recipe
+from pretrain.recipe.config import load_recipe
 from pretrain.system.hardware import find_gpu
-from tests.helpers import ROOT, TINY
+from tests.helpers import ROOT, TINY, make_recipe
 
 CONFIGS = ROOT / "accelerate_configs"
 HPZ, HSDP = CONFIGS / "multinode_zero3_hpz.yaml", CONFIGS / "multinode_hsdp.yaml"
@@ -112,8 +112,7 @@ def test_pretrain_launch_refuses_hpz_on_one_node_before_accelerate(tmp_path, cap
 
 
 def ds_config(launch: Launch, user=None):
-    recipe = build_recipe({"batch": {"global_batch_size": 64, "micro_batch_size": 1}, "train": {"max_steps": 10}},
-                          default_name="t")
+    recipe = make_recipe(batch={"global_batch_size": 64, "micro_batch_size": 1})
     batch = plan_batches(recipe.batch, launch.world_size, recipe.data.seq_len)
     return build_deepspeed_config(recipe, batch, launch, recipe.optim.lr, user)[0]["zero_optimization"]
 
@@ -263,7 +262,7 @@ def test_zero3_hpz_on_two_nodes_of_two_processes_trains_the_layout_independent_c
     out = tmp_path / "hpz"
     args = [*golden_losses.DIST_ARGS, "train.max_steps=3", "checkpoint.every_steps=0", "checkpoint.save_last=false",
             "checkpoint.save_final_model=false", f"output_dir={out}"]
-    # a multi-node launch does not prepare its token store (README, Data): the curve's store, found or built once
+    # a multi-node launch does not prepare its token store (docs/data.md): the curve's store, found or built once
     assert prepare_data.main(["--recipe", TINY, *args]) == 0
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(HPZ),

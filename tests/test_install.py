@@ -75,9 +75,21 @@ def test_the_offline_install_needs_torch_and_a_wheelhouse(tmp_path):
     assert no_torch.returncode == 2 and "has no torch" in no_torch.stderr
 
 
+def test_a_stand_in_with_a_hyphenated_name_satisfies_a_requirement(tmp_path):
+    """The wheelhouse's completeness check stands in for what the target has (e.g. the GPU image's py-cpuinfo,
+    which deepspeed requires) with empty wheels: a hyphen in the file name would make pip read the project as
+    "py" at version "cpuinfo" and fail the check, as it did on 2026-11-26."""
+    stub_wheel(tmp_path / "wheels", "py-cpuinfo", "9.0.0")
+    stub_wheel(tmp_path / "wheels", "needs-it", "1.0", ("py-cpuinfo",))
+    out = _run([sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed", "--no-index",
+                "--target", str(tmp_path / "t"), "--find-links", str(tmp_path / "wheels"), "needs-it"],
+               cwd=tmp_path, extra=_air_gapped())
+    assert out.returncode == 0, out.stderr
+
+
 @pytest.mark.slow
 def test_a_wheelhouse_installs_offline_next_to_torch_and_trains(tmp_path):
-    """The README's three commands: the wheelhouse (needs the index), then a fresh environment with torch installs
+    """docs/install.md's three commands: the wheelhouse (needs the index), then a fresh environment with torch installs
     from it alone and trains the tiny recipe with the installed pretrain."""
     wheelhouse = tmp_path / "wheels"
     built = _run(["bash", INSTALL, "--wheelhouse", str(wheelhouse)], cwd=tmp_path, extra={"PYTHON": sys.executable})

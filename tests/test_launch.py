@@ -321,12 +321,12 @@ def test_no_gpu_known_means_no_check(capsys, execv, monkeypatch):
     assert code == 0 and err == "" and len(execv) == 2, err
 
 
-def test_the_readme_shows_the_real_refusal(capsys, execv, monkeypatch):
+def test_the_planning_page_shows_the_real_refusal(capsys, execv, monkeypatch):
     monkeypatch.chdir(ROOT)
     args = ["--config_file", "accelerate_configs/ddp.yaml", "--gpu", "H100-80GB", "--recipe", "recipes/7b.yaml"]
     code, _, err = launch_in_process(capsys, *args)
     assert code == 2
-    assert f"$ pretrain-launch {' '.join(args)}\n{err}$ echo $?\n2\n" in (ROOT / "README.md").read_text()
+    assert f"$ pretrain-launch {' '.join(args)}\n{err}$ echo $?\n2\n" in (ROOT / "docs" / "planning.md").read_text()
 
 
 def test_a_multi_node_launch_without_its_store_stops_before_accelerate_with_the_prepare_commands(

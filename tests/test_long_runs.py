@@ -267,7 +267,7 @@ def test_profile_schedule_records_the_asked_steps():
 
 # ---- end to end ---------------------------------------------------------------------------------------------------
 
-SMALL = [*FAST, "train.eval_batches=1", "train.eval_at_start=false", "checkpoint.save_final_model=false"]
+SMALL = [*FAST, "eval.batches=1", "eval.at_start=false", "checkpoint.save_final_model=false"]
 
 
 @pytest.mark.slow
@@ -362,7 +362,7 @@ def test_two_processes_profile_log_per_rank_step_times_and_a_stalled_rank_dumps_
     """One 2-process launch: steps 2-3 traced per rank (JSON), the per-rank step-time keys on every logging step,
     then rank 1 stalls before step 5: both ranks' stacks are dumped into output_dir/hang and the launch fails."""
     out = tmp_path / "run"
-    launcher = _launch("cpu_ddp.yaml", [*SMALL, "train.max_steps=8", f"output_dir={out}", "runtime.profile.start_step=2",
+    launcher = _launch("cpu_ddp.yaml", [*SMALL, "train.max_steps=8", f"output_dir={out}", "profile.start_step=2",
                                         "runtime.hang_timeout_s=15"], extra_env={"PRETRAIN_TEST_STALL": "1:5"})
     try:
         output, _ = launcher.communicate(timeout=600)
@@ -390,18 +390,18 @@ def test_an_out_of_memory_step_dumps_the_allocator_history_first(tmp_path, monke
     """The CUDA path with the two CUDA calls replaced (no GPU here): record at start, dump on OOM, re-raise."""
     import torch
 
-    from pretrain.recipe.config import RuntimeConfig
+    from pretrain.recipe.config import ProfileConfig, RuntimeConfig
     from pretrain.train.diagnostics import Diagnostics
 
     recorded, logged = [], []
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: recorded.append(kw))
     monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: Path(path).write_text("snapshot"))
     accelerator = type("Acc", (), {"process_index": 3, "device": torch.device("cuda", 0)})()
-    diagnostics = Diagnostics(accelerator, RuntimeConfig(memory_snapshot_on_oom=True), tmp_path, logged.append)
+    diagnostics = Diagnostics(accelerator, RuntimeConfig(memory_snapshot_on_oom=True), ProfileConfig(), tmp_path, logged.append)
     assert recorded and not logged
     with pytest.raises(torch.OutOfMemoryError), diagnostics.oom_snapshot():
         raise torch.OutOfMemoryError("CUDA out of memory")
     assert (tmp_path / "memory_snapshot_rank3.pickle").read_text() == "snapshot"
     on_cpu = type("Acc", (), {"process_index": 0, "device": torch.device("cpu")})()
-    Diagnostics(on_cpu, RuntimeConfig(memory_snapshot_on_oom=True), tmp_path, logged.append)
+    Diagnostics(on_cpu, RuntimeConfig(memory_snapshot_on_oom=True), ProfileConfig(), tmp_path, logged.append)
     assert "needs a CUDA device" in logged[-1]

@@ -16,9 +16,8 @@ import pretrain.recipe.shape as shape
 from pretrain.distributed.layout import Launch
 from pretrain.errors import ConfigError
 from pretrain.model.loss import chunked_causal_lm_loss, install_loss, resolve_loss
-from pretrain.recipe.config import load_recipe
 from pretrain.train.preflight import check_run
-from tests.helpers import TINY
+from tests.helpers import make_recipe
 
 V = 50
 
@@ -91,10 +90,6 @@ def test_without_autograd_no_gradient_is_computed():
 # model.loss: the implementation a run uses
 
 
-def _recipe(*overrides):
-    return load_recipe(TINY, list(overrides))
-
-
 ZERO3 = Launch("deepspeed", zero_stage=3)
 
 
@@ -114,15 +109,15 @@ def liger_supports(monkeypatch):
     (("model.loss=liger", "stability.z_loss=1e-4"), Launch(), True, "liger"),
 ])
 def test_the_loss_resolves_per_device_and_launch(liger_supports, overrides, launch, cuda, expected):
-    assert resolve_loss(_recipe(*overrides), launch, cuda=cuda) == expected
+    assert resolve_loss(make_recipe(*overrides), launch, cuda=cuda) == expected
 
 
 def test_auto_is_chunked_where_liger_kernel_is_missing_or_has_no_kernel(monkeypatch):
     monkeypatch.setitem(sys.modules, "liger_kernel", None)  # import liger_kernel raises ImportError
     assert "pip install 'liger-kernel>=" in pretrain.model.loss.liger_unsupported("llama")
-    assert resolve_loss(_recipe(), Launch(), cuda=True) == "chunked"
+    assert resolve_loss(make_recipe(), Launch(), cuda=True) == "chunked"
     with pytest.raises(ConfigError, match="pip install 'liger-kernel>="):
-        resolve_loss(_recipe("model.loss=liger"), Launch(), cuda=True)
+        resolve_loss(make_recipe("model.loss=liger"), Launch(), cuda=True)
 
 
 def test_a_liger_import_failing_with_any_exception_falls_back_to_chunked(monkeypatch):
@@ -139,10 +134,10 @@ def test_a_liger_import_failing_with_any_exception_falls_back_to_chunked(monkeyp
     monkeypatch.setattr(builtins, "__import__", broken_peft)
     reason = pretrain.model.loss.liger_unsupported("llama")
     assert "importing liger_kernel failed (RuntimeError: peft: operator torchvision::nms" in reason
-    implementation, why = pretrain.model.loss.loss_choice(_recipe(), Launch(), cuda=True)
+    implementation, why = pretrain.model.loss.loss_choice(make_recipe(), Launch(), cuda=True)
     assert implementation == "chunked" and "RuntimeError" in why
     with pytest.raises(ConfigError, match="model.loss=liger: importing liger_kernel failed") as exc:
-        resolve_loss(_recipe("model.loss=liger"), Launch(), cuda=True)
+        resolve_loss(make_recipe("model.loss=liger"), Launch(), cuda=True)
     assert len(exc.value.problems) == 1  # one message, naming the import failure
 
 
@@ -153,7 +148,7 @@ def test_a_liger_import_failing_with_any_exception_falls_back_to_chunked(monkeyp
 ])
 def test_a_loss_that_cannot_run_is_refused_before_launch(overrides, launch, message):
     with pytest.raises(ConfigError, match=message):
-        check_run(_recipe(*overrides), launch)  # pretrain-launch and every process call it first
+        check_run(make_recipe(*overrides), launch)  # pretrain-launch and every process call it first
 
 
 def _tiny_llama():

@@ -18,7 +18,7 @@ CASES = [
     # (id, recipe text on top of the tiny recipe, overrides, what the message must name)
     ("infinite lr", "", ["optim.lr=.inf"], "optim.lr"),
     ("nan min_lr_ratio", "", ["lr_schedule.min_lr_ratio=.nan"], "lr_schedule.min_lr_ratio"),
-    ("infinite peak_tflops", "", ["runtime.peak_tflops=1e400"], "runtime.peak_tflops"),
+    ("infinite peak_tflops", "", ["logging.peak_tflops=1e400"], "logging.peak_tflops"),
     ("negative seed", "", ["train.seed=-1"], "train.seed"),
     ("seed beyond numpy's range", "", ["train.seed=4294967296"], "train.seed"),
     ("a list where a section goes", "optim: [AdamW, 3.0e-3]", [], "optim"),
@@ -140,10 +140,10 @@ def test_yaml_that_is_only_unusual_still_loads(tmp_path):
     from pretrain.recipe.config import load_recipe
 
     text = (f"base: {TINY}\noptim:\n  <<: {{weight_decay: 0.0, lr: 1.0e-3}}\n  lr: 2.0e-3\n"
-            "lr_schedule: {warmup_steps: &w 5}\ntrain: {max_steps: 300, log_every_steps: *w}\n")
+            "lr_schedule: {warmup_steps: &w 5}\ntrain: {max_steps: 300}\nlogging: {every_steps: *w}\n")
     (tmp_path / "r.yaml").write_bytes(b"\xef\xbb\xbf" + text.encode())
     recipe = load_recipe(tmp_path / "r.yaml", ["optim.args={betas: [0.9, 0.95]}"])
-    assert (recipe.optim.lr, recipe.optim.weight_decay, recipe.train.log_every_steps) == (2e-3, 0.0, 5)
+    assert (recipe.optim.lr, recipe.optim.weight_decay, recipe.logging.every_steps) == (2e-3, 0.0, 5)
 
 
 ACCELERATE_CASES = [

@@ -14,9 +14,20 @@ import pytest
 from pretrain.data import MixtureData, prepare_data
 from pretrain.errors import ConfigError, DataError
 from pretrain.recipe.batching import plan_batches
-from pretrain.recipe.config import BatchConfig, DataConfig, build_recipe
+from pretrain.recipe.config import BatchConfig, DataConfig
 from pretrain.train.loader import MixtureSampleOrder, RankBatchSampler, data_horizon, stream_rows
-from tests.helpers import FAST, RUN, accelerate_launch, check_ok, metrics, train, train_killed_at, train_losses
+from tests.helpers import (
+    FAST,
+    RUN,
+    accelerate_launch,
+    check_ok,
+    make_recipe,
+    metrics,
+    recipe_data,
+    train,
+    train_killed_at,
+    train_losses,
+)
 from tests.test_data import make_docs, write_corpus
 
 WEIGHTS = {"code": 0.2, "web": 0.7, "math": 0.1}
@@ -109,10 +120,6 @@ def test_exhaustion_step_epochs_and_the_repeat_warning():
 # ---- the recipe ---------------------------------------------------------------------------------------
 
 
-def recipe_with(data: dict) -> dict:
-    return {"batch": {"global_batch_size": 8, "micro_batch_size": 4}, "train": {"max_steps": 2}, "data": data}
-
-
 MIX = [{"name": "code", "source": "a", "weight": 0.2}, {"name": "web", "source": "b", "weight": 0.7},
        {"name": "math", "source": "c", "weight": 0.1}]
 
@@ -130,14 +137,14 @@ MIX = [{"name": "code", "source": "a", "weight": 0.2}, {"name": "web", "source":
 ])
 def test_bad_mixtures_are_one_clear_error(data, message):
     with pytest.raises(ConfigError) as info:
-        build_recipe(recipe_with(data), default_name="r")
+        make_recipe(data=data)
     assert message in str(info.value)
 
 
 def test_weights_are_normalised_or_must_sum_to_one():
     doubled = [{**m, "weight": m["weight"] * 2} for m in MIX]
-    assert build_recipe(recipe_with({"mixture": doubled}), default_name="r").data.mixture_weights() == pytest.approx(WEIGHTS)
-    exact = build_recipe(recipe_with({"mixture": MIX, "normalize_weights": False}), default_name="r")
+    assert make_recipe(data={"mixture": doubled}).data.mixture_weights() == pytest.approx(WEIGHTS)
+    exact = make_recipe(data={"mixture": MIX, "normalize_weights": False})
     assert exact.data.mixture_weights() == pytest.approx(WEIGHTS)
 
 
@@ -194,13 +201,13 @@ def test_prepare_data_cli_on_a_mixture_and_a_bad_weight_exit_2(tmp_path, capsys)
     data = {k: v for k, v in cfg.model_dump(mode="json").items() if k in ("cache_dir", "seq_len", "store",
                                                                          "tokenizer_vocab_size", "val_fraction")}
     data["mixture"] = [{"name": m.name, "source": m.source, "weight": m.weight} for m in cfg.mixture]
-    recipe.write_text(json.dumps(recipe_with(data)))
+    recipe.write_text(json.dumps(recipe_data(data=data)))
     assert main(["--recipe", str(recipe), "--workers", "1"]) == 0
     out = capsys.readouterr().out
     assert "tokenizer  bpe-300" in out and all(f"source {n!r} (weight {w:.4g})" in out for n, w in WEIGHTS.items())
     assert main(["--recipe", str(recipe), "data.mixture.0.weight=0"]) == 2  # a list item is not a section: error
     data["mixture"][0]["weight"] = 0
-    recipe.write_text(json.dumps(recipe_with(data)))
+    recipe.write_text(json.dumps(recipe_data(data=data)))
     assert main(["--recipe", str(recipe)]) == 2
     err = capsys.readouterr().err
     assert "source 'code' has weight 0" in err and "Traceback" not in err
@@ -208,8 +215,8 @@ def test_prepare_data_cli_on_a_mixture_and_a_bad_weight_exit_2(tmp_path, capsys)
 
 # ---- end to end (slow) ----------------------------------------------------------------------------------
 
-E2E = [*FAST, "data.tokenizer_vocab_size=512", "data.val_fraction=0.2", "train.eval_every_steps=4",
-       "train.eval_batches=1", "checkpoint.every_steps=4", "checkpoint.keep_last=0"]
+E2E = [*FAST, "data.tokenizer_vocab_size=512", "data.val_fraction=0.2", "eval.every_steps=4",
+       "eval.batches=1", "checkpoint.every_steps=4", "checkpoint.keep_last=0"]
 
 
 def e2e_recipe(tmp_path: Path) -> str:

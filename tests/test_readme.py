@@ -1,14 +1,15 @@
-"""Every command in the README runs as written, from the repository's root with .venv active.
+"""Every command in README.md and docs/*.md runs as written, from the repository's root with .venv active.
 
-The README's commands are extracted from its code blocks (bash blocks: one command per line, `\\`
+The pages' commands are extracted from their code blocks (bash blocks: one command per line, `\\`
 continuations joined; `$ ` lines of console and plain blocks, with the output shown under them) and from
 inline code that is a whole command (a program and its arguments, no placeholder such as `[...]`, `<...>`
 or `…`). Each is either run here, because it takes seconds (`--help`, `--dry-run`, `--print-config`, the
 estimator and the planner, a launch refused before it starts), or listed in SKIPPED with the reason. A
-command in neither is a failure (a new README command must be classified), and so is a SKIPPED entry that no
-longer matches a command. Where the README shows a command's output, the output must be what the command
-prints now; where it shows `$ echo $?`, that exit status. The sample SLURM script must be what
-`pretrain-slurm submit --dry-run` writes.
+command in neither is a failure (a new command in any page must be classified), and so is a SKIPPED entry
+that no longer matches a command. A command written the same way in several pages runs once. Where a page
+shows a command's output, the output must be what the command prints now; where it shows `$ echo $?`, that
+exit status. The sample SLURM script (docs/slurm.md) must be what `pretrain-slurm submit --dry-run` writes.
+The test command of README's quick start must be the one CI (.ci/run) runs.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ from pretrain.distributed.slurm import PASSTHROUGH_ENV
 from tests.helpers import ROOT, env
 
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 VENV_BIN = str(Path(sys.executable).parent)
 INLINE_PROGRAMS = ("python ", "accelerate ", "pretrain-", "pretrain ")
 PLACEHOLDERS = ("[", "<", "…", "...", "JOBID")
 SAMPLE_ROOT = "/home/me/pretrain"
-"""Where the README's sample SLURM script was written from (the repository's root is replaced by it)."""
+"""Where the sample SLURM script (docs/slurm.md) was written from (the repository's root is replaced by it)."""
 
 # Commands the test does not run, by the start of their text, and why.
 SKIPPED = {
@@ -39,7 +41,6 @@ SKIPPED = {
         "the demo: a 300-step training (minutes); tests/test_golden.py runs its first steps",
     "python pretrain/run.py --recipe recipes/tiny.yaml train.max_steps=40":
         "a training run (a minute); tests/test_run.py runs the entry point",
-    "python pretrain/run.py --recipe recipes/tiny.yaml\n": "a 300-step training (minutes)",
     "accelerate launch --config_file accelerate_configs/cpu_ddp.yaml pretrain/run.py":
         "a 2-process training (minutes); tests/test_distributed.py runs one",
     "accelerate launch --config_file accelerate_configs/zero2.yaml":
@@ -71,10 +72,16 @@ SKIPPED = {
     "tail -f runs/7b/slurm": "follows a job's log",
     "python -m pytest tests": "the test suite itself",
     "ruff check": "the linter (CI)",
-    "python tools/recipe_reference.py --write": "rewrites the README; tests/test_tools.py checks the reference",
+    "python tools/recipe_reference.py --write": "rewrites docs/recipe-reference.md; tests/test_config.py checks it is current",
     "pretrain-prepare-data --workers": "an option named in the recipe reference, not a command",
     "pretrain-prepare-data --verify": "an option named in the text; tests/test_store.py runs it on a damaged store",
     "python -m tests.golden_losses --write": "rewrites the golden losses",
+    "pretrain-plan --calibration FILE": "an option named in the text (FILE is a placeholder); tests/test_hybrid.py "
+                                        "plans with calibration files",
+    "python -m pretrain\n": "names the entry point in the map of the code (docs/architecture.md), not a command to run",
+    "python tools/setup_memory.py": "measures each layout's set-up memory in real launches (minutes); "
+                                    "docs/performance.md shows its output",
+    "python tools/bench_startup.py": "times repeated training starts (minutes); docs/performance.md shows its output",
     "python tools/bench_data.py": "the data benchmark: a 0.5-2 GB corpus tokenized four times (tens of minutes)",
     "python tools/bench_gpu.py --reduced": "2 training launches (a minute or two); tests/test_tools.py runs it",
     "python tools/bench_gpu.py --models llama-1b": "the GPU benchmark: needs a GPU (an hour)",
@@ -90,11 +97,11 @@ CHEAP_PROGRAMS = ("pretrain-estimate", "pretrain-plan")
 
 
 class Command:
-    def __init__(self, text: str, line: int, output: str | None = None):
-        self.text, self.line, self.output, self.exit_code = text, line, output, 0
+    def __init__(self, page: str, text: str, line: int, output: str | None = None):
+        self.page, self.text, self.line, self.output, self.exit_code = page, text, line, output, 0
 
     def __repr__(self) -> str:
-        return f"README.md:{self.line}: {self.text}"
+        return f"{self.page}:{self.line}: {self.text}"
 
 
 def _join_continuations(lines: list[tuple[int, str]]) -> list[tuple[int, str]]:
@@ -116,9 +123,9 @@ def _mask_blocks(text: str) -> str:
     return re.sub(r"^```.*?^```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S | re.M)
 
 
-def readme_commands() -> tuple[list[Command], list[tuple[int, str]]]:
-    """(the README's commands, the shell scripts it shows: (line, text))."""
-    text = README.read_text()
+def page_commands(path: Path) -> tuple[list[Command], list[tuple[str, int, str]]]:
+    """(the page's commands, the shell scripts it shows: (page, line, text))."""
+    text, page = path.read_text(), str(path.relative_to(ROOT))
     commands, scripts = [], []
     for block in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.S | re.M):
         lang, body = block.group(1), block.group(2)
@@ -126,18 +133,18 @@ def readme_commands() -> tuple[list[Command], list[tuple[int, str]]]:
         lines = [(first_line + i, line) for i, line in enumerate(body.splitlines())]
         console = lang == "console" or (lang == "" and any(line.startswith("$ ") for _, line in lines))
         if lang == "bash" and body.startswith("#!"):
-            scripts.append((first_line, body))
+            scripts.append((page, first_line, body))
         elif lang in ("bash", "") and not console:
             for number, line in _join_continuations(lines):
                 if line.strip() and not line.lstrip().startswith("#"):
-                    commands.append(Command(line.strip(), number))
+                    commands.append(Command(page, line.strip(), number))
         elif console:
             current = None
             for number, line in lines:
                 if line.startswith("$ echo $?") and current is not None:
                     current.exit_code = None  # the status is the next output line
                 elif line.startswith("$ "):
-                    current = Command(line[2:].strip(), number, "")
+                    current = Command(page, line[2:].strip(), number, "")
                     commands.append(current)
                 elif current is not None:
                     if current.exit_code is None:
@@ -148,7 +155,7 @@ def readme_commands() -> tuple[list[Command], list[tuple[int, str]]]:
     for span in re.finditer(r"`([^`\n]+)`", masked):
         code = span.group(1)
         if code.startswith(INLINE_PROGRAMS) and " -" in code and not any(p in code for p in PLACEHOLDERS):
-            commands.append(Command(code, masked.count("\n", 0, span.start()) + 1))
+            commands.append(Command(page, code, masked.count("\n", 0, span.start()) + 1))
     return commands, scripts
 
 
@@ -158,24 +165,44 @@ def skip_reason(command: Command) -> str | None:
 
 def is_cheap(command: Command) -> bool:
     return (any(flag in command.text.split() for flag in CHEAP) or command.text.startswith(CHEAP_PROGRAMS)
-            or command.exit_code == 2)  # refused before anything starts, as the README shows
+            or command.exit_code == 2)  # refused before anything starts, as the page shows
 
 
-COMMANDS, SCRIPTS = readme_commands()
-RUN = [c for c in COMMANDS if skip_reason(c) is None]
+def all_commands() -> tuple[list[Command], list[tuple[str, int, str]]]:
+    commands, scripts = [], []
+    for path in PAGES:
+        page_cmds, page_scripts = page_commands(path)
+        commands += page_cmds
+        scripts += page_scripts
+    return commands, scripts
+
+
+def distinct(commands: list[Command]) -> list[Command]:
+    """One of each command as written: a command in several pages runs once, as the page that shows its output
+    (or exit status) shows it."""
+    seen: dict[str, Command] = {}
+    for c in commands:
+        if c.text not in seen or (c.output and not seen[c.text].output):
+            seen[c.text] = c
+    return list(seen.values())
+
+
+COMMANDS, SCRIPTS = all_commands()
+RUN = distinct([c for c in COMMANDS if skip_reason(c) is None])
 
 
 def test_every_readme_command_is_run_or_skipped_with_a_reason():
     assert len(COMMANDS) > 20, COMMANDS  # the extraction works
+    assert {c.page for c in COMMANDS} >= {"README.md", "docs/planning.md", "docs/slurm.md"}, COMMANDS
     unclassified = [c for c in RUN if not is_cheap(c)]
     assert not unclassified, f"neither cheap nor in SKIPPED (add the reason): {unclassified}"
     stale = [start for start in SKIPPED if not any((c.text + "\n").startswith(start) for c in COMMANDS)]
-    assert not stale, f"SKIPPED entries that match no README command: {stale}"
+    assert not stale, f"SKIPPED entries that match no command of README.md or docs/*.md: {stale}"
     print("skipped:\n" + "\n".join(f"  {c!r}: {skip_reason(c)}" for c in COMMANDS if skip_reason(c)))
 
 
 @pytest.mark.slow  # a process each: a minute or two for all of them
-@pytest.mark.parametrize("command", RUN, ids=[f"line{c.line}" for c in RUN])
+@pytest.mark.parametrize("command", RUN, ids=[f"{Path(c.page).stem}:{c.line}" for c in RUN])
 def test_readme_command_runs_as_written(command):
     path = f"{VENV_BIN}:{env()['PATH']}"  # as `. .venv/bin/activate` leaves it
     proc = subprocess.run(["bash", "-c", command.text], cwd=ROOT, env=env(PATH=path), capture_output=True,
@@ -185,12 +212,12 @@ def test_readme_command_runs_as_written(command):
     assert "Traceback" not in proc.stderr, shown
     if command.output:
         assert (proc.stdout + proc.stderr).rstrip() == command.output.rstrip(), (
-            f"{command!r}: the README shows another output than the command prints now; paste its output:\n"
+            f"{command!r}: the page shows another output than the command prints now; paste its output:\n"
             + proc.stdout + proc.stderr)
 
 
 def test_the_sample_slurm_script_is_what_the_tool_writes(monkeypatch):
-    (line, shown), = SCRIPTS
+    (page, line, shown), = SCRIPTS
     monkeypatch.chdir(ROOT)
     args = slurm.parse_args(["submit", "--recipe", "recipes/7b.yaml", "--accelerate-config",
                              "accelerate_configs/zero3.yaml", "--nodes", "4", "--processes-per-node", "8", "--dry-run"])
@@ -198,4 +225,12 @@ def test_the_sample_slurm_script_is_what_the_tool_writes(monkeypatch):
     for name in PASSTHROUGH_ENV:  # the submitting shell's settings, copied only when set
         monkeypatch.delenv(name, raising=False)
     script = slurm.render_script(job, python=f"{ROOT}/.venv/bin/python").replace(str(ROOT), SAMPLE_ROOT)
-    assert shown == script, f"README.md:{line}: regenerate the sample SLURM script; the tool writes:\n{script}"
+    assert shown == script, f"{page}:{line}: regenerate the sample SLURM script; the tool writes:\n{script}"
+
+
+def test_ci_runs_the_readme_test_command():
+    """.ci/run runs the test command that README's quick start gives (after its install), byte for byte."""
+    quick_start = next(c for c in COMMANDS if c.page == "README.md" and c.text.startswith("bash tools/install.sh --dev &&"))
+    test_command = quick_start.text.split(" && ", 1)[1].removeprefix(".venv/bin/")
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert test_command in ci, f".ci/run does not run README's test command {test_command!r} on a line of its own"

@@ -30,7 +30,7 @@ from tests.helpers import FAST, ROOT, TINY, accelerate_environment, accelerate_l
 
 STEPS = 5
 ARGS = [*FAST, f"train.max_steps={STEPS}", "batch.global_batch_size=16", "batch.micro_batch_size=1",
-        "train.eval_at_start=false", "train.eval_batches=1", "optim.grad_clip=0"]
+        "eval.at_start=false", "eval.batches=1", "optim.grad_clip=0"]
 ARMS = {"fp32 reference": ["precision.dtype=fp32"],
         "bf16, fp32 reduce": ["precision.dtype=bf16"],
         "bf16, bf16 reduce": ["precision.dtype=bf16", "precision.reduce_dtype=bf16"]}
@@ -162,7 +162,7 @@ def _relative_error_of_summed_gradient(gas: int, ranks: int = 8, n: int = 10_000
 
 
 def test_bf16_accumulation_and_reduction_error_grows_with_gas():
-    """The README's numbers for the cost of precision.reduce_dtype=bf16 (run with -s to see them): relative
+    """docs/distributed.md's numbers for the cost of precision.reduce_dtype=bf16 (run with -s to see them): relative
     error of the summed gradient over 8 ranks, 0.34% at GAS 1 and 0.50% at GAS 128 in bf16, at most 4e-8 in fp32."""
     one, many = _relative_error_of_summed_gradient(1), _relative_error_of_summed_gradient(128)
     print(f"\nGAS 1: {one}\nGAS 128: {many}")

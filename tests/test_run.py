@@ -23,6 +23,7 @@ from tests.helpers import (
     free_port,
     metrics,
     train,
+    train_in_process,
     train_killed_at,
     train_losses,
     val_losses,
@@ -50,13 +51,13 @@ def test_demo_recipe_learns_three_nats(tmp_path):
 
 def test_metrics_files_and_final_model(tmp_path):
     out = tmp_path / "run"
-    check_ok(train([*FAST, "train.max_steps=6", "train.log_every_steps=3", f"output_dir={out}"]))
+    check_ok(train([*FAST, "train.max_steps=6", "logging.every_steps=3", f"output_dir={out}"]))
     records = metrics(out)
     train_steps = [r["step"] for r in records if "train/loss" in r]
     assert train_steps == [1, 3, 6]  # step 1, every N, and the last
     for record in records:
         if "train/loss" in record:
-            # Step 1 is a warm-up step (runtime.throughput_warmup_steps=1): logged, but without throughput.
+            # Step 1 is a warm-up step (logging.throughput_warmup_steps=1): logged, but without throughput.
             required = REQUIRED_KEYS if record["step"] > 1 else REQUIRED_KEYS - {"perf/tokens_per_s"}
             assert required <= record.keys(), record["step"]
             assert record["batch/gbs"] == 8 and record["batch/mbs"] == 4 and record["batch/gas"] == 2
@@ -298,27 +299,25 @@ def test_recipe_file_errors_exit_2_without_traceback(tmp_path, text, message):
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
-RESTORE_SCRIPT = """
-import signal, sys
-from pretrain.recipe.config import load_recipe
-from pretrain.train.trainer import Trainer
+# A handler of the caller's own, installed before the Trainer exists: it must be the one in force outside the loop.
+MINE = """
+import signal
 
 def mine(signum, frame):
     pass
 
 signal.signal(signal.SIGUSR1, mine)
-trainer = Trainer(load_recipe(sys.argv[1], sys.argv[2:]))
-assert signal.getsignal(signal.SIGUSR1) is mine, "building the trainer installed a handler"
-trainer.train()
-assert signal.getsignal(signal.SIGUSR1) is mine, signal.getsignal(signal.SIGUSR1)
-assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, signal.getsignal(signal.SIGTERM)
-print("handlers restored")
 """
 
 
 def test_stop_signal_handlers_are_installed_for_the_loop_only(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", RESTORE_SCRIPT, TINY, *FAST, "train.max_steps=2",
-                           "checkpoint.save_final_model=false", f"output_dir={tmp_path / 'run'}"],
-                          env=env(), capture_output=True, text=True, timeout=300)
+    proc = train_in_process(
+        [*FAST, "train.max_steps=2", "checkpoint.save_final_model=false", f"output_dir={tmp_path / 'run'}"],
+        before=MINE,
+        between='assert signal.getsignal(signal.SIGUSR1) is mine, "building the trainer installed a handler"',
+        after="assert signal.getsignal(signal.SIGUSR1) is mine, signal.getsignal(signal.SIGUSR1)\n"
+              "assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, signal.getsignal(signal.SIGTERM)\n"
+              'print("handlers restored")',
+    )
     check_ok(proc)
     assert "handlers restored" in proc.stdout

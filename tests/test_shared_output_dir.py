@@ -16,7 +16,7 @@ from tests.helpers import FAST, ROOT, accelerate_launch
 
 pytestmark = pytest.mark.slow
 
-ARGS = [*FAST, "train.max_steps=2", "train.eval_batches=1", "checkpoint.save_final_model=false"]
+ARGS = [*FAST, "train.max_steps=2", "eval.batches=1", "checkpoint.save_final_model=false"]
 SHIM = str(ROOT / "tests" / "rank_cwd_run.py")
 # Both failures happen at start-up, before data or model; a hang in a collective would last the gloo
 # default of 30 minutes, so this limit is what makes a hang fail the test fast.

@@ -19,13 +19,12 @@ import pytest
 from pretrain.cli import sweep as sweep_batch_size
 from pretrain.plan.sweep import MBSResult, analyse, nearest_multiples
 from pretrain.plan.sweep import runner as sweep_runner
-from tests.helpers import ROOT, TINY, check_ok, env, run_cmd
+from tests.helpers import FAST_MODEL, ROOT, TINY, check_ok, env, run_cmd
 
 SWEEP = ["-m", "pretrain.cli.sweep"]
 BENCH = ["-m", "pretrain.cli.bench"]
-# A 2-layer, 64-wide model on 64-token sequences; a given peak skips the CPU peak measurement (2 s a run).
-SMALL = ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128", "data.seq_len=64",
-         "runtime.peak_tflops=1"]
+# The tests' small model; a given peak skips the CPU peak measurement (2 s a run).
+SMALL = [*FAST_MODEL, "logging.peak_tflops=1"]
 TINY_GBS = 32  # recipes/tiny.yaml
 
 
@@ -391,8 +390,9 @@ def test_bench_gpu_skips_what_does_not_fit_repeats_or_outlasts_the_budget(tmp_pa
 def test_bench_gpu_rows_run_in_the_documented_priority_order(monkeypatch):
     bench_gpu = bench_gpu_module(monkeypatch)
     rows = bench_gpu.ordered_rows(["llama-1b", "llama-3b"], list(bench_gpu.SETTINGS))
-    assert rows[:12] == [("llama-1b", s) for s in bench_gpu.PRIORITY_SETTINGS] + [("llama-3b", "default")]
-    assert rows[12:15] == [("llama-1b", "loss-plain"), ("llama-1b", "mbs-1"), ("llama-1b", "no-step-checks")]
+    head = len(bench_gpu.PRIORITY_SETTINGS) + 1
+    assert rows[:head] == [("llama-1b", s) for s in bench_gpu.PRIORITY_SETTINGS] + [("llama-3b", "default")]
+    assert rows[head:head + 3] == [("llama-1b", "loss-plain"), ("llama-1b", "mbs-1"), ("llama-1b", "no-step-checks")]
     assert len(rows) == len(set(rows)) == 2 * len(bench_gpu.SETTINGS)
     for flag in ("--budget", "--device-memory-gib"):
         with pytest.raises(SystemExit) as exc:

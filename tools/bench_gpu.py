@@ -139,6 +139,10 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "compile-regional": ("model.compile=regional",),
     "ac-full": ("model.activation_checkpointing=full",),
     "ac-selective": ("model.activation_checkpointing=selective",),
+    # Selective and full without compile: on the H100 (2026-11-26) selective under regional compile had full's
+    # peak to the byte and its step time; these two rows tell whether compile or the policy is the cause.
+    "ac-selective-eager": ("model.activation_checkpointing=selective", "model.compile=none"),
+    "ac-full-eager": ("model.activation_checkpointing=full", "model.compile=none"),
     "ac-every_2": ("model.activation_checkpointing=every_2",),
     "ac-none": ("model.activation_checkpointing=none",),
     "loss-chunked": ("model.loss=chunked",),
@@ -150,7 +154,8 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     # the stability rules read each step's loss and gradient norm: one device-to-host sync per optimizer step
     "no-step-checks": ("stability.skip_nonfinite=false", "stability.spike_sigma=null"),
 }
-PRIORITY_SETTINGS = ("default", "compile-none", "compile-regional", "ac-full", "ac-selective", "ac-every_2", "ac-none",
+PRIORITY_SETTINGS = ("default", "compile-none", "compile-regional", "ac-full", "ac-selective", "ac-selective-eager",
+                     "ac-full-eager", "ac-every_2", "ac-none",
                      "loss-chunked", "loss-liger", "mbs-8", "mbs-2")
 REDUCED_SETTINGS = ("default", "loss-plain")
 

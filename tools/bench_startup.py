@@ -70,7 +70,7 @@ def minimal_loop() -> None:
 def pretrain_args(output_dir: Path, eval_at_start: bool) -> list[str]:
     return [str(ROOT / "pretrain" / "run.py"), "--recipe", str(ROOT / "recipes" / "tiny.yaml"),
             "train.max_steps=1", "train.max_tokens=null", "lr_schedule.warmup_steps=0",
-            f"train.eval_at_start={'true' if eval_at_start else 'false'}", "train.eval_batches=1",
+            f"eval.at_start={'true' if eval_at_start else 'false'}", "eval.batches=1",
             "checkpoint.every_steps=0", "checkpoint.save_last=false", "checkpoint.save_final_model=false",
             "checkpoint.resume=none", "logging.progress=plain", "logging.backends=[jsonl]", f"output_dir={output_dir}"]
 

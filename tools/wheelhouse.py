@@ -124,13 +124,16 @@ def needed_without_torch(report: dict, python: str | None, have: dict[str, str |
 
 def stub_wheel(folder: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> Path:
     """An empty wheel with this name, version and requirements: all pip resolves on."""
-    info = f"{name}-{version}.dist-info"
+    # The wheel spec escapes a name in file names (runs of - _ . become _): "py-cpuinfo" is py_cpuinfo-9.0.0-...,
+    # which pip would otherwise read as a project named "py" at version "cpuinfo".
+    stem = f"{re.sub(r'[-_.]+', '_', name)}-{version}"
+    info = f"{stem}.dist-info"
     files = {f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
                                  + "".join(f"Requires-Dist: {r}\n" for r in requires),
              f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: pretrain\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
     files[f"{info}/RECORD"] = "".join(f"{path},,\n" for path in files) + f"{info}/RECORD,,\n"
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}-{version}-py3-none-any.whl"
+    path = folder / f"{stem}-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as whl:
         for member, text in files.items():
             whl.writestr(member, text)

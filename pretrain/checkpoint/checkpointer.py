@@ -59,7 +59,7 @@ from pretrain.checkpoint.rundir import (
 from pretrain.data import data_changes, planned_data_identity
 from pretrain.distributed.accelerator import SHARED_FS_HINT, rank_problems
 from pretrain.errors import ConfigError, TrainingDiverged, disk_full_error, is_disk_full
-from pretrain.recipe.config import CheckpointConfig, DataConfig, Recipe
+from pretrain.recipe.config import CheckpointConfig, DataConfig, Recipe, renamed_keys
 from pretrain.trust import check_files, is_inside, weights_only
 
 # Recipe keys whose change makes a checkpoint unusable: the weights' shapes or meaning, the sample stream, or
@@ -153,6 +153,7 @@ def check_compatible(path: Path, saved: dict[str, Any], recipe: dict[str, Any]) 
     """Raise ConfigError if ``recipe`` changed a ``MUST_MATCH`` key since the checkpoint at ``path`` was
     saved with ``saved``; else the other differences, for a warning. A key naming no recipe field is a bug
     here, and raises KeyError rather than comparing None with None."""
+    saved = renamed_keys(saved)  # a checkpoint of an older pretrain: its moved keys are no change
     for key in MUST_MATCH:
         recipe_field(key)
     changed = [key for key in MUST_MATCH if _lookup(saved, key) != _lookup(recipe, key)]

@@ -1,19 +1,7 @@
 """The run directory, read: the one reader of what a run writes, for the trainer, slurm, sweep and plot.
 
-    <output_dir>/
-      metrics.jsonl              one JSON object per logged step ({"step": N, "<key>": value, ..., "time": t})
-      run_config.json            the flattened run config (recipe, plan, launch, perf reference)
-      recipe.resolved.yaml       the recipe after base: and overrides
-      deepspeed_config.json      DeepSpeed runs only
-      checkpoints/step_XXXXXXXX/ accelerate save_state + trainer_state.json + manifest.json (sizes and
-                                 checksums, pretrain/checkpoint/integrity.py), written under .tmp- and renamed
-      checkpoints/latest         the name of the newest complete checkpoint
-      checkpoints/.damaged-step_XXXXXXXX/  a damaged checkpoint a resume passed over (not a checkpoint)
-      run.lock                   flocked by the run's global rank 0 (pretrain/distributed/supervise.py)
-      profile/, hang/            runtime.profile traces, hang-watchdog stacks (pretrain/train/diagnostics.py)
-      checkpoints/step_XXXXXXXX.universal/ (.single/)  a checkpoint converted for another layout
-                                 (pretrain/checkpoint/reshard.py); no trainer_state.json, so never taken for a checkpoint
-      final_model/               transformers save_pretrained + tokenizer
+What a run directory holds is described once, in docs/checkpoints.md ("The run directory"); the names
+this module reads are the constants below.
 
 One rule for ``metrics.jsonl``: a last line that is not complete JSON was cut off by a killed run and is
 skipped; any other line that is not a JSON object with an integer ``step`` means the file is damaged.

@@ -44,7 +44,7 @@ EPILOG = (f"Test hooks (environment): {SLOW_RANK_ENV}=R[,R...] makes those ranks
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pretrain-doctor", description=__doc__.split("\n\n")[0], epilog=EPILOG)
-    parser.add_argument("--recipe", help="recipe YAML: output_dir, precision.dtype, runtime.peak_tflops, logging")
+    parser.add_argument("--recipe", help="recipe YAML: output_dir, precision.dtype, logging (peak_tflops, trackers)")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="recipe overrides (values are YAML)")
     parser.add_argument("--output-dir", help="without a recipe: the directory to check (doctor.json goes there)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="without a recipe: the matmul dtype "
@@ -78,7 +78,7 @@ def settings_from_args(args: argparse.Namespace):
     from pretrain.recipe.config import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
-    return Settings(Path(recipe.output_dir), recipe.precision.dtype, args.threshold, recipe.runtime.peak_tflops,
+    return Settings(Path(recipe.output_dir), recipe.precision.dtype, args.threshold, recipe.logging.peak_tflops,
                     cache_root(recipe.data), exclude), recipe
 
 

@@ -58,12 +58,12 @@ def export(checkpoint: Path, out: Path, log=print) -> None:
     from pretrain.checkpoint.reshard import full_state_dict
     from pretrain.data import build_tokenizer
     from pretrain.model.build import build_model, resolve_vocab_size, save_pretrained_model
-    from pretrain.recipe.config import Recipe
+    from pretrain.recipe.config import Recipe, renamed_keys
 
     start = time.perf_counter()
     state = TrainerState.read(checkpoint)
     try:
-        recipe = Recipe.model_validate(state.recipe)
+        recipe = Recipe.model_validate(renamed_keys(state.recipe))  # an older pretrain's keys
     except ValidationError as exc:
         raise ConfigError(f"the recipe recorded in {checkpoint / STATE_FILE} does not validate with this version "
                           f"of pretrain ({exc.error_count()} problems, first: {exc.errors()[0]['msg']} at "

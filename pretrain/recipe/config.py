@@ -490,14 +490,8 @@ class PrecisionConfig(Section):
 class TrainConfig(Section):
     max_steps: int | None = positive_or_null("Training horizon in optimizer steps.")
     max_tokens: int | None = positive_or_null("Training horizon in tokens; steps = ceil(max_tokens / tokens per step).")
-    eval_every_steps: int = Field(0, ge=0, description="Evaluate every N optimizer steps; 0 = only at start and end.")
-    eval_batches: int = Field(
-        0, ge=0, description="Validation global batches (GBS sequences each) per evaluation; 0 = the whole split."
-    )
-    eval_at_start: bool = Field(True, description="Evaluate the untrained model at step 0 (logged like the others).")
     seed: int = Field(1234, ge=0, le=2**32 - 1, description="Seed of weight init and data order (0 to 2**32 - 1: "
                       "numpy's seed range).")
-    log_every_steps: int = Field(10, gt=0, description="Log metrics at step 1 and every N optimizer steps.")
 
     @model_validator(mode="after")
     def _one_horizon(self) -> TrainConfig:
@@ -507,6 +501,16 @@ class TrainConfig(Section):
                 f"(got max_steps={self.max_steps}, max_tokens={self.max_tokens})"
             )
         return self
+
+
+class EvalConfig(Section):
+    """Evaluation on the validation split (pretrain/train/evaluation.py): when, and on how much of it."""
+
+    every_steps: int = Field(0, ge=0, description="Evaluate every N optimizer steps; 0 = only at start and end.")
+    batches: int = Field(
+        0, ge=0, description="Validation global batches (GBS sequences each) per evaluation; 0 = the whole split."
+    )
+    at_start: bool = Field(True, description="Evaluate the untrained model at step 0 (logged like the others).")
 
 
 class StabilityConfig(Section):
@@ -573,6 +577,16 @@ class LoggingConfig(Section):
         description="Console output: `bar` (rich progress bar), `plain` (one line per log step, for log "
         "files), `auto` (bar on a terminal, plain otherwise), `none`.",
     )
+    every_steps: int = Field(10, gt=0, description="Log metrics at step 1 and every N optimizer steps.")
+    # The throughput and MFU settings change only what is logged (perf/*), never what is trained, so they live
+    # with the rest of what is logged.
+    peak_tflops: float | None = positive_or_null(
+        "Peak dense TFLOP/s of one device in the training dtype, for MFU; null = the built-in table "
+        "by GPU name (an unknown GPU gets no MFU), or measured at start-up on CPU."
+    )
+    throughput_warmup_steps: int = Field(
+        1, ge=0, description="Optimizer steps after each start or resume left out of throughput and MFU (warm-up, compile)."
+    )
 
     @field_validator("backends")
     @classmethod
@@ -595,19 +609,11 @@ class ProfileConfig(Section):
 
 
 class RuntimeConfig(Section):
-    peak_tflops: float | None = positive_or_null(
-        "Peak dense TFLOP/s of one device in the training dtype, for MFU; null = the built-in table "
-        "by GPU name (an unknown GPU gets no MFU), or measured at start-up on CPU."
-    )
-    throughput_warmup_steps: int = Field(
-        1, ge=0, description="Optimizer steps after each start or resume left out of throughput and MFU (warm-up, compile)."
-    )
     collective_timeout_s: float | None = Field(
         None, gt=0, le=30 * 86400,
         description="Timeout of the process group's collectives (seconds, at most 30 days); null = torch's default "
         "(10 min NCCL, 30 min gloo).",
     )
-    profile: ProfileConfig = Field(default_factory=ProfileConfig, description="Trace some optimizer steps.")
     hang_timeout_s: float | None = Field(
         None, ge=1, le=30 * 86400,  # under 1 s the watchdog would fire inside any real step
         description="Hang watchdog: if no optimizer step (with its evaluation and checkpoint) completes within this "
@@ -662,9 +668,11 @@ class Recipe(Section):
     lr_schedule: LRScheduleConfig = Field(default_factory=LRScheduleConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     train: TrainConfig
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     stability: StabilityConfig = Field(default_factory=StabilityConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    profile: ProfileConfig = Field(default_factory=ProfileConfig, description="Trace some optimizer steps.")
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
     output_dir: str | None = Field(None, description="Where the run writes; null = runs/<name>.")
@@ -700,6 +708,69 @@ class Recipe(Section):
 
 # --------------------------------------------------------------------------------------------------
 # Loading: files, inheritance, overrides, and errors a user can act on.
+
+# Keys that moved to another section: old dotted key -> new dotted key. The loader refuses an old key wherever it
+# appears (a recipe file, a file it inherits through base:, an override, a dict given to build_recipe) with one
+# message naming the new key: renaming it silently would leave recipes that read one way and mean another once a
+# moved key's old name is reused. A recipe recorded by an older pretrain (a checkpoint's) is renamed through the
+# same table (renamed_keys), since nobody edits those.
+MOVED_KEYS = {
+    "train.eval_every_steps": "eval.every_steps",
+    "train.eval_batches": "eval.batches",
+    "train.eval_at_start": "eval.at_start",
+    "train.log_every_steps": "logging.every_steps",
+    "runtime.peak_tflops": "logging.peak_tflops",
+    "runtime.throughput_warmup_steps": "logging.throughput_warmup_steps",
+    "runtime.profile": "profile",
+}
+MOVED_IN = "0.2"  # the first release whose recipes use the new keys
+
+
+def _has_key(data: dict[str, Any], dotted: str) -> bool:
+    node: Any = data
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def moved_keys(data: dict[str, Any], where: str) -> list[str]:
+    """One problem per old key in ``data`` (a recipe mapping), each naming its new key and ``where`` it was."""
+    return [f"{old} moved to {new} in pretrain {MOVED_IN}: rename it in {where}"
+            for old, new in MOVED_KEYS.items() if _has_key(data, old)]
+
+
+def _moved_override(parts: list[str], value_text: str, item: str) -> str | None:
+    """The problem of an override whose key is, or lies inside, an old key (runtime.profile.start_step=2)."""
+    for old, new in MOVED_KEYS.items():
+        old_parts = old.split(".")
+        if parts[: len(old_parts)] == old_parts:
+            renamed = ".".join([new, *parts[len(old_parts):]])
+            return (f"{'.'.join(parts)} moved to {renamed} in pretrain {MOVED_IN}: rename it in the override "
+                    f"{item!r} ({renamed}={value_text})")
+    return None
+
+
+def renamed_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with every old key of MOVED_KEYS moved to its new place: for recipes an older pretrain recorded
+    (a checkpoint's trainer_state.json), never for what a user gives."""
+    data = copy.deepcopy(data)
+    for old, new in MOVED_KEYS.items():
+        if not _has_key(data, old):
+            continue
+        *old_parents, old_leaf = old.split(".")
+        node = data
+        for part in old_parents:
+            node = node[part]
+        value = node.pop(old_leaf)
+        *new_parents, new_leaf = new.split(".")
+        node = data
+        for part in new_parents:
+            node = node.setdefault(part, {})
+        node[new_leaf] = value
+    return data
+
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -738,6 +809,9 @@ def load_recipe_dict(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[st
         cycle = " -> ".join(str(p) for p in (*_chain, resolved))
         raise ConfigError(f"recipe inheritance cycle: {cycle}; remove one of these `base:` keys")
     data = _read_yaml(path)
+    moved = moved_keys(data, str(path))
+    if moved:
+        raise ConfigError(moved)
     base = data.pop("base", None)
     if base is None:
         return data
@@ -764,6 +838,10 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
     data = copy.deepcopy(data)
+    moved = [problem for item in overrides
+             if (problem := _moved_override(parse_override(item)[0], item.partition("=")[2].strip(), item))]
+    if moved:
+        raise ConfigError(moved)
     for item in overrides:
         parts, value = parse_override(item)
         node = data
@@ -822,6 +900,9 @@ def format_validation_error(exc: ValidationError, source: str, model_cls: type[B
 
 
 def build_recipe(data: dict[str, Any], source: str = "recipe", default_name: str | None = None) -> Recipe:
+    moved = moved_keys(data, source)
+    if moved:
+        raise ConfigError(moved)
     data = dict(data)
     if data.get("name") is None and default_name:
         data["name"] = default_name

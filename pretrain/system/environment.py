@@ -247,7 +247,7 @@ def check_environment(recipe: Recipe | None, launch: Launch | None, *, gpu_launc
 
 
 INSTALL_HINT = ("(bash tools/install.sh installs pretrain with every optional package; on a node without a package "
-                "index: bash tools/install.sh --offline DIR, README's \"Air-gapped\" section)")
+                "index: bash tools/install.sh --offline DIR, docs/install.md, \"Air-gapped\")")
 
 
 def _listed(problems: list[str]) -> str:

@@ -116,7 +116,7 @@ CARDS: tuple[Card, ...] = (
     # 1.695 GHz, GA102 whitepaper), at the A10G's 80 SMs and 1.71 GHz. Third-party spec comparisons give the
     # same 70 (e.g. Baseten, "NVIDIA A10 vs A10G for ML model inference"), and large bf16 GEMMs measured on a
     # G5 reach ~69.5 TFLOP/s, which would be a 56%-efficient GEMM against 125. bf16/fp16 only: nothing
-    # public gives its tf32 or fp32 rates. A recipe's runtime.peak_tflops overrides the table.
+    # public gives its tf32 or fp32 rates. A recipe's logging.peak_tflops overrides the table.
     Card("A10G", r"\bA10G\b", _rates(70, "70", *_HALF),
          "no NVIDIA datasheet: GA102 whitepaper per-SM rate at the A10G's 80 SMs and 1.71 GHz (see comment)",
          sizes={"A10G-24GB": 23028}, intra_node_gb_s=16, link=_PCIE),

@@ -1,6 +1,6 @@
 """Seeing why a run is slow or stuck: traces, per-rank step times, a hang watchdog, OOM memory snapshots.
 
-- ``runtime.profile``: torch.profiler through accelerate (``ProfileKwargs`` + ``Accelerator.profile``) on a
+- ``profile``: torch.profiler through accelerate (``ProfileKwargs`` + ``Accelerator.profile``) on a
   schedule that records optimizer steps [start_step, start_step + num_steps); each rank writes its Chrome
   trace ``output_dir/profile/rank<R>_steps<A>-<B>.json`` as soon as the window closes (Perfetto or
   chrome://tracing open it). Outside the window the profiler records nothing.
@@ -39,7 +39,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import ProfileKwargs
 
-from pretrain.recipe.config import RuntimeConfig
+from pretrain.recipe.config import ProfileConfig, RuntimeConfig
 
 PROFILE_DIR = "profile"
 HANG_DIR = "hang"
@@ -148,9 +148,10 @@ def _stall_hook(rank: int) -> int | None:
 class Diagnostics:
     """The run's profiler, per-rank step timer, hang watchdog and OOM snapshot, as the loop uses them."""
 
-    def __init__(self, accelerator: Accelerator, cfg: RuntimeConfig, output_dir: Path, log):
+    def __init__(self, accelerator: Accelerator, cfg: RuntimeConfig, profile: ProfileConfig, output_dir: Path, log):
         self.accelerator = accelerator
         self.cfg = cfg
+        self.profile = profile
         self.output_dir = output_dir
         self.log = log
         self.rank = accelerator.process_index
@@ -178,12 +179,12 @@ class Diagnostics:
             yield self
 
     def _start_profiler(self, stack: contextlib.ExitStack, first_step: int):
-        prof = self.cfg.profile
+        prof = self.profile
         if not prof.start_step:
             return None
         schedule = profile_schedule(prof.start_step, prof.num_steps, first_step)
         if schedule is None:
-            self.log(f"profile: runtime.profile.start_step={prof.start_step} is before this run's first step "
+            self.log(f"profile: profile.start_step={prof.start_step} is before this run's first step "
                      f"({first_step + 1}); nothing is traced")
             return None
         last = prof.start_step + prof.num_steps - 1

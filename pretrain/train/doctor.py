@@ -279,7 +279,7 @@ class Settings:
     output_dir: Path
     dtype: str  # fp32 | bf16 | fp16
     threshold: float = DEFAULT_THRESHOLD
-    peak_tflops: float | None = None  # the recipe's runtime.peak_tflops
+    peak_tflops: float | None = None  # the recipe's logging.peak_tflops
     cache_dir: Path | None = None  # where the CPU peak is cached (the data cache)
     exclude_file: Path | None = None  # failing hosts are appended here (pretrain-slurm's job)
 

@@ -17,7 +17,7 @@ import torch
 
 @dataclass
 class Evaluator:
-    """Evaluates at step 0 (``train.eval_at_start``), every ``train.eval_every_steps`` optimizer steps and
+    """Evaluates at step 0 (``eval.at_start``), every ``eval.every_steps`` optimizer steps and
     after the last one; logs ``val/*`` (a mixture also ``val/loss/<name>``, ``val/tokens/<name>``) through
     the accelerator's trackers and one console line."""
 

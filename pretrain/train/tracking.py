@@ -298,7 +298,7 @@ class Console:
 
 
 class StepLog:
-    """Which optimizer steps log their training metrics (step 1, every ``train.log_every_steps``, the last),
+    """Which optimizer steps log their training metrics (step 1, every ``logging.every_steps``, the last),
     and where those go: every tracker through ``accelerator.log``, then the console."""
 
     def __init__(self, accelerator, console: Console, *, every_steps: int, num_steps: int):

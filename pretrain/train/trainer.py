@@ -99,10 +99,10 @@ def throughput_reference(recipe: Recipe, hf_config, device: torch.device, log):
         log(f"warning: no FLOPs count, so no TFLOP/s or MFU: {exc}")
         flops = None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    peak = resolve_peak(device.type, name, recipe.precision.dtype, recipe.runtime.peak_tflops,
+    peak = resolve_peak(device.type, name, recipe.precision.dtype, recipe.logging.peak_tflops,
                         cache_dir=cache_root(recipe.data))
     if peak.tflops is None:
-        log(f"warning: perf/mfu is not logged: {peak.detail} (runtime.peak_tflops=<dense TFLOP/s>)")
+        log(f"warning: perf/mfu is not logged: {peak.detail} (logging.peak_tflops=<dense TFLOP/s>)")
     return flops, peak
 
 
@@ -185,7 +185,7 @@ class Trainer:
             set_resume_step(trackers, TrainerState.read(resume_from).step)
         self.checkpointer = Checkpointer(self.accelerator, self.output_dir, recipe.checkpoint, self.num_steps,
                                          log=self.log)
-        self.diagnostics = Diagnostics(self.accelerator, recipe.runtime, self.output_dir, self.log)
+        self.diagnostics = Diagnostics(self.accelerator, recipe.runtime, recipe.profile, self.output_dir, self.log)
         set_seed(recipe.train.seed)
 
         self.data = open_data(recipe.data, log=self.log, prepare_command=prepare_command)
@@ -247,7 +247,7 @@ class Trainer:
             masking,
         )
         val_sets = build_val_loaders(
-            self.data, recipe.data, self.plan, self.accelerator.process_index, recipe.train.eval_batches, pin,
+            self.data, recipe.data, self.plan, self.accelerator.process_index, recipe.eval.batches, pin,
             masking,
         )
         # data.on_exhausted: the step at which `stop` ends the run (None: never), and the epochs read per source.
@@ -258,17 +258,16 @@ class Trainer:
         self.global_target_tokens = self.plan.tokens_per_step
         self.loss_normaliser = self.global_target_tokens / (self.plan.world_size * self.plan.grad_accum_steps)
 
-        cadence = recipe.train
-        self.evaluator = Evaluator(self.accelerator, val_sets, every_steps=cadence.eval_every_steps,
-                                   num_steps=self.num_steps, at_start=cadence.eval_at_start, console=self.console,
+        self.evaluator = Evaluator(self.accelerator, val_sets, every_steps=recipe.eval.every_steps,
+                                   num_steps=self.num_steps, at_start=recipe.eval.at_start, console=self.console,
                                    weights=getattr(self.data, "weights", None))
-        self.step_log = StepLog(self.accelerator, self.console, every_steps=cadence.log_every_steps,
+        self.step_log = StepLog(self.accelerator, self.console, every_steps=recipe.logging.every_steps,
                                 num_steps=self.num_steps)
         # any checkpointing policy: perf/hfu too (selective's equals perf/mfu: it recomputes no matmul)
         flops, recomputes = self.flops, recipe.model.activation_checkpointing != "none"
         self.throughput = ThroughputMonitor(
             self.plan.tokens_per_step, self.plan.global_batch_size, self.plan.world_size,
-            warmup_steps=recipe.runtime.throughput_warmup_steps, peak_tflops=self.peak.tflops,
+            warmup_steps=recipe.logging.throughput_warmup_steps, peak_tflops=self.peak.tflops,
             flops_per_token=flops.model_flops if flops else None,
             hardware_flops_per_token=flops.hardware_flops if flops and recomputes else None,
             on_peak_raised=self.peak_raised,
@@ -286,7 +285,7 @@ class Trainer:
         if self.peak.source != "measured" and peak_tflops == self.peak.tflops:
             self.log(f"warning: this run computes {achieved_tflops:.4g} TFLOP/s per device, above the peak it was "
                      f"given ({self.peak.detail}); MFU uses the achieved rate as the peak from now on. Set "
-                     "runtime.peak_tflops to this device's dense peak for the training dtype")
+                     "logging.peak_tflops to this device's dense peak for the training dtype")
 
     # ---- the loop -----------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
