@@ -13,10 +13,10 @@ import sys
 
 from pretrain.cli import add_recipe_arguments
 from pretrain.cli.dry_run import add_dry_run_arguments, check_options, dry_run
-from pretrain.environment import check_environment
+from pretrain.distributed.layout import Launch
 from pretrain.errors import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_USAGE, ConfigError, TrainingDiverged
-from pretrain.launch import Launch
-from pretrain.quiet import install_warning_filters
+from pretrain.system.environment import check_environment
+from pretrain.system.quiet import install_warning_filters
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,19 +39,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     install_warning_filters()  # before the libraries are imported: some warn on import
-    from pretrain.supervise import run_worker, stop_with_launcher
+    from pretrain.distributed.supervise import run_worker, stop_with_launcher
 
     stop_with_launcher()  # a worker of torchrun ends with its launcher (kill -9 of accelerate launch too)
     args = parse_args(argv)
     # A worker of a multi-process launch leaves without the interpreter's teardown, whose gloo threads could
-    # turn its exit code into SIGABRT (pretrain/supervise.py).
+    # turn its exit code into SIGABRT (pretrain/distributed/supervise.py).
     return run_worker(lambda: _main(args))
 
 
 def _main(args: argparse.Namespace) -> int:
     is_main = True
     try:
-        from pretrain.config import load_recipe
+        from pretrain.recipe.config import load_recipe
         from pretrain.trust import enforce
 
         enforce()  # every torch.load of this run is weights-only (pretrain/trust.py)
@@ -68,9 +68,9 @@ def _main(args: argparse.Namespace) -> int:
             return dry_run(recipe, args, launch) if is_main else 0
         # The recipe's packages, and GPUs that torch cannot see (unless accelerate launch --cpu / use_cpu).
         check_environment(recipe, launch, gpu_launch=os.environ.get("ACCELERATE_USE_CPU", "").lower() != "true")
-        from pretrain.cli.prepare_data import prepare_commands
-        from pretrain.supervise import interrupted_exit_code
-        from pretrain.train import Trainer
+        from pretrain.data.prepare import prepare_commands
+        from pretrain.distributed.supervise import interrupted_exit_code
+        from pretrain.train.trainer import Trainer
 
         prepare_command = prepare_commands(args.recipe, args.overrides, launch.num_nodes)
         trainer = Trainer(recipe, launch, prepare_command)

@@ -1,7 +1,7 @@
 """What pretrain trusts of the files it reads: no code from a checkpoint, no path out of its directory.
 
 A checkpoint is data, and may come from anyone (a shared filesystem, a copied run). Its manifest's CRCs
-(``pretrain/integrity.py``) detect accidents, not attacks: whoever can replace a file can update its CRC.
+(``pretrain/checkpoint/integrity.py``) detect accidents, not attacks: whoever can replace a file can update its CRC.
 So two rules hold for every file pretrain, or a library it calls, reads from a checkpoint:
 
 - **No unpickling beyond torch's weights-only unpickler.** ``enforce()`` (called first by the entry point

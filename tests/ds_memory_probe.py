@@ -140,8 +140,8 @@ def measure(zero_stage: int, dtype: str, world_size: int) -> dict:
     import deepspeed
     import torch
 
-    from pretrain.config import ModelConfig
-    from pretrain.model import build_model, count_parameters
+    from pretrain.model.build import build_model, count_parameters
+    from pretrain.recipe.config import ModelConfig
 
     model_cfg = ModelConfig(**{k: v for k, v in MODEL.items() if k != "vocab_size"}, vocab_size=MODEL["vocab_size"])
     model = build_model(model_cfg, MODEL["vocab_size"], SEQ_LEN, seed=0)

@@ -26,12 +26,12 @@ def main() -> None:
     import torch
     from torch.distributed.fsdp import FSDPModule
 
-    from pretrain.batching import plan_batches
-    from pretrain.config import load_recipe
-    from pretrain.launch import Launch
-    from pretrain.model import build_model
-    from pretrain.preflight import check_run
-    from pretrain.runtime import build_accelerator
+    from pretrain.distributed.accelerator import build_accelerator
+    from pretrain.distributed.layout import Launch
+    from pretrain.model.build import build_model
+    from pretrain.recipe.batching import plan_batches
+    from pretrain.recipe.config import load_recipe
+    from pretrain.train.preflight import check_run
 
     out_dir, _, recipe_path, *overrides = sys.argv[1:]
     recipe = load_recipe(recipe_path, overrides)

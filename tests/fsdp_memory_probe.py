@@ -1,5 +1,5 @@
 """One rank of the FSDP2 model-state measurement (launched by tests/test_memory_validation.py under
-accelerate_configs/fsdp.yaml, 2 processes; on CPU FSDP2 runs over gloo: pretrain.runtime.fsdp_on_cpu).
+accelerate_configs/fsdp.yaml, 2 processes; on CPU FSDP2 runs over gloo: pretrain.distributed.accelerator.fsdp_on_cpu).
 
 pretrain's own set-up (build_accelerator, the model sharded on the meta device by model_placement,
 accelerator.prepare) with ds_memory_probe's small Llama, GAS 2. It runs one optimizer step, then a second one
@@ -83,12 +83,12 @@ def fsdp_params(model) -> list:
 def main() -> None:
     import torch
 
-    from pretrain.batching import plan_batches
-    from pretrain.config import load_recipe
-    from pretrain.launch import Launch
-    from pretrain.model import build_model, count_parameters
-    from pretrain.preflight import check_run
-    from pretrain.runtime import build_accelerator, model_placement
+    from pretrain.distributed.accelerator import build_accelerator, model_placement
+    from pretrain.distributed.layout import Launch
+    from pretrain.model.build import build_model, count_parameters
+    from pretrain.recipe.batching import plan_batches
+    from pretrain.recipe.config import load_recipe
+    from pretrain.train.preflight import check_run
 
     out_dir, dtype, *extra = sys.argv[1:]
     out_dir = Path(out_dir)

@@ -164,7 +164,7 @@ def recipe_data(**sections) -> dict:
 def make_recipe(*overrides: str, **sections):
     """The one recipe builder of the in-process tests: ``recipe_data(**sections)`` then ``key.path=value``
     overrides, validated as the loader validates a file (named ``t``)."""
-    from pretrain.config import apply_overrides, build_recipe
+    from pretrain.recipe.config import apply_overrides, build_recipe
 
     return build_recipe(apply_overrides(recipe_data(**sections), overrides), default_name="t")
 
@@ -174,8 +174,8 @@ def make_recipe(*overrides: str, **sections):
 # {after} once it has trained.
 TRAINER_SCRIPT = """
 import sys
-from pretrain.config import load_recipe
-from pretrain.train import Trainer
+from pretrain.recipe.config import load_recipe
+from pretrain.train.trainer import Trainer
 {before}
 trainer = Trainer(load_recipe(sys.argv[1], sys.argv[2:]))
 {between}

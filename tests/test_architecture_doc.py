@@ -21,9 +21,9 @@ def package_modules() -> set[str]:
 
 def named_in_doc() -> set[str]:
     """Modules the doc names: 'pretrain/x.py', 'pretrain/pkg/', and bare 'x.py' under a '### ... (`pretrain/pkg/`)'
-    heading."""
+    heading (pkg may be nested: plan/memory)."""
     names = set(re.findall(r"pretrain/([\w/]+\.py|[\w]+/)", DOC))
-    for pkg, body in re.findall(r"^### [^\n]*\(`pretrain/(\w+)/`\)\n(.*?)(?=^#)", DOC, re.MULTILINE | re.DOTALL):
+    for pkg, body in re.findall(r"^### [^\n]*\(`pretrain/([\w/]+)/`\)\n(.*?)(?=^#)", DOC, re.MULTILINE | re.DOTALL):
         names |= {f"{pkg}/{name}" for name in re.findall(r"^    (\w+\.py)\b", body, re.MULTILINE)}
     return {n.replace("__init__.py", "") if n.endswith("/__init__.py") else n for n in names}
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pretrain.config import ModelConfig
-from pretrain.launch import Launch
-from pretrain.model import build_model
-from pretrain.runtime import compile_choice, compile_in_place, compile_mode, dynamo_plugin
+from pretrain.distributed.accelerator import compile_choice, compile_in_place, compile_mode, dynamo_plugin
+from pretrain.distributed.layout import Launch
+from pretrain.model.build import build_model
+from pretrain.recipe.config import ModelConfig
 
 pytestmark = pytest.mark.floors  # the compile decision runs in CI's minimum-versions smoke set too
 

@@ -16,12 +16,12 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import pytest  # noqa: E402
 
-from pretrain.config import DataConfig  # noqa: E402
 from pretrain.data import cache as data_cache  # noqa: E402
 from pretrain.data import load_documents, prepare_data  # noqa: E402
 from pretrain.data import sources as data_sources  # noqa: E402
 from pretrain.data import split as data_split  # noqa: E402
 from pretrain.errors import DataError  # noqa: E402
+from pretrain.recipe.config import DataConfig  # noqa: E402
 
 WORDS = (
     "the cat sat on a mat while data flows through tokens and every model learns some words "

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from pretrain.batching import plan_batches
-from pretrain.deepspeed_config import build_deepspeed_config
+from pretrain.distributed.deepspeed import build_deepspeed_config
+from pretrain.distributed.layout import Launch
 from pretrain.errors import ConfigError
-from pretrain.launch import Launch
+from pretrain.recipe.batching import plan_batches
 from tests.helpers import make_recipe
 
 
@@ -139,7 +139,7 @@ def test_fsdp_policy_and_ddp_hook_follow_reduce_dtype(monkeypatch):
     import torch
     from accelerate.utils import DDPCommunicationHookType
 
-    from pretrain.runtime import ddp_kwargs, fsdp_plugin, gradient_dtypes
+    from pretrain.distributed.accelerator import ddp_kwargs, fsdp_plugin, gradient_dtypes
 
     monkeypatch.setenv("FSDP_VERSION", "2")
     bf16, fast = make_recipe(precision={"dtype": "bf16"}), make_recipe(precision={"dtype": "bf16", "reduce_dtype": "bf16"})

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain.checkpoint import check_compatible
-from pretrain.config import DOCUMENT_MASKING_ARCHS, ModelConfig, load_recipe
+from pretrain.checkpoint.checkpointer import check_compatible
 from pretrain.errors import ConfigError
-from pretrain.loader import Collate, DocumentMasking
-from pretrain.model import build_model
+from pretrain.model.build import build_model
+from pretrain.recipe.config import DOCUMENT_MASKING_ARCHS, ModelConfig, load_recipe
+from pretrain.train.loader import Collate, DocumentMasking
 from tests.helpers import FAST, TINY, check_ok, train, val_losses
 
 EOS, VOCAB, SEQ = 3, 128, 16

@@ -12,9 +12,9 @@ import pytest
 
 from pretrain import run
 from pretrain.cli import plan
-from pretrain.config import load_recipe
 from pretrain.errors import EXIT_USAGE
-from pretrain.hardware import find_gpu
+from pretrain.recipe.config import load_recipe
+from pretrain.system.hardware import find_gpu
 from tests.helpers import ROOT, RUN, TINY, env
 
 R7B = str(ROOT / "recipes" / "7b.yaml")

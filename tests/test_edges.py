@@ -99,7 +99,7 @@ def test_types_refuse_what_python_would_accept():
 def test_wandb_online_without_a_network_falls_back_to_offline_in_seconds(tmp_path, monkeypatch, capsys):
     """A fake key and no WANDB_MODE: wandb would try to log in online and fail after minutes. The run's tracker
     mode is decided in seconds instead, offline, with one line that says how to upload later (and no key)."""
-    from pretrain import tracking
+    from pretrain.train import tracking
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_API_KEY", "fake-key-0123456789")
@@ -114,7 +114,7 @@ def test_wandb_online_without_a_network_falls_back_to_offline_in_seconds(tmp_pat
 
 
 def test_wandb_mode_set_by_the_user_is_kept_without_a_probe(tmp_path, monkeypatch, capsys):
-    from pretrain import tracking
+    from pretrain.train import tracking
 
     monkeypatch.setenv("WANDB_API_KEY", "fake-key-0123456789")
     for mode in ("offline", "disabled"):

@@ -1,4 +1,4 @@
-"""The engine the loop asks for backward, clipping and the update (pretrain/engine.py), on one CPU process:
+"""The engine the loop asks for backward, clipping and the update (pretrain/train/engine.py), on one CPU process:
 a skipped update leaves the weights and the schedule where they were, an applied one moves both, and the
 gradient norm is the one before clipping."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from pretrain.config import StabilityConfig
-from pretrain.engine import Engine
-from pretrain.stability import SkipPolicy, StepGate
+from pretrain.recipe.config import StabilityConfig
+from pretrain.train.engine import Engine
+from pretrain.train.stability import SkipPolicy, StepGate
 
 
 @pytest.fixture()

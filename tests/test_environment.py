@@ -1,4 +1,4 @@
-"""The environment check (pretrain/environment.py): floors from pyproject, the packages a run needs, the
+"""The environment check (pretrain/system/environment.py): floors from pyproject, the packages a run needs, the
 device, and the refusal before any process starts, in an environment that really lacks the optional packages."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from pretrain import environment
-from pretrain.config import load_recipe
-from pretrain.environment import DeviceFacts, check_environment, device_problems, meets, package_problems
+from pretrain.distributed.layout import Launch
 from pretrain.errors import ConfigError
-from pretrain.launch import Launch
+from pretrain.recipe.config import load_recipe
+from pretrain.system import environment
+from pretrain.system.environment import DeviceFacts, check_environment, device_problems, meets, package_problems
 
 from .helpers import FAST, env
 from .helpers import ROOT as REPO

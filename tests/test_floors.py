@@ -16,7 +16,7 @@ from importlib import metadata
 import pytest
 import torch
 
-from pretrain import environment
+from pretrain.system import environment
 
 from .helpers import FAST, accelerate_launch, check_ok, run_cmd, train, train_losses
 

@@ -17,10 +17,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 def test_this_gpu_is_in_the_peak_table():
     import torch
 
-    from pretrain.metrics import match_device, resolve_peak
+    from pretrain.train.metrics import match_device, resolve_peak
 
     name = torch.cuda.get_device_name(0)
-    assert match_device(name) is not None, f"add {name!r} to pretrain/hardware.py (CARDS)"
+    assert match_device(name) is not None, f"add {name!r} to pretrain/system/hardware.py (CARDS)"
     peak = resolve_peak("cuda", name, "bf16")
     assert peak.source == "table" and peak.tflops > 50
 

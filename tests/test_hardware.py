@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from pretrain import hardware, memory, metrics
 from pretrain.errors import ConfigError
-from pretrain.hardware import CARDS, GPUS, find_gpu, gpu_for_device, match_device
+from pretrain.plan import memory
+from pretrain.system import hardware
+from pretrain.system.hardware import CARDS, GPUS, find_gpu, gpu_for_device, match_device
+from pretrain.train import metrics
 
 
 @pytest.mark.parametrize("card", CARDS, ids=lambda c: c.key)

@@ -10,14 +10,14 @@ import sys
 import pytest
 import yaml
 
-from pretrain import memory
-from pretrain.batching import plan_batches
 from pretrain.cli import plan
-from pretrain.config import load_recipe
-from pretrain.deepspeed_config import build_deepspeed_config
+from pretrain.distributed.deepspeed import build_deepspeed_config
+from pretrain.distributed.layout import Launch
 from pretrain.errors import ConfigError
-from pretrain.hardware import find_gpu
-from pretrain.launch import Launch
+from pretrain.plan import memory, planner
+from pretrain.recipe.batching import plan_batches
+from pretrain.recipe.config import load_recipe
+from pretrain.system.hardware import find_gpu
 from tests.helpers import ROOT, TINY, make_recipe
 
 CONFIGS = ROOT / "accelerate_configs"
@@ -133,12 +133,12 @@ def test_deepspeed_json_holds_the_resolved_hpz_partition_size(monkeypatch):
 
 def test_planner_picks_hybrid_for_7b_on_8_nodes_of_8_h100_and_not_on_one_node():
     recipe = load_recipe(R7B)
-    ranked, _ = plan.plan(recipe, 8, 8, H100)
+    ranked, _ = planner.plan(recipe, 8, 8, H100)
     best = ranked[0]
     flat = next(c for c in ranked if not c.layout.hybrid_shard_size)
     assert best.layout.hybrid_shard_size == 8 and best.tokens_per_s > flat.tokens_per_s
     assert best.comm_s < flat.comm_s
-    one_node, _ = plan.plan(recipe, 1, 8, H100)
+    one_node, _ = planner.plan(recipe, 1, 8, H100)
     assert one_node and not any(c.layout.hybrid_shard_size for c in one_node)
 
 
@@ -147,10 +147,10 @@ def test_hybrid_communication_keeps_the_gathers_in_the_node():
     8 x 2 (gathers) over all GPUs; hpZ moves the backward half of the gathers onto NVLink; HSDP gathers and
     reduce-scatters in the node and all-reduces only its 1/8 shard across nodes (2 x 4 / 8)."""
     w = memory.Workload(precision="bf16", micro_batch_size=1, seq_len=4096, grad_accum_steps=4)
-    shape = plan.ModelShape.from_recipe(load_recipe(R7B))
+    shape = planner.ModelShape.from_recipe(load_recipe(R7B))
 
     def model(layout):
-        return plan.throughput(memory.estimate_shape(shape, w, layout), H100)
+        return planner.throughput(memory.estimate_shape(shape, w, layout), H100)
 
     zero3 = model(Launch("deepspeed", 3, num_nodes=8, gpus_per_node=8))
     hpz = model(Launch("deepspeed", 3, num_nodes=8, gpus_per_node=8, hybrid_shard_size=8))
@@ -165,11 +165,11 @@ def test_hybrid_communication_keeps_the_gathers_in_the_node():
 
 def test_written_hybrid_configs_read_back_as_the_planned_layout(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the hpZ config's JSON path is the shipped one, relative to the repository
-    ranked, _ = plan.plan(load_recipe(R7B), 4, 8, H100)
+    ranked, _ = planner.plan(load_recipe(R7B), 4, 8, H100)
     for engine in ("deepspeed", "fsdp"):
         c = next(c for c in ranked if c.layout.hybrid_shard_size and c.layout.engine == engine)
         path = tmp_path / f"{engine}.yaml"
-        path.write_text(plan.accelerate_config(c, R7B))
+        path.write_text(planner.accelerate_config(c, R7B))
         assert Launch.from_accelerate_config(path).to_dict() == c.layout.to_dict()
 
 
@@ -178,8 +178,8 @@ def test_written_hybrid_configs_read_back_as_the_planned_layout(tmp_path, monkey
 
 def test_default_base_mfu_is_torchtitans_eager_fsdp_figure_not_an_assumed_half():
     # 33% MFU at 16,384 tokens per micro-batch, divided by the model's own MBS factor
-    assert plan.DEFAULT_BASE_MFU == pytest.approx(0.33 / (16384 / (16384 + 1024)), abs=0.005)
-    assert "torchtitan" in plan.DEFAULT_MFU_SOURCE
+    assert planner.DEFAULT_BASE_MFU == pytest.approx(0.33 / (16384 / (16384 + 1024)), abs=0.005)
+    assert "torchtitan" in planner.DEFAULT_MFU_SOURCE
 
 
 def test_calibration_rows_give_the_median_base_for_this_gpu(tmp_path):
@@ -189,13 +189,13 @@ def test_calibration_rows_give_the_median_base_for_this_gpu(tmp_path):
             {"gpu": "A100-80GB", "seq_len": 2048, "mbs": 1, "mfu": 0.5}]
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(rows))
-    got = plan.read_calibration(path, H100)
+    got = planner.read_calibration(path, H100)
     bases = sorted([0.32 / (4096 / 5120), 0.36 / (8192 / 9216), 0.40 / (16384 / 17408)])
     assert got.base_mfu == pytest.approx(bases[1])
     assert "median of 3 measurements on H100 SXM" in got.source and str(path) in got.source
-    other = plan.read_calibration(path, find_gpu("L4-24GB"))
-    assert other.base_mfu == plan.DEFAULT_BASE_MFU and "no measurement on L4" in other.source
-    assert plan.read_calibration(path, find_gpu("A100-40GB")).base_mfu == pytest.approx(0.5 / (2048 / 3072))
+    other = planner.read_calibration(path, find_gpu("L4-24GB"))
+    assert other.base_mfu == planner.DEFAULT_BASE_MFU and "no measurement on L4" in other.source
+    assert planner.read_calibration(path, find_gpu("A100-40GB")).base_mfu == pytest.approx(0.5 / (2048 / 3072))
 
 
 @pytest.mark.parametrize("text, message", [
@@ -220,9 +220,9 @@ def test_pretrain_plan_prints_its_base_mfu_and_reads_the_cache_roots_file(tmp_pa
     args = ["--recipe", R7B, "--nodes", "1", "--top", "1", "--output", str(tmp_path / "o.yaml")]
     assert plan.main(args) == 0
     default = capsys.readouterr().out
-    assert f"base MFU 35.0% ({plan.DEFAULT_MFU_SOURCE})" in default
+    assert f"base MFU 35.0% ({planner.DEFAULT_MFU_SOURCE})" in default
     (tmp_path / "cache").mkdir()
-    cal = tmp_path / "cache" / plan.CALIBRATION_FILE
+    cal = tmp_path / "cache" / planner.CALIBRATION_FILE
     cal.write_text(json.dumps([{"gpu": "H100-80GB", "seq_len": 4096, "mbs": 4, "mfu": 0.47}]))
     assert plan.main([*args, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -238,8 +238,8 @@ def test_hybrid_template_configs_are_what_the_planner_writes():
     assert hsdp["parallelism_config"] == {"parallelism_config_dp_replicate_size": 2,
                                           "parallelism_config_dp_shard_size": 8}
     hpz = yaml.safe_load(HPZ.read_text())
-    assert hpz["deepspeed_config"]["deepspeed_config_file"] == plan.HPZ_JSON
-    assert plan.HYBRID_CONFIGS == {"deepspeed": str(HPZ.relative_to(ROOT)), "fsdp": str(HSDP.relative_to(ROOT))}
+    assert hpz["deepspeed_config"]["deepspeed_config_file"] == planner.HPZ_JSON
+    assert planner.HYBRID_CONFIGS == {"deepspeed": str(HPZ.relative_to(ROOT)), "fsdp": str(HSDP.relative_to(ROOT))}
 
 
 # ---- end to end: hpZ on two "nodes" of two CPU processes each

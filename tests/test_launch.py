@@ -91,7 +91,7 @@ def test_a_good_launch_runs_through_accelerate(tmp_path):
 
 @pytest.mark.parametrize("config", sorted(p.name for p in CONFIGS.glob("*.yaml")))
 def test_launch_read_from_the_config_equals_the_launch_the_processes_read(config, monkeypatch):
-    from pretrain.launch import Launch
+    from pretrain.distributed.layout import Launch
 
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     path = CONFIGS / config
@@ -106,14 +106,14 @@ def test_launch_read_from_the_config_equals_the_launch_the_processes_read(config
 
 def test_an_fsdp_launch_logs_the_estimators_fsdp_figure(monkeypatch):
     """The environment accelerate exports for fsdp.yaml on 2 processes -> Launch -> the figure the trainer logs
-    as memory/estimated_gib (pretrain.train.memory_estimate) is the estimator's FSDP figure, not DDP's."""
+    as memory/estimated_gib (pretrain.train.trainer.memory_estimate) is the estimator's FSDP figure, not DDP's."""
     import torch
 
-    from pretrain.batching import plan_batches
-    from pretrain.config import load_recipe
-    from pretrain.launch import Launch
-    from pretrain.memory import estimate
-    from pretrain.train import memory_estimate
+    from pretrain.distributed.layout import Launch
+    from pretrain.plan.memory import estimate
+    from pretrain.recipe.batching import plan_batches
+    from pretrain.recipe.config import load_recipe
+    from pretrain.train.trainer import memory_estimate
 
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     launch = Launch.from_env(accelerate_environment(CONFIGS / "fsdp.yaml", "--num_processes", "2"))
@@ -136,9 +136,9 @@ def test_what_of_fsdp_cannot_run_on_cpu_is_refused_naming_what_can(env, launch_k
     """FSDP2 runs on CPU over gloo (runtime.fsdp_on_cpu; tests/test_distributed.py trains it); FSDP1 and HSDP
     (accelerate makes their device or 2-D mesh for GPU launches only) and parameter offload (from a GPU that
     is not there) are refused before any process group."""
+    from pretrain.distributed.accelerator import check_fsdp_on_cpu
+    from pretrain.distributed.layout import Launch
     from pretrain.errors import ConfigError
-    from pretrain.launch import Launch
-    from pretrain.runtime import check_fsdp_on_cpu
 
     environ = {**accelerate_environment(CONFIGS / "fsdp.yaml"), **env}
     check_fsdp_on_cpu(Launch("fsdp", gpus_per_node=2, fsdp_sharding="FULL_SHARD"),
@@ -221,7 +221,7 @@ def test_threads_per_process_are_the_cores_shared_out_unless_set(capsys, monkeyp
 
     environments = []
     monkeypatch.setattr(launch_cli, "run_launcher", lambda argv, environment: environments.append(environment) or 0)
-    monkeypatch.setattr("pretrain.launch.usable_cores", lambda: 16)
+    monkeypatch.setattr("pretrain.distributed.layout.usable_cores", lambda: 16)
     if given is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:

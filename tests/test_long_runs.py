@@ -17,12 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pretrain.checkpoint import Checkpointer, ResumeChoice, TrainerState, agree_on_resume
-from pretrain.config import CheckpointConfig
-from pretrain.data.store import TokenRows
-from pretrain.diagnostics import profile_schedule
-from pretrain.errors import ConfigError, DataError
-from pretrain.integrity import (
+from pretrain.checkpoint.checkpointer import Checkpointer, ResumeChoice, TrainerState, agree_on_resume
+from pretrain.checkpoint.integrity import (
     MANIFEST_FILE,
     Unverified,
     check_sizes,
@@ -32,8 +28,12 @@ from pretrain.integrity import (
     verify_own,
     write_manifest,
 )
-from pretrain.rundir import STATE_FILE
-from pretrain.supervise import RunLock
+from pretrain.checkpoint.rundir import STATE_FILE
+from pretrain.data.store import TokenRows
+from pretrain.distributed.supervise import RunLock
+from pretrain.errors import ConfigError, DataError
+from pretrain.recipe.config import CheckpointConfig
+from pretrain.train.diagnostics import profile_schedule
 from tests.helpers import FAST, ROOT, RUN, TINY, check_ok, env, free_port, train
 
 # ---- the manifest -------------------------------------------------------------------------------------------
@@ -92,7 +92,7 @@ def test_manifest_finds_truncation_by_size_and_a_bit_flip_by_checksum(tmp_path):
 
 
 def test_a_big_file_is_checksummed_in_segments_by_several_threads(tmp_path, monkeypatch):
-    import pretrain.integrity as integrity
+    import pretrain.checkpoint.integrity as integrity
 
     monkeypatch.setattr(integrity, "SEGMENT_BYTES", 4096)
     ckpt = _checkpoint_dir(tmp_path / "step_00000004", 4)  # model.safetensors: 3 x 4096 bytes
@@ -195,7 +195,7 @@ def test_a_full_disk_while_saving_is_one_message_and_loses_nothing(tmp_path):
 def test_a_full_disk_during_the_export_is_one_message(tmp_path, monkeypatch):
     import transformers
 
-    from pretrain.model import save_pretrained_model
+    from pretrain.model.build import save_pretrained_model
 
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=32))
@@ -231,7 +231,7 @@ def test_one_lock_per_output_dir_and_a_dead_holder_is_taken_over(tmp_path):
     lock.release()
     RunLock.acquire(tmp_path).release()
     # A holder that dies without releasing: the kernel drops its flock, its name stays in the file.
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pretrain.supervise import RunLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pretrain.distributed.supervise import RunLock; "
                                f"RunLock.acquire({str(tmp_path)!r}); print('held', flush=True); time.sleep(60)"],
                               env=env(PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
@@ -390,8 +390,8 @@ def test_an_out_of_memory_step_dumps_the_allocator_history_first(tmp_path, monke
     """The CUDA path with the two CUDA calls replaced (no GPU here): record at start, dump on OOM, re-raise."""
     import torch
 
-    from pretrain.config import ProfileConfig, RuntimeConfig
-    from pretrain.diagnostics import Diagnostics
+    from pretrain.recipe.config import ProfileConfig, RuntimeConfig
+    from pretrain.train.diagnostics import Diagnostics
 
     recorded, logged = [], []
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: recorded.append(kw))

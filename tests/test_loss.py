@@ -11,12 +11,12 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-import pretrain.loss
-import pretrain.shape as shape
+import pretrain.model.loss
+import pretrain.recipe.shape as shape
+from pretrain.distributed.layout import Launch
 from pretrain.errors import ConfigError
-from pretrain.launch import Launch
-from pretrain.loss import chunked_causal_lm_loss, install_loss, resolve_loss
-from pretrain.preflight import check_run
+from pretrain.model.loss import chunked_causal_lm_loss, install_loss, resolve_loss
+from pretrain.train.preflight import check_run
 from tests.helpers import make_recipe
 
 V = 50
@@ -96,7 +96,7 @@ ZERO3 = Launch("deepspeed", zero_stage=3)
 @pytest.fixture
 def liger_supports(monkeypatch):
     """liger_kernel importable and supporting the arch, whatever this machine has (it cannot run here)."""
-    monkeypatch.setattr(pretrain.loss, "liger_unsupported", lambda arch, z_loss=0.0: None)
+    monkeypatch.setattr(pretrain.model.loss, "liger_unsupported", lambda arch, z_loss=0.0: None)
 
 
 @pytest.mark.parametrize(("overrides", "launch", "cuda", "expected"), [
@@ -114,7 +114,7 @@ def test_the_loss_resolves_per_device_and_launch(liger_supports, overrides, laun
 
 def test_auto_is_chunked_where_liger_kernel_is_missing_or_has_no_kernel(monkeypatch):
     monkeypatch.setitem(sys.modules, "liger_kernel", None)  # import liger_kernel raises ImportError
-    assert "pip install 'liger-kernel>=" in pretrain.loss.liger_unsupported("llama")
+    assert "pip install 'liger-kernel>=" in pretrain.model.loss.liger_unsupported("llama")
     assert resolve_loss(make_recipe(), Launch(), cuda=True) == "chunked"
     with pytest.raises(ConfigError, match="pip install 'liger-kernel>="):
         resolve_loss(make_recipe("model.loss=liger"), Launch(), cuda=True)
@@ -132,9 +132,9 @@ def test_a_liger_import_failing_with_any_exception_falls_back_to_chunked(monkeyp
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", broken_peft)
-    reason = pretrain.loss.liger_unsupported("llama")
+    reason = pretrain.model.loss.liger_unsupported("llama")
     assert "importing liger_kernel failed (RuntimeError: peft: operator torchvision::nms" in reason
-    implementation, why = pretrain.loss.loss_choice(make_recipe(), Launch(), cuda=True)
+    implementation, why = pretrain.model.loss.loss_choice(make_recipe(), Launch(), cuda=True)
     assert implementation == "chunked" and "RuntimeError" in why
     with pytest.raises(ConfigError, match="model.loss=liger: importing liger_kernel failed") as exc:
         resolve_loss(make_recipe("model.loss=liger"), Launch(), cuda=True)

@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-import pretrain.shape as shape
+import pretrain.recipe.shape as shape
 from tests.helpers import ROOT
 
 spec = importlib.util.spec_from_file_location("bench_loss_memory", ROOT / "tools" / "bench_loss_memory.py")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.cli.launch import preflight
 from pretrain.errors import ConfigError
+from pretrain.train.prelaunch import preflight
 from tests.helpers import ROOT, TINY
 
 CASES = [
@@ -73,7 +73,7 @@ def test_dry_run_and_launch_checks_refuse_with_one_message(tmp_path, capsys, tex
                   ["--recipe", recipe, *overrides, f"output_dir={tmp_path / 'run'}"])
 
 
-# ---- YAML surprises (pretrain/safe_yaml.py): recipes, overrides and accelerate configs -------------------------
+# ---- YAML surprises (pretrain/recipe/safe_yaml.py): recipes, overrides and accelerate configs -------------------------
 def _bomb(levels: int = 9) -> str:
     """"Billion laughs": 10**levels list items from a few hundred bytes of aliases."""
     lines = ["l0: &l0 [x, x, x, x, x, x, x, x, x, x]"]
@@ -125,7 +125,7 @@ def test_yaml_surprises_are_one_message_in_bounded_time(tmp_path, capsys, conten
 
 
 def test_whole_file_surprises(tmp_path):
-    from pretrain.config import load_recipe
+    from pretrain.recipe.config import load_recipe
 
     for content, message in [(b"", "is empty"), (b"# only a comment\n", "is empty"),
                              (b"- a\n- b\n", "must be a YAML mapping of sections, got a list"),
@@ -137,7 +137,7 @@ def test_whole_file_surprises(tmp_path):
 
 def test_yaml_that_is_only_unusual_still_loads(tmp_path):
     """A BOM, anchors reused a few times, and merge keys overridden by a later key are ordinary YAML."""
-    from pretrain.config import load_recipe
+    from pretrain.recipe.config import load_recipe
 
     text = (f"base: {TINY}\noptim:\n  <<: {{weight_decay: 0.0, lr: 1.0e-3}}\n  lr: 2.0e-3\n"
             "lr_schedule: {warmup_steps: &w 5}\ntrain: {max_steps: 300}\nlogging: {every_steps: *w}\n")

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pretrain import memory
-from pretrain.batching import plan_batches
 from pretrain.cli import estimate as estimate_memory
 from pretrain.cli import plan
-from pretrain.config import ModelConfig, load_recipe
+from pretrain.distributed.layout import Launch
 from pretrain.errors import EXIT_USAGE, ConfigError
-from pretrain.launch import Launch
-from pretrain.shape import ModelShape, recipe_vocab_size
+from pretrain.plan import memory, planner
+from pretrain.recipe.batching import plan_batches
+from pretrain.recipe.config import ModelConfig, load_recipe
+from pretrain.recipe.shape import ModelShape, recipe_vocab_size
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -43,7 +43,7 @@ def shape_of(path) -> ModelShape:
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
 def test_parameter_count_exact_for_every_recipe(path):
     """The estimator's closed form (no transformers) equals the meta-built transformers model."""
-    from pretrain.model import build_model, count_parameters
+    from pretrain.model.build import build_model, count_parameters
 
     recipe = load_recipe(path)
     vocab = recipe_vocab_size(recipe.model, recipe.data)
@@ -68,7 +68,7 @@ def test_count_from_a_transformers_config_json(tmp_path):
 
 
 def test_config_overrides_that_change_the_shape_are_followed():
-    from pretrain.model import build_model, count_parameters
+    from pretrain.model.build import build_model, count_parameters
 
     cfg = ModelConfig(arch="llama", hidden_size=128, num_layers=2, num_heads=4, intermediate_size=256, vocab_size=512,
                       config_overrides={"attention_bias": True, "mlp_bias": True, "head_dim": 64})
@@ -545,7 +545,7 @@ def test_plan_7b_on_2x8_a100_40gb(capsys, tmp_path):
 def test_plan_considers_fsdp_and_writes_a_valid_fsdp_config(tmp_path):
     from accelerate.commands.config.config_args import load_config_from_file
 
-    ranked, _ = plan.plan(load_recipe(R7B), 2, 8, memory.find_gpu("H100-80GB"))
+    ranked, _ = planner.plan(load_recipe(R7B), 2, 8, memory.find_gpu("H100-80GB"))
     shipped = yaml.safe_load((CONFIGS / "fsdp.yaml").read_text())
     seen = set()
     for c in ranked:
@@ -553,7 +553,7 @@ def test_plan_considers_fsdp_and_writes_a_valid_fsdp_config(tmp_path):
             continue
         seen.add((c.layout.fsdp_sharding, c.layout.offload_params))
         path = tmp_path / f"{c.layout.fsdp_sharding}-{c.layout.offload_params}.yaml"
-        path.write_text(plan.accelerate_config(c, R7B))
+        path.write_text(planner.accelerate_config(c, R7B))
         written = yaml.safe_load(path.read_text())
         assert written["distributed_type"] == "FSDP" and set(written["fsdp_config"]) == set(shipped["fsdp_config"])
         assert load_config_from_file(str(path)).num_processes == 16
@@ -567,14 +567,14 @@ def test_plan_considers_fsdp_and_writes_a_valid_fsdp_config(tmp_path):
 def test_plan_counts_gradient_traffic_in_the_reduction_dtype():
     """The planner's communication volume (bytes per parameter per optimizer step): gradients travel in
     precision.reduce_dtype, parameters in bf16."""
-    from pretrain.hardware import find_gpu
+    from pretrain.system.hardware import find_gpu
 
     gpu = find_gpu("H100-80GB")
 
     def volume(layout, reduce, gas=16):
         w = memory.Workload(precision="bf16", micro_batch_size=1, seq_len=4096, grad_accum_steps=gas,
                             reduce_dtype=reduce)
-        return plan.throughput(memory.estimate_shape(shape_of(R7B), w, layout), gpu)[2]
+        return planner.throughput(memory.estimate_shape(shape_of(R7B), w, layout), gpu)[2]
 
     zero = {k: Launch("deepspeed", k, gpus_per_node=8) for k in (1, 2, 3)}
     assert (volume(zero[1], "fp32"), volume(zero[1], "bf16")) == (2 * 4 + 2, 2 + 2)  # BF16_Optimizer all-reduces fp32

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from pretrain import memory
-from pretrain.config import ModelConfig
-from pretrain.launch import Launch
-from pretrain.shape import ModelShape
+from pretrain.distributed.layout import Launch
+from pretrain.plan import memory
+from pretrain.recipe.config import ModelConfig
+from pretrain.recipe.shape import ModelShape
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "tests" / "ds_memory_probe.py"
@@ -77,7 +77,7 @@ def _saved_bytes(model_kwargs: dict, seq_len: int, micro_batch_size: int, precis
     ops' outputs, which no saved-tensor hook sees)."""
     import torch
 
-    from pretrain.model import build_model
+    from pretrain.model.build import build_model
 
     model = build_model(ModelConfig(**model_kwargs), VOCAB, seq_len, seed=0)
     if precision == "bf16":

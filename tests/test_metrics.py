@@ -12,10 +12,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from pretrain.checkpointing import apply as apply_checkpointing
-from pretrain.config import ModelConfig
 from pretrain.errors import ConfigError
-from pretrain.metrics import (
+from pretrain.model.build import build_model, hf_config
+from pretrain.recipe.config import ModelConfig
+from pretrain.recipe.recompute import apply as apply_checkpointing
+from pretrain.train.metrics import (
     CONVENTION,
     PEAK_TFLOPS,
     Peak,
@@ -28,7 +29,6 @@ from pretrain.metrics import (
     mfu,
     resolve_peak,
 )
-from pretrain.model import build_model, hf_config
 
 SMALL = {"vocab_size": 256, "max_position_embeddings": 256, "bos_token_id": None, "eos_token_id": None,
          "pad_token_id": None}  # fmt: skip
@@ -118,7 +118,7 @@ def test_other_architectures_match_flop_counter(arch):
 
 
 def test_recipe_model_flops_per_checkpointing_policy():
-    """The config and model the trainer builds (pretrain.model) agree under every policy: full recomputes each
+    """The config and model the trainer builds (pretrain.model.build) agree under every policy: full recomputes each
     block's forward (but the down projection), every_2 blocks 0 and 2 of 3, selective no matmul and no
     attention kernel (their outputs are kept), so its hardware FLOPs are the model FLOPs."""
     base = dict(arch="llama", hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=176,
@@ -317,7 +317,7 @@ def test_memory_metrics_on_cpu():
 
 def test_cpu_peak_is_measured_once_per_cpu_and_read_back(tmp_path, monkeypatch):
     """The measurement costs its budget (0.3 s); a later run on the same CPU, threads and torch reads the figure."""
-    from pretrain import metrics
+    from pretrain.train import metrics
 
     calls = []
     monkeypatch.setattr(metrics, "measure_cpu_peak_tflops", lambda dtype: calls.append(dtype) or 0.125)

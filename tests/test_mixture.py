@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pretrain.batching import plan_batches
-from pretrain.config import BatchConfig, DataConfig
 from pretrain.data import MixtureData, prepare_data
 from pretrain.errors import ConfigError, DataError
-from pretrain.loader import MixtureSampleOrder, RankBatchSampler, data_horizon, stream_rows
+from pretrain.recipe.batching import plan_batches
+from pretrain.recipe.config import BatchConfig, DataConfig
+from pretrain.train.loader import MixtureSampleOrder, RankBatchSampler, data_horizon, stream_rows
 from tests.helpers import (
     FAST,
     RUN,

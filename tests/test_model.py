@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.config import ModelConfig
 from pretrain.errors import ConfigError
-from pretrain.model import (
+from pretrain.model.build import (
     build_model,
     closed_form_num_params,
     count_parameters,
@@ -23,6 +22,7 @@ from pretrain.model import (
     init_weights,
     resolve_vocab_size,
 )
+from pretrain.recipe.config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
@@ -272,7 +272,7 @@ def test_activation_checkpointing_recomputes_blocks_in_backward():
 def test_every_policy_trains_to_the_same_losses():
     """The tiny recipe's model (fp32) trained 3 AdamW steps under each policy: the per-step losses of
     no checkpointing, to 1e-6 relative (recomputation replays the same ops on the same inputs)."""
-    from pretrain.config import load_recipe
+    from pretrain.recipe.config import load_recipe
 
     recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml")
     vocab, seq_len = 4096, 32
@@ -328,8 +328,8 @@ def test_closed_form_matches_the_built_model(model_cfg):
 def test_recipe_shape_without_transformers_equals_the_built_configs(path):
     """The estimator's and planner's shape (the recipe section, no transformers) is the shape of the config
     transformers builds: one constructor, two inputs."""
-    from pretrain.config import load_recipe
-    from pretrain.shape import ModelShape, recipe_vocab_size
+    from pretrain.recipe.config import load_recipe
+    from pretrain.recipe.shape import ModelShape, recipe_vocab_size
 
     recipe = load_recipe(path)
     vocab = recipe_vocab_size(recipe.model, recipe.data)
@@ -347,10 +347,10 @@ import os
 
 import deepspeed, torch
 from transformers.integrations import HfDeepSpeedConfig
-from pretrain.config import ModelConfig
+from pretrain.recipe.config import ModelConfig
 from transformers.models.gpt2.modeling_gpt2 import GPT2PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
-from pretrain.model import build_model, count_parameters
+from pretrain.model.build import build_model, count_parameters
 
 draws = []
 for base in (LlamaPreTrainedModel, GPT2PreTrainedModel):
@@ -412,9 +412,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from pretrain.config import ModelConfig
-from pretrain.model import build_model
-from pretrain.supervise import leave
+from pretrain.recipe.config import ModelConfig
+from pretrain.model.build import build_model
+from pretrain.distributed.supervise import leave
 
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -442,7 +442,7 @@ for tied in (False, True):
         assert torch.equal(buffer, reference.get_buffer(name)), (tied, name)
 print("FSDP2 OK", flush=True)
 # destroy_process_group does not stop gloo's threads from aborting the interpreter's teardown (SIGABRT,
-# pretrain/supervise.py): leave as a worker of pretrain does.
+# pretrain/distributed/supervise.py): leave as a worker of pretrain does.
 leave(0)
 """
 
@@ -486,7 +486,7 @@ def test_a_gpt2_recipe_builds_with_dropout_0():
 def test_model_dropout_sets_every_dropout_of_each_architecture(arch, names):
     from transformers import AutoConfig
 
-    from pretrain.model import dropout_attributes
+    from pretrain.model.build import dropout_attributes
 
     assert names <= set(dropout_attributes(AutoConfig.for_model(arch)))
     if arch == "opt":
@@ -500,7 +500,7 @@ def test_model_dropout_sets_every_dropout_of_each_architecture(arch, names):
 
 
 def test_dropout_is_one_field_not_a_config_override():
-    from pretrain.config import load_recipe
+    from pretrain.recipe.config import load_recipe
 
     with pytest.raises(ConfigError, match="config_overrides sets attn_pdrop, resid_pdrop: every dropout of the model "
                                           "is model.dropout"):
@@ -510,8 +510,8 @@ def test_dropout_is_one_field_not_a_config_override():
 
 
 def test_the_estimator_follows_model_dropout():
-    from pretrain.config import load_recipe
-    from pretrain.shape import ModelShape
+    from pretrain.recipe.config import load_recipe
+    from pretrain.recipe.shape import ModelShape
 
     recipe = load_recipe(REPO / "recipes" / "gpt2-124m.yaml")
     assert ModelShape.from_recipe(recipe).resid_dropout == 0.0

@@ -8,9 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from pretrain.config import LRScheduleConfig, OptimConfig
 from pretrain.errors import ConfigError
-from pretrain.optim import (
+from pretrain.model.optim import (
     build_optimizer,
     build_scheduler,
     check_optimizer_args,
@@ -18,6 +17,7 @@ from pretrain.optim import (
     param_groups,
     scaled_lr,
 )
+from pretrain.recipe.config import LRScheduleConfig, OptimConfig
 
 
 class Tiny(nn.Module):

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from pretrain.cli import slurm
+from pretrain.distributed.slurm import PASSTHROUGH_ENV
 from tests.helpers import ROOT, env
 
 README = ROOT / "README.md"
@@ -221,7 +222,7 @@ def test_the_sample_slurm_script_is_what_the_tool_writes(monkeypatch):
     args = slurm.parse_args(["submit", "--recipe", "recipes/7b.yaml", "--accelerate-config",
                              "accelerate_configs/zero3.yaml", "--nodes", "4", "--processes-per-node", "8", "--dry-run"])
     job = slurm.check_job(args)
-    for name in slurm.PASSTHROUGH_ENV:  # the submitting shell's settings, copied only when set
+    for name in PASSTHROUGH_ENV:  # the submitting shell's settings, copied only when set
         monkeypatch.delenv(name, raising=False)
     script = slurm.render_script(job, python=f"{ROOT}/.venv/bin/python").replace(str(ROOT), SAMPLE_ROOT)
     assert shown == script, f"{page}:{line}: regenerate the sample SLURM script; the tool writes:\n{script}"

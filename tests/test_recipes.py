@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.config import load_recipe
-from pretrain.model import build_model, closed_form_num_params, count_parameters, resolve_vocab_size
+from pretrain.model.build import build_model, closed_form_num_params, count_parameters, resolve_vocab_size
+from pretrain.recipe.config import load_recipe
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
 

@@ -1,7 +1,7 @@
 """bf16 gradients accumulated and reduced in fp32 (the default) versus reduced in bf16, measured.
 
 Two CPU processes, a tiny bf16 model, GBS 16 = MBS 1 x GAS 8 x 2 ranks, 5 optimizer steps, under ZeRO-2,
-ZeRO-3 and FSDP2 (over gloo: pretrain.runtime.fsdp_on_cpu). The reference is an fp32-precision run of the same seed, data
+ZeRO-3 and FSDP2 (over gloo: pretrain.distributed.accelerator.fsdp_on_cpu). The reference is an fp32-precision run of the same seed, data
 and layout: its gradients have no bf16 rounding anywhere, so it is the "true" gradient both bf16 runs try to
 reproduce, and it is independent of the thing measured (a bf16 run with fp32 reduction as the reference would be
 at distance 0 from itself). Both bf16 runs share the bf16 forward and backward; they differ only in the dtype the
@@ -127,10 +127,10 @@ def test_bf16_ddp_reduction_on_cpu_is_refused_before_launch(monkeypatch):
     (pretrain-launch, and every rank's build_accelerator), not silently dropped; one process has no all-reduce."""
     import torch
 
-    from pretrain.config import load_recipe
+    from pretrain.distributed.layout import Launch
     from pretrain.errors import ConfigError
-    from pretrain.launch import Launch
-    from pretrain.preflight import check_run
+    from pretrain.recipe.config import load_recipe
+    from pretrain.train.preflight import check_run
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     fast = load_recipe(TINY, [*FAST, "precision.dtype=bf16", "precision.reduce_dtype=bf16"])
@@ -187,9 +187,9 @@ def test_fsdp_launch_gets_a_policy_that_reduces_in_precision_reduce_dtype(monkey
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from pretrain.config import load_recipe
-    from pretrain.launch import Launch
-    from pretrain.runtime import MIXED_PRECISION, fsdp_plugin
+    from pretrain.distributed.accelerator import MIXED_PRECISION, fsdp_plugin
+    from pretrain.distributed.layout import Launch
+    from pretrain.recipe.config import load_recipe
 
     use_launch_env(monkeypatch, accelerate_environment(ROOT / "accelerate_configs" / "fsdp.yaml"))
     recipe = load_recipe(TINY, ["precision.dtype=bf16", f"precision.reduce_dtype={reduce}"])
@@ -208,8 +208,8 @@ def test_fsdp1_gets_the_same_reduce_dtype(monkeypatch):
     import torch
     from torch.distributed.fsdp import MixedPrecision
 
-    from pretrain.config import load_recipe
-    from pretrain.runtime import fsdp_plugin
+    from pretrain.distributed.accelerator import fsdp_plugin
+    from pretrain.recipe.config import load_recipe
 
     # FSDP1 (a user's accelerate config); module-state syncing, which needs a GPU here, is beside the point
     fsdp1 = {"FSDP_VERSION": "1", "FSDP_SYNC_MODULE_STATES": "false", "FSDP_CPU_RAM_EFFICIENT_LOADING": "false"}

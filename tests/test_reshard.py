@@ -1,4 +1,4 @@
-"""Resume on another layout (pretrain/reshard.py), pretrain-launch's check of it, and pretrain-export's argument
+"""Resume on another layout (pretrain/checkpoint/reshard.py), pretrain-launch's check of it, and pretrain-export's argument
 checks.
 
 The decisions are pure file reads and are tested here on hand-made checkpoint directories (pretrain-launch's
@@ -20,12 +20,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pretrain import reshard
-from pretrain.checkpoint import TrainerState
+from pretrain.checkpoint import reshard
+from pretrain.checkpoint.checkpointer import TrainerState
+from pretrain.checkpoint.reshard import UNIVERSAL, Layout, conversion, prepare_resume, saved_layout
 from pretrain.cli import export
+from pretrain.distributed.layout import Launch
 from pretrain.errors import ConfigError
-from pretrain.launch import Launch
-from pretrain.reshard import UNIVERSAL, Layout, conversion, prepare_resume, saved_layout
 from tests.helpers import (
     FAST,
     ROOT,
@@ -131,7 +131,7 @@ def test_ddp_weights_with_the_module_prefix_are_renamed_for_any_process_count_an
                                                           "random_states_0.pkl", "converted_from.json"}
     assert "converting" in logged[0] and "trainer_state.json" not in {p.name for p in source.load_dir.iterdir()}
     # not a checkpoint of its own: the run directory still holds one
-    from pretrain.rundir import complete_checkpoints
+    from pretrain.checkpoint.rundir import complete_checkpoints
     assert [p for _, p in complete_checkpoints(tmp_path)] == [ckpt]
     again = prepare_resume(ckpt, Launch("ddp", gpus_per_node=world), log=logged.append)
     assert again == source and "reusing" in logged[-1]
@@ -179,8 +179,8 @@ def test_other_processes_wait_for_rank0s_conversion_and_report_its_failure(tmp_p
 
 
 def test_converted_siblings_go_with_their_checkpoint(tmp_path):
-    from pretrain.checkpoint import Checkpointer
-    from pretrain.config import CheckpointConfig
+    from pretrain.checkpoint.checkpointer import Checkpointer
+    from pretrain.recipe.config import CheckpointConfig
     from tests.test_trainer_components import _FakeAccelerator
 
     checkpointer = Checkpointer(_FakeAccelerator(), tmp_path, CheckpointConfig(keep_last=1), num_steps=10,

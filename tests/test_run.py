@@ -258,7 +258,7 @@ def test_ctrl_c_of_a_two_process_launch_checkpoints_and_the_rerun_continues_the_
 
 
 def test_ctrl_c_of_pretrain_launch_exits_130_without_a_traceback_and_the_same_command_continues(tmp_path):
-    """pretrain-launch takes the terminal's Ctrl-C itself (pretrain/supervise.py): the workers checkpoint the
+    """pretrain-launch takes the terminal's Ctrl-C itself (pretrain/distributed/supervise.py): the workers checkpoint the
     step they stop after, torchrun ends quietly, and the shell sees 130 (torchrun alone prints its
     SignalException traceback and exits 1). Rerunning the same command continues from that checkpoint."""
     out = tmp_path / "run"

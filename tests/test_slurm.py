@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from pretrain.checkpoint.reshard import Layout
 from pretrain.cli import slurm
-from pretrain.launch import Launch
-from pretrain.reshard import Layout
+from pretrain.distributed.layout import Launch
 from tests.helpers import FAST, ROOT, TINY, accelerate_launch, check_ok, env, metrics, train_losses
 from tests.slurm_cluster import SlurmCluster
 
@@ -585,8 +585,8 @@ def test_finish_without_every_shard_names_the_missing_ones(tmp_path, capsys):
     argv = ["--recipe", str(recipe), f"data.store={store}"]
     assert prepare_data.main([*argv, "--task", "0", "--num-tasks", "2"]) == 2  # not set up yet
     assert "has not been set up" in capsys.readouterr().err
-    from pretrain.config import load_recipe
     from pretrain.data.prepare import set_up_store
+    from pretrain.recipe.config import load_recipe
 
     _, num_shards = set_up_store(load_recipe(recipe, [f"data.store={store}"]).data, log=lambda _: None)
     assert num_shards >= 4

@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import pretrain.shape as shape
-from pretrain.config import StabilityConfig, load_recipe
+import pretrain.recipe.shape as shape
 from pretrain.errors import ConfigError, TrainingDiverged
-from pretrain.loss import chunked_causal_lm_loss
-from pretrain.optim import build_scheduler, set_peak_lr
-from pretrain.stability import LOSS_FACTORS_ENV, SkipPolicy
-from pretrain.tracking import JSONLTracker
+from pretrain.model.loss import chunked_causal_lm_loss
+from pretrain.model.optim import build_scheduler, set_peak_lr
+from pretrain.recipe.config import StabilityConfig, load_recipe
+from pretrain.train.stability import LOSS_FACTORS_ENV, SkipPolicy
+from pretrain.train.tracking import JSONLTracker
 from tests.helpers import FAST, TINY, accelerate_launch, check_ok, metrics, train
 from tests.test_optim import _lrs  # every optimizer step's lr of a schedule
 
@@ -92,9 +92,9 @@ def test_metrics_jsonl_is_strict_json_with_null_for_non_finite(tmp_path):
 
 
 def test_a_non_finite_state_is_never_checkpointed_and_the_healthy_one_is_kept(tmp_path):
-    from pretrain.checkpoint import Checkpointer, TrainerState
-    from pretrain.config import CheckpointConfig
-    from pretrain.rundir import latest_checkpoint
+    from pretrain.checkpoint.checkpointer import Checkpointer, TrainerState
+    from pretrain.checkpoint.rundir import latest_checkpoint
+    from pretrain.recipe.config import CheckpointConfig
 
     class Accelerator:  # what Checkpointer.save uses, one process
         is_main_process = True
@@ -138,7 +138,7 @@ def test_z_loss_is_added_chunk_by_chunk_with_its_gradient_and_only_in_training(m
     reference = (ce + z * (lse[valid] ** 2).sum()) / n
     reference.backward()
 
-    from pretrain.loss import LossTerms
+    from pretrain.model.loss import LossTerms
 
     terms = LossTerms()
     x = logits.clone().requires_grad_(True)

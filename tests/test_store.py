@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pretrain.config import DataConfig
 from pretrain.data import StoreMissing, ensure_store, open_store, prepare_data
+from pretrain.distributed.layout import Launch
 from pretrain.errors import DataError
-from pretrain.launch import Launch
+from pretrain.recipe.config import DataConfig
 from tests.helpers import FAST, ROOT, TINY, accelerate_launch, env, train, train_losses
 from tests.test_data import make_docs, write_corpus
 

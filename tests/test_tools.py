@@ -17,8 +17,8 @@ import matplotlib.image
 import pytest
 
 from pretrain.cli import sweep as sweep_batch_size
-from pretrain.sweep import MBSResult, analyse, nearest_multiples
-from pretrain.sweep import runner as sweep_runner
+from pretrain.plan.sweep import MBSResult, analyse, nearest_multiples
+from pretrain.plan.sweep import runner as sweep_runner
 from tests.helpers import FAST_MODEL, ROOT, TINY, check_ok, env, run_cmd
 
 SWEEP = ["-m", "pretrain.cli.sweep"]
@@ -328,8 +328,8 @@ def test_bench_gpu_reduced_within_a_budget_writes_a_row_per_setting(tmp_path):
         assert c["model"] == "tiny" and c["seq_len"] == 64 and c["params"] > 0 and c["gpu"] == report["device"]
         assert (c["mfu"], c["tokens_per_s"], c["mbs"]) == (r["mfu"], r["tokens_per_s_per_gpu"], 4)
     # the planner reads these rows as they are (here relabelled as an H100's, since this run measured a CPU)
-    from pretrain import hardware
-    from pretrain.cli.plan import mbs_efficiency, read_calibration
+    from pretrain.plan.planner import mbs_efficiency, read_calibration
+    from pretrain.system import hardware
 
     relabelled = tmp_path / "calibration.json"
     relabelled.write_text(json.dumps([{**c, "gpu": "NVIDIA H100 80GB HBM3"} for c in calibration]))

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 from pydantic import BaseModel
 
-import pretrain.checkpoint as checkpoint
-import pretrain.runtime as runtime
-from pretrain.checkpoint import (
+import pretrain.checkpoint.checkpointer as checkpoint
+import pretrain.distributed.accelerator as runtime
+from pretrain.checkpoint.checkpointer import (
     MUST_MATCH,
     Checkpointer,
     ResumeChoice,
@@ -26,13 +26,13 @@ from pretrain.checkpoint import (
     recipe_field,
     resume_checkpoint,
 )
-from pretrain.config import CheckpointConfig, Recipe, load_recipe
+from pretrain.checkpoint.rundir import STATE_FILE, read_state
+from pretrain.distributed.preemption import STOP_SIGNALS, StopSignals
 from pretrain.errors import ConfigError
-from pretrain.evaluation import Evaluator
-from pretrain.metrics import ThroughputMonitor
-from pretrain.preemption import STOP_SIGNALS, StopSignals
-from pretrain.rundir import STATE_FILE, read_state
-from pretrain.tracking import Console, StepLog, format_duration
+from pretrain.recipe.config import CheckpointConfig, Recipe, load_recipe
+from pretrain.train.evaluation import Evaluator
+from pretrain.train.metrics import ThroughputMonitor
+from pretrain.train.tracking import Console, StepLog, format_duration
 from tests.helpers import TINY, env, free_port
 
 
@@ -275,7 +275,7 @@ class _Clock:
 @pytest.fixture()
 def clock(monkeypatch):
     fake = _Clock()
-    monkeypatch.setattr("pretrain.metrics.time.perf_counter", fake)
+    monkeypatch.setattr("pretrain.train.metrics.time.perf_counter", fake)
     return fake
 
 
@@ -354,7 +354,7 @@ def test_log_cadence_is_step_one_every_n_and_the_last():
 
 def test_plain_log_line_has_elapsed_time_and_an_eta_from_the_recent_step_time(monkeypatch, capsys):
     now = [1000.0]
-    monkeypatch.setattr("pretrain.tracking.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("pretrain.train.tracking.time.monotonic", lambda: now[0])
     console = Console("plain", enabled=True)
     console.start(total_steps=1000, first_step=0)
     now[0] += 30.0  # step 1: compile and first batches
@@ -386,8 +386,8 @@ AGREEMENT_SCRIPT = """
 import os, signal, sys
 from types import SimpleNamespace
 import torch.distributed as dist
-from pretrain.preemption import StopSignals
-from pretrain.supervise import leave
+from pretrain.distributed.preemption import StopSignals
+from pretrain.distributed.supervise import leave
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -401,7 +401,7 @@ with StopSignals() as stop:
             break
 with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
     f.write(repr(answers))
-leave(0)  # as a worker of pretrain leaves: no teardown for gloo's threads to abort (pretrain/supervise.py)
+leave(0)  # as a worker of pretrain leaves: no teardown for gloo's threads to abort (pretrain/distributed/supervise.py)
 """
 
 

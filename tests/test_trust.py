@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.checkpoint import ResumeChoice, TrainerState
-from pretrain.config import CheckpointConfig, load_recipe
+from pretrain.checkpoint.checkpointer import ResumeChoice, TrainerState
+from pretrain.checkpoint.integrity import read_manifest, record_own, verify_all, write_manifest
 from pretrain.errors import ConfigError
-from pretrain.integrity import read_manifest, record_own, verify_all, write_manifest
+from pretrain.recipe.config import CheckpointConfig, load_recipe
 from pretrain.trust import FORCE_ENV, check_output_dir, weights_only
 from tests.helpers import FAST, ROOT, TINY, accelerate_launch, check_ok, run_cmd, train
 

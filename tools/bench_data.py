@@ -78,7 +78,7 @@ def texts_of(path: Path) -> list[str]:
 
 # ---- (a) preparation ------------------------------------------------------------------------------
 def data_config(corpus: Path, store: Path, args):
-    from pretrain.config import DataConfig
+    from pretrain.recipe.config import DataConfig
 
     return DataConfig(source=str(corpus), store=str(store), cache_dir=str(args.workdir / "cache"),
                       tokenizer_vocab_size=args.vocab, tokenizer_train_bytes=args.tokenizer_train_mb * 2**20,
@@ -182,10 +182,10 @@ def tile_store(source: Path, target: Path, size_bytes: int) -> None:
 def _rank(rank: int, cfg, seconds: float, queue) -> None:
     import psutil
 
-    from pretrain.batching import plan_batches
-    from pretrain.config import BatchConfig
     from pretrain.data import open_store
-    from pretrain.loader import build_train_loader
+    from pretrain.recipe.batching import plan_batches
+    from pretrain.recipe.config import BatchConfig
+    from pretrain.train.loader import build_train_loader
 
     data = open_store(cfg, log=lambda _: None)
     plan = plan_batches(BatchConfig(global_batch_size=16, micro_batch_size=8), 2, cfg.seq_len)

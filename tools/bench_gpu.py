@@ -16,7 +16,7 @@ one GPU) is not repeated. A row the estimator says does not fit the GPU (nvidia-
 ``--device-memory-gib``) is a ``no-fit`` row, not a launch (llama-3b at MBS 8). With ``--budget SECONDS`` a row
 starts only if its expected time fits in what is left (start-up + compile where it compiles + steps x step
 time: assumed until the first row has run, then that row's measured start-up, compile and time per unit of the
-planner's step-time work, ``pretrain.cli.plan``), the first row that does not fit and every later one are
+planner's step-time work, ``pretrain.plan.planner``), the first row that does not fit and every later one are
 ``budget`` rows, and a row in flight is killed at the deadline (``timeout``). Under ``--budget`` the default
 is 10 + 50 steps per row.
 
@@ -29,14 +29,14 @@ Each (model, setting) is a fresh ``accelerate launch --config_file accelerate_co
 pretrain/run.py --recipe R <overrides>`` (``--reduced``: ``accelerate_configs/cpu.yaml``), so compile caches
 and CUDA's peak-memory statistics never carry from one setting to the next. Every run trains at GAS 1 for
 ``--warmup-steps`` + ``--steps`` optimizer steps with logging on every step, no evaluation and no checkpoint
-(pretrain-sweep's overrides, ``pretrain.sweep.runner.sweep_overrides``); the figures are medians over the
+(pretrain-sweep's overrides, ``pretrain.plan.sweep.runner.sweep_overrides``); the figures are medians over the
 measured steps of its ``metrics.jsonl``: ``perf/tokens_per_s_per_device``, ``perf/mfu``, ``perf/hfu``,
 ``perf/step_time_s``. **Cold compile** (``cold compile s``): the warm-up steps' wall time (each step's
 ``perf/step_time_max_s``, CUDA events from the step's start, so the host's compile is in it) beyond the steady
 step, summed; on a row that does not compile it is the first steps' other one-off costs, the baseline to
 subtract. **Memory**, on one basis: the largest ``memory/peak_gib`` (GPU: ``torch.cuda.max_memory_allocated``,
 tensors only; CPU: peak RSS) against the run's ``memory/estimated_tensors_gib``, the estimator's tensor peak
-*without* its allowance (1 GiB CUDA context + 5% allocator, ``pretrain.memory.estimate``; neither is in
+*without* its allowance (1 GiB CUDA context + 5% allocator, ``pretrain.plan.memory.estimate``; neither is in
 max_memory_allocated): error = (estimated - measured) / measured. ``est. total GiB`` is the estimate with the
 allowance, what the fit is judged on. On CPU the measured peak is the process's RSS, imports included, which
 the estimator does not model: the column means something on GPUs. HFU is MFU where nothing is recomputed (the
@@ -92,17 +92,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pretrain import memory, rundir
-from pretrain.batching import plan_batches
-from pretrain.cli.plan import DEFAULT_BASE_MFU, mbs_efficiency
-from pretrain.config import load_recipe
+from pretrain.checkpoint import rundir
+from pretrain.distributed.accelerator import compile_mode
+from pretrain.distributed.layout import Launch
 from pretrain.errors import ConfigError
-from pretrain.hardware import GpuSpec, custom_gpu, gpu_for_device
-from pretrain.launch import Launch
-from pretrain.loss import resolve_loss
-from pretrain.runtime import compile_mode
-from pretrain.shape import ModelShape
-from pretrain.sweep.runner import launch_command, run_process, stderr_tail, sweep_overrides
+from pretrain.model.loss import resolve_loss
+from pretrain.plan import memory
+from pretrain.plan.planner import DEFAULT_BASE_MFU, mbs_efficiency
+from pretrain.plan.sweep.runner import launch_command, run_process, stderr_tail, sweep_overrides
+from pretrain.recipe.batching import plan_batches
+from pretrain.recipe.config import load_recipe
+from pretrain.recipe.shape import ModelShape
+from pretrain.system.hardware import GpuSpec, custom_gpu, gpu_for_device
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -369,7 +370,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def calibration(rows: list[dict[str, Any]], gpu: str) -> list[dict[str, Any]]:
-    """The rows pretrain-plan --calibration reads (pretrain.cli.plan.read_calibration)."""
+    """The rows pretrain-plan --calibration reads (pretrain.plan.planner.read_calibration)."""
     return [{"gpu": gpu, "model": r["model"], "params": r["params"], "seq_len": r["seq_len"],
              "mbs": r["micro_batch_size"], "mfu": r["mfu"], **({"hfu": r["hfu"]} if r["hfu"] != r["mfu"] else {}),
              "tokens_per_s": r["tokens_per_s_per_gpu"], "settings": {"name": r["setting"], "overrides": r["overrides"]}}

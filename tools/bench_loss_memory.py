@@ -32,7 +32,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from pretrain.loss import install_loss
+from pretrain.model.loss import install_loss
 
 GIB = 2**30
 
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"forward + backward, vocab {args.vocab_size:,}, MBS {args.micro_batch_size} x {args.tokens:,} tokens, "
           f"{args.dtype} (fp32 logits would be {logits_gib:.2f} GiB)")
     print(f"  plain   (transformers ForCausalLMLoss): peak {peaks['plain'] / GIB:.3f} GiB")
-    print(f"  chunked (pretrain/loss.py):             peak {peaks['chunked'] / GIB:.3f} GiB")
+    print(f"  chunked (pretrain/model/loss.py):             peak {peaks['chunked'] / GIB:.3f} GiB")
     print(f"  chunked / plain = {peaks['chunked'] / peaks['plain']:.3f}: {reduction:.1%} lower")
     if args.json:
         args.json.write_text(json.dumps({**shape, "peak_bytes": peaks, "reduction": reduction}, indent=2) + "\n")

@@ -1,5 +1,5 @@
 """Exit codes of consecutive 2-process CPU (gloo) launches: each run must exit with its own code, never with the
-interpreter teardown's SIGABRT (-6) that gloo's threads used to cause (pretrain/supervise.py ``leave``).
+interpreter teardown's SIGABRT (-6) that gloo's threads used to cause (pretrain/distributed/supervise.py ``leave``).
 
     python -m tools.exit_codes [--runs 20] [--kinds ddp,zero2,fsdp,refused]      (from the repository's root)
 

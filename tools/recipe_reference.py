@@ -1,4 +1,4 @@
-"""Generate docs/recipe-reference.md from the recipe schema (the pydantic models of pretrain/config.py).
+"""Generate docs/recipe-reference.md from the recipe schema (the pydantic models of pretrain/recipe/config.py).
 
     python tools/recipe_reference.py            # print the page
     python tools/recipe_reference.py --write    # rewrite docs/recipe-reference.md
@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 # The one import of the schema: where the Recipe class moves, only this line changes.
-from pretrain.config import Recipe
+from pretrain.recipe.config import Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "recipe-reference.md"

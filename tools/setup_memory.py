@@ -7,9 +7,9 @@ Two CPU processes per layout, a ~500M-parameter Llama (hidden 1536, 14 layers, v
 
 Every layout runs the real ``Trainer`` set-up under ``accelerate launch`` (accelerate_configs cpu_ddp / zero2 /
 zero3 / fsdp, 2 processes; the tiny recipe's data, the shape above); FSDP is torch's FSDP2 over gloo, as pretrain
-runs it without GPUs (``pretrain.runtime.fsdp_on_cpu``). Figures, per rank, the larger of the two:
+runs it without GPUs (``pretrain.distributed.accelerator.fsdp_on_cpu``). Figures, per rank, the larger of the two:
 
-    baseline   RSS after importing pretrain.train (python, torch, transformers, accelerate)
+    baseline   RSS after importing pretrain.train.trainer (python, torch, transformers, accelerate)
     pre-build  RSS just before build_model (accelerator, data, tokenizer ready)
     build      peak RSS up to the end of build_model (construction + init)
     set-up     peak RSS up to the end of set-up (+ optimizer + accelerator.prepare)
@@ -55,7 +55,7 @@ def report(figures: dict) -> None:
 
 
 def trainer_worker(overrides: list[str]) -> None:
-    import pretrain.train as train_module
+    import pretrain.train.trainer as train_module
 
     figures = {"baseline": rss_bytes()}
     build = train_module.build_model
@@ -68,7 +68,7 @@ def trainer_worker(overrides: list[str]) -> None:
         return model
 
     train_module.build_model = measured_build
-    from pretrain.config import load_recipe
+    from pretrain.recipe.config import load_recipe
 
     train_module.Trainer(load_recipe(ROOT / "recipes" / "tiny.yaml", overrides))
     figures["setup"] = peak_rss_bytes()

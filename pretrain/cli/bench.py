@@ -28,8 +28,8 @@ import time
 
 from pretrain.cli import recipe_parser
 from pretrain.cli.options import count
+from pretrain.distributed.layout import Launch
 from pretrain.errors import EXIT_USAGE, ConfigError
-from pretrain.launch import Launch
 
 GOAL_RATIO = 0.97
 
@@ -89,8 +89,8 @@ def timed(block, trainer, batches, num_steps: int) -> float:
 
 
 def run(recipe_path: str, overrides: list[str], num_steps: int, repeats: int, output_dir: str) -> list[dict]:
-    from pretrain.config import load_recipe
-    from pretrain.train import Trainer
+    from pretrain.recipe.config import load_recipe
+    from pretrain.train.trainer import Trainer
 
     total_steps = num_steps * 2 * (repeats + 1)
     recipe = load_recipe(recipe_path, [*overrides, *bench_overrides(output_dir, total_steps)])

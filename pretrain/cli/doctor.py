@@ -8,7 +8,7 @@ name the hosts below the threshold. Run it under the launcher that will train:
 
 Without a recipe: ``--output-dir DIR --dtype bf16``. Exit 0: every host healthy; 1: the hosts below the
 threshold are named with the figure, its value and the median (also in output_dir/doctor.json); 2: bad input.
-What each figure is and how the verdict is made: pretrain/doctor.py.
+What each figure is and how the verdict is made: pretrain/train/doctor.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import os
 import sys
 from pathlib import Path
 
-from pretrain.doctor import (
+from pretrain.distributed.supervise import run_worker
+from pretrain.errors import EXIT_USAGE, ConfigError
+from pretrain.train.doctor import (
     DEFAULT_THRESHOLD,
     EXIT_UNHEALTHY,
     HOSTNAME_ENV,
@@ -33,8 +35,6 @@ from pretrain.doctor import (
     verdict_text,
     write_report,
 )
-from pretrain.errors import EXIT_USAGE, ConfigError
-from pretrain.supervise import run_worker
 
 EPILOG = (f"Test hooks (environment): {SLOW_RANK_ENV}=R[,R...] makes those ranks' timed regions "
           f"{SLOW_FACTOR_ENV} (default 4) times as long, so their hosts are named; {HOSTNAME_ENV}=NAME or "
@@ -74,8 +74,8 @@ def settings_from_args(args: argparse.Namespace):
     exclude = Path(args.exclude_file) if args.exclude_file else None
     if args.recipe is None:
         return Settings(Path(args.output_dir), args.dtype or "fp32", args.threshold, exclude_file=exclude), None
-    from pretrain.config import load_recipe
     from pretrain.data import cache_root
+    from pretrain.recipe.config import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     return Settings(Path(recipe.output_dir), recipe.precision.dtype, args.threshold, recipe.logging.peak_tflops,
@@ -89,9 +89,9 @@ def start(recipe, settings: Settings):
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
-    from pretrain.environment import check_environment
-    from pretrain.launch import Launch
-    from pretrain.tracking import build_trackers
+    from pretrain.distributed.layout import Launch
+    from pretrain.system.environment import check_environment
+    from pretrain.train.tracking import build_trackers
 
     launch = Launch.from_env()
     # The environment first: a package below its floor, one the recipe asks for, GPUs torch cannot see.
@@ -112,7 +112,7 @@ def start(recipe, settings: Settings):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    return run_worker(lambda: check(args))  # a worker's exit code is its own (pretrain/supervise.py)
+    return run_worker(lambda: check(args))  # a worker's exit code is its own (pretrain/distributed/supervise.py)
 
 
 def check(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@
 
 Without --zero, --fsdp or --accelerate-config the layout is PyTorch DDP (accelerate's MULTI_GPU). Arithmetic
 only: no weights are allocated and transformers is not imported (pretrain/memory has the formulas,
-pretrain/shape.py the model's shape, pretrain/hardware.py the GPU table).
+pretrain/recipe/shape.py the model's shape, pretrain/system/hardware.py the GPU table).
 """
 
 from __future__ import annotations
@@ -21,12 +21,14 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from pretrain import hardware, memory
-from pretrain.checkpointing import normalize as normalize_policy
 from pretrain.cli.options import count, positive_gib
+from pretrain.distributed.layout import Launch, check_offload
 from pretrain.errors import EXIT_USAGE, ConfigError
-from pretrain.launch import Launch, check_offload
-from pretrain.shape import ModelShape
+from pretrain.plan import memory
+from pretrain.recipe.recompute import normalize as normalize_policy
+from pretrain.recipe.shape import ModelShape
+from pretrain.system import hardware
+from pretrain.system.hardware import resolve_gpu
 
 SWEEP_MAX_MBS = 128
 FSDP_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
@@ -84,13 +86,6 @@ def build_parser(prog: str = "pretrain-estimate") -> argparse.ArgumentParser:
 
 # --------------------------------------------------------------------------------------------------
 # From arguments to (shape, workload, layout, buffers, gpu)
-
-
-def resolve_gpu(args) -> hardware.GpuSpec:
-    if args.gpu_memory_gib is not None:
-        like = hardware.find_gpu(args.gpu) if args.gpu else None
-        return hardware.custom_gpu(args.gpu_memory_gib, like)
-    return hardware.find_gpu(args.gpu or hardware.DEFAULT_GPU)
 
 
 def resolve_world(args, accelerate_config: str | None) -> tuple[int | None, int | None]:
@@ -155,8 +150,8 @@ def recipe_overrides(args) -> list[str]:
 
 def plan_for(recipe, world_size: int, micro_batch_size: int | None):
     """The recipe's batch plan on this world size, with MBS replaced when given (GBS kept)."""
-    from pretrain.batching import plan_batches
-    from pretrain.config import BatchConfig
+    from pretrain.recipe.batching import plan_batches
+    from pretrain.recipe.config import BatchConfig
 
     batch = recipe.batch
     if micro_batch_size is not None:
@@ -179,7 +174,7 @@ class Problem:
         if bool(args.recipe) == bool(args.model_config):
             raise ConfigError("give --recipe R or --model-config FILE (exactly one)")
         if args.recipe:
-            from pretrain.config import load_recipe
+            from pretrain.recipe.config import load_recipe
 
             if args.optimizer:
                 raise ConfigError("--optimizer is for --model-config; with a recipe override optim.name=NAME")

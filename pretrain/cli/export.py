@@ -4,7 +4,7 @@
     pretrain export CHECKPOINT OUT
 
 Writes OUT as ``save_pretrained`` (safetensors, fp32) plus the tokenizer, the same way a run writes its
-``final_model/`` (``pretrain.model.save_pretrained_model``), from a checkpoint of any layout (DDP or one
+``final_model/`` (``pretrain.model.build.save_pretrained_model``), from a checkpoint of any layout (DDP or one
 process, DeepSpeed ZeRO-0..3, FSDP sharded or full), on CPU, with no process group and no GPU. The
 weights are the fp32 ones the optimizer updates (ZeRO's fp32 master partitions, merged): cast them with
 ``from_pretrained(..., dtype=torch.bfloat16)`` to evaluate in the recipe's precision. The model's config
@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from pretrain.checkpoint.rundir import STATE_FILE, read_state
 from pretrain.errors import EXIT_USAGE, ConfigError
-from pretrain.rundir import STATE_FILE, read_state
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -42,7 +42,7 @@ def check_paths(checkpoint: Path, out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} already exists and is not an empty directory; choose a new OUT (nothing is "
                           "overwritten)")
-    from pretrain.integrity import verify_all
+    from pretrain.checkpoint.integrity import verify_all
 
     damage = verify_all(checkpoint)  # reads the checkpoint once more, in this one process
     if damage:
@@ -54,11 +54,11 @@ def export(checkpoint: Path, out: Path, log=print) -> None:
     check_paths(checkpoint, out)
     from pydantic import ValidationError
 
-    from pretrain.checkpoint import TrainerState
-    from pretrain.config import Recipe, renamed_keys
+    from pretrain.checkpoint.checkpointer import TrainerState
+    from pretrain.checkpoint.reshard import full_state_dict
     from pretrain.data import build_tokenizer
-    from pretrain.model import build_model, resolve_vocab_size, save_pretrained_model
-    from pretrain.reshard import full_state_dict
+    from pretrain.model.build import build_model, resolve_vocab_size, save_pretrained_model
+    from pretrain.recipe.config import Recipe, renamed_keys
 
     start = time.perf_counter()
     state = TrainerState.read(checkpoint)

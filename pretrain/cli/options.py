@@ -12,9 +12,8 @@ import argparse
 import math
 import re
 
-# The largest count any option takes (processes, nodes, steps, workers, ...): a C int, as torch, SLURM and
-# the OS take them; a larger number is a typo, not a cluster.
-MAX_COUNT = 2**31 - 1
+from pretrain.distributed.layout import MAX_COUNT  # the bound of every count; the layout checks it too
+
 # The longest duration any option takes (seconds): a year, far beyond any job, well inside timedelta and
 # threading's limits.
 MAX_SECONDS = 365 * 86400
@@ -98,3 +97,16 @@ def slurm_time(text: str) -> str:
     """An argparse type: an sbatch --time value, checked (slurm_time_seconds) and passed on as written."""
     slurm_time_seconds(text)
     return text.strip()
+
+
+def add_sbatch_options(parser: argparse.ArgumentParser, time_help: str = "") -> None:
+    """The cluster options: partition, account, qos, time, constraint, exclusive, job name, raw #SBATCH lines."""
+    parser.add_argument("--partition", help="#SBATCH --partition")
+    parser.add_argument("--account", help="#SBATCH --account")
+    parser.add_argument("--qos", help="#SBATCH --qos")
+    parser.add_argument("--time", type=slurm_time, help=f"#SBATCH --time, e.g. 2-00:00:00{time_help}")
+    parser.add_argument("--constraint", help="#SBATCH --constraint, e.g. h100")
+    parser.add_argument("--exclusive", action="store_true", help="#SBATCH --exclusive (whole nodes)")
+    parser.add_argument("--job-name", help="#SBATCH --job-name; default: the recipe name")
+    parser.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
+                        help="extra #SBATCH line, e.g. --sbatch-arg=--mem=0 (repeatable)")

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pretrain import rundir
+from pretrain.checkpoint import rundir
 from pretrain.errors import EXIT_USAGE, ConfigError
 
 Series = dict[str, tuple[list[int], list[float]]]
@@ -25,7 +25,7 @@ SMOOTHED = ("train/loss", "train/grad_norm")
 
 
 def read_metrics(path: Path) -> Series:
-    """metric key -> (steps, values), in file order, from a metrics.jsonl (read by ``pretrain.rundir``).
+    """metric key -> (steps, values), in file order, from a metrics.jsonl (read by ``pretrain.checkpoint.rundir``).
 
     Where steps go backwards (a resumed run that re-logged steps), the later values replace the earlier ones.
     """

@@ -1,7 +1,7 @@
 """Tokenize a recipe's data into its token store ahead of training, and show what it holds.
 
     pretrain-prepare-data --recipe recipes/tiny.yaml [--workers N] [key.path=value ...]
-    pretrain-prepare-data --recipe R --slurm --array N [sbatch options]   (pretrain/cli/prepare_slurm.py)
+    pretrain-prepare-data --recipe R --slurm --array N [sbatch options]   (pretrain/data/slurm.py)
 
 The store is written exactly where training looks for it (data.store, or the cache; see
 pretrain/data/__init__.py; a data.mixture: one store per source, the tokenizer first) by N processes on
@@ -17,19 +17,9 @@ import signal
 import sys
 
 from pretrain.cli import add_recipe_arguments
-from pretrain.cli.options import count
-from pretrain.config import load_recipe
+from pretrain.cli.options import add_sbatch_options, count
 from pretrain.errors import EXIT_INTERRUPTED, EXIT_USAGE, ConfigError
-
-
-def prepare_commands(recipe_path: str, overrides: list[str], num_nodes: int, sbatch_args: list[str] = ()) -> str:
-    """The commands that prepare a recipe's store: on one machine, and as a SLURM array of num_nodes tasks."""
-    from pretrain.launch import shell_join
-
-    local = shell_join(["pretrain-prepare-data", "--recipe", recipe_path, *overrides])
-    array = shell_join(["pretrain-prepare-data", "--recipe", recipe_path, "--slurm", "--array", str(num_nodes),
-                        *sbatch_args, *overrides])
-    return f"{local}\nor as a SLURM array job of {num_nodes} tasks (one node each):\n    {array}"
+from pretrain.recipe.config import load_recipe
 
 
 def format_stats(stats: dict) -> str:
@@ -70,9 +60,19 @@ def _source_rows(stats: dict) -> list[tuple[str, str]]:
     ]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from pretrain.cli import prepare_slurm
+def add_slurm_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("SLURM (with --slurm)")
+    group.add_argument("--slurm", action="store_true",
+                       help="submit the tokenization as a SLURM array job instead of running it here")
+    group.add_argument("--array", type=count(), metavar="N", help="array tasks (one node each); shard i goes to task i mod N")
+    group.add_argument("--max-running", type=count(), metavar="M", help="at most M tasks at once (--array=0-N%%M)")
+    group.add_argument("--cpus-per-task", type=count(), metavar="C",
+                       help="#SBATCH --cpus-per-task; each task's default --workers is what SLURM gives it")
+    add_sbatch_options(group)
+    group.add_argument("--dry-run", action="store_true", help="print the batch scripts; submit nothing")
 
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pretrain-prepare-data",
         description="Tokenize a recipe's data into the token store that training reads.",
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_recipe_arguments(parser, "recipes/tiny.yaml")
     parser.add_argument("--workers", type=count(), default=None, metavar="N",
                         help="tokenizing processes on this machine (default: data.num_proc, else min(cores, 8))")
-    prepare_slurm.add_arguments(parser)
+    add_slurm_arguments(parser)
     parser.add_argument("--verify", action="store_true",
                         help="check every shard file of a complete store against its manifest's SHA-256 (a damaged "
                         "shard is named, exit 2); opening a store checks sizes, and checksums only up to 1 GiB")
@@ -102,14 +102,14 @@ def check_steps(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pretrain.cli import prepare_slurm
+    from pretrain.data import slurm  # the data package only when the command runs (module level it was not)
 
     args = build_parser().parse_intermixed_args(argv)
     # SIGTERM (a scheduler, kill) stops the build as Ctrl-C does: the pool ended, one line on what was kept.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         check_steps(args)
-        prepare_slurm.check_arguments(args)
+        slurm.check_arguments(args)
         recipe = load_recipe(args.recipe, args.overrides)
         if recipe.data.mixture and (args.slurm or args.task is not None or args.finish):
             raise ConfigError(
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                 "is prepared on one machine: pretrain-prepare-data --recipe R --workers N (one store per source)"
             )
         if args.slurm:
-            return prepare_slurm.main(args, recipe)
+            return slurm.prepare_on_slurm(args, recipe)
         # heavy imports only once the recipe is valid
         from pretrain.data import open_store, prepare_data
         from pretrain.data.prepare import finish_store, prepare_store_part

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import shlex
 import shutil
 import subprocess
@@ -31,11 +30,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretrain import rundir
+from pretrain.checkpoint import rundir
 from pretrain.cli import add_recipe_arguments
-from pretrain.cli.options import count, slurm_time, slurm_time_seconds
-from pretrain.errors import EXIT_USAGE, ConfigError
-from pretrain.launch import (
+from pretrain.cli.options import add_sbatch_options, count, slurm_time_seconds
+from pretrain.distributed.layout import (
     DOCTOR_ENTRY,
     RUN_PY,
     Launch,
@@ -44,13 +42,17 @@ from pretrain.launch import (
     read_accelerate_config,
     shell_join,
 )
+from pretrain.distributed.slurm import (
+    environment_lines,
+    require_sbatch,
+    sbatch,
+    sbatch_option_problems,
+    sbatch_options,
+)
+from pretrain.errors import EXIT_USAGE, ConfigError
 
 SLURM_SUBDIR = "slurm"  # inside the run's output_dir: job.sbatch, jobs.jsonl, slurm-<jobid>.out, excluded_hosts
 EXCLUDED_HOSTS = "excluded_hosts"  # nodes pretrain doctor found unhealthy, one a line
-# Environment variables copied into the script when set at submission, so that a requeued job (or
-# `sbatch job.sbatch` by hand) sees the same data, cache and offline settings.
-PASSTHROUGH_ENV = ("HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_DATASETS_CACHE", "TRANSFORMERS_OFFLINE",
-                   "PRETRAIN_CACHE_DIR", "WANDB_MODE", "WANDB_DIR", "DS_ACCELERATOR", "TOKENIZERS_PARALLELISM")
 DEFAULT_PORT_BASE = 20000  # --port auto: 20000 + job id mod 10000, below the Linux ephemeral range
 MAX_SIGNAL_LEAD_S = 65535  # sbatch --signal=<sig>@<sig_time>: sig_time is at most 65535 s
 
@@ -83,63 +85,6 @@ class Job:
     @property
     def slurm_dir(self) -> Path:
         return self.output_dir / SLURM_SUBDIR
-
-
-# ---- what every batch script of pretrain shares (training jobs, pretrain-prepare-data --slurm) -------
-SBATCH_WORDS = ("job_name", "partition", "account", "qos", "time", "constraint")
-
-
-def add_sbatch_options(parser: argparse.ArgumentParser, time_help: str = "") -> None:
-    """The cluster options: partition, account, qos, time, constraint, exclusive, job name, raw #SBATCH lines."""
-    parser.add_argument("--partition", help="#SBATCH --partition")
-    parser.add_argument("--account", help="#SBATCH --account")
-    parser.add_argument("--qos", help="#SBATCH --qos")
-    parser.add_argument("--time", type=slurm_time, help=f"#SBATCH --time, e.g. 2-00:00:00{time_help}")
-    parser.add_argument("--constraint", help="#SBATCH --constraint, e.g. h100")
-    parser.add_argument("--exclusive", action="store_true", help="#SBATCH --exclusive (whole nodes)")
-    parser.add_argument("--job-name", help="#SBATCH --job-name; default: the recipe name")
-    parser.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
-                        help="extra #SBATCH line, e.g. --sbatch-arg=--mem=0 (repeatable)")
-
-
-def sbatch_option_problems(args: argparse.Namespace) -> list[str]:
-    return [f"--{name.replace('_', '-')} = {value!r} must be one word (sbatch reads #SBATCH lines word by word)"
-            for name in SBATCH_WORDS if (value := getattr(args, name)) is not None
-            and (not value or any(c.isspace() for c in value))]
-
-
-def sbatch_options(args: argparse.Namespace) -> list[str]:
-    """--partition=..., --account=..., ... and the raw --sbatch-arg values, as #SBATCH lines take them."""
-    options = [f"--{name}={value}" for name, value in
-               (("partition", args.partition), ("account", args.account), ("qos", args.qos), ("time", args.time),
-                ("constraint", args.constraint)) if value]
-    if args.exclusive:
-        options.append("--exclusive")
-    return options + args.sbatch_arg
-
-
-def environment_lines(python: str = sys.executable) -> list[str]:
-    """The batch script's environment: this Python first on PATH, and the data / cache / offline settings
-    of the submitting shell (so that a requeued job, or `sbatch <script>` by hand, sees them too)."""
-    lines = [f"export PRETRAIN_PYTHON={shlex.quote(python)}", 'export PATH="$(dirname "$PRETRAIN_PYTHON"):$PATH"']
-    lines += [f"export {name}={shlex.quote(os.environ[name])}" for name in PASSTHROUGH_ENV if name in os.environ]
-    return [*lines, "export PYTHONUNBUFFERED=1"]
-
-
-def require_sbatch() -> None:
-    if shutil.which("sbatch") is None:
-        raise ConfigError("SLURM is not available here: `sbatch` is not on PATH. Submit from a login node of "
-                          "the cluster, or add --dry-run to print the batch script without submitting")
-
-
-def sbatch(script: Path, *options: str) -> str:
-    """Submit a batch script; its job id."""
-    proc = subprocess.run(["sbatch", "--parsable", *options, str(script)], capture_output=True, text=True,
-                          timeout=120)
-    if proc.returncode != 0:
-        raise ConfigError(f"sbatch refused {script} (exit {proc.returncode}): "
-                          f"{proc.stderr.strip() or proc.stdout.strip()}")
-    return proc.stdout.strip().split(";")[0]
 
 
 # ---- command line ---------------------------------------------------------------------------------
@@ -202,9 +147,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # ---- checking a submission ------------------------------------------------------------------------
 def check_job(args: argparse.Namespace) -> Job:
     """Validate the whole submission (options, accelerate config, recipe, launch); raise one ConfigError."""
-    from pretrain.config import load_recipe
-    from pretrain.environment import check_environment
-    from pretrain.preflight import check_run
+    from pretrain.recipe.config import load_recipe
+    from pretrain.system.environment import check_environment
+    from pretrain.train.preflight import check_run
 
     problems = []
     limit_s = slurm_time_seconds(args.time) if args.time else None
@@ -237,7 +182,7 @@ def check_job(args: argparse.Namespace) -> Job:
     # The checkpoint the job would resume, read where the nodes read it (output_dir is on a filesystem this
     # machine shares with them: the script and the log are written there): a job whose nodes could not load it
     # is not queued, and the refusal gives the submission that resumes it.
-    from pretrain.cli.launch import check_resume
+    from pretrain.train.prelaunch import check_resume
 
     check_resume(recipe, launch, SubmitSpelling(args, cpu=requested_gpus(args, config) == 0))
     check_run(recipe, launch)  # on the job's world size, before anything is written
@@ -267,7 +212,7 @@ def check_job(args: argparse.Namespace) -> Job:
 
 
 class SubmitSpelling:
-    """How pretrain-slurm spells the submission that resumes a checkpoint (``cli/launch.py``'s ``check_resume``):
+    """How pretrain-slurm spells the submission that resumes a checkpoint (``train/prelaunch.py``'s ``check_resume``):
     this submission's options, with another accelerate config and, when only the saved number of processes
     resumes it, the nodes that make that number at this many processes per node."""
 
@@ -280,7 +225,7 @@ class SubmitSpelling:
         return self.cpu  # the job's nodes, not this login node, run it
 
     def __call__(self, config: Path, world: int) -> tuple[Launch, list[str]] | None:
-        from pretrain.cli.launch import shown_config
+        from pretrain.train.prelaunch import shown_config
 
         per_node = self.args.processes_per_node
         if world % per_node:
@@ -324,7 +269,7 @@ def check_data(args: argparse.Namespace, recipe, recipe_path: Path) -> None:
     if args.nodes == 1 and not recipe.data.store:
         return  # the job's one node prepares it before its process group (ensure_data)
     from pretrain import data
-    from pretrain.cli.prepare_data import prepare_commands
+    from pretrain.data.prepare import prepare_commands
 
     cluster = [f"--{name}={value}" for name in ("partition", "account", "qos") if (value := getattr(args, name))]
     try:

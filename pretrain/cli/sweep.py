@@ -30,9 +30,9 @@ from pathlib import Path
 from pretrain.cli import recipe_parser
 from pretrain.cli.options import count, positive_gib, positive_seconds
 from pretrain.errors import EXIT_USAGE, ConfigError
-from pretrain.sweep import SCALING_THRESHOLD, MBSResult, analyse, format_table, measure, plot, repeat_rounds
-from pretrain.sweep.analysis import fmt
-from pretrain.sweep.runner import accelerate_args, sweep_overrides
+from pretrain.plan.sweep import SCALING_THRESHOLD, MBSResult, analyse, format_table, measure, plot, repeat_rounds
+from pretrain.plan.sweep.analysis import fmt
+from pretrain.plan.sweep.runner import accelerate_args, sweep_overrides
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -57,9 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def check_inputs(args: argparse.Namespace) -> tuple[object, int, int, Path]:
     """Validate everything before the first launch: (recipe, world size, the recipe's GBS, output dir)."""
-    from pretrain.config import load_recipe
-    from pretrain.launch import Launch
-    from pretrain.preflight import check_run
+    from pretrain.distributed.layout import Launch
+    from pretrain.recipe.config import load_recipe
+    from pretrain.train.preflight import check_run
 
     if args.num_processes is not None and args.accelerate_config is None:
         raise ConfigError("--num-processes needs --accelerate-config (without one the sweep runs one process)")

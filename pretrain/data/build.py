@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from pretrain.config import DataConfig
 from pretrain.data.documents import Log, _file_documents, _hf_documents, _hf_shards
 from pretrain.data.sources import _Corpus
 from pretrain.data.split import _doc_hash, _val_threshold
@@ -40,8 +39,9 @@ from pretrain.data.store import (
     split_files_intact,
 )
 from pretrain.data.tokenizer import _load_saved_tokenizer
+from pretrain.distributed.supervise import die_with_parent
 from pretrain.errors import DataError
-from pretrain.supervise import die_with_parent
+from pretrain.recipe.config import DataConfig
 
 ENCODE_BATCH_DOCS = 256
 PROGRESS_EVERY_DOCS = 2048

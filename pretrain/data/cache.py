@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pretrain.config import DataConfig
+from pretrain.recipe.config import DataConfig
 
 # Bump a version when the code that produces the corresponding cache changes its output.
 DOCUMENTS_VERSION = 1

@@ -12,13 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from pretrain.config import DataConfig
 from pretrain.data.cache import cache_root
 from pretrain.data.readers import _generate_documents
 from pretrain.data.sources import _Corpus, _resolve_corpus
 from pretrain.data.split import _doc_hash, _val_mask, _val_threshold
-from pretrain.environment import require
 from pretrain.errors import DataError
+from pretrain.recipe.config import DataConfig
+from pretrain.system.environment import require
 
 Log = Callable[[str], Any]
 

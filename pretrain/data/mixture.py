@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from pretrain.config import DataConfig
 from pretrain.data.documents import Log
 from pretrain.data.prepare import (
     StoreMissing,
@@ -41,6 +40,7 @@ from pretrain.data.sources import _resolve_corpus
 from pretrain.data.store import STREAM_FIELDS, PackedData, TokenRows
 from pretrain.data.tokenizer import _get_mixture_tokenizer, _mixture_bpe_key
 from pretrain.errors import DataError
+from pretrain.recipe.config import DataConfig
 
 
 @contextlib.contextmanager

@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from pretrain.config import DataConfig
 from pretrain.data.build import (
     BuildSpec,
     apply_split_rules,
@@ -44,6 +43,7 @@ from pretrain.data.store import (
 )
 from pretrain.data.tokenizer import _bpe_key, _get_tokenizer, _load_saved_tokenizer
 from pretrain.errors import DataError, writable_dir
+from pretrain.recipe.config import DataConfig
 
 WAIT_LOG_EVERY_S = 60.0
 
@@ -458,3 +458,13 @@ def ensure_store(data_cfg: DataConfig, launch, prepare_command: str, log: Log = 
     target = locate_store(data_cfg, log=lambda _: None)
     ensure_stores([target], launch, lambda: prepare_store(data_cfg, log=log, progress=launch.world_size == 1),
                   prepare_command, log, poll_s)
+
+
+def prepare_commands(recipe_path: str, overrides: list[str], num_nodes: int, sbatch_args: list[str] = ()) -> str:
+    """The commands that prepare a recipe's store: on one machine, and as a SLURM array of num_nodes tasks."""
+    from pretrain.distributed.layout import shell_join
+
+    local = shell_join(["pretrain-prepare-data", "--recipe", recipe_path, *overrides])
+    array = shell_join(["pretrain-prepare-data", "--recipe", recipe_path, "--slurm", "--array", str(num_nodes),
+                        *sbatch_args, *overrides])
+    return f"{local}\nor as a SLURM array job of {num_nodes} tasks (one node each):\n    {array}"

@@ -11,9 +11,9 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretrain.config import DataConfig
 from pretrain.data.cache import DOCUMENTS_VERSION, _hash
 from pretrain.errors import DataError
+from pretrain.recipe.config import DataConfig
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl", ".json")

@@ -10,11 +10,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from pretrain.config import DataConfig
 from pretrain.data.cache import CACHE_FIX, TOKENIZER_VERSION, _hash, _make_tmp_dir, _publish, cache_root
 from pretrain.data.documents import Log, _sample_train_texts
 from pretrain.data.sources import _Corpus, _resolve_corpus
 from pretrain.errors import DataError, writable_dir
+from pretrain.recipe.config import DataConfig
 
 EOS_TOKEN = "<|endoftext|>"
 

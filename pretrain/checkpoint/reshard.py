@@ -1,0 +1,425 @@
+"""A checkpoint on another layout: resume on another number of processes or ZeRO stage, or read its weights.
+
+What a resume needs besides the model and optimizer does not depend on the layout: the data cursor is the
+optimizer step (``pretrain/train/loader.py``), the LR schedule counts optimizer steps and ``tokens_seen`` is a
+number in ``trainer_state.json``. What does depend on it is how the state was written:
+
+- DeepSpeed ZeRO-1/2/3 partitions optimizer states (ZeRO-3 also parameters) per data-parallel rank, and
+  DeepSpeed refuses another DP world size. Such a checkpoint is converted once with DeepSpeed's universal
+  checkpoint (``deepspeed.checkpoint.ds_to_universal``) into the sibling ``<checkpoint>.universal/``, which
+  DeepSpeed loads (``checkpoint.load_universal``) on any DP world size: ZeRO-1 <-> ZeRO-2, ZeRO-3 -> ZeRO-3.
+  Refused: ZeRO-1/2 <-> ZeRO-3 (the converter writes the two kinds' optimizer states in different formats
+  and the stage-3 loader reads only its own; deepspeed 0.19.8), ZeRO-0 (no ZeRO optimizer to convert
+  from or to) and NVMe-offloaded states (they live outside the checkpoint).
+- DDP / one process: the state is complete and loads on any number of processes. accelerate registers a
+  model before wrapping it in DDP and saves and loads that registered module, so the keys are the model's
+  own on any process count; a file whose keys carry DDP's ``module.`` prefix (written by other tools) is
+  renamed once into the sibling ``<checkpoint>.single/`` (other files linked).
+- FSDP: torch.distributed.checkpoint reshards on load; nothing to convert.
+- Each process's RNG file (``random_states_{i}.pkl``) belongs to a process of the old layout; when the
+  world size changes every process is re-seeded from (seed, step, process index) after the load instead.
+
+The saved layout is read from the checkpoint (``trainer_state.json``'s ``layout``; for checkpoints written
+before it was recorded, from the files) and compared with the launch by ``plan_resume``, which pretrain-launch
+asks before any process starts and every process asks before its process group exists: an impossible
+combination is refused there. The conversion runs on global rank 0 under a temporary name and is renamed
+into place when complete; the other processes wait for it on the shared filesystem, still before any process
+group, so a conversion that outlasts a collective timeout (minutes for a 7B model) cannot kill the job. A
+converted sibling is stamped with its checkpoint's save time and reused while the stamp matches.
+
+``full_state_dict`` reads the full fp32 weights of a checkpoint of any layout, with no process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pretrain.checkpoint.integrity import MANIFEST_FILE, checkpoint_files
+from pretrain.checkpoint.rundir import STATE_FILE, read_state
+from pretrain.distributed.layout import Launch
+from pretrain.errors import ConfigError
+from pretrain.trust import check_files, weights_only
+
+DEEPSPEED_DIR = "pytorch_model"  # accelerate save_state: DeepSpeed's save_checkpoint(output_dir, tag=this)
+MODEL_FILE = "model.safetensors"  # accelerate save_state: the model of a DDP / one-process run
+FSDP_SHARDED_DIR = "pytorch_model_fsdp_0"  # accelerate save_state: FSDP SHARDED_STATE_DICT (DCP)
+FSDP_FULL_FILE = "pytorch_model_fsdp.bin"  # accelerate save_state: FSDP FULL_STATE_DICT
+STAMP_FILE = "converted_from.json"
+UNIVERSAL, SINGLE_KEYS = "universal", "single"  # the sibling's suffix: what it holds
+# ".ddp" siblings (keys given the "module." prefix) were written by earlier versions: still deleted with their checkpoint
+VIEW_SUFFIXES = (UNIVERSAL, "ddp", SINGLE_KEYS)
+WAIT_TIMEOUT_S = 4 * 3600.0  # the other processes wait this long for rank 0's conversion
+DEEPSPEED_CONFIGS = "accelerate_configs/zero1.yaml, zero2.yaml or zero3.yaml"
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a checkpoint was (or will be) distributed: the parts of ``Launch.to_dict()`` its files depend on."""
+
+    engine: str  # ddp (or one process), fsdp, deepspeed
+    world_size: int
+    zero_stage: int | None = None  # DeepSpeed only; None: recorded by no one (older checkpoint, ZeRO-1 or 2)
+    offload_optimizer: str = "none"
+
+    @classmethod
+    def of(cls, launch: Launch) -> Layout:
+        return cls.from_dict(launch.to_dict())
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Layout:
+        return cls(engine=values["engine"], world_size=int(values["world_size"]),
+                   zero_stage=values.get("zero_stage") if values["engine"] == "deepspeed" else None,
+                   offload_optimizer=values.get("offload_optimizer") or "none")
+
+    def describe(self) -> str:
+        processes = f"{self.world_size} process{'es' if self.world_size > 1 else ''}"
+        if self.engine == "deepspeed":
+            stage = "1 or 2" if self.zero_stage is None else self.zero_stage
+            return f"DeepSpeed ZeRO-{stage} on {processes}"
+        if self.engine == "fsdp":
+            return f"FSDP on {processes}"
+        return f"DDP on {processes}" if self.world_size > 1 else "one process"
+
+
+def saved_layout(checkpoint: Path, state: dict[str, Any]) -> Layout:
+    """The layout a checkpoint was written by: recorded in its trainer state, else read from its files
+    (checkpoints written before the layout was recorded; their plan records the world size)."""
+    if state.get("layout"):
+        return Layout.from_dict(state["layout"])
+    world = int(state["plan"]["world_size"])
+    ds = checkpoint / DEEPSPEED_DIR
+    if ds.is_dir():
+        if any(ds.glob("zero_pp_rank_*_mp_rank_*_model_states.pt")):
+            stage = 3
+        elif any(ds.glob("*zero_pp_rank_*_optim_states.pt")):
+            stage = None  # ZeRO-1 and ZeRO-2 write the same files
+        else:
+            stage = 0
+        return Layout("deepspeed", world, stage)
+    if (checkpoint / FSDP_SHARDED_DIR).is_dir() or (checkpoint / FSDP_FULL_FILE).is_file():
+        return Layout("fsdp", world)
+    return Layout("ddp", world)
+
+
+class LayoutRefused(ConfigError):
+    """A checkpoint this launch cannot resume. ``saved``: the layout that wrote it; ``same_world``: it resumes
+    only on its own number of processes (ZeRO-0). pretrain-launch turns these into a command that resumes it."""
+
+    def __init__(self, message: str, saved: Layout, *, same_world: bool = False):
+        super().__init__(message)
+        self.saved, self.same_world = saved, same_world
+
+
+def conversion(checkpoint: Path, saved: Layout, target: Layout) -> str | None:
+    """What resuming ``checkpoint`` (written by ``saved``) under ``target`` needs: None (load as it is),
+    UNIVERSAL (DeepSpeed universal checkpoint), or LayoutRefused naming what to do instead.
+    (DDP key renaming is decided from the weights file itself, see ``plan_resume``.)"""
+    if saved.engine != target.engine:
+        raise LayoutRefused(
+            f"cannot resume {checkpoint} with {target.describe()}: it was written by {saved.describe()}, and "
+            f"its optimizer state ({_ENGINE_FORMAT[saved.engine]}) loads only there. Resume it with "
+            f"{_ENGINE_LAUNCH[saved.engine]} (any number of processes), or take its weights alone as a "
+            f"transformers model with pretrain-export {checkpoint} <dir>", saved
+        )
+    if saved.engine != "deepspeed":
+        return None
+    same_stage = saved.zero_stage == target.zero_stage or (saved.zero_stage is None and target.zero_stage in (1, 2))
+    if saved.world_size == target.world_size and same_stage:
+        return None
+    change = f"{saved.describe()} -> {target.describe()}"
+    if 0 in (saved.zero_stage, target.zero_stage):
+        raise LayoutRefused(
+            f"cannot resume {checkpoint} across {change}: DeepSpeed's universal checkpoint converts and restores "
+            "optimizer states through a ZeRO optimizer (stage 1-3), and ZeRO-0 has none. Resume it with ZeRO-"
+            f"{saved.zero_stage} on {saved.world_size} processes as saved, or take its weights with "
+            f"pretrain-export {checkpoint} <dir>", saved, same_world=saved.zero_stage == 0
+        )
+    if (saved.zero_stage == 3) != (target.zero_stage == 3):
+        raise LayoutRefused(
+            f"cannot resume {checkpoint} across {change}: DeepSpeed's universal checkpoint (deepspeed "
+            f"{_deepspeed_version()}) writes ZeRO-3 and ZeRO-1/2 optimizer states in different formats and "
+            f"loads each only into its own kind. Resume it with {_same_kind(saved)} on any number of processes, "
+            f"or take its weights with pretrain-export {checkpoint} <dir>", saved
+        )
+    if "nvme" in (saved.offload_optimizer, target.offload_optimizer):
+        raise LayoutRefused(
+            f"cannot resume {checkpoint} across {change} with NVMe optimizer offload: DeepSpeed keeps those "
+            "states per rank outside the universal checkpoint. Resume with the saved layout and offload, or use "
+            "offload_optimizer_device: cpu / none on both sides", saved, same_world=True
+        )
+    return UNIVERSAL
+
+
+def _same_kind(saved: Layout) -> str:
+    return "ZeRO-3 (accelerate_configs/zero3.yaml)" if saved.zero_stage == 3 else \
+        "ZeRO-1 or ZeRO-2 (accelerate_configs/zero1.yaml, zero2.yaml)"
+
+
+def _deepspeed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("deepspeed")
+    except PackageNotFoundError:
+        return "not installed"
+
+
+_ENGINE_FORMAT = {"deepspeed": "DeepSpeed's ZeRO files, read by DeepSpeed", "ddp": "one torch state_dict, read by DDP",
+                  "fsdp": "torch.distributed.checkpoint shards, read by FSDP"}
+_ENGINE_LAUNCH = {"deepspeed": f"a DeepSpeed config ({DEEPSPEED_CONFIGS})",
+                  "ddp": "accelerate_configs/cpu_ddp.yaml / ddp.yaml or one process",
+                  "fsdp": "accelerate_configs/fsdp.yaml"}
+
+
+@dataclass(frozen=True)
+class ResumeSource:
+    """A checkpoint prepared for this launch: where its state is read, and what the load must do."""
+
+    checkpoint: Path  # the checkpoint (its trainer_state.json)
+    load_dir: Path  # what accelerator.load_state reads: the checkpoint, or its converted sibling
+    saved: Layout | None  # None: not read (loaded as saved)
+    load_universal: bool = False  # DeepSpeed's checkpoint.load_universal
+    world_changed: bool = False  # the per-process RNG files belong to other processes: re-seed instead
+
+
+def view_path(checkpoint: Path, kind: str) -> Path:
+    return checkpoint.with_name(f"{checkpoint.name}.{kind}")
+
+
+def views(checkpoint: Path) -> list[Path]:
+    """The converted siblings of a checkpoint that exist (removed with it)."""
+    return [p for kind in VIEW_SUFFIXES if (p := view_path(checkpoint, kind)).exists()]
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """The decision for one checkpoint under one launch: what the run does, and what pretrain-launch checks."""
+
+    checkpoint: Path
+    saved: Layout
+    target: Layout
+    kind: str | None  # the sibling to convert into (UNIVERSAL, SINGLE_KEYS), or None: load the checkpoint itself
+
+    @property
+    def world_changed(self) -> bool:
+        return self.saved.world_size != self.target.world_size
+
+    def describe(self) -> str:
+        """What the run does with the checkpoint, in a few words (the dry run's resume line)."""
+        written = f"layout {self.saved.describe()}"
+        if self.kind == UNIVERSAL:
+            return f"{written}, converted by rank 0 to a DeepSpeed universal checkpoint for {self.target.describe()}"
+        if self.kind == SINGLE_KEYS:
+            return f"{written}, converted by rank 0: DDP's module. prefix taken off its weights' keys"
+        if self.saved != self.target:
+            return f"{written}, loaded as saved by {self.target.describe()}"
+        return f"{written}, loaded as saved"
+
+
+def plan_resume(checkpoint: Path, launch: Launch) -> ResumePlan:
+    """How ``checkpoint`` resumes under ``launch``, or LayoutRefused: plain file reads (the trainer state, a
+    safetensors header), no conversion. The run (``prepare_resume``) and pretrain-launch's check before any
+    process starts both decide here, so they cannot disagree."""
+    state = read_state(checkpoint)
+    assert state is not None, f"{checkpoint} is not a complete checkpoint"
+    saved, target = saved_layout(checkpoint, state), Layout.of(launch)
+    kind = conversion(checkpoint, saved, target)
+    if saved.engine == "ddp":
+        kind = _ddp_keys_kind(checkpoint)
+    return ResumePlan(checkpoint, saved, target, kind)
+
+
+def prepare_resume(checkpoint: Path, launch: Launch, log: Log = print) -> ResumeSource:
+    """Check that ``checkpoint`` can be resumed under ``launch`` and convert it if needed (rank 0 converts,
+    the others wait for the result). Plain file reads; call before any process group exists."""
+    plan = plan_resume(checkpoint, launch)
+    saved, target, kind, world_changed = plan.saved, plan.target, plan.kind, plan.world_changed
+    if kind is None:
+        if saved != target:
+            log(f"resume: {checkpoint} was written by {saved.describe()}; loading it with {target.describe()}")
+        return ResumeSource(checkpoint, checkpoint, saved, world_changed=world_changed)
+    state = read_state(checkpoint)
+    view = view_path(checkpoint, kind)
+    stamp = {"checkpoint": checkpoint.name, "saved_at": state.get("saved_at"), "step": state["step"], "kind": kind}
+    if _stamp(view) == stamp:
+        log(f"resume: {saved.describe()} -> {target.describe()}: reusing the converted {view}")
+    elif launch.is_main:
+        _convert(checkpoint, view, kind, stamp, saved, target, log)
+    else:
+        _wait_for(view, stamp)
+    return ResumeSource(checkpoint, view, saved, load_universal=kind == UNIVERSAL, world_changed=world_changed)
+
+
+def _ddp_keys_kind(checkpoint: Path) -> str | None:
+    """SINGLE_KEYS when the saved weights carry DDP's ``module.`` prefix, else None (the safetensors header is
+    read, not the weights). accelerate's ``prepare`` registers the model before wrapping it in DDP, and
+    ``save_state`` / ``load_state`` use the registered module: the keys it reads and writes are the model's
+    own on one process and on many alike, so only a prefixed file from elsewhere needs renaming, for any
+    process count (tests/test_reshard.py resumes 1 -> 2, 2 -> 3 and 2 -> 1 processes end to end)."""
+    from safetensors import safe_open
+
+    weights = checkpoint / MODEL_FILE
+    if not weights.is_file():
+        return None  # .bin weights (safe_serialization=False): accelerate reports what it cannot load
+    with safe_open(str(weights), framework="pt") as f:
+        prefixed = any(key.startswith("module.") for key in f.keys())
+    return SINGLE_KEYS if prefixed else None
+
+
+def _stamp(view: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((view / STAMP_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _failure_marker(view: Path) -> Path:
+    return view.with_name(f".{view.name}.failed")
+
+
+def _convert(checkpoint: Path, view: Path, kind: str, stamp: dict, saved: Layout, target: Layout, log: Log) -> None:
+    tmp = view.with_name(f".tmp-{view.name}")
+    failed = _failure_marker(view)
+    failed.unlink(missing_ok=True)
+    size_gib = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file()) / 2**30
+    log(f"resume: {saved.describe()} -> {target.describe()}: converting {checkpoint} ({size_gib:.2f} GiB) into "
+        f"{view} ({'DeepSpeed universal checkpoint' if kind == UNIVERSAL else 'model keys renamed'}); the other "
+        "processes wait. This reads the whole checkpoint and writes about as much again.")
+    start = time.perf_counter()
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by a conversion that was killed
+        tmp.mkdir(parents=True)
+        # The manifest describes the checkpoint as saved, not the converted files: a view is derived data.
+        skip = {STATE_FILE, MANIFEST_FILE, DEEPSPEED_DIR if kind == UNIVERSAL else MODEL_FILE}
+        for item in checkpoint.iterdir():
+            if item.is_file() and item.name not in skip:
+                _link_or_copy(item, tmp / item.name)
+        if kind == UNIVERSAL:
+            _refuse_crafted(checkpoint)
+            with weights_only(checkpoint):  # DeepSpeed's converter loads with weights_only=False
+                _to_universal(checkpoint / DEEPSPEED_DIR, tmp / DEEPSPEED_DIR)
+        else:
+            _strip_ddp_prefix(checkpoint / MODEL_FILE, tmp / MODEL_FILE)
+        (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=1, sort_keys=True))
+        if view.exists():
+            shutil.rmtree(view)  # converted from an earlier save of the same step
+        os.rename(tmp, view)
+    except BaseException as exc:
+        failed.write_text(f"{type(exc).__name__}: {exc}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"resume: converted in {time.perf_counter() - start:.1f}s ({_size_gib(view):.2f} GiB in {view})")
+
+
+def _size_gib(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**30
+
+
+def _link_or_copy(source: Path, dest: Path) -> None:
+    try:
+        os.link(source, dest)
+    except OSError:
+        shutil.copy2(source, dest)
+
+
+def _to_universal(deepspeed_dir: Path, out: Path) -> None:
+    """DeepSpeed's own converter, as its command line runs it (its prints go to stderr: they are progress)."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    workers = max(1, min(8, os.cpu_count() or 1))
+    args = argparse.Namespace(input_folder=str(deepspeed_dir), output_folder=str(out), num_extract_workers=workers,
+                              num_merge_workers=max(1, workers // 2), keep_temp_folder=False, strict=True,
+                              # transformers models carry no universal_checkpoint_info; it is only a version tag
+                              inject_missing_state=True)
+    with contextlib.redirect_stdout(sys.stderr):
+        ds_to_universal.main(args)
+
+
+def _strip_ddp_prefix(source: Path, dest: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(source))
+    renamed = {k.removeprefix("module."): v for k, v in weights.items()}
+    save_file(renamed, str(dest), metadata={"format": "pt"})
+
+
+def _wait_for(view: Path, stamp: dict[str, Any], timeout_s: float = WAIT_TIMEOUT_S, poll_s: float = 1.0) -> None:
+    started, deadline = time.time(), time.monotonic() + timeout_s
+    failed = _failure_marker(view)
+    while _stamp(view) != stamp:
+        if failed.is_file() and failed.stat().st_mtime >= started - 1:
+            raise ConfigError(f"rank 0 failed converting the checkpoint into {view}: {failed.read_text()}")
+        if time.monotonic() > deadline:
+            raise ConfigError(
+                f"waited {timeout_s / 3600:.1f} h for rank 0 to convert the checkpoint into {view}; check rank 0's "
+                "log, or convert by resuming once with a single process of the new layout"
+            )
+        time.sleep(poll_s)
+
+
+# ---- the full weights of any checkpoint, for pretrain-export ---------------------------------------------
+def full_state_dict(checkpoint: Path, log: Log = print) -> dict[str, Any]:
+    """The full fp32 model state dict of a checkpoint of any layout, read on CPU without a process group:
+    DeepSpeed ZeRO-1/2/3 through ``zero_to_fp32`` (the fp32 master partitions, merged), ZeRO-0 and DDP from
+    the saved module, FSDP's sharded state through accelerate's ``merge_fsdp_weights`` (DCP). Every pickle is
+    read without running it first, and loaded weights-only (pretrain/trust.py)."""
+    state = read_state(checkpoint)
+    assert state is not None
+    layout = saved_layout(checkpoint, state)
+    _refuse_crafted(checkpoint)
+    with weights_only(checkpoint):  # zero_to_fp32 and DCP load with weights_only=False
+        weights = _read_weights(checkpoint, layout)
+    log(f"export: read {len(weights)} tensors of {layout.describe()} from {checkpoint}")
+    return {k.removeprefix("module."): v.float() if v.is_floating_point() else v for k, v in weights.items()}
+
+
+def _refuse_crafted(checkpoint: Path) -> None:
+    """Every pickle of ``checkpoint`` read without running it, before one process loads them all."""
+    refused = check_files(checkpoint, checkpoint_files(checkpoint))
+    if refused:
+        raise ConfigError(refused)
+
+
+def _read_weights(checkpoint: Path, layout: Layout) -> dict[str, Any]:
+    import torch
+    from safetensors.torch import load_file
+
+    if layout.engine == "deepspeed":
+        ds = checkpoint / DEEPSPEED_DIR
+        if layout.zero_stage == 0:
+            module = torch.load(ds / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)["module"]
+            weights = dict(module)
+        else:
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            with contextlib.redirect_stdout(sys.stderr):
+                weights = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=DEEPSPEED_DIR)
+    elif layout.engine == "fsdp":
+        if (checkpoint / FSDP_SHARDED_DIR).is_dir():
+            from accelerate.utils import merge_fsdp_weights
+
+            with tempfile.TemporaryDirectory(dir=checkpoint.parent, prefix=".export-") as tmp:
+                merge_fsdp_weights(str(checkpoint / FSDP_SHARDED_DIR), tmp, safe_serialization=True)
+                weights = load_file(str(Path(tmp) / MODEL_FILE))
+        else:
+            weights = torch.load(checkpoint / FSDP_FULL_FILE, map_location="cpu", weights_only=True)
+    else:
+        if not (checkpoint / MODEL_FILE).is_file():
+            raise ConfigError(f"{checkpoint} has no {MODEL_FILE} (a checkpoint saved without safetensors?); "
+                              "nothing to export")
+        weights = load_file(str(checkpoint / MODEL_FILE))
+    return weights

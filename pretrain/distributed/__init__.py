@@ -1,0 +1,1 @@
+"""The layout of a launch and the processes that run it: world, engine, accelerator, supervision."""

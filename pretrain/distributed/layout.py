@@ -1,0 +1,506 @@
+"""The launch, read once: how many processes on how many machines, which engine, ZeRO stage, offload.
+
+A ``Launch`` is built in exactly one of two ways and then passed around as a value:
+
+- ``Launch.from_env()`` inside a training process, from what ``accelerate launch`` / torchrun exported
+  (``WORLD_SIZE``, ``RANK``, ``GROUP_WORLD_SIZE``, ``ACCELERATE_*``);
+- ``Launch.from_accelerate_config(path, args)`` before any process exists (``pretrain-launch``,
+  ``pretrain-slurm``, ``pretrain-estimate``), from the accelerate config file and the command-line
+  options that override it: the same value the processes will build from their environment.
+
+The batch plan, the pre-launch checks, the Accelerator builder, the DeepSpeed config and the memory
+estimator all read this value; no other module reads the launch environment or parses an accelerate
+config. ``accelerate_command`` is the one place that writes an ``accelerate launch`` command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pretrain.errors import ConfigError
+from pretrain.recipe import safe_yaml
+
+RUN_PY = Path(__file__).resolve().parents[1] / "run.py"
+"""The training entry point every launch command starts."""
+DOCTOR_ENTRY = ("-m", "pretrain", "doctor")
+"""`pretrain doctor` as accelerate launch starts it (``-m``: a module, in every process)."""
+
+# The largest count any option takes (processes, nodes, steps, workers, ...): a C int, as torch, SLURM and
+# the OS take them; a larger number is a typo, not a cluster. (Here, below cli/options.py, which reads it.)
+MAX_COUNT = 2**31 - 1
+ENGINES = ("ddp", "fsdp", "deepspeed")
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+# accelerate's distributed types that are plain data parallelism (or one process).
+_DDP_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU", "MULTI_NPU", "MULTI_XPU", "MULTI_MLU", "MULTI_HPU")
+# accelerate config keys (and their `accelerate launch --<key>` options) under deepspeed_config, and the
+# environment variables accelerate launch turns them into.
+_DEEPSPEED_ENV = {
+    "zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+    "offload_optimizer_device": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+    "offload_param_device": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+    "zero3_init_flag": "ACCELERATE_DEEPSPEED_ZERO3_INIT",
+    "deepspeed_config_file": "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+    "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+    "gradient_clipping": "ACCELERATE_GRADIENT_CLIPPING",
+}
+HPZ_KEY = "zero_hpz_partition_size"
+"""DeepSpeed ZeRO++'s hierarchical partitioning (hpZ): a DeepSpeed JSON's zero_optimization key. "auto": the
+launch's GPUs per node."""
+# accelerate's parallelism_config keys (accelerate config file, `accelerate launch --<key>`) and the environment
+# variables accelerate launch exports for them; pretrain runs data parallelism only (no TP, CP or SP).
+_PARALLELISM_ENV = {
+    "parallelism_config_dp_replicate_size": "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",
+    "parallelism_config_dp_shard_size": "PARALLELISM_CONFIG_DP_SHARD_SIZE",
+    "parallelism_config_tp_size": "PARALLELISM_CONFIG_TP_SIZE",
+    "parallelism_config_cp_size": "PARALLELISM_CONFIG_CP_SIZE",
+    "parallelism_config_sp_size": "PARALLELISM_CONFIG_SP_SIZE",
+}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a run is (or will be) distributed. The first six fields are what memory depends on."""
+
+    engine: str = "ddp"
+    """ddp (PyTorch DDP, or one process), fsdp (accelerate's FSDP) or deepspeed."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage 0-3 (0 unless engine is deepspeed)."""
+    offload_optimizer: str = "none"
+    """DeepSpeed optimizer-state offload device: none, cpu or nvme."""
+    offload_params: str = "none"
+    """DeepSpeed (ZeRO-3) or FSDP parameter offload device: none, cpu or nvme."""
+    num_nodes: int = 1
+    gpus_per_node: int = 1
+    """Processes per node (one per GPU on a GPU cluster)."""
+    rank: int = 0
+    """This process's global rank (0 outside a launched process)."""
+    local_rank: int = 0
+    """This process's rank on its node (0 outside a launched process)."""
+    mixed_precision: str = "no"
+    """What the accelerate config says about precision; the recipe owns it, so this must agree or be 'no'."""
+    fsdp_sharding: str | None = None
+    """FSDP's sharding strategy (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, ...)."""
+    zero3_init: bool | None = None
+    """accelerate's zero3_init_flag (None: not set, pretrain decides)."""
+    deepspeed_config_file: str | None = None
+    """A user's DeepSpeed JSON named by the accelerate config, merged with the recipe's fields."""
+    deepspeed_fields: Mapping[str, str] = field(default_factory=dict)
+    """gradient_accumulation_steps / gradient_clipping as the accelerate config gave them (checked, not used)."""
+    hybrid_shard_size: int | None = None
+    """Hybrid sharding: the ranks (one node's GPUs) that shard one replica of the parameters; the replicas span
+    the nodes. DeepSpeed ZeRO-3 hpZ (zero_optimization.zero_hpz_partition_size: a secondary copy of the
+    compute-dtype parameters partitioned within the group, where backward gathers them) or FSDP2 HSDP
+    (accelerate's parallelism_config dp_shard_size: every state sharded within the group, dp_replicate_size
+    copies). None: sharded over the whole world."""
+
+    def __post_init__(self):
+        check_launch(self)
+
+    # ---- derived ------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        return self.engine == "deepspeed"
+
+    @property
+    def num_replicas(self) -> int:
+        """Copies of the sharded states: world / hybrid_shard_size (1 unless hybrid)."""
+        return self.world_size // self.hybrid_shard_size if self.hybrid_shard_size else 1
+
+    def hybrid_text(self) -> str:
+        """How describe() and the planner name the hybrid part ("" when not hybrid)."""
+        if not self.hybrid_shard_size:
+            return ""
+        what = "hpZ" if self.uses_deepspeed else "HSDP"
+        return f"{what}: sharded within {self.hybrid_shard_size} GPUs, {self.num_replicas} replicas"
+
+    def describe(self) -> str:
+        if self.engine == "ddp":
+            what = "PyTorch DDP" if self.world_size > 1 else "one process (no data parallelism)"
+        elif self.engine == "fsdp":
+            what = f"FSDP {self.fsdp_sharding or 'FULL_SHARD'}"
+            if self.hybrid_shard_size:
+                what += f" ({self.hybrid_text()})"
+            if self.offload_params != "none":
+                what += f" (offload params -> {self.offload_params})"
+        else:
+            what = f"DeepSpeed ZeRO-{self.zero_stage}"
+            if self.hybrid_shard_size:
+                what += f" ({self.hybrid_text()})"
+            offload = [f"optimizer -> {self.offload_optimizer}"] * (self.offload_optimizer != "none")
+            offload += [f"params -> {self.offload_params}"] * (self.offload_params != "none")
+            if offload:
+                what += f" (offload {', '.join(offload)})"
+        gpus = f"{self.num_nodes} x {self.gpus_per_node}" if self.num_nodes > 1 else f"{self.gpus_per_node}"
+        return f"{what} on {gpus} GPU{'s' if self.world_size > 1 else ''}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """What the run config records about the launch."""
+        return {
+            "engine": self.engine, "zero_stage": self.zero_stage if self.uses_deepspeed else None,
+            "fsdp_sharding": self.fsdp_sharding, "offload_optimizer": self.offload_optimizer,
+            "offload_params": self.offload_params, "world_size": self.world_size, "num_machines": self.num_nodes,
+            "hybrid_shard_size": self.hybrid_shard_size,
+        }  # fmt: skip
+
+    # ---- built from the environment of a launched process ---------------------------------------
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> Launch:
+        """This process's launch, from the variables accelerate launch / torchrun export.
+
+        ``python pretrain/run.py`` exports none of them: one process, engine ddp.
+        """
+        world_size = int(environ.get("WORLD_SIZE", "1") or 1)
+        # torchrun exports GROUP_WORLD_SIZE: one rendezvous group per node.
+        num_nodes = int(environ.get("GROUP_WORLD_SIZE", "1") or 1)
+        if world_size % num_nodes:
+            num_nodes = 1  # an unusual torchrun set-up: count processes, not nodes
+        common = dict(num_nodes=num_nodes, gpus_per_node=world_size // num_nodes,
+                      rank=int(environ.get("RANK", "0") or 0), local_rank=int(environ.get("LOCAL_RANK", "0") or 0),
+                      mixed_precision=environ.get("ACCELERATE_MIXED_PRECISION", "no").lower())
+        if environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+            ds = {key: environ.get(var) for key, var in _DEEPSPEED_ENV.items()}
+            return cls._deepspeed(ds, "the accelerate launch environment", **common)
+        if environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+            offload = environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"
+            parallelism = ({key: environ.get(var) for key, var in _PARALLELISM_ENV.items()}
+                           if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true" else {})
+            strategy, hybrid = _fsdp_layout(environ.get("FSDP_SHARDING_STRATEGY"), environ.get("FSDP_RESHARD_AFTER_FORWARD"),
+                                            environ.get("FSDP_VERSION"), parallelism, common["num_nodes"],
+                                            common["gpus_per_node"], "the accelerate launch environment")
+            return cls("fsdp", offload_params="cpu" if offload else "none", fsdp_sharding=strategy,
+                       hybrid_shard_size=hybrid, **common)
+        return cls("ddp", **common)
+
+    # ---- built from an accelerate config file, before any process exists -------------------------
+    @classmethod
+    def from_accelerate_config(cls, path: str | os.PathLike | None, accelerate_args: Sequence[str] = (), *,
+                               num_nodes: int | None = None, gpus_per_node: int | None = None) -> Launch:
+        """The launch ``accelerate launch --config_file path <accelerate_args>`` would start.
+
+        Command-line options (``--num_processes``, ``--num_machines``, ``--mixed_precision``,
+        ``--zero_stage``, ...) override the file, as they do for accelerate; ``num_nodes`` /
+        ``gpus_per_node`` override both (a planner asking "what if").
+        """
+        config = read_accelerate_config(path) if path is not None else {}
+        source = f"accelerate config {path}" if path is not None else "the accelerate launch options"
+        kind = str(option_value(accelerate_args, "--distributed_type") or config.get("distributed_type", "NO")).upper()
+        if "--use_deepspeed" in accelerate_args:
+            kind = "DEEPSPEED"
+        elif "--use_fsdp" in accelerate_args:
+            kind = "FSDP"
+        nodes = num_nodes or _count(option_value(accelerate_args, "--num_machines") or config.get("num_machines", 1)
+                                    or 1, "num_machines", source)
+        processes = _count(option_value(accelerate_args, "--num_processes") or config.get("num_processes", 1) or 1,
+                           "num_processes", source)
+        if gpus_per_node is None:
+            if processes % nodes:
+                raise ConfigError(f"{source}: num_processes ({processes}) is not divisible by num_machines ({nodes})")
+            gpus_per_node = processes // nodes
+        precision = str(option_value(accelerate_args, "--mixed_precision") or config.get("mixed_precision", "no")).lower()
+        common = dict(num_nodes=nodes, gpus_per_node=gpus_per_node, mixed_precision=precision)
+        if kind in _DDP_TYPES:
+            return cls("ddp", **common)
+        if kind == "FSDP":
+            fsdp = config.get("fsdp_config") or {}
+            offload = str(fsdp.get("fsdp_offload_params", False)).lower() == "true"
+            parallelism = dict(config.get("parallelism_config") or {})
+            for key in _PARALLELISM_ENV:
+                value = option_value(accelerate_args, f"--{key}")
+                if value is not None:
+                    parallelism[key] = value
+            strategy, hybrid = _fsdp_layout(
+                option_value(accelerate_args, "--fsdp_sharding_strategy") or fsdp.get("fsdp_sharding_strategy"),
+                option_value(accelerate_args, "--fsdp_reshard_after_forward") or fsdp.get("fsdp_reshard_after_forward"),
+                option_value(accelerate_args, "--fsdp_version") or fsdp.get("fsdp_version"), parallelism, nodes,
+                gpus_per_node, source)
+            return cls("fsdp", offload_params="cpu" if offload else "none", fsdp_sharding=strategy,
+                       hybrid_shard_size=hybrid, **common)
+        if kind != "DEEPSPEED":
+            raise ConfigError(f"{source}: distributed_type {kind} is not supported; use DEEPSPEED, FSDP, "
+                              "MULTI_GPU, MULTI_CPU or NO")
+        ds = dict(config.get("deepspeed_config") or {})
+        for key in _DEEPSPEED_ENV:
+            value = option_value(accelerate_args, f"--{key}")
+            if value is not None:
+                ds[key] = value
+        return cls._deepspeed({k: None if v is None else str(v) for k, v in ds.items()}, source, **common)
+
+    @classmethod
+    def _deepspeed(cls, ds: Mapping[str, str | None], source: str, **common) -> Launch:
+        """DeepSpeed fields from accelerate's names (file keys and environment agree on them)."""
+        config_file = ds.get("deepspeed_config_file")
+        config_file = config_file if config_file not in (None, "", "none") else None
+        zero: dict[str, Any] = {}
+        if config_file is not None and Path(config_file).is_file():
+            try:  # a missing or broken file is reported by the DeepSpeed config builder, with its fix
+                zero = json.loads(Path(config_file).read_text()).get("zero_optimization") or {}
+            except (OSError, json.JSONDecodeError, AttributeError):
+                zero = {}
+        stage = ds.get("zero_stage")
+        stage = stage if stage not in (None, "") else zero.get("stage", 2)
+        try:
+            stage = int(stage)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{source}: deepspeed_config.zero_stage = {stage!r}; use 0, 1, 2 or 3") from None
+        off_opt = ds.get("offload_optimizer_device") or (zero.get("offload_optimizer") or {}).get("device") or "none"
+        off_par = ds.get("offload_param_device") or (zero.get("offload_param") or {}).get("device") or "none"
+        init = ds.get("zero3_init_flag")
+        fields = {k: str(ds[k]) for k in ("gradient_accumulation_steps", "gradient_clipping") if ds.get(k) is not None}
+        hpz = _hpz_size(zero.get(HPZ_KEY), common["gpus_per_node"], config_file)
+        return cls("deepspeed", stage, str(off_opt).lower(), str(off_par).lower(),
+                   zero3_init=None if init in (None, "") else str(init).lower() == "true",
+                   deepspeed_config_file=config_file, deepspeed_fields=fields, hybrid_shard_size=hpz, **common)
+
+
+def _hpz_size(value: Any, gpus_per_node: int, config_file: str | None) -> int | None:
+    """zero_optimization.zero_hpz_partition_size of a DeepSpeed JSON: "auto" is the GPUs per node; 0 or 1
+    (DeepSpeed's default) is no hpZ."""
+    if value in (None, 0, 1, "0", "1"):
+        return None
+    if str(value).lower() == "auto":
+        return gpus_per_node
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        size = -1
+    if size < 0 or str(size) != str(value).strip():
+        raise ConfigError(f"{config_file}: zero_optimization.{HPZ_KEY} = {value!r}; use \"auto\" (the GPUs per node) "
+                          "or a whole number of GPUs that divides the world size")
+    return size
+
+
+def _fsdp_layout(strategy: str | int | None, reshard_after_forward: str | bool | None, version: str | int | None,
+                 parallelism: Mapping[str, Any], nodes: int, gpus_per_node: int, source: str) -> tuple[str, int | None]:
+    """(sharding strategy, hybrid_shard_size) of an FSDP launch. HSDP: FSDP2 with accelerate's parallelism_config
+    (dp_replicate_size x dp_shard_size); FSDP1's HYBRID_SHARD strategies shard within a node (torch's default)."""
+    name = _fsdp_strategy(strategy, reshard_after_forward)
+    fsdp2 = str(version or "1") == "2"
+    if name.startswith("HYBRID_SHARD"):
+        if fsdp2:
+            raise ConfigError(f"{source}: FSDP2 has no {name} strategy (accelerate takes only true / false for "
+                              "fsdp_reshard_after_forward); hybrid sharding with FSDP2 is accelerate's parallelism_config: "
+                              "see accelerate_configs/multinode_hsdp.yaml")
+        return ("FULL_SHARD" if name == "HYBRID_SHARD" else "SHARD_GRAD_OP"), gpus_per_node
+    sizes = {}
+    for key, value in parallelism.items():
+        if key not in _PARALLELISM_ENV or value in (None, ""):
+            continue
+        try:
+            sizes[key] = int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{source}: parallelism_config.{key} = {value!r}; use a whole number") from None
+    unsupported = {k: v for k, v in sizes.items() if v != 1 and k not in (
+        "parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size")}
+    if unsupported:
+        raise ConfigError(f"{source}: {', '.join(f'parallelism_config.{k} = {v}' for k, v in unsupported.items())}: "
+                          "pretrain runs data parallelism only (no tensor, context or sequence parallelism); set them to 1")
+    replicate = sizes.get("parallelism_config_dp_replicate_size", 1)
+    shard = sizes.get("parallelism_config_dp_shard_size", 1)
+    if replicate <= 1:
+        if sizes.get("parallelism_config_dp_shard_size", nodes * gpus_per_node) not in (1, nodes * gpus_per_node):
+            raise ConfigError(f"{source}: parallelism_config_dp_shard_size = {shard} but the launch has "
+                              f"{nodes * gpus_per_node} processes; without dp_replicate_size it must be the world size")
+        return name, None
+    if not fsdp2:
+        raise ConfigError(f"{source}: parallelism_config (dp_replicate_size {replicate}) needs fsdp_version: 2; "
+                          "accelerate refuses it with FSDP1")
+    if replicate * shard != nodes * gpus_per_node:
+        raise ConfigError(
+            f"{source}: parallelism_config dp_replicate_size ({replicate}) x dp_shard_size ({shard}) = "
+            f"{replicate * shard}, but the launch has {nodes} x {gpus_per_node} = {nodes * gpus_per_node} processes; "
+            f"for hybrid sharding set dp_shard_size to the GPUs per node ({gpus_per_node}) and dp_replicate_size "
+            f"to the nodes ({nodes})")
+    if shard <= 1:
+        raise ConfigError(f"{source}: parallelism_config dp_shard_size = {shard} leaves FSDP nothing to shard over; "
+                          f"set it to the GPUs per node ({gpus_per_node}), or use accelerate_configs/ddp.yaml for "
+                          "plain data parallelism")
+    return name, shard
+
+
+def _fsdp_strategy(strategy: str | int | None, reshard_after_forward: str | bool | None) -> str:
+    """FSDP1's sharding strategy (a name or torch's 1-based enum number), or FSDP2's
+    reshard_after_forward (true: FULL_SHARD, false: SHARD_GRAD_OP; accelerate also accepts a name there)."""
+    names = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+    for value in (strategy, reshard_after_forward):
+        text = str(value).upper() if value not in (None, "") else ""
+        if text in ("TRUE", "FALSE"):
+            return "FULL_SHARD" if text == "TRUE" else "SHARD_GRAD_OP"
+        if text.isdigit() and 1 <= int(text) <= len(names):
+            return names[int(text) - 1]
+        if text in names:
+            return text
+    return "FULL_SHARD"
+
+
+def check_launch(launch: Launch) -> None:
+    """Reject what DeepSpeed, FSDP or DDP cannot run, with the fix."""
+    problems = []
+    if launch.engine not in ENGINES:
+        problems.append(f"engine {launch.engine!r}: use one of {', '.join(ENGINES)}")
+    if launch.num_nodes < 1 or launch.gpus_per_node < 1:
+        problems.append(f"nodes ({launch.num_nodes}) and GPUs per node ({launch.gpus_per_node}) must be >= 1")
+    if launch.zero_stage not in (0, 1, 2, 3):
+        problems.append(f"ZeRO stage {launch.zero_stage!r}: DeepSpeed has stages 0, 1, 2 and 3")
+    for what, device in (("offload_optimizer", launch.offload_optimizer), ("offload_params", launch.offload_params)):
+        if device not in OFFLOAD_DEVICES:
+            problems.append(f"{what} device {device!r}: use none, cpu or nvme")
+    if (launch.fsdp_sharding or "").startswith("HYBRID_SHARD"):
+        problems.append(f"fsdp_sharding {launch.fsdp_sharding}: give FULL_SHARD or SHARD_GRAD_OP with hybrid_shard_size "
+                        "(the GPUs that shard one replica)")
+    if launch.hybrid_shard_size is not None and not problems:
+        problems += _hybrid_problems(launch)
+    if problems:
+        raise ConfigError(problems)
+
+
+def _hybrid_problems(launch: Launch) -> list[str]:
+    """Hybrid sharding DeepSpeed or FSDP cannot run, or that would replicate nothing."""
+    size, world = launch.hybrid_shard_size, launch.world_size
+    what = f"{HPZ_KEY} = {size}" if launch.uses_deepspeed else f"parallelism_config dp_shard_size = {size}"
+    fix = (f"use the GPUs per node ({launch.gpus_per_node}; \"auto\" in the DeepSpeed JSON)" if launch.uses_deepspeed
+           else f"set dp_shard_size to the GPUs per node ({launch.gpus_per_node}) and dp_replicate_size to the nodes")
+    if launch.engine == "ddp":
+        return ["hybrid sharding needs DeepSpeed ZeRO-3 (hpZ) or FSDP (HSDP); DDP shards nothing"]
+    if launch.uses_deepspeed and launch.zero_stage != 3:
+        return [f"{what} (hpZ) needs ZeRO-3 (got ZeRO-{launch.zero_stage}): it partitions a secondary copy of the "
+                "parameters, which only ZeRO-3 partitions; use zero_stage 3 (multinode_zero3_hpz.yaml) or remove "
+                f"{HPZ_KEY}"]
+    if size < 2:
+        return [f"{what}: a group of fewer than 2 GPUs shards nothing; {fix}"]
+    if world % size:
+        return [f"{what} does not divide the world size ({launch.num_nodes} x {launch.gpus_per_node} = {world}); {fix}"]
+    if launch.num_nodes == 1:
+        return [f"{what} on one node: hybrid sharding keeps a copy per node so that the gathers stay inside it, and "
+                "one node has nothing to replicate across; use accelerate_configs/zero3.yaml or fsdp.yaml"]
+    if size == world:
+        return [f"{what} equals the world size ({world}): nothing is replicated, only memory is spent; {fix}"]
+    return []
+
+
+def check_offload(launch: Launch) -> None:
+    """Offload combinations the engine cannot run, worded for the estimator's and planner's options.
+    (A training launch gets the same verdicts from the DeepSpeed config builder, worded for the
+    accelerate config.)"""
+    problems = []
+    if launch.engine == "ddp":
+        if launch.offload_optimizer != "none" or launch.offload_params != "none":
+            problems.append("offload needs DeepSpeed ZeRO (DDP keeps everything on the GPU); pass --zero 1, 2 or 3")
+    elif launch.engine == "deepspeed":
+        if launch.offload_params != "none" and launch.zero_stage != 3:
+            problems.append(
+                f"parameter offload needs ZeRO-3 (got ZeRO-{launch.zero_stage}): DeepSpeed offloads parameters only "
+                "when it partitions them; use --zero 3 or drop --offload-params"
+            )
+        if launch.offload_optimizer != "none" and launch.zero_stage == 0:
+            problems.append(
+                "optimizer offload needs ZeRO-1, 2 or 3 (got ZeRO-0): DeepSpeed offloads the optimizer partition that "
+                "ZeRO creates; use --zero 1 or higher or drop --offload-optimizer"
+            )
+        if "nvme" in (launch.offload_optimizer, launch.offload_params) and launch.zero_stage != 3:
+            problems.append(
+                f"NVMe offload needs ZeRO-3 (ZeRO-Infinity), got ZeRO-{launch.zero_stage}; use cpu or --zero 3"
+            )
+    if problems:
+        raise ConfigError(problems)
+
+
+def _count(value: Any, key: str, source: str) -> int:
+    """A process or machine count from an accelerate config or option: a whole number from 1 to 2**31 - 1
+    (a YAML float such as .nan or 2.5, text, or a 400-digit integer is refused by name)."""
+    text = str(value).strip()
+    if isinstance(value, bool) or not text.lstrip("-").isdigit() or len(text) > 12 or not 1 <= int(text) <= MAX_COUNT:
+        raise ConfigError(f"{source}: {key} = {text[:40]!r} must be a whole number from 1 to {MAX_COUNT:,}")
+    return int(text)
+
+
+def read_accelerate_config(path: str | os.PathLike) -> dict[str, Any]:
+    """An accelerate config file as a mapping; a missing or malformed file is a ConfigError with the fix."""
+    file = Path(path)
+    if not file.is_file():
+        near = sorted(p.name for p in file.parent.glob("*.yaml")) if file.parent.is_dir() else []
+        hint = f"; files in {file.parent}: {', '.join(near)}" if near else ""
+        raise ConfigError(f"accelerate config file not found: {path}{hint}")
+    config = safe_yaml.read(file, "accelerate config")
+    if config is None:
+        raise ConfigError(f"accelerate config {path} is empty; write one with `accelerate config` or start from "
+                          "accelerate_configs/ddp.yaml")
+    if not isinstance(config, dict):
+        raise ConfigError(f"accelerate config {path} must be a YAML mapping, got a {type(config).__name__}")
+    return config
+
+
+def config_uses_cpu(config: Mapping[str, Any]) -> bool:
+    """Whether an accelerate config (as ``read_accelerate_config`` returns it) runs on CPUs: ``use_cpu: true``
+    or ``distributed_type: MULTI_CPU``. (``cpu_ddp.yaml`` is MULTI_GPU on purpose and says use_cpu: false:
+    on a CPU machine pretrain joins its processes over gloo itself.)"""
+    return (str(config.get("use_cpu", False)).lower() == "true"
+            or str(config.get("distributed_type", "NO")).upper() == "MULTI_CPU")
+
+
+def option_value(args: Sequence[str], name: str) -> str | None:
+    """The value of ``--name value`` or ``--name=value`` in a command line (the last one wins)."""
+    found = None
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith(name + "="):
+            found = arg.split("=", 1)[1]
+    return found
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask: a SLURM or cgroup allocation, not the machine)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def threads_per_process(processes_per_node: int) -> int:
+    """``OMP_NUM_THREADS`` for each of a node's processes: the usable cores shared out.
+
+    torchrun sets 1 when the variable is unset and warns that the user should tune it; on CPU one thread per
+    process leaves cores idle, and on a GPU node it starves the host-side work of each rank. Sharing the cores
+    out is what that warning asks for; pretrain-launch sets it unless the user has.
+    """
+    return max(1, usable_cores() // max(1, processes_per_node))
+
+
+def accelerate_command(recipe: str | os.PathLike, overrides: Sequence[str] = (), *,
+                       accelerate_args: Sequence[str] = (), config_file: str | os.PathLike | None = None,
+                       num_processes: int | str | None = None,
+                       launcher: Sequence[str] = (sys.executable, "-m", "accelerate.commands.launch"),
+                       run_py: str | os.PathLike = RUN_PY, entry: Sequence[str] | None = None) -> list[str]:
+    """The argv that starts training: ``<launcher> [--config_file F] [--num_processes N] <accelerate_args>
+    <run_py> --recipe R <overrides>``. Every tool that starts or prints a launch builds it here; ``entry``
+    replaces ``run_py`` (``DOCTOR_ENTRY``: the health check under the same launch).
+
+    ``launcher=()`` with no config file means one process without accelerate (``python run.py``): pass
+    ``launcher=(sys.executable,)``. Shell variables in ``accelerate_args`` (``"$SLURM_NODEID"``) are left
+    for the caller's shell rendering (see ``shell_join``).
+    """
+    command = list(launcher)
+    if config_file is not None:
+        command += ["--config_file", str(config_file)]
+    if num_processes is not None:
+        command += ["--num_processes", str(num_processes)]
+    return [*command, *accelerate_args, *(entry or [str(run_py)]), "--recipe", str(recipe), *overrides]
+
+
+def shell_join(argv: Sequence[str]) -> str:
+    """A command line for a shell script: quoted, except tokens that are a shell variable ("$NAME"),
+    which are double-quoted so that the node's own shell expands them."""
+    return " ".join(f'"{a}"' if a.startswith("$") and a[1:].replace("_", "").isalnum() else shlex.quote(a)
+                    for a in argv)

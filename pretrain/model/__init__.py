@@ -1,0 +1,1 @@
+"""The model a recipe asks for: built, initialised, its loss and its optimizer."""

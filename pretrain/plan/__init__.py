@@ -1,0 +1,1 @@
+"""Answers before any process exists: the memory estimate, the layout planner, the MBS sweep."""

@@ -1,0 +1,66 @@
+"""Validation: the loss over the evaluation set, at its own cadence.
+
+The evaluation set is the same on any world size (``pretrain/train/loader.py``): every rank sums token losses
+over its share and one reduction gives the exact mean. A mixture is evaluated per source (each on its own
+validation split); its ``val/loss`` is the mean of the sources' losses weighted by the mixture's weights,
+the loss expected on the mixture whatever the sizes of the validation splits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Evaluator:
+    """Evaluates at step 0 (``eval.at_start``), every ``eval.every_steps`` optimizer steps and
+    after the last one; logs ``val/*`` (a mixture also ``val/loss/<name>``, ``val/tokens/<name>``) through
+    the accelerator's trackers and one console line."""
+
+    accelerator: Any
+    val_sets: dict[str, Any]  # name ("" for a single source) -> an iterable of batches, the same on every pass
+    every_steps: int
+    num_steps: int
+    at_start: bool
+    console: Any
+    weights: dict[str, float] | None = None  # a mixture's normalised weights, by name
+
+    def due(self, step: int) -> bool:
+        if step == 0:
+            return self.at_start
+        return step == self.num_steps or (self.every_steps > 0 and step % self.every_steps == 0)
+
+    @torch.no_grad()
+    def evaluate(self, model, step: int) -> dict[str, float]:
+        device = self.accelerator.device
+        model.eval()
+        totals = torch.zeros(len(self.val_sets), 2, device=device, dtype=torch.float64)
+        for i, batches in enumerate(self.val_sets.values()):
+            for batch in batches:
+                batch = batch.to(device)
+                out = model(input_ids=batch.input_ids, labels=batch.targets, shift_labels=batch.targets,
+                            num_items_in_batch=1.0, **batch.attention_kwargs())
+                totals[i, 0] += out.loss.double()
+                totals[i, 1] += batch.targets.numel()
+        model.train()
+        # Expensive device-to-host synchronization (one for all sources).
+        sums = self.accelerator.reduce(totals, reduction="sum").tolist()
+        losses = {name: loss_sum / count for name, (loss_sum, count) in zip(self.val_sets, sums, strict=True)}
+        if self.weights is None:
+            val_loss = losses[""]
+        else:
+            val_loss = math.fsum(self.weights[name] * loss for name, loss in losses.items())
+        metrics = {"val/loss": val_loss, "val/ppl": math.exp(min(val_loss, 50.0)),
+                   "val/tokens": int(sum(count for _, count in sums))}
+        line = f"eval step {step}: val_loss {val_loss:.4f} | val_ppl {metrics['val/ppl']:.2f}"
+        if self.weights is not None:
+            for name, (_, count) in zip(self.val_sets, sums, strict=True):
+                metrics[f"val/loss/{name}"], metrics[f"val/tokens/{name}"] = losses[name], int(count)
+            line += " | " + " ".join(f"{name} {loss:.4f}" for name, loss in losses.items())
+        self.accelerator.log(metrics, step=step)
+        self.console.print(line)
+        return metrics

@@ -1,0 +1,71 @@
+"""Every check a run can pass or fail without compute, in one place, for one recipe and one launch.
+
+``pretrain-launch`` and ``pretrain-slurm`` call it before any process exists (with the launch read from
+the accelerate config); each training process calls it again first thing (with the launch read from
+its environment), so a run started by plain ``accelerate launch`` is held to the same checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from pretrain.distributed.layout import Launch
+from pretrain.recipe.batching import BatchPlan, num_training_steps, plan_batches
+from pretrain.recipe.config import Recipe
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a recipe means on a launch: the batch plan, the number of optimizer steps, the peak lr, and the
+    decisions the checks took, passed on to the run rather than taken again: accelerate's mixed_precision, the
+    DeepSpeed config, the loss implementation."""
+
+    launch: Launch
+    batch: BatchPlan
+    num_steps: int
+    lr: float
+    mixed_precision: str = "no"  # accelerate's name for precision.dtype (checked against the launch's)
+    # The DeepSpeed config (recipe + launch + the user's JSON) and whether DeepSpeed builds the optimizer;
+    # None unless the launch uses DeepSpeed. The run's plugin is built from a copy.
+    deepspeed: tuple[dict[str, Any], bool] | None = field(default=None, repr=False)
+    recipe: Recipe | None = field(default=None, repr=False, compare=False)
+
+    @cached_property
+    def loss(self) -> tuple[str, str]:
+        """model.loss resolved for this launch, and why (``loss.loss_choice``); decided on first use: ``auto``
+        on CUDA imports Liger-Kernel and Triton (seconds), which only the run needs."""
+        from pretrain.model.loss import loss_choice
+
+        return loss_choice(self.recipe, self.launch)
+
+
+def check_run(recipe: Recipe, launch: Launch) -> RunPlan:
+    """Raise one ConfigError for the first section that cannot run on ``launch``; else the plan."""
+    from pretrain.model.optim import check_optimizer_args, check_schedule
+
+    layout = check_layout(recipe, launch)
+    num_steps = num_training_steps(recipe.train.max_steps, recipe.train.max_tokens, layout.batch)
+    check_optimizer_args(recipe.optim, layout.lr)
+    check_schedule(recipe.lr_schedule, num_steps)
+    plan = RunPlan(launch, layout.batch, num_steps, layout.lr, layout.mixed_precision, layout.deepspeed, recipe)
+    if recipe.model.loss != "auto":  # auto always resolves; an explicit liger (or plain) may not run here
+        _ = plan.loss
+    return plan
+
+
+def check_layout(recipe: Recipe, launch: Launch) -> RunPlan:
+    """The checks of ``check_run`` that depend on the launch's layout, and no torch optimizer (building one
+    imports torch._dynamo: seconds): the batch plan for its world size, the precision on its engine and
+    device, a DeepSpeed JSON against the recipe. A partial plan: the batch plan, the peak lr, the precision
+    and the DeepSpeed config (``num_steps`` and ``loss`` are ``check_run``'s)."""
+    from pretrain.distributed.accelerator import check_precision, deepspeed_config
+    from pretrain.model.optim import scaled_lr
+
+    batch = plan_batches(recipe.batch, launch.world_size, recipe.data.seq_len)
+    lr = scaled_lr(recipe.optim, batch.global_batch_size)
+    mixed_precision = check_precision(recipe, launch)
+    # The user's JSON against the recipe: conflicts are errors.
+    deepspeed = deepspeed_config(recipe, batch, launch, lr) if launch.uses_deepspeed else None
+    return RunPlan(launch, batch, 0, lr, mixed_precision, deepspeed)

@@ -1,0 +1,108 @@
+"""The run record: what a run writes about itself before its first step.
+
+``recipe.resolved.yaml``, the run config every tracker receives (``run_config.json`` through the JSONL
+tracker, wandb's config, tensorboard's hparams) and the banner printed to the console.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+from pretrain.distributed.accelerator import gradient_dtypes
+from pretrain.distributed.layout import Launch
+from pretrain.recipe.batching import BatchPlan
+from pretrain.recipe.config import Recipe
+from pretrain.recipe.shape import CONVENTION
+from pretrain.train.tracking import flatten
+
+
+class Trainer(Protocol):
+    """What the run record reads from a built trainer (pretrain.train.trainer.Trainer)."""
+
+    recipe: Recipe
+    plan: BatchPlan
+    launch: Launch
+    accelerator: Any
+    device: Any
+    output_dir: Path
+    is_main: bool
+    num_params: int
+    num_steps: int
+    lr: float
+    tokenizer: Any
+    data: Any
+    flops: Any
+    peak: Any
+    memory_estimate_gib: float | None
+    memory_estimate_tensors_gib: float | None
+    optimizer: Any
+    resumed: dict[str, Any] | None
+
+    def log(self, message: str) -> None: ...
+
+
+def run_config(trainer: Trainer) -> dict[str, Any]:
+    """The nested run config of a built trainer: recipe, plan, launch, model, data, perf reference."""
+    acc, flops, peak = trainer.accelerator, trainer.flops, trainer.peak
+    return {
+        "recipe": trainer.recipe.to_dict(),
+        "plan": trainer.plan.to_dict(),
+        "dist": {
+            **trainer.launch.to_dict(),  # engine, ZeRO stage / FSDP sharding, offload, machines
+            "world_size": acc.num_processes,
+            "distributed_type": str(acc.distributed_type).split(".")[-1],
+            "device": str(trainer.device),
+            "mixed_precision": acc.mixed_precision,
+        },
+        # compute, gradient accumulation and gradient reduction dtypes in use (see runtime.gradient_dtypes)
+        "dtypes": gradient_dtypes(trainer.recipe, trainer.launch),
+        "model": {"num_params": trainer.num_params, "vocab_size": len(trainer.tokenizer)},
+        # model.compile resolved for this device and layout (runtime.compile_choice)
+        "compile": {"mode": trainer.runtime.compile_mode},
+        "loss": {"implementation": trainer.loss_implementation},  # model.loss as resolved (auto: liger or chunked)
+        "memory": {"estimated_gib": trainer.memory_estimate_gib, "estimated_tensors_gib": trainer.memory_estimate_tensors_gib},
+        "data": trainer.data.stats,
+        "train": {"num_steps": trainer.num_steps, "lr": trainer.lr},
+        # A resume: the checkpoint, its step, the recipe changes applied (checkpoint.APPLIED_ON_RESUME) and the
+        # lr in force at that step (this recipe's schedule, not the checkpoint's).
+        "resume": trainer.resumed,
+        "optim": optimizer_implementation(trainer.optimizer),
+        "perf": {
+            "flops_per_token": flops.model_flops if flops else None,
+            "hardware_flops_per_token": flops.hardware_flops if flops else None,
+            "peak_tflops": peak.tflops,
+            "peak_source": peak.source,
+            "peak_detail": peak.detail,
+            "mfu_convention": CONVENTION,
+        },
+    }
+
+
+def optimizer_implementation(optimizer) -> dict[str, Any]:
+    """The optimizer class that steps (accelerate's and DeepSpeed's wrappers looked through) and whether
+    torch runs it fused or multi-tensor (``foreach``); None where the class has no such switch."""
+    while hasattr(optimizer, "optimizer") and optimizer.optimizer is not optimizer:
+        optimizer = optimizer.optimizer
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    return {"class": type(optimizer).__name__, "fused": group.get("fused"), "foreach": group.get("foreach")}
+
+
+def start_run_record(trainer: Trainer) -> None:
+    """Write the resolved recipe, start the trackers with the run config and print the banner."""
+    recipe, p, config = trainer.recipe, trainer.plan, run_config(trainer)
+    if trainer.is_main:
+        (trainer.output_dir / "recipe.resolved.yaml").write_text(recipe.to_yaml())
+    trainer.accelerator.init_trackers(recipe.logging.project, config=flatten(config))
+    dist = config["dist"]
+    trainer.log(
+        f"pretrain: {recipe.name} | world size {dist['world_size']} "
+        f"({dist['distributed_type']}, {dist['device']}, {recipe.precision.dtype}, grads accumulated in "
+        f"{config['dtypes']['grad_accum']}, reduced in {config['dtypes']['reduce']}) | "
+        f"{trainer.num_params:,} params | GBS {p.global_batch_size} = MBS {p.micro_batch_size} x GAS "
+        f"{p.grad_accum_steps} x world {p.world_size} | {p.tokens_per_step:,} tokens/step | "
+        f"{trainer.num_steps} steps | lr {trainer.lr:.3g} | output {trainer.output_dir}"
+    )
+    if trainer.flops is not None:
+        trainer.log(f"perf: {trainer.flops.model_flops / 1e9:.4g} GFLOP/token ({CONVENTION.split(';')[0]}); "
+                    f"peak {trainer.peak.detail}")

@@ -1,0 +1,471 @@
+"""The training loop.
+
+Names: a *micro-step* is one forward/backward on MBS sequences of one process; an *optimizer step*
+(``step``) is GAS micro-steps on every process followed by one parameter update. The LR schedule,
+logging, evaluation and checkpoints all count optimizer steps.
+
+The loss of an optimizer step is the sum of token losses over the whole global batch divided by its
+number of target tokens. Each micro-step's loss is normalised by N_global / (world x GAS): accelerate
+divides by GAS and data parallelism averages over world, which leaves exactly sum / N_global.
+
+Each component owns its cadence and its state: the ``Checkpointer`` (pretrain/checkpoint/checkpointer.py) when to
+save, the ``Evaluator`` (pretrain/train/evaluation.py) when to evaluate, the ``StepLog`` (pretrain/train/tracking.py)
+which steps log, the ``ThroughputMonitor`` (pretrain/train/metrics.py) the measured interval, ``StopSignals``
+(pretrain/distributed/preemption.py) the stop request. ``Trainer.train`` only puts them in order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.utils import set_seed
+
+from pretrain.checkpoint.checkpointer import Checkpointer, TrainerState
+from pretrain.checkpoint.rundir import latest_checkpoint
+from pretrain.data import cache_root, data_identity, ensure_data, open_data
+from pretrain.distributed.accelerator import (
+    build_accelerator,
+    check_shared_output_dir,
+    compile_in_place,
+    model_placement,
+)
+from pretrain.distributed.layout import Launch
+from pretrain.distributed.preemption import StopSignals
+from pretrain.distributed.supervise import RunLock
+from pretrain.errors import ConfigError, TrainingDiverged, writable_dir
+from pretrain.model.build import build_model, count_parameters, resolve_vocab_size, save_pretrained_model
+from pretrain.model.loss import install_loss
+from pretrain.model.optim import build_optimizer, build_scheduler, deepspeed_optimizer
+from pretrain.plan.memory import MemoryEstimate, estimate
+from pretrain.recipe.batching import BatchPlan
+from pretrain.recipe.config import Recipe
+from pretrain.recipe.shape import flops_per_token
+from pretrain.system.hardware import gpu_for_device
+from pretrain.system.quiet import TiedWeightsSaved
+from pretrain.train.diagnostics import Diagnostics
+from pretrain.train.engine import Engine
+from pretrain.train.evaluation import Evaluator
+from pretrain.train.loader import DocumentMasking, build_train_loader, build_val_loaders, data_horizon
+from pretrain.train.metrics import ThroughputMonitor, memory_metrics, resolve_peak
+from pretrain.train.preflight import check_run
+from pretrain.train.resume import Resume
+from pretrain.train.run_record import start_run_record
+from pretrain.train.stability import SkipPolicy, StepGate, Verdict, injected_loss_factors
+from pretrain.train.tracking import Console, StepLog, build_trackers
+
+
+def check_output_dir(output_dir: Path) -> None:
+    """Fail before any compute if the run cannot write where it is told to."""
+    writable_dir(output_dir, f"output_dir = {str(output_dir)!r}", "choose another, e.g. output_dir=/tmp/my-run")
+
+
+def document_masking(recipe: Recipe, tokenizer) -> DocumentMasking | None:
+    """``data.document_masking``: documents end at the tokenizer's eos (the token packing appends to each)."""
+    if not recipe.data.document_masking:
+        return None
+    return DocumentMasking(eos_id=tokenizer.eos_token_id, varlen=recipe.model.attention == "flash_attention_2")
+
+
+def throughput_reference(recipe: Recipe, hf_config, device: torch.device, log):
+    """FLOPs per token of this model and the device's peak, for tokens/s -> TFLOP/s -> MFU.
+
+    The FLOPs keep the dense convention (``shape.CONVENTION``: attention over the whole seq_len) with
+    ``data.document_masking`` too, although attention within documents does less work (flash_attention_2
+    skips the blocks across documents; sdpa and eager compute them and mask them out), so MFU stays
+    comparable across runs and with other code bases.
+    """
+    try:
+        flops = flops_per_token(hf_config, recipe.data.seq_len,
+                                activation_checkpointing=recipe.model.activation_checkpointing)
+    except ConfigError as exc:
+        log(f"warning: no FLOPs count, so no TFLOP/s or MFU: {exc}")
+        flops = None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    peak = resolve_peak(device.type, name, recipe.precision.dtype, recipe.logging.peak_tflops,
+                        cache_dir=cache_root(recipe.data))
+    if peak.tflops is None:
+        log(f"warning: perf/mfu is not logged: {peak.detail} (logging.peak_tflops=<dense TFLOP/s>)")
+    return flops, peak
+
+
+def memory_estimate(recipe: Recipe, plan: BatchPlan, launch: Launch, device: torch.device, log,
+                    loss: str | None = None) -> MemoryEstimate | None:
+    """The estimator's figures for this very run (``loss``: model.loss as resolved), logged beside the measured
+    peak: its total (what the fit is judged on) and its tensors alone (what max_memory_allocated measures)."""
+    gpu = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        gpu = gpu_for_device(props.name, props.total_memory)
+    try:
+        return estimate(recipe, plan, launch, gpu=gpu, device=device.type, loss=loss)
+    except ConfigError as exc:
+        log(f"warning: no memory estimate for this layout: {exc}")
+        return None
+
+
+@dataclass
+class OptimizerStep:
+    """What an optimizer step leaves for logging; device tensors, read only on logging steps."""
+
+    loss_sum: torch.Tensor  # this process's micro-step losses, summed (with the z-loss, if any)
+    grad_norm: torch.Tensor | float | None
+    lr: float  # the lr this step used
+    verdict: Verdict | None = None  # the stability rules' (None: stability checks off)
+    loss: float | None = None  # the global loss when the rules read it (else reduced on logging steps)
+    z_loss_sum: torch.Tensor | None = None  # this process's z-loss part of loss_sum (stability.z_loss)
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, launch: Launch | None = None, prepare_command: str | None = None):
+        self.recipe = recipe
+        self.output_dir = Path(recipe.output_dir)
+        self.launch = launch or Launch.from_env()
+        self.is_main = self.launch.is_main
+        self.console = Console(recipe.logging.progress, enabled=self.is_main)
+
+        # Everything that can be checked without compute is checked before any process group exists.
+        run_plan = check_run(recipe, self.launch)
+        self.plan: BatchPlan = run_plan.batch
+        self.num_steps = run_plan.num_steps
+        self.lr = run_plan.lr
+        check_output_dir(self.output_dir)
+        # One run per output_dir: global rank 0 holds the lock (a second run stops here with exit 2, and a
+        # rank 0 that stops takes its launch down with it).
+        self.lock = RunLock.acquire(self.output_dir, log=self.log) if self.is_main else None
+        # The resume (pretrain/train/resume.py): decided, its data checked and its layout converted (or refused) now,
+        # before any process group exists; loaded once the model and optimizer are prepared (below).
+        self.resume = Resume.prepare(recipe, self.launch, log=self.log)
+
+        # The token store exists before the process group does: no rank ever waits for data in a collective.
+        prepare_command = prepare_command or f"pretrain-prepare-data --recipe <the recipe of {recipe.name!r}>"
+        ensure_data(recipe.data, self.launch, prepare_command, log=self.log)
+
+        self.trackers = build_trackers(recipe, self.output_dir, self.resume.step, self.is_main)
+        self.runtime = build_accelerator(recipe, run_plan, self.output_dir, self.trackers,
+                                         load_universal=self.resume.load_universal)
+        self.accelerator = self.runtime.accelerator
+        self.log(f"compile: {self.runtime.compile_mode} ({self.runtime.compile_reason})")
+        self.device = self.accelerator.device
+        # Collectives: every rank raises the same ConfigError, or none does.
+        check_shared_output_dir(self.accelerator, self.output_dir)
+        self.checkpointer = Checkpointer(self.accelerator, self.output_dir, recipe.checkpoint, self.num_steps,
+                                         log=self.log)
+        self.diagnostics = Diagnostics(self.accelerator, recipe.runtime, recipe.profile, self.output_dir, self.log)
+        set_seed(recipe.train.seed)
+
+        self.data = open_data(recipe.data, log=self.log, prepare_command=prepare_command)
+        self.tokenizer = self.data.tokenizer
+
+        vocab = resolve_vocab_size(recipe.model, len(self.tokenizer))
+        # Built on the run's device (or partitioned, or sharded first): never a full fp32 copy per rank on CPU.
+        placement = model_placement(self.accelerator)
+        model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed,
+                            device=placement.device, shard=placement.shard)
+        self.num_params = count_parameters(model)
+        self.loss_implementation, why = run_plan.loss  # model.loss (auto: liger on CUDA, if it can)
+        self.log(f"loss: {self.loss_implementation} ({why})")
+        self.loss_terms = install_loss(model, self.loss_implementation, recipe.stability.z_loss)
+        TiedWeightsSaved.install(model)  # checkpoints leave out the tied LM head copy; loading ties it again
+        self.flops, self.peak = throughput_reference(recipe, model.config, self.device, self.log)
+        estimated = memory_estimate(recipe, self.plan, self.launch, self.device, self.log, self.loss_implementation)
+        self.memory_estimate_gib = estimated.total_gib if estimated else None
+        self.memory_estimate_tensors_gib = estimated.tensor_peak_gib if estimated else None
+        if self.runtime.deepspeed_optimizer:
+            optimizer, scheduler = deepspeed_optimizer(model, recipe, self.lr, self.num_steps)
+        else:
+            optimizer = build_optimizer(model, recipe.optim, self.lr, self.device.type)
+            scheduler = build_scheduler(optimizer, recipe.lr_schedule, self.num_steps)
+        compile_in_place(model, self.runtime.compile_mode, self.launch)  # one process / DDP; else accelerate's
+        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        fp16 = recipe.precision.dtype == "fp16"
+        self.policy = SkipPolicy(recipe.stability, fp16=fp16)
+        self.gate = StepGate(self.policy) if recipe.stability.checks_steps else None
+        # Backward, clipping, the update and the loss scale: the engine's (pretrain/train/engine.py).
+        self.engine = Engine.build(self.accelerator, self.model, self.optimizer, self.scheduler, self.gate,
+                                   fp16=fp16, deepspeed_config=self.runtime.deepspeed_config)
+        self.loss_factors = injected_loss_factors()  # a test hook: {} in any real run
+        if self.is_main:
+            self.engine.write_config(self.output_dir)
+
+        self.step = 0
+        self.tokens_seen = 0
+        self.preempted = False
+        self.interrupted = False  # the stop was a Ctrl-C (SIGINT): run.py exits 130
+        self.resumed: dict | None = None  # what run_config.json records of the resume
+        resumed = self.resume.load(self.accelerator, self.checkpointer, trackers=self.trackers,
+                                   data=data_identity(self.data), scheduler=self.scheduler, policy=self.policy,
+                                   lr=self.lr, num_steps=self.num_steps)
+        if resumed is not None:
+            self.step, self.tokens_seen, self.resumed = resumed.step, resumed.tokens_seen, resumed.record
+
+        pin = self.device.type == "cuda"
+        masking = document_masking(recipe, self.tokenizer)
+        self.train_loader, self.sample_order = build_train_loader(
+            self.data, recipe.data, self.plan, self.accelerator.process_index, recipe.train.seed, self.step, pin,
+            masking,
+        )
+        val_sets = build_val_loaders(
+            self.data, recipe.data, self.plan, self.accelerator.process_index, recipe.eval.batches, pin,
+            masking,
+        )
+        # data.on_exhausted: the step at which `stop` ends the run (None: never), and the epochs read per source.
+        self.data_stop_step, message = data_horizon(self.sample_order, self.num_steps, recipe.data.on_exhausted)
+        self.log(message)
+        # Targets per global batch: packed sequences have no padding, so every position is a target (with
+        # document masking too: an eos keeps the next document's first token as its target).
+        self.global_target_tokens = self.plan.tokens_per_step
+        self.loss_normaliser = self.global_target_tokens / (self.plan.world_size * self.plan.grad_accum_steps)
+
+        self.evaluator = Evaluator(self.accelerator, val_sets, every_steps=recipe.eval.every_steps,
+                                   num_steps=self.num_steps, at_start=recipe.eval.at_start, console=self.console,
+                                   weights=getattr(self.data, "weights", None))
+        self.step_log = StepLog(self.accelerator, self.console, every_steps=recipe.logging.every_steps,
+                                num_steps=self.num_steps)
+        # any checkpointing policy: perf/hfu too (selective's equals perf/mfu: it recomputes no matmul)
+        flops, recomputes = self.flops, recipe.model.activation_checkpointing != "none"
+        self.throughput = ThroughputMonitor(
+            self.plan.tokens_per_step, self.plan.global_batch_size, self.plan.world_size,
+            warmup_steps=recipe.logging.throughput_warmup_steps, peak_tflops=self.peak.tflops,
+            flops_per_token=flops.model_flops if flops else None,
+            hardware_flops_per_token=flops.hardware_flops if flops and recomputes else None,
+            on_peak_raised=self.peak_raised,
+        )
+        start_run_record(self)
+
+    def log(self, message: str) -> None:
+        if self.is_main:
+            self.console.print(message)
+
+    def peak_raised(self, peak_tflops: float, achieved_tflops: float) -> None:
+        """This run beat the peak it was given; MFU now uses the achieved rate (ThroughputMonitor). A CPU peak
+        measured while other processes held the cores is expected to be beaten: nothing to act on. A table or
+        recipe peak that is beaten is wrong: said once."""
+        if self.peak.source != "measured" and peak_tflops == self.peak.tflops:
+            self.log(f"warning: this run computes {achieved_tflops:.4g} TFLOP/s per device, above the peak it was "
+                     f"given ({self.peak.detail}); MFU uses the achieved rate as the peak from now on. Set "
+                     "logging.peak_tflops to this device's dense peak for the training dtype")
+
+    # ---- the loop -----------------------------------------------------------------------------------
+    def train(self) -> dict[str, float]:
+        """Optimizer steps up to the horizon, or until a stop signal; returns the last logged train metrics."""
+        last_metrics: dict[str, float] = {}
+        if self.step >= self.num_steps:
+            self.log(f"run already complete at step {self.step}/{self.num_steps}")
+            self.finish()
+            return last_metrics
+        with StopSignals(log=self.log) as stop:  # SIGTERM / SIGUSR1 / Ctrl-C: stop after the step in flight
+            if self.step == 0 and self.evaluator.due(0):
+                self.evaluator.evaluate(self.model, 0)
+            self.model.train()
+            batches = iter(self.train_loader)
+            self.throughput.start(self.step)
+            self.console.start(self.num_steps, self.step)
+            first_step = self.step
+            with self.diagnostics.loop(first_step) as diagnostics:  # profiler window, hang watchdog
+                try:
+                    ended, last_metrics = self.loop(batches, stop, diagnostics)
+                except TrainingDiverged as exc:
+                    self.console.close()
+                    newest = latest_checkpoint(self.output_dir)
+                    self.accelerator.end_training()
+                    raise TrainingDiverged(f"{exc} (newest checkpoint: {newest or 'none'})") from None
+            # Outside the loop's diagnostics: the watchdog does not time the export or the preemption checkpoint.
+            if ended == "preempted":
+                self.interrupted = stop.interrupted
+                self.stop_preempted()
+            elif ended == "exhausted":
+                self.stop_exhausted(first_step)
+            else:
+                self.finish()
+        return last_metrics
+
+    def loop(self, batches, stop: StopSignals, diagnostics: Diagnostics) -> tuple[str, dict[str, float]]:
+        """Optimizer steps until the horizon ("done"), an agreed stop signal ("preempted") or
+        data.on_exhausted=stop ("exhausted"); the last logged train metrics."""
+        last_metrics: dict[str, float] = {}
+        while self.step < self.num_steps:
+            if self.data_stop_step is not None and self.step >= self.data_stop_step:
+                return "exhausted", last_metrics
+            diagnostics.step_start(self.step + 1, timed=self.step_log.due(self.step + 1))
+            with diagnostics.oom_snapshot():
+                result = self.train_step(batches)
+            self.step += 1
+            self.tokens_seen += self.plan.tokens_per_step
+            self.throughput.step_done(self.step)
+            last_metrics = self.report(result) or last_metrics  # TrainingDiverged: too many skips
+            if self.evaluator.due(self.step):
+                with self.throughput.excluded():
+                    self.evaluator.evaluate(self.model, self.step)
+            if self.checkpointer.should_save(self.step):
+                with self.throughput.excluded():
+                    self.save_checkpoint()
+            elif stop.agreed(self.accelerator):
+                return "preempted", last_metrics
+            diagnostics.step_done()
+        return "done", last_metrics
+
+    def train_step(self, batches) -> OptimizerStep:
+        """One optimizer step: GAS micro-steps; the last one synchronises gradients and updates (or, by the
+        stability rules, skips the update)."""
+        loss_sum = torch.zeros((), device=self.device)
+        lr = self.optimizer.param_groups[0]["lr"]  # the lr this step uses
+        for _micro_step in range(self.plan.grad_accum_steps):
+            with self.throughput.data_wait():
+                batch = next(batches).to(self.device)
+            loss, grad_norm, verdict = self.micro_step(batch, loss_sum)
+            loss_sum += loss
+        assert self.accelerator.sync_gradients, "the last micro-step of an optimizer step must synchronise gradients"
+        z_loss_sum = self.loss_terms.take() if self.loss_terms is not None else None
+        loss = self.gate.values[0] if verdict is not None else None
+        return OptimizerStep(loss_sum, grad_norm, lr, verdict, loss, z_loss_sum)
+
+    def micro_step(self, batch, loss_before: torch.Tensor) -> tuple[torch.Tensor, Any, Verdict | None]:
+        """Forward and backward of one micro-batch; on the micro-step that synchronises gradients also clip,
+        judge (stability), update and step the schedule. Returns the detached loss, and the gradient norm and
+        the verdict (None on the other micro-steps). ``loss_before``: this step's earlier micro-step losses."""
+        acc, model, engine = self.accelerator, self.model, self.engine
+        grad_norm = verdict = None
+        with acc.accumulate(model):
+            # Only the loss is kept: the output's logits are freed before backward, not at the next forward.
+            loss = model(
+                input_ids=batch.input_ids,
+                labels=batch.targets,
+                shift_labels=batch.targets,
+                num_items_in_batch=self.loss_normaliser,
+                **batch.attention_kwargs(),
+            ).loss
+            if acc.sync_gradients:
+                self.diagnostics.before_sync()
+            if self.step + 1 in self.loss_factors:
+                loss = loss * self.loss_factors[self.step + 1]  # the test hook (stability.LOSS_FACTORS_ENV)
+            if acc.sync_gradients and self.gate is not None:
+                # The step's global loss (cross-entropy), reduced before the last backward: DeepSpeed updates
+                # inside it. Every rank gets the same value, so every rank takes the same decision.
+                local = loss_before + loss.detach()
+                if self.loss_terms is not None and self.loss_terms.z_loss is not None:
+                    local = local - self.loss_terms.z_loss
+                self.gate.begin(acc.reduce(local, reduction="mean"), self.plan.grad_accum_steps)
+            engine.backward(loss)
+            if acc.sync_gradients:
+                grad_norm = engine.clip_grad_norm(self.recipe.optim.grad_clip)
+                verdict = engine.judge(grad_norm)
+            engine.update(verdict)  # or its skip, by the verdict
+        return loss.detach(), grad_norm, verdict
+
+    def log_skip(self, verdict: Verdict) -> None:
+        limit = self.recipe.stability.max_consecutive_skips
+        self.log(f"step {self.step}: update skipped by {verdict.rule}: {verdict.reason} "
+                 f"({self.policy.consecutive} in a row, {self.policy.skipped} in the run"
+                 + (f"; the run stops at {limit} in a row)" if limit else ")"))
+
+    # ---- around the loop ----------------------------------------------------------------------------
+    def log_train(self, result: OptimizerStep) -> dict[str, float]:
+        z_loss = None
+        if result.z_loss_sum is not None:
+            # Expensive device-to-host synchronization: only on logging steps.
+            loss_sum, z_sum = self.accelerator.reduce(torch.stack([result.loss_sum, result.z_loss_sum]),
+                                                      reduction="mean").tolist()
+            z_loss = z_sum / self.plan.grad_accum_steps
+            loss = (loss_sum - z_sum) / self.plan.grad_accum_steps
+        elif result.loss is not None:
+            loss = result.loss  # the stability rules read it this step
+        else:
+            # Expensive device-to-host synchronization: only on logging steps.
+            loss = self.accelerator.reduce(result.loss_sum, reduction="mean").item() / self.plan.grad_accum_steps
+        metrics = {
+            "train/loss": loss,
+            "train/z_loss": z_loss,
+            "train/ppl": math.exp(min(loss, 50.0)),
+            "train/lr": result.lr,
+            "train/grad_norm": float(result.grad_norm) if result.grad_norm is not None else None,
+            "train/tokens_seen": self.tokens_seen,
+            **self.throughput.metrics(self.step),
+            **memory_metrics(self.device),
+            "memory/estimated_gib": self.memory_estimate_gib,
+            "memory/estimated_tensors_gib": self.memory_estimate_tensors_gib,  # no allowance: max_memory_allocated's basis
+            **self.plan.as_metrics(),
+            **self.engine.metrics(),  # fp16: train/loss_scale, train/skipped_steps
+            **self.sample_order.metrics(self.step),  # a mixture: data/tokens/<name>, data/epochs/<name>
+            **self.diagnostics.step_time_metrics(),  # collective: perf/step_time_max_s, _min_s, _slowest_rank
+            **(self.policy.metrics(result.verdict) if self.gate is not None else {}),
+        }
+        return self.step_log.write(self.step, metrics)
+
+    def report(self, result: OptimizerStep) -> dict[str, float] | None:
+        """Count the step's verdict, log the step (on logging steps, and always when its update was skipped);
+        the metrics logged, if any. Raises TrainingDiverged, once the step is logged, after too many skips."""
+        diverged = None
+        if result.verdict is not None:
+            try:
+                self.policy.record(self.step, result.verdict, *self.gate.values)
+            except TrainingDiverged as exc:
+                diverged = exc
+        skipped = result.verdict is not None and result.verdict.skip
+        logged = None
+        if self.step_log.due(self.step) or skipped:
+            logged = self.log_train(result)
+        else:
+            self.console.advance(self.step)
+        if skipped:
+            self.log_skip(result.verdict)
+        if diverged is not None:
+            raise diverged
+        return logged
+
+    def state(self) -> TrainerState:
+        """What a checkpoint records besides the accelerator's state."""
+        return TrainerState(step=self.step, tokens_seen=self.tokens_seen, num_steps=self.num_steps,
+                            plan=self.plan.to_dict(), recipe=self.recipe.to_dict(), layout=self.launch.to_dict(),
+                            data=data_identity(self.data), stability=self.policy.state_dict())
+
+    def save_checkpoint(self) -> None:
+        """A checkpoint of the step just done, unless the training state is not finite (TrainingDiverged)."""
+        self.checkpointer.save(self.state(), optimizer=self.optimizer)
+
+    def stop_preempted(self) -> None:
+        """A stop signal reached every rank: checkpoint the step just done and end; the same command resumes."""
+        self.save_checkpoint()
+        self.preempted = True
+        self.console.close()
+        what = "interrupted" if self.interrupted else "preempted"  # pretrain-slurm status counts "preempted: ..."
+        self.log(f"{what}: stopped after step {self.step}/{self.num_steps} with a checkpoint; "
+                 "the same command resumes from it")
+        self.end()
+
+    def stop_exhausted(self, first_step: int) -> None:
+        """data.on_exhausted=stop: a source has been read once. Checkpoint (unless this step's is there), evaluate
+        and end like a finished run; the same command would stop here again."""
+        if self.step > first_step and not self.checkpointer.should_save(self.step):
+            self.save_checkpoint()
+        if not self.evaluator.due(self.step):
+            self.evaluator.evaluate(self.model, self.step)
+        _, source = self.sample_order.steps_available()
+        what = f"source {source!r}" if source else "the training split"
+        self.log(f"data: stopped after step {self.step}/{self.num_steps}: {what} has been read once and "
+                 "data.on_exhausted=stop; the checkpoint holds the run. Add data or set data.on_exhausted=repeat "
+                 "to train further")
+        self.finish()
+
+    def finish(self) -> None:
+        self.console.close()
+        if self.recipe.checkpoint.save_final_model:
+            self.export_final_model()
+        self.end()
+
+    def end(self) -> None:
+        self.accelerator.end_training()
+        if self.lock is not None:
+            self.lock.release()
+
+    def export_final_model(self) -> None:
+        acc = self.accelerator
+        state_dict = acc.get_state_dict(self.model)  # gathers ZeRO-3 / FSDP shards: every rank takes part
+        if acc.is_main_process:
+            final = self.output_dir / "final_model"
+            save_pretrained_model(acc.unwrap_model(self.model), state_dict, self.tokenizer, final)
+            self.log(f"export: transformers model and tokenizer in {final}")
+        acc.wait_for_everyone()
