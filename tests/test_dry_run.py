@@ -63,7 +63,7 @@ def test_a_config_file_with_num_processes_overrides_its_count(capsys):
     code, out, _ = dry_run(capsys, "--recipe", R7B, "--dry-run", "--config_file", str(CONFIGS / "zero3.yaml"),
                            "--nodes", "2", "--num_processes", "32", "--gpu", "A100-80GB")
     assert code == 0 and "DeepSpeed ZeRO-3 on 2 x 16 GPUs" in out and "GAS 32 x world 32" in out, out
-    # model.compile auto is eager under ZeRO-3 (runtime.compile_choice), said here as in the run's log
+    # model.compile auto is eager under ZeRO-3 (accelerator.compile_choice), said here as in the run's log
     assert re.search(r"^compile +auto: none under DeepSpeed ZeRO-3", out, re.MULTILINE), out
 
 

@@ -11,7 +11,7 @@ compile none, then regional; each checkpointing policy (full, selective, every_2
 Liger; MBS 8, then 2; llama-3b's default (MBS 1); then the rest (loss plain, MBS 1, no step checks, and
 llama-3b's other settings). Float8 has no setting: the recipe has no float8 option yet. A row whose run equals
 an earlier one (same recipe once model.compile and model.loss are resolved for this device and launch, by the
-run's own ``runtime.compile_mode`` and ``loss.resolve_loss``: ac-none and compile-regional repeat the default on
+run's own ``accelerator.compile_mode`` and ``loss.resolve_loss``: ac-none and compile-regional repeat the default on
 one GPU) is not repeated. A row the estimator says does not fit the GPU (nvidia-smi's memory, or
 ``--device-memory-gib``) is a ``no-fit`` row, not a launch (llama-3b at MBS 8). With ``--budget SECONDS`` a row
 starts only if its expected time fits in what is left (start-up + compile where it compiles + steps x step

@@ -128,7 +128,7 @@ def ddp_kwargs(recipe: Recipe) -> DistributedDataParallelKwargs | None:
 
 
 @dataclass
-class Runtime:
+class AcceleratorSetup:
     accelerator: Accelerator
     deepspeed_config: dict[str, Any] | None  # None unless launched with DeepSpeed
     deepspeed_optimizer: bool  # DeepSpeed builds the optimizer (DummyOptim) instead of the torch client one
@@ -221,7 +221,7 @@ def deepspeed_plugin(config: dict, launch: Launch, load_universal: bool = False)
 
 
 def build_accelerator(recipe: Recipe, run_plan: RunPlan, output_dir: Path, trackers: list,
-                      load_universal: bool = False) -> Runtime:
+                      load_universal: bool = False) -> AcceleratorSetup:
     """The accelerator for ``run_plan`` (check_run's: the precision and the DeepSpeed config are its decisions,
     not taken again here)."""
     plan, launch = run_plan.batch, run_plan.launch
@@ -283,7 +283,7 @@ def build_accelerator(recipe: Recipe, run_plan: RunPlan, output_dir: Path, track
             f"the launch reported WORLD_SIZE={plan.world_size} but accelerate started {accelerator.num_processes} "
             "processes; check the accelerate config's num_processes / distributed_type"
         )
-    return Runtime(accelerator, ds_config, ds_optimizer, mode, compile_reason)
+    return AcceleratorSetup(accelerator, ds_config, ds_optimizer, mode, compile_reason)
 
 
 def check_fsdp_on_cpu(launch: Launch, environ: Mapping[str, str] = os.environ) -> None:

@@ -12,7 +12,7 @@ Each rank measures, under the same launcher as training:
   all-reduce's buffer; the all-gather's whole output), busbw = algbw x 2(n-1)/n for all-reduce and
   algbw x (n-1)/n for all-gather (``bus_bandwidth``);
 - ``write_mb_s``: a file written to output_dir and fsync'd; and whether every rank sees the file rank 0
-  writes there (``runtime.check_shared_output_dir``).
+  writes there (``accelerator.check_shared_output_dir``).
 
 Each figure is the median of a few short repeats. On GPUs the ranks measure at once (each has its own
 device, and concurrent checkpoint writes are what output_dir will see); on CPUs they take turns, because
@@ -109,7 +109,7 @@ def medians(ranks: Sequence[Mapping[str, Any]]) -> dict[str, float]:
 
 def judge(ranks: Sequence[Mapping[str, Any]], threshold: float, shared_problem: str | None = None) -> list[Failure]:
     """Every (rank, figure) below threshold x the figure's median, and an output_dir the ranks do not share
-    (``runtime.check_shared_output_dir``'s message, which names the ranks and hosts: the job's problem, host
+    (``accelerator.check_shared_output_dir``'s message, which names the ranks and hosts: the job's problem, host
     None, since excluding a host does not mend a mount). ``ranks``: [{"rank", "host", "figures": {name: value or None}}]."""
     mid = medians(ranks)
     failures = []

@@ -55,11 +55,11 @@ def run_config(trainer: Trainer) -> dict[str, Any]:
             "device": str(trainer.device),
             "mixed_precision": acc.mixed_precision,
         },
-        # compute, gradient accumulation and gradient reduction dtypes in use (see runtime.gradient_dtypes)
+        # compute, gradient accumulation and gradient reduction dtypes in use (see accelerator.gradient_dtypes)
         "dtypes": gradient_dtypes(trainer.recipe, trainer.launch),
         "model": {"num_params": trainer.num_params, "vocab_size": len(trainer.tokenizer)},
-        # model.compile resolved for this device and layout (runtime.compile_choice)
-        "compile": {"mode": trainer.runtime.compile_mode},
+        # model.compile resolved for this device and layout (accelerator.compile_choice)
+        "compile": {"mode": trainer.setup.compile_mode},
         "loss": {"implementation": trainer.loss_implementation},  # model.loss as resolved (auto: liger or chunked)
         "memory": {"estimated_gib": trainer.memory_estimate_gib, "estimated_tensors_gib": trainer.memory_estimate_tensors_gib},
         "data": trainer.data.stats,

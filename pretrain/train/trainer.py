@@ -145,10 +145,10 @@ class Trainer:
         ensure_data(recipe.data, self.launch, prepare_command, log=self.log)
 
         self.trackers = build_trackers(recipe, self.output_dir, self.resume.step, self.is_main)
-        self.runtime = build_accelerator(recipe, run_plan, self.output_dir, self.trackers,
+        self.setup = build_accelerator(recipe, run_plan, self.output_dir, self.trackers,
                                          load_universal=self.resume.load_universal)
-        self.accelerator = self.runtime.accelerator
-        self.log(f"compile: {self.runtime.compile_mode} ({self.runtime.compile_reason})")
+        self.accelerator = self.setup.accelerator
+        self.log(f"compile: {self.setup.compile_mode} ({self.setup.compile_reason})")
         self.device = self.accelerator.device
         # Collectives: every rank raises the same ConfigError, or none does.
         check_shared_output_dir(self.accelerator, self.output_dir)
@@ -174,19 +174,19 @@ class Trainer:
         estimated = memory_estimate(recipe, self.plan, self.launch, self.device, self.log, self.loss_implementation)
         self.memory_estimate_gib = estimated.total_gib if estimated else None
         self.memory_estimate_tensors_gib = estimated.tensor_peak_gib if estimated else None
-        if self.runtime.deepspeed_optimizer:
+        if self.setup.deepspeed_optimizer:
             optimizer, scheduler = deepspeed_optimizer(model, recipe, self.lr, self.num_steps)
         else:
             optimizer = build_optimizer(model, recipe.optim, self.lr, self.device.type)
             scheduler = build_scheduler(optimizer, recipe.lr_schedule, self.num_steps)
-        compile_in_place(model, self.runtime.compile_mode, self.launch)  # one process / DDP; else accelerate's
+        compile_in_place(model, self.setup.compile_mode, self.launch)  # one process / DDP; else accelerate's
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
         fp16 = recipe.precision.dtype == "fp16"
         self.policy = SkipPolicy(recipe.stability, fp16=fp16)
         self.gate = StepGate(self.policy) if recipe.stability.checks_steps else None
         # Backward, clipping, the update and the loss scale: the engine's (pretrain/train/engine.py).
         self.engine = Engine.build(self.accelerator, self.model, self.optimizer, self.scheduler, self.gate,
-                                   fp16=fp16, deepspeed_config=self.runtime.deepspeed_config)
+                                   fp16=fp16, deepspeed_config=self.setup.deepspeed_config)
         self.loss_factors = injected_loss_factors()  # a test hook: {} in any real run
         if self.is_main:
             self.engine.write_config(self.output_dir)
