@@ -37,10 +37,10 @@ from pretrain.errors import ConfigError, disk_full_error, is_disk_full
 from pretrain.model.loss import chunked_causal_lm_loss
 from pretrain.recipe import recompute
 from pretrain.recipe.config import ModelConfig, is_dropout_attribute
-from pretrain.recipe.shape import ModelShape, require_counted, resolve_vocab_size
+from pretrain.recipe.shape import ModelShape, moe_attributes, require_counted, resolve_vocab_size
 from pretrain.system.quiet import no_progress_bars
 
-__all__ = ["build_model", "closed_form_num_params", "count_parameters", "dropout_attributes", "hf_config",
+__all__ = ["build_model", "closed_form_num_params", "count_active_parameters", "count_parameters", "dropout_attributes", "hf_config",
            "init_weights", "materialize", "meta_model", "resolve_vocab_size", "save_pretrained_model"]
 
 # Our field -> the config attributes that can hold it, first match wins. GPT-2's config maps hidden_size,
@@ -78,7 +78,12 @@ def hf_config(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> PreTrain
         hint = f"did you mean {' or '.join(near)}?" if near else "valid types include " + ", ".join(_COMMON_ARCHS)
         raise ConfigError(f"model.arch = {arch!r} is not a transformers model type with a causal-LM head; {hint}")
     default = AutoConfig.for_model(arch)
+    moe = {}
+    if model_cfg.moe is not None:  # the experts' width is the config's intermediate_size (+ the MoE keys)
+        moe = moe_attributes(model_cfg)
+        model_cfg = model_cfg.model_copy(update={"intermediate_size": moe.pop("intermediate_size")})
     kwargs, problems = _mapped_fields(model_cfg, default, vocab_size, seq_len)
+    kwargs.update(moe)
     attributes = sorted({*default.to_dict(), *default.attribute_map})
     for key in model_cfg.config_overrides:
         if not hasattr(default, key):
@@ -478,6 +483,20 @@ def _require_drawn(model: torch.nn.Module) -> None:
 def count_parameters(model: torch.nn.Module) -> int:
     """Unique parameters (a tied embedding counts once); works on meta and ZeRO-3 partitioned models."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
+def count_active_parameters(model: torch.nn.Module) -> int:
+    """Parameters one token uses: all but the experts its router does not pick (a mixture of experts keeps
+    its experts under ``.experts.``, num_experts_per_tok of ``num_experts`` / ``num_local_experts``); the
+    total for a dense model."""
+    config = model.config
+    top_k = getattr(config, "num_experts_per_tok", None)
+    num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    total = 0
+    for name, p in model.named_parameters():
+        numel = getattr(p, "ds_numel", p.numel())
+        total += numel * top_k // num_experts if top_k and ".experts." in name else numel
+    return total
 
 
 def closed_form_num_params(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> int:

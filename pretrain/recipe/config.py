@@ -57,6 +57,36 @@ def is_dropout_attribute(name: str) -> bool:
     return ("dropout" in name or "pdrop" in name) and name not in _NOT_MODEL_DROPOUT
 
 
+# Mixture-of-experts architectures pretrain builds through transformers' own models, and the name each
+# config gives the number of experts. None of them has shared experts or a router z-loss in transformers.
+MOE_ARCHS = {"olmoe": "num_experts", "qwen3_moe": "num_experts", "mixtral": "num_local_experts"}
+MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                   "router_aux_loss_coef", "output_router_logits", "decoder_sparse_step", "mlp_only_layers")
+
+
+class MoEConfig(Section):
+    """model.moe: the sparse MLP of olmoe, qwen3_moe and mixtral (every block's MLP is a set of experts)."""
+
+    num_experts: int = Field(gt=1, description="Experts per MoE layer.")
+    experts_per_token: int = Field(gt=0, description="Experts each token is routed to (top-k).")
+    expert_intermediate_size: int = Field(
+        gt=0, description="Hidden width of one expert's SwiGLU MLP (features); model.intermediate_size stays null."
+    )
+    router_aux_loss_coef: float = Field(
+        0.01, ge=0,
+        description="Weight of the router's load-balancing loss (Switch Transformer's, as transformers computes it "
+        "per micro-batch over all layers) added to the training objective; 0 = none. OLMoE used 0.01, "
+        "Qwen3-MoE and Mixtral 0.001.",
+    )
+
+    @model_validator(mode="after")
+    def _top_k_fits(self) -> MoEConfig:
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(f"model.moe.experts_per_token ({self.experts_per_token}) must be at most "
+                             f"model.moe.num_experts ({self.num_experts})")
+        return self
+
+
 class ModelConfig(Section):
     arch: str = Field(
         "llama",
@@ -120,6 +150,11 @@ class ModelConfig(Section):
         "logged), `auto` = liger on CUDA when liger_kernel is installed and supports model.arch (not under "
         "ZeRO-3, nor with stability.z_loss), else chunked. The choice made is in run_config.json (loss/implementation).",
     )
+    moe: MoEConfig | None = Field(
+        None,
+        description="Mixture of experts (required for model.arch olmoe, qwen3_moe and mixtral, refused for any other "
+        "arch): experts, top-k, expert width, load-balancing weight. docs/recipes.md: Mixture of experts.",
+    )
     config_overrides: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra attributes of the transformers config (e.g. `{hidden_act: silu}`); each must exist.",
@@ -156,9 +191,24 @@ class ModelConfig(Section):
         kv = self.num_kv_heads or self.num_heads
         if self.num_heads % kv:
             problems.append(f"model.num_heads ({self.num_heads}) must be divisible by model.num_kv_heads ({kv})")
+        problems += self._moe_problems()
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def _moe_problems(self) -> list[str]:
+        if self.arch in MOE_ARCHS and self.moe is None:
+            return [f"model.arch = {self.arch} is a mixture of experts: add model.moe (num_experts, experts_per_token, "
+                    "expert_intermediate_size)"]
+        if self.arch not in MOE_ARCHS and self.moe is not None:
+            return [f"model.moe is set but model.arch = {self.arch} is dense; MoE archs: {', '.join(MOE_ARCHS)}"]
+        if self.moe is not None and self.intermediate_size is not None:
+            return [f"model.intermediate_size = {self.intermediate_size} with model.arch = {self.arch}: an MoE's MLP "
+                    "width is model.moe.expert_intermediate_size; set model.intermediate_size to null"]
+        clashes = sorted(set(self.config_overrides) & set(MOE_CONFIG_KEYS)) if self.moe is not None else []
+        if clashes:
+            return [f"model.config_overrides sets {', '.join(clashes)}: model.moe owns them; set them there"]
+        return []
 
     @property
     def head_dim(self) -> int:

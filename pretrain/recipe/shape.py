@@ -109,11 +109,13 @@ def recipe_vocab_size(model_cfg: ModelConfig, data_cfg: DataConfig) -> int:
 # GeGLU) have three d x f matrices (phi3 fuses gate and up into one d x 2f, the same count), with
 # separate q/k/v projections that grouped-query attention narrows; plain MLPs have two, and a fused
 # d x 3d qkv projection (no GQA).
-GATED_MLP_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo", "olmo2", "phi3")
+MOE_ARCHS = ("olmoe", "qwen3_moe", "mixtral")
+"""Mixture of experts: every block's MLP is ``num_experts`` SwiGLU experts of which a router picks top-k."""
+GATED_MLP_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo", "olmo2", "phi3", *MOE_ARCHS)
 PLAIN_MLP_ARCHS = ("gpt2", "gpt_neox")
 MATMUL_ARCHS = (*GATED_MLP_ARCHS, *PLAIN_MLP_ARCHS)
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
-COUNTED_ARCHS = (*LLAMA_FAMILY, "gpt2")
+COUNTED_ARCHS = (*LLAMA_FAMILY, "gpt2", *MOE_ARCHS)
 """Every parameter tensor is known (not only the matmuls): parameter counts, the memory estimator, and a
 recipe's section read without transformers (``model_attributes`` mirrors their defaults only)."""
 
@@ -136,7 +138,8 @@ def model_attributes(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> d
             f"model.arch = {arch!r}: the memory estimator and the planner have formulas for {', '.join(COUNTED_ARCHS)}"
         )
     over = model_cfg.config_overrides
-    if arch != "gpt2" and model_cfg.intermediate_size is None and "intermediate_size" not in over:
+    if (arch != "gpt2" and model_cfg.moe is None and model_cfg.intermediate_size is None
+            and "intermediate_size" not in over):
         raise ConfigError(f"model.intermediate_size is required for arch {arch} (the SwiGLU MLP width)")
     names = _GPT2_NAMES if arch == "gpt2" else {}
     attributes = {
@@ -155,8 +158,30 @@ def model_attributes(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> d
         attributes["intermediate_size"] = model_cfg.intermediate_size
         attributes["num_key_value_heads"] = model_cfg.num_kv_heads or model_cfg.num_heads
         attributes["attention_dropout"] = model_cfg.dropout  # the Llama family's only dropout
+    if model_cfg.moe is not None:
+        attributes.update(moe_attributes(model_cfg))
     attributes.update(over)
     return {names.get(key, key): value for key, value in attributes.items()}
+
+
+def moe_attributes(model_cfg: ModelConfig) -> dict[str, Any]:
+    """``model.moe`` as the attributes of the arch's transformers config (``pretrain.model.build.hf_config``
+    applies them too). Every block is sparse: qwen3_moe's dense layers (mlp_only_layers, decoder_sparse_step)
+    are off, and its unused dense width follows the experts'. ``output_router_logits`` stays off in the
+    config: the trainer asks for the router logits in its training forward only, so evaluation's loss is the
+    cross-entropy alone and an exported model generates without them."""
+    moe, arch = model_cfg.moe, model_cfg.arch
+    attributes = {
+        "num_local_experts" if arch == "mixtral" else "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.experts_per_token,
+        "intermediate_size": moe.expert_intermediate_size,
+        "router_aux_loss_coef": moe.router_aux_loss_coef,
+        "output_router_logits": False,
+    }
+    if arch == "qwen3_moe":
+        attributes.update(moe_intermediate_size=moe.expert_intermediate_size, decoder_sparse_step=1,
+                          mlp_only_layers=[])
+    return attributes
 
 
 def require_counted(arch: str) -> None:
@@ -183,7 +208,8 @@ def _reader(config: Any) -> Callable[[str], Any]:
 CONVENTION = (
     "model FLOPs/token = 6 x N + 12 x L x H x head_dim x seq_len; N = matmul weights (attention, MLP, "
     "LM head whether tied or not; no embedding lookup, position table, bias or norm); attention counted "
-    "over the full seq_len x seq_len scores; training = forward + backward = 3 x forward"
+    "over the full seq_len x seq_len scores; training = forward + backward = 3 x forward; mixture of experts: N "
+    "counts the router and the top-k experts a token is routed to (active parameters), not all experts"
 )
 
 
@@ -222,6 +248,10 @@ class ModelShape:
     """Dropout after the block's output projections (GPT-2's resid_pdrop, GPT-NeoX's hidden_dropout)."""
     embd_dropout: float = 0.0
     attn_dropout: float = 0.0
+    num_experts: int = 0
+    """MoE: experts per block (0: a dense MLP); ``intermediate_size`` is then one expert's width."""
+    experts_per_token: int = 0
+    """MoE: the router's top-k."""
 
     # ---- construction
 
@@ -252,6 +282,10 @@ class ModelShape:
 
         d, heads = need(*aliases("hidden_size")), need(*aliases("num_attention_heads"))
         attention_bias = bool(first("attention_bias", default=False))
+        moe = arch in MOE_ARCHS
+        if arch == "qwen3_moe" and (first("mlp_only_layers", default=[]) or first("decoder_sparse_step", default=1) != 1):
+            raise ConfigError(f"{source}: qwen3_moe with dense layers (mlp_only_layers, decoder_sparse_step > 1) has "
+                              "no shape formula; pretrain builds every block sparse")
         return cls(
             arch=arch,
             vocab_size=need("vocab_size"),
@@ -261,6 +295,7 @@ class ModelShape:
             num_kv_heads=heads if plain else first("num_key_value_heads", default=heads),
             head_dim=d // heads if plain else first("head_dim", default=d // heads),
             intermediate_size=(first("n_inner" if gpt2 else "intermediate_size", default=4 * d) if plain
+                               else need("moe_intermediate_size") if arch == "qwen3_moe"
                                else need("intermediate_size")),
             max_positions=(need(*aliases("max_position_embeddings")) if gpt2
                            else first("max_position_embeddings", default=0)),
@@ -272,6 +307,8 @@ class ModelShape:
             resid_dropout=first("hidden_dropout" if arch == "gpt_neox" else "resid_pdrop", default=0.1 if gpt2 else 0.0),
             embd_dropout=first("embd_pdrop", default=0.1 if gpt2 else 0.0),
             attn_dropout=first("attn_pdrop" if gpt2 else "attention_dropout", default=0.1 if gpt2 else 0.0),
+            num_experts=need("num_local_experts", "num_experts") if moe else 0,
+            experts_per_token=need("num_experts_per_tok") if moe else 0,
         )
 
     @classmethod
@@ -297,11 +334,15 @@ class ModelShape:
         return self.arch in GATED_MLP_ARCHS
 
     def block_matmuls(self) -> tuple[list[int], list[int]]:
-        """(attention, MLP) weight-matrix element counts of one block, in module order; the MLP's last is
-        the down projection."""
+        """(attention, MLP) weight-matrix element counts of one block that one token passes through, in module
+        order; the MLP's last is the down projection. MoE: the router (d x E), then top-k experts' gate, up
+        and down (the active weights: FLOPs and MFU count these)."""
         d, f = self.hidden_size, self.intermediate_size
         if self.gated_mlp:  # q, k, v, o (GQA shrinks k and v only); gate, up, down
             q, k = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            if self.num_experts:
+                top_k = self.experts_per_token
+                return [d * q, d * k, d * k, q * d], [d * self.num_experts, top_k * d * f, top_k * d * f, top_k * f * d]
             return [d * q, d * k, d * k, q * d], [d * f, d * f, f * d]
         return [3 * d * d, d * d], [d * f, f * d]  # fused qkv (d x 3d), output (d x d); fc, proj
 
@@ -352,6 +393,14 @@ class ModelShape:
             (qkv, proj), (fc, out) = attention, mlp
             return [d, d, qkv, 3 * d, proj, d, d, d, fc, f, out, d]
         q, k = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.num_experts:  # the router, then every expert's fused gate_up (E x 2f x d) and down (E x d x f)
+            E = self.num_experts
+            sizes = [d, *attention, d, d * E, E * 2 * f * d, E * d * f]
+            if self.arch == "olmoe":  # q_norm and k_norm over the whole projection
+                sizes += [q, k]
+            elif self.arch == "qwen3_moe":  # q_norm and k_norm per head
+                sizes += [self.head_dim, self.head_dim]
+            return sizes
         sizes = [d, *attention, d, *mlp]
         if self.qkv_bias:
             sizes += [q, k, k]
@@ -382,9 +431,22 @@ class ModelShape:
     def block_params(self) -> int:
         return sum(self.block_param_sizes())
 
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token uses: all of them but the experts the router does not pick (MoE), so
+        shared parameters + top-k experts; ``num_params`` for a dense model."""
+        inactive = (self.num_experts - self.experts_per_token) * 3 * self.hidden_size * self.intermediate_size
+        return self.num_params - self.num_layers * inactive
+
     def formula(self) -> str:
         V, d, L, f = self.vocab_size, self.hidden_size, self.num_layers, self.intermediate_size
         head = "" if self.tie_embeddings else f" + LM head {V:,} x {d:,}"
+        if self.num_experts:
+            return (
+                f"embeddings {V:,} x {d:,} + {L} blocks x {self.block_params:,} (attention, router {d:,} x "
+                f"{self.num_experts}, {self.num_experts} SwiGLU experts 3 x {d:,} x {f:,}, top-{self.experts_per_token} "
+                f"active, norms) + final RMSNorm{head}"
+            )
         if self.family == "gpt2":
             return (
                 f"embeddings {V:,} x {d:,} + positions {self.max_positions:,} x {d:,} + {L} blocks x "

@@ -28,6 +28,7 @@ class Trainer(Protocol):
     output_dir: Path
     is_main: bool
     num_params: int
+    num_active_params: int
     num_steps: int
     lr: float
     tokenizer: Any
@@ -41,6 +42,12 @@ class Trainer(Protocol):
 
     def log(self, message: str) -> None: ...
 
+
+def active_text(trainer) -> str:
+    """A mixture of experts' parameters used per token (shared + top-k experts), after its total."""
+    if trainer.num_active_params == trainer.num_params:
+        return ""
+    return f" ({trainer.num_active_params:,} active per token)"
 
 def run_config(trainer: Trainer) -> dict[str, Any]:
     """The nested run config of a built trainer: recipe, plan, launch, model, data, perf reference."""
@@ -57,7 +64,8 @@ def run_config(trainer: Trainer) -> dict[str, Any]:
         },
         # compute, gradient accumulation and gradient reduction dtypes in use (see accelerator.gradient_dtypes)
         "dtypes": gradient_dtypes(trainer.recipe, trainer.launch),
-        "model": {"num_params": trainer.num_params, "vocab_size": len(trainer.tokenizer)},
+        "model": {"num_params": trainer.num_params, "num_active_params": trainer.num_active_params,
+                  "vocab_size": len(trainer.tokenizer)},
         # model.compile resolved for this device and layout (accelerator.compile_choice)
         "compile": {"mode": trainer.setup.compile_mode},
         "loss": {"implementation": trainer.loss_implementation},  # model.loss as resolved (auto: liger or chunked)
@@ -99,7 +107,7 @@ def start_run_record(trainer: Trainer) -> None:
         f"pretrain: {recipe.name} | world size {dist['world_size']} "
         f"({dist['distributed_type']}, {dist['device']}, {recipe.precision.dtype}, grads accumulated in "
         f"{config['dtypes']['grad_accum']}, reduced in {config['dtypes']['reduce']}) | "
-        f"{trainer.num_params:,} params | GBS {p.global_batch_size} = MBS {p.micro_batch_size} x GAS "
+        f"{trainer.num_params:,} params{active_text(trainer)} | GBS {p.global_batch_size} = MBS {p.micro_batch_size} x GAS "
         f"{p.grad_accum_steps} x world {p.world_size} | {p.tokens_per_step:,} tokens/step | "
         f"{trainer.num_steps} steps | lr {trainer.lr:.3g} | output {trainer.output_dir}"
     )

@@ -37,7 +37,13 @@ from pretrain.distributed.layout import Launch
 from pretrain.distributed.preemption import StopSignals
 from pretrain.distributed.supervise import RunLock
 from pretrain.errors import ConfigError, TrainingDiverged, writable_dir
-from pretrain.model.build import build_model, count_parameters, resolve_vocab_size, save_pretrained_model
+from pretrain.model.build import (
+    build_model,
+    count_active_parameters,
+    count_parameters,
+    resolve_vocab_size,
+    save_pretrained_model,
+)
 from pretrain.model.loss import install_loss
 from pretrain.model.optim import build_optimizer, build_scheduler, deepspeed_optimizer
 from pretrain.plan.memory import MemoryEstimate, estimate
@@ -53,6 +59,7 @@ from pretrain.train.loader import DocumentMasking, build_train_loader, build_val
 from pretrain.train.metrics import ThroughputMonitor, memory_metrics, resolve_peak
 from pretrain.train.preflight import check_run
 from pretrain.train.resume import Resume
+from pretrain.train.router import RouterStats
 from pretrain.train.run_record import start_run_record
 from pretrain.train.stability import SkipPolicy, StepGate, Verdict, injected_loss_factors
 from pretrain.train.tracking import Console, StepLog, build_trackers
@@ -166,9 +173,11 @@ class Trainer:
         model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed,
                             device=placement.device, shard=placement.shard)
         self.num_params = count_parameters(model)
+        self.num_active_params = count_active_parameters(model)
         self.loss_implementation, why = run_plan.loss  # model.loss (auto: liger on CUDA, if it can)
         self.log(f"loss: {self.loss_implementation} ({why})")
         self.loss_terms = install_loss(model, self.loss_implementation, recipe.stability.z_loss)
+        self.router = RouterStats.for_model(model.config)  # MoE: the load-balancing loss and expert load
         TiedWeightsSaved.install(model)  # checkpoints leave out the tied LM head copy; loading ties it again
         self.flops, self.peak = throughput_reference(recipe, model.config, self.device, self.log)
         estimated = memory_estimate(recipe, self.plan, self.launch, self.device, self.log, self.loss_implementation)
@@ -331,17 +340,25 @@ class Trainer:
         grad_norm = verdict = None
         with acc.accumulate(model):
             # Only the loss is kept: the output's logits are freed before backward, not at the next forward.
-            loss = model(
+            output = model(
                 input_ids=batch.input_ids,
                 labels=batch.targets,
                 shift_labels=batch.targets,
                 num_items_in_batch=self.loss_normaliser,
                 **batch.attention_kwargs(),
-            ).loss
+                **(self.router.forward_kwargs if self.router else {}),
+            )
+            # The objective (backward's) includes an MoE's weighted load-balancing loss; `loss`, which is
+            # logged and gated on, is the cross-entropy (+ z-loss) as for a dense model.
+            loss = objective = output.loss
+            if self.router is not None:
+                loss = objective - self.router.record(output)
+            del output
             if acc.sync_gradients:
                 self.diagnostics.before_sync()
             if self.step + 1 in self.loss_factors:
-                loss = loss * self.loss_factors[self.step + 1]  # the test hook (stability.LOSS_FACTORS_ENV)
+                factor = self.loss_factors[self.step + 1]  # the test hook (stability.LOSS_FACTORS_ENV)
+                loss, objective = loss * factor, objective * factor
             if acc.sync_gradients and self.gate is not None:
                 # The step's global loss (cross-entropy), reduced before the last backward: DeepSpeed updates
                 # inside it. Every rank gets the same value, so every rank takes the same decision.
@@ -349,7 +366,7 @@ class Trainer:
                 if self.loss_terms is not None and self.loss_terms.z_loss is not None:
                     local = local - self.loss_terms.z_loss
                 self.gate.begin(acc.reduce(local, reduction="mean"), self.plan.grad_accum_steps)
-            engine.backward(loss)
+            engine.backward(objective)
             if acc.sync_gradients:
                 grad_norm = engine.clip_grad_norm(self.recipe.optim.grad_clip)
                 verdict = engine.judge(grad_norm)
@@ -383,6 +400,7 @@ class Trainer:
             "train/lr": result.lr,
             "train/grad_norm": float(result.grad_norm) if result.grad_norm is not None else None,
             "train/tokens_seen": self.tokens_seen,
+            **(self.router.metrics(self.accelerator) if self.router else {}),  # collective
             **self.throughput.metrics(self.step),
             **memory_metrics(self.device),
             "memory/estimated_gib": self.memory_estimate_gib,
