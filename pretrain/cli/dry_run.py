@@ -78,14 +78,14 @@ def format_duration(seconds: float) -> str:
     return f"{seconds / (365 * 86400):,.1f} years"
 
 
-def parameter_count(recipe) -> tuple[int, int]:
-    """(parameters, vocabulary rows) of transformers' model built on the meta device (``model.meta_model``), as
+def parameter_count(recipe) -> tuple[int, int, int]:
+    """(parameters, of which active per token, vocabulary rows) of transformers' model built on the meta device (``model.meta_model``), as
     pretrain-launch builds it: a config transformers cannot build (a config override it rejects, a size no
     machine holds) is refused here, before anything is queued."""
-    from pretrain.model.build import count_parameters, meta_model
+    from pretrain.model.build import count_active_parameters, count_parameters, meta_model
 
     model, vocab = meta_model(recipe)
-    return count_parameters(model), vocab
+    return count_parameters(model), count_active_parameters(model), vocab
 
 
 def resume_report(recipe, args: argparse.Namespace, launch: Launch, gpu) -> tuple[str, bool]:
@@ -123,11 +123,12 @@ def report(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu, 
 
     run_plan = check_run(recipe, launch)
     batch, steps = run_plan.batch, run_plan.num_steps
-    num_params, vocab = parameter_count(recipe)
+    num_params, num_active, vocab = parameter_count(recipe)
+    active = f", {num_active:,} active per token" if num_active != num_params else ""
     where = f" ({config_file})" if config_file else ""
     lines = [
         f"recipe           {recipe.name}",
-        f"model            {recipe.model.arch}, {num_params:,} parameters (vocab {vocab:,})",
+        f"model            {recipe.model.arch}, {num_params:,} parameters{active} (vocab {vocab:,})",
         f"layout           {launch.describe()}{where}",
         f"batch plan       world {batch.world_size}: GBS {batch.global_batch_size} = MBS {batch.micro_batch_size} "
         f"x GAS {batch.grad_accum_steps} x world {batch.world_size}",

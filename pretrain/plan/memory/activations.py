@@ -80,6 +80,14 @@ def activation_memory(shape: ModelShape, micro_batch_size: int, seq_len: int, pr
         mlp_units = 4 + 3 * (shape.hidden_act in TANH_GELU_EAGER)
         mlp = mlp_units * b * T * f
         mlp_text = f"gated MLP {mlp_units}bTf (gate, up, act(gate), product)"
+        if shape.num_experts:
+            # Only the top-k experts a token is routed to see it: k times a dense expert's tensors, plus each
+            # expert's gathered input and weighted output (2bTd per routed copy) and the router's logits and
+            # fp32 probabilities (b + 4 B per token and expert).
+            k, E = shape.experts_per_token, shape.num_experts
+            mlp = k * (mlp_units * b * T * f + 2 * b * T * d) + (b + 4) * T * E
+            mlp_text = (f"MoE: top-{k} experts x ({mlp_units}bTf gate, up, act(gate), product + 2bTd gathered input, "
+                        f"weighted output) + (b + 4)T x {E} router logits, probabilities")
         dropout = attn_dropout
         # computed once before the blocks; kept for backward (or, checkpointed, for the recompute)
         rope = 2 * s * shape.head_dim * b

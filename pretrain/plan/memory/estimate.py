@@ -119,6 +119,7 @@ class MemoryEstimate:
         }
         return {
             "num_params": self.num_params,
+            "num_active_params": self.shape.num_active_params,
             "per_device": {k: round(v, 4) for k, v in per_device.items()},
             "gpu_memory_gib": None if self.gpu is None else round(self.gpu.memory_gib, 4),
             "fits": self.fits,
@@ -141,7 +142,9 @@ class MemoryEstimate:
     def summary(self) -> str:
         w = self.workload
         rows = [
-            f"model      {self.shape.arch}, {self.num_params:,} parameters ({self.num_params / 1e9:.2f} B)",
+            f"model      {self.shape.arch}, {self.num_params:,} parameters ({self.num_params / 1e9:.2f} B)"
+            + (f", {self.shape.num_active_params:,} active per token ({self.shape.num_active_params / 1e9:.2f} B)"
+               if self.shape.num_experts else ""),
             f"layout     {self.layout.describe()}",
             f"workload   {w.precision}, {w.optimizer}, MBS {w.micro_batch_size} x seq {w.seq_len:,}"
             + (f", GAS {w.grad_accum_steps}" if w.grad_accum_steps else "")
