@@ -14,7 +14,8 @@ only where the logits need a gradient (training): evaluation's loss stays the cr
 the returned loss is added to a ``LossTerms`` for logging (``train/z_loss``).
 
 It replaces the model's ``loss_function`` (transformers calls it from the model's forward, so DDP, FSDP
-and DeepSpeed hooks are untouched) with the same signature. Without autograd (evaluation) no gradient is
+and DeepSpeed hooks are untouched) with the same signature. A mixture of experts' forward adds its weighted
+load-balancing loss to what this returns, after it (pretrain/train/router.py): nothing here adds it again. Without autograd (evaluation) no gradient is
 computed.
 
 ``model.loss`` picks the implementation (``resolve_loss``, ``install_loss``): ``chunked`` (this module),
