@@ -108,7 +108,7 @@ def test_hardware_flops_match_flop_counter_with_checkpointing(case):
     assert flops.hardware_flops > flops.model_flops
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "gemma", "olmo", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "gemma", "olmo", "olmo2", "phi3", "gpt_neox"])
 def test_other_architectures_match_flop_counter(arch):
     extra = {"head_dim": 32} if arch in ("gemma", "qwen3") else {}  # head_dim != hidden / heads
     config = {**LLAMA, **extra} if arch == "gpt_neox" else {**LLAMA, "num_key_value_heads": 2, **extra}

@@ -23,6 +23,7 @@ from pretrain.model.build import (
     resolve_vocab_size,
 )
 from pretrain.recipe.config import ModelConfig
+from pretrain.recipe.shape import ModelShape
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
@@ -337,9 +338,54 @@ def test_recipe_shape_without_transformers_equals_the_built_configs(path):
     assert ModelShape.from_recipe(recipe) == built
 
 
+# Every architecture with a closed form beyond the Llama family: GQA, and a head size other than hidden / heads
+# where the config has one (qwen3's and gemma's defaults, 128 and 256, are not 32 / 4 either).
+COUNTED_CASES = {
+    "qwen3": small(arch="qwen3", head_dim=16),
+    "qwen3-default-head": small(arch="qwen3"),
+    "gemma-tied": small(arch="gemma", head_dim=16, tie_embeddings=True),
+    "gemma-default-head": small(arch="gemma"),
+    "olmo": small(arch="olmo"),
+    "olmo2": small(arch="olmo2"),
+    "phi3": small(arch="phi3", config_overrides={"pad_token_id": None}),  # its default pad id is 32000
+    "gpt_neox": small(arch="gpt_neox", num_kv_heads=None),
+    "gpt_neox-no-attention-bias": small(arch="gpt_neox", num_kv_heads=None, config_overrides={"attention_bias": False}),
+}
+
+
+@pytest.mark.parametrize("case", list(COUNTED_CASES))
+def test_closed_form_matches_every_counted_architecture(case):
+    """The closed form from the recipe section alone (no transformers) counts the meta-built model exactly."""
+    model_cfg = COUNTED_CASES[case]
+    model = build_model(model_cfg, VOCAB, SEQ, seed=0, meta=True)
+    assert count_parameters(model) == closed_form_num_params(model_cfg, VOCAB, SEQ)
+    assert ModelShape.from_model_config(model_cfg, VOCAB, SEQ) == ModelShape.from_hf_config(model.config)
+
+
+def test_qwen3_head_dim_gives_the_count_the_closed_form_predicts():
+    """Without model.head_dim qwen3 builds transformers' 128-wide heads; with it, what was asked for: embeddings
+    4096 x 384 (tied) + 6 x (q, o 384 x 384, k, v 384 x 128, MLP 3 x 384 x 1024, 2 norms 384, q/k norms 64) + 384."""
+    model_cfg = ModelConfig(arch="qwen3", hidden_size=384, num_layers=6, num_heads=6, num_kv_heads=2,
+                            intermediate_size=1024, head_dim=64, tie_embeddings=True)
+    model = build_model(model_cfg, 4096, 256, seed=0, meta=True)
+    assert model.config.head_dim == 64
+    assert count_parameters(model) == ModelShape.from_model_config(model_cfg, 4096, 256).num_params == 11_015_808
+    default = model_cfg.model_copy(update={"head_dim": None})
+    assert count_parameters(build_model(default, 4096, 256, seed=0, meta=True)) == closed_form_num_params(
+        default, 4096, 256) > 11_015_808
+
+
+def test_head_dim_on_an_architecture_without_one():
+    """gpt2's heads are hidden / heads wide: that value is accepted, another is refused with the fix."""
+    gpt2 = dict(arch="gpt2", num_kv_heads=None)
+    assert hf_config(small(**gpt2, head_dim=8), VOCAB, SEQ).n_embd == 32
+    with pytest.raises(ConfigError, match=r"model.head_dim = 16, but the gpt2 config has no head size .*null"):
+        hf_config(small(**gpt2, head_dim=16), VOCAB, SEQ)
+
+
 def test_closed_form_refuses_archs_without_a_formula():
-    with pytest.raises(ConfigError, match="no parameter-count formula for model.arch = gpt_neox"):
-        closed_form_num_params(small(arch="gpt_neox", num_kv_heads=None), VOCAB, SEQ)
+    with pytest.raises(ConfigError, match="no parameter-count formula for model.arch = stablelm"):
+        closed_form_num_params(small(arch="stablelm"), VOCAB, SEQ)
 
 
 ZERO3_SCRIPT = """

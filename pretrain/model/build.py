@@ -53,14 +53,16 @@ _CONFIG_NAMES = {
     "num_heads": ("num_attention_heads",),
     "num_kv_heads": ("num_key_value_heads",),
     "intermediate_size": ("intermediate_size", "n_inner"),
+    "head_dim": ("head_dim",),
     "max_position_embeddings": ("max_position_embeddings",),
     "rope_theta": ("rope_parameters",),  # transformers 5 turns a `rope_theta` argument into rope_parameters
     "norm_eps": ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps"),
     "init_std": ("initializer_range",),
     "tie_embeddings": ("tie_word_embeddings",),
 }
-_NULLABLE = {"num_kv_heads", "intermediate_size", "rope_theta", "norm_eps"}  # null = the architecture's default
-_MEANING = {"num_kv_heads": "grouped-query attention", "rope_theta": "rotary position embeddings"}
+_NULLABLE = {"num_kv_heads", "intermediate_size", "head_dim", "rope_theta", "norm_eps"}  # null = the architecture's default
+_MEANING = {"num_kv_heads": "grouped-query attention", "rope_theta": "rotary position embeddings",
+            "head_dim": "head size of its own (it is hidden_size / num_heads)"}
 _COMMON_ARCHS = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox")
 
 
@@ -139,6 +141,8 @@ def _mapped_fields(
             kwargs["rope_theta" if name == "rope_parameters" else name] = value
         elif field == "num_kv_heads" and value == model_cfg.num_heads:
             continue  # multi-head attention is what an arch without GQA does anyway
+        elif field == "head_dim" and value == model_cfg.hidden_size // model_cfg.num_heads:
+            continue  # the head size such an arch has anyway
         elif field in _NULLABLE:
             what = _MEANING.get(field, f"`{names[0]}`")
             problems.append(f"model.{field} = {value}, but the {arch} config has no {what}; set model.{field} to null")

@@ -72,6 +72,10 @@ class ModelConfig(Section):
     intermediate_size: int | None = positive_or_null(
         "MLP hidden width (features); null = the architecture's default (gpt2: 4 x hidden)."
     )
+    head_dim: int | None = positive_or_null(
+        "Width of one attention head (features); null = the architecture's default: hidden_size / num_heads for "
+        "most, but a fixed 128 for qwen3 and 256 for gemma whatever the width (set it to size those honestly)."
+    )
     vocab_size: int | None = Field(
         None, gt=0, le=2**32,
         description="Embedding rows (tokens, at most 2**32: the token store's uint32); null = the tokenizer's "
@@ -159,10 +163,6 @@ class ModelConfig(Section):
         if problems:
             raise ValueError("; ".join(problems))
         return self
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
 
 # Architectures whose transformers model builds a block-causal mask from per-document position ids (and

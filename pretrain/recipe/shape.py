@@ -113,9 +113,22 @@ GATED_MLP_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo", "olmo2
 PLAIN_MLP_ARCHS = ("gpt2", "gpt_neox")
 MATMUL_ARCHS = (*GATED_MLP_ARCHS, *PLAIN_MLP_ARCHS)
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
-COUNTED_ARCHS = (*LLAMA_FAMILY, "gpt2")
+COUNTED_ARCHS = (*LLAMA_FAMILY, "qwen3", "gemma", "olmo", "olmo2", "phi3", "gpt2", "gpt_neox")
 """Every parameter tensor is known (not only the matmuls): parameter counts, the memory estimator, and a
-recipe's section read without transformers (``model_attributes`` mirrors their defaults only)."""
+recipe's section read without transformers (``model_attributes`` mirrors their defaults only). Each is
+checked against the meta-built model in tests/test_model.py; any other architecture's shape facts are
+measured from the model itself (``pretrain.model.measure``)."""
+
+# transformers' head size where it does not follow hidden_size / num_heads (model.head_dim null)
+_DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma": 256}
+# the config attributes model.dropout sets (build.dropout_attributes finds them in transformers' config)
+_DROPOUT_NAMES = {"gpt2": ("attn_pdrop", "resid_pdrop", "embd_pdrop"),
+                  "gpt_neox": ("attention_dropout", "hidden_dropout"),
+                  "phi3": ("attention_dropout", "resid_pdrop", "embd_pdrop")}  # fmt: skip
+# transformers' MLP activation where it is not SiLU (the estimator's activation bytes depend on it)
+_DEFAULT_HIDDEN_ACT = {"gpt2": "gelu_new", "gemma": "gelu_pytorch_tanh", "gpt_neox": "gelu"}
+# transformers' attention_bias default where it is not False: GPT-NeoX's q/k/v and output projections
+_DEFAULT_ATTENTION_BIAS = {"gpt_neox": True}
 
 # GPT-2's config names the common attributes its own way (GPT2Config.attribute_map); an override or a
 # config.json may use either name, and transformers stores the value under GPT-2's.
@@ -137,7 +150,7 @@ def model_attributes(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> d
         )
     over = model_cfg.config_overrides
     if arch != "gpt2" and model_cfg.intermediate_size is None and "intermediate_size" not in over:
-        raise ConfigError(f"model.intermediate_size is required for arch {arch} (the SwiGLU MLP width)")
+        raise ConfigError(f"model.intermediate_size is required for arch {arch} (the MLP width)")
     names = _GPT2_NAMES if arch == "gpt2" else {}
     attributes = {
         "model_type": arch,
@@ -150,11 +163,14 @@ def model_attributes(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> d
     }
     if arch == "gpt2":
         attributes["n_inner"] = model_cfg.intermediate_size  # null: 4 x hidden
-        attributes.update(dict.fromkeys(("attn_pdrop", "resid_pdrop", "embd_pdrop"), model_cfg.dropout))
     else:
         attributes["intermediate_size"] = model_cfg.intermediate_size
+    if arch not in PLAIN_MLP_ARCHS:
         attributes["num_key_value_heads"] = model_cfg.num_kv_heads or model_cfg.num_heads
-        attributes["attention_dropout"] = model_cfg.dropout  # the Llama family's only dropout
+    head_dim = model_cfg.head_dim or _DEFAULT_HEAD_DIM.get(arch)
+    if head_dim is not None:
+        attributes["head_dim"] = head_dim  # build.hf_config refuses a head_dim the arch's config cannot hold
+    attributes.update(dict.fromkeys(_DROPOUT_NAMES.get(arch, ("attention_dropout",)), model_cfg.dropout))
     attributes.update(over)
     return {names.get(key, key): value for key, value in attributes.items()}
 
@@ -251,7 +267,7 @@ class ModelShape:
             return (_GPT2_NAMES[attribute], attribute) if gpt2 else (attribute,)
 
         d, heads = need(*aliases("hidden_size")), need(*aliases("num_attention_heads"))
-        attention_bias = bool(first("attention_bias", default=False))
+        attention_bias = bool(first("attention_bias", default=_DEFAULT_ATTENTION_BIAS.get(arch, False)))
         return cls(
             arch=arch,
             vocab_size=need("vocab_size"),
@@ -265,10 +281,10 @@ class ModelShape:
             max_positions=(need(*aliases("max_position_embeddings")) if gpt2
                            else first("max_position_embeddings", default=0)),
             tie_embeddings=first("tie_word_embeddings", default=gpt2),
-            hidden_act=first("activation_function", default="gelu_new") if gpt2 else first("hidden_act", default="silu"),
+            hidden_act=first("activation_function" if gpt2 else "hidden_act", default=_DEFAULT_HIDDEN_ACT.get(arch, "silu")),
             qkv_bias=gpt2 or attention_bias or arch == "qwen2",  # qwen2's q/k/v projections always have biases
             o_bias=gpt2 or attention_bias,
-            mlp_bias=gpt2 or bool(first("mlp_bias", default=False)),
+            mlp_bias=plain or bool(first("mlp_bias", default=False)),  # GPT-NeoX's MLP has biases too
             resid_dropout=first("hidden_dropout" if arch == "gpt_neox" else "resid_pdrop", default=0.1 if gpt2 else 0.0),
             embd_dropout=first("embd_pdrop", default=0.1 if gpt2 else 0.0),
             attn_dropout=first("attn_pdrop" if gpt2 else "attention_dropout", default=0.1 if gpt2 else 0.0),
@@ -289,8 +305,9 @@ class ModelShape:
 
     @property
     def family(self) -> str:
-        """gpt2 or llama: the block layout the estimator's activation formulas follow."""
-        return "gpt2" if self.arch == "gpt2" else "llama"
+        """gpt2 or llama: the block layout the estimator's activation formulas follow (GPT-NeoX's LayerNorms,
+        fused qkv and plain MLP are GPT-2's; its rotary positions are Llama's, a small term left out)."""
+        return "gpt2" if self.arch in PLAIN_MLP_ARCHS else "llama"
 
     @property
     def gated_mlp(self) -> bool:
@@ -339,20 +356,35 @@ class ModelShape:
     def block_param_sizes(self) -> list[int]:
         """Element counts of one transformer block's parameter tensors, in module order.
 
-        llama, mistral, qwen2 (SwiGLU MLP, RMSNorm): d q + 2 d k + q d + 3 d f + 2 d, q = heads x head_dim,
-        k = kv_heads x head_dim, + biases: q/k/v (q + 2 k: qwen2, llama with attention_bias), o_proj (d:
-        llama attention_bias), MLP (2 f + d: llama mlp_bias).
+        llama, mistral, qwen2, gemma (gated MLP, RMSNorm): d q + 2 d k + q d + 3 d f + 2 d, q = heads x
+        head_dim, k = kv_heads x head_dim, + biases: q/k/v (q + 2 k: qwen2, attention_bias), o_proj (d:
+        attention_bias), MLP (2 f + d: mlp_bias). qwen3 adds RMSNorms of one head on q and k (2 head_dim);
+        olmo has no norm weights (non-parametric LayerNorm); olmo2 has q and k norms over all heads (q + k)
+        and its two norms after attention and MLP instead of before; phi3 fuses q/k/v (d x (q + 2 k)) and
+        gate/up (d x 2 f) into one matrix each.
         gpt2 (every matrix has a bias, LayerNorms have weight and bias):
-        2 x 2 d + (3 d^2 + 3 d) + (d^2 + d) + (d f + f) + (f d + d).
+        2 x 2 d + (3 d^2 + 3 d) + (d^2 + d) + (d f + f) + (f d + d); gpt_neox the same (its q/k/v and output
+        biases only with attention_bias, its default).
         """
         require_counted(self.arch)
         d, f = self.hidden_size, self.intermediate_size
         attention, mlp = self.block_matmuls()
         if self.family == "gpt2":
             (qkv, proj), (fc, out) = attention, mlp
+            if self.arch == "gpt_neox" and not self.qkv_bias:
+                return [d, d, d, d, qkv, proj, fc, f, out, d]
             return [d, d, qkv, 3 * d, proj, d, d, d, fc, f, out, d]
         q, k = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        sizes = [d, *attention, d, *mlp]
+        if self.arch == "olmo":
+            sizes = [*attention, *mlp]
+        elif self.arch == "olmo2":
+            sizes = [*attention, q, k, d, *mlp, d]
+        elif self.arch == "phi3":
+            sizes = [d, sum(attention[:3]), attention[3], d, sum(mlp[:2]), mlp[2]]
+        else:
+            sizes = [d, *attention, d, *mlp]
+        if self.arch == "qwen3":
+            sizes += [self.head_dim, self.head_dim]
         if self.qkv_bias:
             sizes += [q, k, k]
         if self.o_bias:
@@ -366,10 +398,10 @@ class ModelShape:
         positions P d), the blocks, the final norm (GPT-2's LayerNorm has a bias too), the LM head V d."""
         V, d = self.vocab_size, self.hidden_size
         sizes = [V * d]
-        if self.family == "gpt2":
+        if self.arch == "gpt2":
             sizes.append(self.max_positions * d)
         sizes += self.block_param_sizes() * self.num_layers
-        sizes += [d, d] if self.family == "gpt2" else [d]
+        sizes += [d, d] if self.family == "gpt2" else [] if self.arch == "olmo" else [d]
         if not self.tie_embeddings:
             sizes.append(V * d)
         return sizes
@@ -386,8 +418,9 @@ class ModelShape:
         V, d, L, f = self.vocab_size, self.hidden_size, self.num_layers, self.intermediate_size
         head = "" if self.tie_embeddings else f" + LM head {V:,} x {d:,}"
         if self.family == "gpt2":
+            positions = f" + positions {self.max_positions:,} x {d:,}" if self.arch == "gpt2" else ""
             return (
-                f"embeddings {V:,} x {d:,} + positions {self.max_positions:,} x {d:,} + {L} blocks x "
+                f"embeddings {V:,} x {d:,}{positions} + {L} blocks x "
                 f"{self.block_params:,} (qkv, proj, MLP {d:,} -> {f:,}, 2 LayerNorms, biases) + final LayerNorm{head}"
             )
         return (
