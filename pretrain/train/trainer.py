@@ -39,11 +39,12 @@ from pretrain.distributed.supervise import RunLock
 from pretrain.errors import ConfigError, TrainingDiverged, writable_dir
 from pretrain.model.build import build_model, count_parameters, resolve_vocab_size, save_pretrained_model
 from pretrain.model.loss import install_loss
+from pretrain.model.measure import measure
 from pretrain.model.optim import build_optimizer, build_scheduler, deepspeed_optimizer
 from pretrain.plan.memory import MemoryEstimate, estimate
 from pretrain.recipe.batching import BatchPlan
 from pretrain.recipe.config import Recipe
-from pretrain.recipe.shape import flops_per_token
+from pretrain.recipe.shape import FlopsPerToken, flops_per_token
 from pretrain.system.hardware import gpu_for_device
 from pretrain.system.quiet import TiedWeightsSaved
 from pretrain.train.diagnostics import Diagnostics
@@ -81,15 +82,27 @@ def throughput_reference(recipe: Recipe, hf_config, device: torch.device, log):
     try:
         flops = flops_per_token(hf_config, recipe.data.seq_len,
                                 activation_checkpointing=recipe.model.activation_checkpointing)
-    except ConfigError as exc:
-        log(f"warning: no FLOPs count, so no TFLOP/s or MFU: {exc}")
-        flops = None
+    except ConfigError:
+        flops = measured_flops(recipe, hf_config, log)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     peak = resolve_peak(device.type, name, recipe.precision.dtype, recipe.logging.peak_tflops,
                         cache_dir=cache_root(recipe.data))
     if peak.tflops is None:
         log(f"warning: perf/mfu is not logged: {peak.detail} (logging.peak_tflops=<dense TFLOP/s>)")
     return flops, peak
+
+
+def measured_flops(recipe: Recipe, hf_config, log) -> FlopsPerToken | None:
+    """No closed form for this architecture: its FLOPs per token counted on the meta device (model/measure.py),
+    the same convention, one line saying so; None (no MFU) when even that fails."""
+    try:
+        measured = measure(hf_config, recipe.data.seq_len)
+    except ConfigError as exc:
+        log(f"warning: no FLOPs count, so no TFLOP/s or MFU: {exc}")
+        return None
+    log(f"FLOPs per token of {hf_config.model_type} measured (no closed form): {measured.forward_flops_per_token:,.0f} "
+        "per forward, counted by FlopCounterMode on the meta device; training = 3 x forward")
+    return measured.flops_per_token(recipe.model.activation_checkpointing)
 
 
 def memory_estimate(recipe: Recipe, plan: BatchPlan, launch: Launch, device: torch.device, log,
