@@ -151,3 +151,15 @@ def test_dry_run_of_architectures_beyond_llama_gives_parameters_memory_and_speed
     assert f"model            {arch}, {num_params:,} parameters (vocab 4,096)" in out
     assert "no estimate" not in out and re.search(r"total \(peak\)\s+\d+\.\d+", out), out
     assert re.search(r"speed +~[\d,]+ tokens/s per GPU", out) and "pretrain-plan    best of" in out, out
+
+
+def test_dry_run_of_an_architecture_without_a_closed_form_measures_its_flops(capsys):
+    """granite has no closed form; its matmuls are Llama's, so the measured FLOPs are the tiny Llama's formula."""
+    from pretrain.recipe.shape import ModelShape
+
+    code, out, err = dry_run(capsys, "--recipe", TINY, "--dry-run", "--gpu", "H100-80GB", "model.arch=granite")
+    assert code == 0, err
+    assert "model            granite, 1,377,408 parameters (vocab 4,096)" in out
+    assert "memory           no estimate: model.arch = 'granite'" in out and "no memory estimate yet" in out
+    llama = ModelShape.from_recipe(load_recipe(TINY)).flops_per_token(128).model_flops
+    assert f"FLOPs/token      {llama:,.0f} (measured on the meta device, no closed form: the run logs MFU)" in out

@@ -146,7 +146,8 @@ def model_attributes(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> d
     arch = model_cfg.arch
     if arch not in COUNTED_ARCHS:
         raise ConfigError(
-            f"model.arch = {arch!r}: the memory estimator and the planner have formulas for {', '.join(COUNTED_ARCHS)}"
+            f"model.arch = {arch!r}: the memory estimator and the planner have formulas for {', '.join(COUNTED_ARCHS)} "
+            "(other architectures get measured parameters and FLOPs per token, so MFU, but no memory estimate yet)"
         )
     over = model_cfg.config_overrides
     if arch != "gpt2" and model_cfg.intermediate_size is None and "intermediate_size" not in over:
