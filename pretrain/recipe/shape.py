@@ -424,10 +424,12 @@ class ModelShape:
                 f"embeddings {V:,} x {d:,}{positions} + {L} blocks x "
                 f"{self.block_params:,} (qkv, proj, MLP {d:,} -> {f:,}, 2 LayerNorms, biases) + final LayerNorm{head}"
             )
+        norms = {"olmo": "no norm weights", "olmo2": "q/k norms, 2 RMSNorms", "qwen3": "q/k head norms, 2 RMSNorms"}
+        final = "" if self.arch == "olmo" else " + final RMSNorm"
         return (
             f"embeddings {V:,} x {d:,} + {L} blocks x {self.block_params:,} (q {d:,} x {self.num_heads * self.head_dim:,}, "
-            f"k/v {d:,} x {self.num_kv_heads * self.head_dim:,}, o, SwiGLU 3 x {d:,} x {f:,}, 2 RMSNorms) + final "
-            f"RMSNorm{head}"
+            f"k/v {d:,} x {self.num_kv_heads * self.head_dim:,}, o, gated MLP 3 x {d:,} x {f:,}, "
+            f"{norms.get(self.arch, '2 RMSNorms')}){final}{head}"
         )
 
 
