@@ -62,17 +62,25 @@ class ArchRun:
     straight: Path  # 5 steps in one go
     resumed: Path  # the step-3 checkpoint of ``straight``, resumed to step 5
     model: torch.nn.Module  # the trained model, as the trainer left it
+    tokenizer: object  # the tokenizer it was trained with
     num_params: int  # what the run counted (run_config.json's model/num_params)
 
 
 def train_here(arch: str, out: Path):
     """The entry point's Trainer in this process (what pretrain/run.py runs on one process)."""
+    from accelerate.state import AcceleratorState, GradientState
+
     from pretrain.recipe.config import load_recipe
     from pretrain.train.trainer import Trainer
 
     recipe = load_recipe(TINY, [*ARGS, f"model.arch={arch}", *ARCHS[arch], f"output_dir={out}"])
-    trainer = Trainer(recipe)
-    trainer.train()
+    try:
+        trainer = Trainer(recipe)
+        trainer.train()
+    finally:
+        # accelerate's process-wide singletons: the next run (and any later test of this process) starts afresh
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
     return recipe, trainer
 
 
@@ -89,7 +97,7 @@ def run(request, tmp_path_factory) -> ArchRun:
     _, again = train_here(arch, resumed)
     assert again.resumed is not None and again.step == STEPS, "the copy of the step-3 checkpoint was not resumed"
     num_params = json.loads((root / "straight" / "run_config.json").read_text())["model/num_params"]
-    return ArchRun(arch, recipe, root / "straight", resumed, model, num_params)
+    return ArchRun(arch, recipe, root / "straight", resumed, model, trainer.tokenizer, num_params)
 
 
 def test_trains_5_steps_with_a_falling_loss(run):
@@ -138,6 +146,26 @@ def test_exported_model_reloads_with_the_trained_logits_and_generates(run, expor
     generated = model.generate(ids[:1], max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert generated.shape == (1, ids.shape[1] + 4)
     assert isinstance(tokenizer.decode(generated[0]), str)
+
+
+def test_exported_tokenizer_gives_the_training_ids(run, exported):
+    """AutoTokenizer of the export encodes text to the ids the model was trained on (issue 26 part 2: qwen2's
+    config makes it load a Qwen2Tokenizer with other ids)."""
+    from transformers import AutoTokenizer
+
+    text = "import os\n\n\ndef main(argv):\n    return len(argv)  # done\n"
+    for path in exported:
+        assert AutoTokenizer.from_pretrained(path)(text).input_ids == run.tokenizer(text).input_ids, path
+
+
+def test_exported_config_stops_at_eos_with_the_kv_cache_on(run, exported):
+    """The exported config's EOS is the tokenizer's end-of-text token (generation stops there) and its KV cache is
+    on (training turns it off) (issue 26 part 2)."""
+    from transformers import AutoConfig
+
+    for path in exported:
+        config = AutoConfig.from_pretrained(path)
+        assert (config.eos_token_id, config.use_cache) == (run.tokenizer.eos_token_id, True), path
 
 
 def test_parameter_count_matches_the_built_model(run):
