@@ -188,3 +188,16 @@ def train_in_process(args: list[str], before: str = "", between: str = "", after
                      timeout: float = 300) -> subprocess.CompletedProcess:
     script = TRAINER_SCRIPT.format(before=before, between=between, after=after)
     return run_cmd([sys.executable, "-c", script, recipe, *args], timeout=timeout)
+
+
+def counted_flops_per_token(model, vocab_size: int, batch: int, seq_len: int) -> float:
+    """FLOPs of one training step (forward + backward) counted by PyTorch's FlopCounterMode, per token: the
+    reference the FLOPs formulas are checked against."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model.train()
+    input_ids = torch.randint(0, vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+    return counter.get_total_flops() / (batch * seq_len)

@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pretrain.errors import ConfigError
@@ -29,21 +28,13 @@ from pretrain.train.metrics import (
     mfu,
     resolve_peak,
 )
+from tests.helpers import counted_flops_per_token
 
 SMALL = {"vocab_size": 256, "max_position_embeddings": 256, "bos_token_id": None, "eos_token_id": None,
          "pad_token_id": None}  # fmt: skip
 LLAMA = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 176, **SMALL}
 GPT2 = {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256, "n_positions": 256,
         "bos_token_id": None, "eos_token_id": None}  # fmt: skip
-
-
-def counted_flops_per_token(model: torch.nn.Module, vocab_size: int, batch: int, seq_len: int) -> float:
-    """FLOPs of one training step (forward + backward) counted by PyTorch, per token."""
-    model.train()
-    input_ids = torch.randint(0, vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
-    with FlopCounterMode(display=False) as counter:
-        model(input_ids=input_ids, labels=input_ids).loss.backward()
-    return counter.get_total_flops() / (batch * seq_len)
 
 
 def build(arch: str, checkpointing: str = "none", **config) -> tuple[torch.nn.Module, object]:

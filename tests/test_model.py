@@ -91,6 +91,16 @@ def test_gpt2_config_mapping():
     assert hf_config(model_cfg.model_copy(update={"intermediate_size": 100}), VOCAB, SEQ).n_inner == 100
 
 
+def test_default_token_ids_past_the_vocabulary_are_dropped():
+    """Phi-3's default pad id (32000) cannot build a 128-token embedding; GPT-2's eos (50256) is no token here."""
+    phi3 = hf_config(small(arch="phi3"), VOCAB, SEQ)
+    assert (phi3.bos_token_id, phi3.eos_token_id, phi3.pad_token_id) == (1, None, None)
+    gpt2 = hf_config(small(arch="gpt2", num_kv_heads=None, intermediate_size=None), VOCAB, SEQ)
+    assert (gpt2.bos_token_id, gpt2.eos_token_id) == (None, None)
+    build_model(small(arch="phi3"), VOCAB, SEQ, seed=0, meta=True)
+    assert hf_config(small(arch="phi3", config_overrides={"pad_token_id": 5}), VOCAB, SEQ).pad_token_id == 5
+
+
 def test_config_overrides_are_applied_last():
     overrides = {"hidden_act": "gelu", "num_key_value_heads": 1, "use_cache": True}
     cfg = hf_config(small(config_overrides=overrides), VOCAB, SEQ)

@@ -92,12 +92,25 @@ def hf_config(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> PreTrain
         problems.append(f"model.dropout = {model_cfg.dropout}, but the {arch} config has no dropout; set model.dropout "
                         "to 0")
     kwargs.update(dict.fromkeys(dropouts, model_cfg.dropout))
+    kwargs.update(_foreign_token_ids(default, vocab_size))
     if problems:
         raise ConfigError(problems)
     try:
         return AutoConfig.for_model(arch, **{**kwargs, "use_cache": False, **model_cfg.config_overrides})
     except (StrictDataclassError, ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"model (arch {arch}): transformers rejects the config: {exc}") from None
+
+
+def _foreign_token_ids(default: PreTrainedConfig, vocab_size: int) -> dict[str, None]:
+    """The architecture's default special-token ids that lie past this model's vocabulary, as None.
+
+    They belong to the tokenizer the architecture was released with, not to this one: Phi-3's pad id 32000 makes
+    its embedding's padding_idx fail to build at a 4096-token vocabulary, GPT-2's eos 50256 makes transformers
+    warn and generate() look for a token that cannot occur. ``config_overrides`` still sets any of them.
+    """
+    names = ("bos_token_id", "eos_token_id", "pad_token_id")
+    return {name: None for name in names if isinstance(getattr(default, name, None), int)
+            and getattr(default, name) >= vocab_size}
 
 
 def dropout_attributes(config: PreTrainedConfig) -> list[str]:
