@@ -373,16 +373,18 @@ def test_closed_form_matches_every_counted_architecture(case):
 
 
 def test_qwen3_head_dim_gives_the_count_the_closed_form_predicts():
-    """Without model.head_dim qwen3 builds transformers' 128-wide heads; with it, what was asked for: embeddings
+    """model.head_dim sizes qwen3's heads (null: hidden / heads, not transformers' fixed 128): embeddings
     4096 x 384 (tied) + 6 x (q, o 384 x 384, k, v 384 x 128, MLP 3 x 384 x 1024, 2 norms 384, q/k norms 64) + 384."""
     model_cfg = ModelConfig(arch="qwen3", hidden_size=384, num_layers=6, num_heads=6, num_kv_heads=2,
                             intermediate_size=1024, head_dim=64, tie_embeddings=True)
     model = build_model(model_cfg, 4096, 256, seed=0, meta=True)
     assert model.config.head_dim == 64
     assert count_parameters(model) == ModelShape.from_model_config(model_cfg, 4096, 256).num_params == 11_015_808
-    default = model_cfg.model_copy(update={"head_dim": None})
-    assert count_parameters(build_model(default, 4096, 256, seed=0, meta=True)) == closed_form_num_params(
-        default, 4096, 256) > 11_015_808
+    default = build_model(model_cfg.model_copy(update={"head_dim": None}), 4096, 256, seed=0, meta=True)
+    assert default.config.head_dim == 384 // 6 and count_parameters(default) == 11_015_808
+    wide = model_cfg.model_copy(update={"head_dim": 128})
+    assert count_parameters(build_model(wide, 4096, 256, seed=0, meta=True)) == closed_form_num_params(
+        wide, 4096, 256) > 11_015_808
 
 
 def test_head_dim_on_an_architecture_without_one():

@@ -143,6 +143,10 @@ def _mapped_fields(
     for field, names in _CONFIG_NAMES.items():
         value = values[field]
         name = next((n for n in names if hasattr(default, n)), None)
+        if field == "head_dim" and value is None and name is not None:
+            # hidden_size / num_heads, what the recipe's widths say, on every architecture: transformers' own
+            # qwen3 (128) and gemma (256) defaults would silently resize a recipe's attention.
+            value = model_cfg.hidden_size // model_cfg.num_heads
         if name == "intermediate_size" and value is None:
             problems.append(
                 f"model.intermediate_size is required for arch {arch} (its default {default.intermediate_size} "

@@ -73,8 +73,9 @@ class ModelConfig(Section):
         "MLP hidden width (features); null = the architecture's default (gpt2: 4 x hidden)."
     )
     head_dim: int | None = positive_or_null(
-        "Width of one attention head (features); null = the architecture's default: hidden_size / num_heads for "
-        "most, but a fixed 128 for qwen3 and 256 for gemma whatever the width (set it to size those honestly)."
+        "Width of one attention head (features); null = hidden_size / num_heads on every architecture (transformers' "
+        "own qwen3 and gemma configs default to 128 and 256 whatever the width: set it to get those). "
+        "Architectures whose heads are always hidden_size / num_heads (gpt2, gpt_neox, ...) refuse another value."
     )
     vocab_size: int | None = Field(
         None, gt=0, le=2**32,

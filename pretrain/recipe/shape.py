@@ -119,8 +119,6 @@ recipe's section read without transformers (``model_attributes`` mirrors their d
 checked against the meta-built model in tests/test_model.py; any other architecture's shape facts are
 measured from the model itself (``pretrain.model.measure``)."""
 
-# transformers' head size where it does not follow hidden_size / num_heads (model.head_dim null)
-_DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma": 256}
 # the config attributes model.dropout sets (build.dropout_attributes finds them in transformers' config)
 _DROPOUT_NAMES = {"gpt2": ("attn_pdrop", "resid_pdrop", "embd_pdrop"),
                   "gpt_neox": ("attention_dropout", "hidden_dropout"),
@@ -168,9 +166,10 @@ def model_attributes(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> d
         attributes["intermediate_size"] = model_cfg.intermediate_size
     if arch not in PLAIN_MLP_ARCHS:
         attributes["num_key_value_heads"] = model_cfg.num_kv_heads or model_cfg.num_heads
-    head_dim = model_cfg.head_dim or _DEFAULT_HEAD_DIM.get(arch)
-    if head_dim is not None:
-        attributes["head_dim"] = head_dim  # build.hf_config refuses a head_dim the arch's config cannot hold
+    if arch not in PLAIN_MLP_ARCHS:
+        # null: hidden_size / num_heads on every architecture, as build.hf_config sets it (which refuses a
+        # head_dim the arch's config cannot hold)
+        attributes["head_dim"] = model_cfg.head_dim or model_cfg.hidden_size // model_cfg.num_heads
     attributes.update(dict.fromkeys(_DROPOUT_NAMES.get(arch, ("attention_dropout",)), model_cfg.dropout))
     attributes.update(over)
     return {names.get(key, key): value for key, value in attributes.items()}
