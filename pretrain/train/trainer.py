@@ -173,7 +173,9 @@ class Trainer:
         self.loss_terms = install_loss(model, self.loss_implementation, recipe.stability.z_loss)
         TiedWeightsSaved.install(model)  # checkpoints leave out the tied LM head copy; loading ties it again
         self.flops, self.peak = throughput_reference(recipe, model.config, self.device, self.log)
-        estimated = memory_estimate(recipe, self.plan, self.launch, self.device, self.log, self.loss_implementation)
+        # The estimate of the model just built: its vocabulary, whatever the estimator could read of the tokenizer.
+        built = recipe.model_copy(update={"model": recipe.model.model_copy(update={"vocab_size": vocab})})
+        estimated = memory_estimate(built, self.plan, self.launch, self.device, self.log, self.loss_implementation)
         self.memory_estimate_gib = estimated.total_gib if estimated else None
         self.memory_estimate_tensors_gib = estimated.tensor_peak_gib if estimated else None
         if self.setup.deepspeed_optimizer:
