@@ -51,13 +51,21 @@ def test_a_recipe_with_its_own_tokenizer_json_is_estimated_from_it(qwen2_tokeniz
     assert "vocab_size" not in proc.stderr and "GiB" in proc.stdout
 
 
-def test_a_hub_tokenizer_not_on_this_machine_names_the_fix(tmp_path, monkeypatch):
+def test_a_hub_tokenizer_is_sized_from_the_local_cache_and_never_downloaded(tmp_path, monkeypatch, qwen2_tokenizer):
+    import huggingface_hub.constants
+
     from pretrain.errors import ConfigError
     from pretrain.recipe.shape import ModelShape
 
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache: nothing is downloaded
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))  # the cache's own layout:
+    snapshot = tmp_path / "models--some-org--some-tokenizer" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("abc123")
+    (snapshot / "tokenizer.json").write_bytes(qwen2_tokenizer.read_bytes())
+    assert ModelShape.from_recipe(make_recipe(*FAST, "data.tokenizer=some-org/some-tokenizer")).vocab_size == 512
     with pytest.raises(ConfigError, match=r"not on this machine .*pretrain-prepare-data.*model\.vocab_size=N"):
-        ModelShape.from_recipe(make_recipe(*FAST, "data.tokenizer=some-org/some-tokenizer"))
+        ModelShape.from_recipe(make_recipe(*FAST, "data.tokenizer=some-org/not-downloaded"))
 
 
 def test_the_exported_qwen2_model_loads_its_training_tokenizer_and_stops_at_eos(qwen2_run, qwen2_tokenizer):
