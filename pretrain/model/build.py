@@ -509,17 +509,27 @@ def closed_form_num_params(model_cfg: ModelConfig, vocab_size: int, seq_len: int
     return ModelShape.from_hf_config(config, source="model").num_params
 
 
-def save_pretrained_model(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], tokenizer, final: Path) -> None:
+def save_pretrained_model(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], tokenizer, final: Path,
+                          texts: list[str]) -> None:
     """``final`` as a transformers model directory (``save_pretrained`` of ``model``'s config with
     ``state_dict``'s weights, safetensors) plus the tokenizer, written under ``.tmp-<name>`` and renamed:
-    the run's final_model and pretrain-export both write it here. ``model`` may live on the meta device."""
+    the run's final_model and pretrain-export both write it here. ``model`` may live on the meta device.
+    The config carries the tokenizer's special ids and the KV cache on, and the tokenizer is verified on
+    ``texts`` (a validation sample) to load back with the training ids (``pretrain.model.export``); a
+    tokenizer that cannot is a ConfigError and nothing is written to ``final``."""
+    from pretrain.model.export import ready_for_generation, save_verified_tokenizer
+
     tmp = final.with_name(f".tmp-{final.name}")
     if tmp.exists():
         shutil.rmtree(tmp)
+    ready_for_generation(model, tokenizer)
     try:
         with no_progress_bars():  # the caller prints one line; a bar garbles a log file
             model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        save_verified_tokenizer(tokenizer, tmp, texts)
+    except ConfigError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     except Exception as exc:
         if not is_disk_full(exc, final.parent):
             raise

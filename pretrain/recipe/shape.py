@@ -93,12 +93,19 @@ def resolve_vocab_size(model_cfg: ModelConfig, tokenizer_vocab_size: int | None)
 
 def recipe_vocab_size(model_cfg: ModelConfig, data_cfg: DataConfig) -> int:
     """Embedding rows without loading a tokenizer (the estimator and the planner): ``model.vocab_size``, or
-    the size a ``bpe`` tokenizer will be trained to, rounded up like ``resolve_vocab_size`` does."""
+    the size a ``bpe`` tokenizer will be trained to, or a local tokenizer.json's vocabulary
+    (``pretrain.recipe.vocab``), rounded up like ``resolve_vocab_size`` does."""
     if model_cfg.vocab_size is None and data_cfg.tokenizer != "bpe":
-        raise ConfigError(
-            f"model.vocab_size is null and the tokenizer ({data_cfg.tokenizer}) is not loaded by the estimator; "
-            "pass model.vocab_size=N (the embedding rows) as an override"
-        )
+        from pretrain.recipe.vocab import tokenizer_file_vocab_size
+
+        num_tokens = tokenizer_file_vocab_size(data_cfg.tokenizer)
+        if num_tokens is None:
+            raise ConfigError(
+                f"model.vocab_size is null and the tokenizer ({data_cfg.tokenizer}) is not on this machine (no "
+                "local tokenizer.json, not in the Hugging Face cache); run pretrain-prepare-data once (it downloads "
+                "it), or pass model.vocab_size=N (the embedding rows) as an override"
+            )
+        return resolve_vocab_size(model_cfg, num_tokens)
     return resolve_vocab_size(model_cfg, data_cfg.tokenizer_vocab_size if model_cfg.vocab_size is None else None)
 
 
