@@ -188,3 +188,44 @@ def train_in_process(args: list[str], before: str = "", between: str = "", after
                      timeout: float = 300) -> subprocess.CompletedProcess:
     script = TRAINER_SCRIPT.format(before=before, between=between, after=after)
     return run_cmd([sys.executable, "-c", script, recipe, *args], timeout=timeout)
+
+
+def counted_flops_per_token(model, vocab_size: int, batch: int, seq_len: int) -> float:
+    """FLOPs of one training step (forward + backward) counted by PyTorch's FlopCounterMode, per token: the
+    reference the FLOPs formulas are checked against."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model.train()
+    input_ids = torch.randint(0, vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+    return counter.get_total_flops() / (batch * seq_len)
+
+
+def write_tokenizer_json(path: Path, pre_tokenizer: str = "qwen2", vocab_size: int = 512) -> Path:
+    """A byte-level BPE tokenizer.json trained here on the standard library's json package (no download),
+    its end-of-text token <|endoftext|>. ``pre_tokenizer``: "qwen2" (the split transformers' Qwen2Tokenizer
+    rebuilds: NFC, Qwen2's regex, byte-level) or "gpt2" (byte-level with GPT-2's regex, pretrain's own BPE)."""
+    import sysconfig
+
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    backend = Tokenizer(models.BPE())
+    if pre_tokenizer == "qwen2":
+        backend.normalizer = normalizers.NFC()
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    texts = [p.read_text() for p in sorted((Path(sysconfig.get_paths()["stdlib"]) / "json").glob("*.py"))]
+    backend.train_from_iterator(texts, trainer=trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    backend.save(str(path))
+    return path

@@ -141,3 +141,25 @@ def test_a_moved_key_stops_the_entry_point_with_one_message_naming_the_new_key(t
     assert proc.returncode == EXIT_USAGE and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().endswith("train.log_every_steps moved to logging.every_steps in pretrain 0.2: rename it "
                                         "in the override 'train.log_every_steps=1' (logging.every_steps=1)")
+
+
+@pytest.mark.parametrize("name, arch, num_params", [("qwen3-25m", "qwen3", 25_699_840), ("gemma-25m", "gemma", 24_125_952),
+                                                    ("gpt-neox-25m", "gpt_neox", 27_315_200)])
+def test_dry_run_of_architectures_beyond_llama_gives_parameters_memory_and_speed(capsys, name, arch, num_params):
+    code, out, err = dry_run(capsys, "--recipe", str(ROOT / "recipes" / f"{name}.yaml"), "--dry-run", "--gpu", "H100-80GB")
+    assert code == 0, err
+    assert f"model            {arch}, {num_params:,} parameters (vocab 4,096)" in out
+    assert "no estimate" not in out and re.search(r"total \(peak\)\s+\d+\.\d+", out), out
+    assert re.search(r"speed +~[\d,]+ tokens/s per GPU", out) and "pretrain-plan    best of" in out, out
+
+
+def test_dry_run_of_an_architecture_without_a_closed_form_measures_its_flops(capsys):
+    """granite has no closed form; its matmuls are Llama's, so the measured FLOPs are the tiny Llama's formula."""
+    from pretrain.recipe.shape import ModelShape
+
+    code, out, err = dry_run(capsys, "--recipe", TINY, "--dry-run", "--gpu", "H100-80GB", "model.arch=granite")
+    assert code == 0, err
+    assert "model            granite, 1,377,408 parameters (vocab 4,096)" in out
+    assert "memory           no estimate: model.arch = 'granite'" in out and "no memory estimate yet" in out
+    llama = ModelShape.from_recipe(load_recipe(TINY)).flops_per_token(128).model_flops
+    assert f"FLOPs/token      {llama:,.0f} (measured on the meta device, no closed form: the run logs MFU)" in out

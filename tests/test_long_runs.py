@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -206,7 +207,8 @@ def test_a_full_disk_during_the_export_is_one_message(tmp_path, monkeypatch):
 
     monkeypatch.setattr(type(model), "save_pretrained", lambda self, *a, **k: full(*a, **k))
     with pytest.raises(ConfigError, match=r"^disk full: .* while writing the model to .*final_model; the partial copy"):
-        save_pretrained_model(model, model.state_dict(), None, tmp_path / "final_model")
+        tokenizer = SimpleNamespace(bos_token_id=None, eos_token_id=0, pad_token_id=None)  # never reached
+        save_pretrained_model(model, model.state_dict(), tokenizer, tmp_path / "final_model", [])
     assert list(tmp_path.iterdir()) == []
 
 

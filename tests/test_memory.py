@@ -593,3 +593,22 @@ def test_plan_nothing_fits(capsys):
     assert code == EXIT_USAGE and "no layout of 70b fits" in err
     code = plan.main(["--recipe", R7B, "--gpus-per-node", "3"])
     assert code == EXIT_USAGE and "not divisible by 3 GPUs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma", "olmo", "olmo2", "phi3", "gpt2", "gpt_neox"])
+def test_estimated_state_bytes_equal_the_built_models(arch):
+    """The estimator's weights and gradients (fp32, one process) are the meta-built model's parameter bytes and
+    AdamW's moments twice that: the states of every counted architecture come from its exact count."""
+    from pretrain.model.build import build_model
+
+    plain = arch in ("gpt2", "gpt_neox")
+    cfg = ModelConfig(arch=arch, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=None if plain else 2,
+                      intermediate_size=96, head_dim=32 if arch in ("llama", "qwen3", "gemma") else None,
+                      config_overrides={"pad_token_id": None} if arch == "phi3" else {})
+    model = build_model(cfg, 512, 64, seed=0, meta=True)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    shape = ModelShape.from_model_config(cfg, 512, 64)
+    w = memory.Workload(precision="fp32", micro_batch_size=1, seq_len=64)
+    one = memory.estimate_shape(shape, w, Launch())
+    assert one.terms["params"].bytes == one.terms["grads"].bytes == param_bytes
+    assert one.terms["optimizer"].bytes == 2 * param_bytes  # AdamW's two moments

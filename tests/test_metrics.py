@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pretrain.errors import ConfigError
@@ -29,21 +28,13 @@ from pretrain.train.metrics import (
     mfu,
     resolve_peak,
 )
+from tests.helpers import counted_flops_per_token
 
 SMALL = {"vocab_size": 256, "max_position_embeddings": 256, "bos_token_id": None, "eos_token_id": None,
          "pad_token_id": None}  # fmt: skip
 LLAMA = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 176, **SMALL}
 GPT2 = {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256, "n_positions": 256,
         "bos_token_id": None, "eos_token_id": None}  # fmt: skip
-
-
-def counted_flops_per_token(model: torch.nn.Module, vocab_size: int, batch: int, seq_len: int) -> float:
-    """FLOPs of one training step (forward + backward) counted by PyTorch, per token."""
-    model.train()
-    input_ids = torch.randint(0, vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
-    with FlopCounterMode(display=False) as counter:
-        model(input_ids=input_ids, labels=input_ids).loss.backward()
-    return counter.get_total_flops() / (batch * seq_len)
 
 
 def build(arch: str, checkpointing: str = "none", **config) -> tuple[torch.nn.Module, object]:
@@ -108,7 +99,7 @@ def test_hardware_flops_match_flop_counter_with_checkpointing(case):
     assert flops.hardware_flops > flops.model_flops
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "gemma", "olmo", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "gemma", "olmo", "olmo2", "phi3", "gpt_neox"])
 def test_other_architectures_match_flop_counter(arch):
     extra = {"head_dim": 32} if arch in ("gemma", "qwen3") else {}  # head_dim != hidden / heads
     config = {**LLAMA, **extra} if arch == "gpt_neox" else {**LLAMA, "num_key_value_heads": 2, **extra}
@@ -335,3 +326,74 @@ def test_cpu_peak_is_measured_once_per_cpu_and_read_back(tmp_path, monkeypatch):
     monkeypatch.setattr(metrics, "measure_cpu_peak_tflops", lambda dtype: 0.5)
     assert metrics.cached_cpu_peak_tflops("fp32", tmp_path) == (0.5, None)
     assert metrics.cached_cpu_peak_tflops("fp32", tmp_path) == (0.5, path)
+
+
+# ---- measured on the meta device (pretrain/model/measure.py): any architecture without a closed form
+
+MEASURED_CLOSED = {
+    "llama-gqa": ("llama", {**LLAMA, "num_key_value_heads": 2}),
+    "llama-tied": ("llama", {**LLAMA, "tie_word_embeddings": True}),
+    "qwen3-head-dim": ("qwen3", {**LLAMA, "num_key_value_heads": 2, "head_dim": 32}),
+    "gpt_neox": ("gpt_neox", LLAMA),
+    "gpt2": ("gpt2", GPT2),
+}
+
+
+@pytest.mark.parametrize("case", list(MEASURED_CLOSED))
+def test_measured_shape_equals_the_closed_form(case):
+    """Where both exist the meta-device measurement and the closed form agree exactly: the same convention."""
+    from pretrain.model.measure import measure
+
+    arch, config = MEASURED_CLOSED[case]
+    cfg = AutoConfig.for_model(arch, use_cache=False, **config)
+    measured, closed = measure(cfg, 64), flops_per_token(cfg, 64)
+    assert measured.flops_per_token() == closed
+    assert measured.num_params == sum(p.numel() for p in build(arch, **config)[0].parameters())
+    # checkpointing: the measurement recomputes the whole block (an upper bound by the MLP's down projection)
+    full_closed = flops_per_token(cfg, 64, activation_checkpointing="full").hardware_flops
+    full_measured = measured.flops_per_token("full").hardware_flops
+    width = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size
+    down_projections = 2 * cfg.num_hidden_layers * cfg.hidden_size * width
+    assert full_closed <= full_measured <= full_closed + down_projections
+    assert measured.flops_per_token("selective").hardware_flops == closed.model_flops
+
+
+MEASURED_ONLY = {
+    "bloom": {},
+    "falcon": {},
+    "starcoder2": {"intermediate_size": 96, "num_key_value_heads": 2},
+    "gemma2": {"intermediate_size": 96, "head_dim": 16},
+}
+
+
+@pytest.mark.parametrize("arch", list(MEASURED_ONLY))
+def test_measured_flops_without_a_closed_form_match_a_training_step(arch):
+    """No formula for these: 3 x the meta forward's count is the FLOPs of a real forward + backward on CPU."""
+    from pretrain.model.measure import measure
+
+    config = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, **SMALL, **MEASURED_ONLY[arch]}
+    model, cfg = build(arch, **config)
+    with pytest.raises(ConfigError, match="no FLOPs formula"):
+        flops_per_token(cfg, 64)
+    measured = measure(cfg, 64)
+    assert measured.num_params == sum(p.numel() for p in model.parameters())
+    counted = counted_flops_per_token(model, cfg.vocab_size, 1, 64)
+    assert measured.flops_per_token().model_flops == pytest.approx(counted, rel=0.02)
+
+
+def test_trainer_falls_back_to_measured_flops_and_says_so():
+    from pretrain.model.measure import measure
+    from pretrain.recipe.config import load_recipe
+    from pretrain.train.trainer import measured_flops
+    from tests.helpers import TINY
+
+    recipe = load_recipe(TINY, ["model.activation_checkpointing=full"])
+    cfg = AutoConfig.for_model("bloom", hidden_size=64, n_layer=2, n_head=4, **SMALL)
+    lines = []
+    flops = measured_flops(recipe, cfg, lines.append)
+    assert flops == measure(cfg, recipe.data.seq_len).flops_per_token("full")
+    assert flops.hardware_flops > flops.model_flops
+    assert lines == [f"FLOPs per token of bloom measured (no closed form): {flops.model_flops / 3:,.0f} per forward, "
+                     "counted by FlopCounterMode on the meta device; training = 3 x forward"]
+    assert measured_flops(recipe, AutoConfig.for_model("codegen", n_embd=64, n_head=4, **SMALL), lines.append) is None
+    assert lines[-1].startswith("warning: no FLOPs count, so no TFLOP/s or MFU: model_type = 'codegen'")

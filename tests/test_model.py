@@ -23,6 +23,7 @@ from pretrain.model.build import (
     resolve_vocab_size,
 )
 from pretrain.recipe.config import ModelConfig
+from pretrain.recipe.shape import ModelShape
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
@@ -88,6 +89,16 @@ def test_gpt2_config_mapping():
     assert (cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.n_positions, cfg.n_inner) == (48, 3, 4, SEQ, None)
     assert (cfg.layer_norm_epsilon, cfg.tie_word_embeddings, cfg.initializer_range) == (1e-4, True, 0.02)
     assert hf_config(model_cfg.model_copy(update={"intermediate_size": 100}), VOCAB, SEQ).n_inner == 100
+
+
+def test_default_token_ids_past_the_vocabulary_are_dropped():
+    """Phi-3's default pad id (32000) cannot build a 128-token embedding; GPT-2's eos (50256) is no token here."""
+    phi3 = hf_config(small(arch="phi3"), VOCAB, SEQ)
+    assert (phi3.bos_token_id, phi3.eos_token_id, phi3.pad_token_id) == (1, None, None)
+    gpt2 = hf_config(small(arch="gpt2", num_kv_heads=None, intermediate_size=None), VOCAB, SEQ)
+    assert (gpt2.bos_token_id, gpt2.eos_token_id) == (None, None)
+    build_model(small(arch="phi3"), VOCAB, SEQ, seed=0, meta=True)
+    assert hf_config(small(arch="phi3", config_overrides={"pad_token_id": 5}), VOCAB, SEQ).pad_token_id == 5
 
 
 def test_config_overrides_are_applied_last():
@@ -337,9 +348,56 @@ def test_recipe_shape_without_transformers_equals_the_built_configs(path):
     assert ModelShape.from_recipe(recipe) == built
 
 
+# Every architecture with a closed form beyond the Llama family: GQA, and a head size other than hidden / heads
+# where the config has one (qwen3's and gemma's defaults, 128 and 256, are not 32 / 4 either).
+COUNTED_CASES = {
+    "qwen3": small(arch="qwen3", head_dim=16),
+    "qwen3-default-head": small(arch="qwen3"),
+    "gemma-tied": small(arch="gemma", head_dim=16, tie_embeddings=True),
+    "gemma-default-head": small(arch="gemma"),
+    "olmo": small(arch="olmo"),
+    "olmo2": small(arch="olmo2"),
+    "phi3": small(arch="phi3", config_overrides={"pad_token_id": None}),  # its default pad id is 32000
+    "gpt_neox": small(arch="gpt_neox", num_kv_heads=None),
+    "gpt_neox-no-attention-bias": small(arch="gpt_neox", num_kv_heads=None, config_overrides={"attention_bias": False}),
+}
+
+
+@pytest.mark.parametrize("case", list(COUNTED_CASES))
+def test_closed_form_matches_every_counted_architecture(case):
+    """The closed form from the recipe section alone (no transformers) counts the meta-built model exactly."""
+    model_cfg = COUNTED_CASES[case]
+    model = build_model(model_cfg, VOCAB, SEQ, seed=0, meta=True)
+    assert count_parameters(model) == closed_form_num_params(model_cfg, VOCAB, SEQ)
+    assert ModelShape.from_model_config(model_cfg, VOCAB, SEQ) == ModelShape.from_hf_config(model.config)
+
+
+def test_qwen3_head_dim_gives_the_count_the_closed_form_predicts():
+    """model.head_dim sizes qwen3's heads (null: hidden / heads, not transformers' fixed 128): embeddings
+    4096 x 384 (tied) + 6 x (q, o 384 x 384, k, v 384 x 128, MLP 3 x 384 x 1024, 2 norms 384, q/k norms 64) + 384."""
+    model_cfg = ModelConfig(arch="qwen3", hidden_size=384, num_layers=6, num_heads=6, num_kv_heads=2,
+                            intermediate_size=1024, head_dim=64, tie_embeddings=True)
+    model = build_model(model_cfg, 4096, 256, seed=0, meta=True)
+    assert model.config.head_dim == 64
+    assert count_parameters(model) == ModelShape.from_model_config(model_cfg, 4096, 256).num_params == 11_015_808
+    default = build_model(model_cfg.model_copy(update={"head_dim": None}), 4096, 256, seed=0, meta=True)
+    assert default.config.head_dim == 384 // 6 and count_parameters(default) == 11_015_808
+    wide = model_cfg.model_copy(update={"head_dim": 128})
+    assert count_parameters(build_model(wide, 4096, 256, seed=0, meta=True)) == closed_form_num_params(
+        wide, 4096, 256) > 11_015_808
+
+
+def test_head_dim_on_an_architecture_without_one():
+    """gpt2's heads are hidden / heads wide: that value is accepted, another is refused with the fix."""
+    gpt2 = dict(arch="gpt2", num_kv_heads=None)
+    assert hf_config(small(**gpt2, head_dim=8), VOCAB, SEQ).n_embd == 32
+    with pytest.raises(ConfigError, match=r"model.head_dim = 16, but the gpt2 config has no head size .*null"):
+        hf_config(small(**gpt2, head_dim=16), VOCAB, SEQ)
+
+
 def test_closed_form_refuses_archs_without_a_formula():
-    with pytest.raises(ConfigError, match="no parameter-count formula for model.arch = gpt_neox"):
-        closed_form_num_params(small(arch="gpt_neox", num_kv_heads=None), VOCAB, SEQ)
+    with pytest.raises(ConfigError, match="no parameter-count formula for model.arch = stablelm"):
+        closed_form_num_params(small(arch="stablelm"), VOCAB, SEQ)
 
 
 ZERO3_SCRIPT = """

@@ -78,14 +78,28 @@ def format_duration(seconds: float) -> str:
     return f"{seconds / (365 * 86400):,.1f} years"
 
 
-def parameter_count(recipe) -> tuple[int, int, int]:
-    """(parameters, of which active per token, vocabulary rows) of transformers' model built on the meta device (``model.meta_model``), as
-    pretrain-launch builds it: a config transformers cannot build (a config override it rejects, a size no
-    machine holds) is refused here, before anything is queued."""
+def parameter_count(recipe) -> tuple[int, int, int, object]:
+    """(parameters, of which active per token, vocabulary rows, transformers config) of transformers' model built on the meta device
+    (``model.meta_model``), as pretrain-launch builds it: a config transformers cannot build (a config override it
+    rejects, a size no machine holds) is refused here, before anything is queued."""
     from pretrain.model.build import count_active_parameters, count_parameters, meta_model
 
     model, vocab = meta_model(recipe)
-    return count_parameters(model), count_active_parameters(model), vocab
+    return count_parameters(model), count_active_parameters(model), vocab, model.config
+
+
+def measured_flops_line(recipe, model_config) -> list[str]:
+    """An architecture without a closed form: its FLOPs per token as the run will measure them for MFU."""
+    from pretrain.model.measure import measure
+    from pretrain.recipe.shape import COUNTED_ARCHS
+
+    if recipe.model.arch in COUNTED_ARCHS:
+        return []
+    try:
+        flops = measure(model_config, recipe.data.seq_len).flops_per_token(recipe.model.activation_checkpointing)
+    except ConfigError as exc:
+        return [f"FLOPs/token      not measured, so no MFU: {exc}"]
+    return [f"FLOPs/token      {flops.model_flops:,.0f} (measured on the meta device, no closed form: the run logs MFU)"]
 
 
 def resume_report(recipe, args: argparse.Namespace, launch: Launch, gpu) -> tuple[str, bool]:
@@ -123,7 +137,7 @@ def report(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu, 
 
     run_plan = check_run(recipe, launch)
     batch, steps = run_plan.batch, run_plan.num_steps
-    num_params, num_active, vocab = parameter_count(recipe)
+    num_params, num_active, vocab, model_config = parameter_count(recipe)
     active = f", {num_active:,} active per token" if num_active != num_params else ""
     where = f" ({config_file})" if config_file else ""
     lines = [
@@ -142,7 +156,7 @@ def report(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu, 
     try:
         est = estimate(recipe, batch, launch, gpu=gpu, device="cuda" if gpu else "cpu")
     except ConfigError as exc:
-        return [*lines, f"memory           no estimate: {exc}"]
+        return [*lines, f"memory           no estimate: {exc}", *measured_flops_line(recipe, model_config)]
     device = f"GPU ({gpu.name})" if gpu else "process (CPU: no GPU named or seen; --gpu NAME plans for one)"
     lines += [f"memory per {device}, pretrain-estimate's estimate (--explain there shows each formula):"]
     lines += [f"  {line}".rstrip() for line in est.summary().splitlines()[3:]]  # model, layout, workload: above

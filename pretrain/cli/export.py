@@ -9,7 +9,9 @@ process, DeepSpeed ZeRO-0..3, FSDP sharded or full), on CPU, with no process gro
 weights are the fp32 ones the optimizer updates (ZeRO's fp32 master partitions, merged): cast them with
 ``from_pretrained(..., dtype=torch.bfloat16)`` to evaluate in the recipe's precision. The model's config
 and tokenizer come from the recipe recorded in the checkpoint; the tokenizer is read from the data cache
-(a byte-level BPE missing there is trained again on the recipe's data).
+(a byte-level BPE missing there is trained again on the recipe's data). The config carries the tokenizer's
+bos / eos / pad ids and ``use_cache: true``, and the tokenizer is checked on a sample of the validation text to
+load through ``AutoTokenizer`` with the training ids (saved so that it does, or refused naming the difference).
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ def export(checkpoint: Path, out: Path, log=print) -> None:
 
     from pretrain.checkpoint.checkpointer import TrainerState
     from pretrain.checkpoint.reshard import full_state_dict
-    from pretrain.data import build_tokenizer
+    from pretrain.data import build_tokenizer, sample_val_texts
     from pretrain.model.build import build_model, resolve_vocab_size, save_pretrained_model
+    from pretrain.model.export import check_tokenizer_round_trip
     from pretrain.recipe.config import Recipe, renamed_keys
 
     start = time.perf_counter()
@@ -71,6 +74,8 @@ def export(checkpoint: Path, out: Path, log=print) -> None:
     tokenizer = build_tokenizer(recipe.data, log=log)
     vocab = resolve_vocab_size(recipe.model, len(tokenizer))
     model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed, meta=True)
+    texts = sample_val_texts(recipe.data)
+    check_tokenizer_round_trip(model.config, tokenizer, texts)  # before any file of OUT is written
     weights = full_state_dict(checkpoint, log=log)
     expected = set(model.state_dict())
     missing = expected - set(weights) - _tied(model)
@@ -80,7 +85,8 @@ def export(checkpoint: Path, out: Path, log=print) -> None:
     if out.exists():
         out.rmdir()  # empty (checked): save_pretrained_model renames its temporary directory onto it
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_pretrained_model(model, {k: v for k, v in weights.items() if k in expected}, tokenizer, out)
+    save_pretrained_model(model, {k: v for k, v in weights.items() if k in expected}, tokenizer, out,
+                          texts)
     log(f"export: step {state.step} of {checkpoint} -> {out} (transformers model, fp32, and tokenizer; "
         f"{time.perf_counter() - start:.1f}s)")
 

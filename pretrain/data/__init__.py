@@ -51,7 +51,7 @@ The modules, in the order of the flow (each imports only those listed before it)
 """
 
 from pretrain.data.cache import cache_root
-from pretrain.data.documents import load_documents
+from pretrain.data.documents import load_documents, sample_val_texts
 from pretrain.data.mixture import (
     MixtureData,
     MixtureRows,
@@ -85,5 +85,6 @@ __all__ = [
     "open_store",
     "planned_data_identity",
     "prepare_data",
+    "sample_val_texts",
     "prepare_store",
 ]

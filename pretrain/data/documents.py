@@ -283,3 +283,30 @@ def _sample_train_texts(data_cfg: DataConfig, corpus: _Corpus, budget_bytes: int
     is_val = _val_mask(hashes, data_cfg.val_fraction) if whole else hashes < np.uint64(
         _val_threshold(data_cfg.val_fraction))
     return [t for t, v in zip(texts, is_val, strict=True) if not v]
+
+
+VAL_SAMPLE_DOCUMENTS = 30
+"""Documents an export's tokenizer round-trip check encodes (pretrain.model.export)."""
+
+
+def sample_val_texts(data_cfg: DataConfig, num_docs: int = VAL_SAMPLE_DOCUMENTS,
+                     budget_bytes: int = 8 * 2**20) -> list[str]:
+    """Up to ``num_docs`` validation documents (the store's split, by document hash), in corpus order, found
+    within the first ``budget_bytes`` of documents read; topped up with training documents when that many
+    are not found there (tiny corpora: any text tells whether two tokenizers agree). A mixture: its sources
+    in turn. Bounded: an export never reads a whole corpus."""
+    configs = [data_cfg.source_config(name) for name in data_cfg.mixture_weights()] or [data_cfg]
+    threshold = np.uint64(_val_threshold(data_cfg.val_fraction))
+    val: list[str] = []
+    train: list[str] = []
+    for source_cfg in configs:
+        corpus = _resolve_corpus(source_cfg)
+        texts = (_hf_texts(source_cfg) if corpus.kind == "hf"
+                 else (text for text, _ in _file_documents(corpus.files, source_cfg) if text))
+        taken = 0
+        for text in texts:
+            (val if np.uint64(_doc_hash(text)) < threshold else train).append(text)
+            taken += len(text.encode())
+            if len(val) >= num_docs or taken >= budget_bytes // len(configs):
+                break
+    return (val + train)[:num_docs]

@@ -53,14 +53,16 @@ _CONFIG_NAMES = {
     "num_heads": ("num_attention_heads",),
     "num_kv_heads": ("num_key_value_heads",),
     "intermediate_size": ("intermediate_size", "n_inner"),
+    "head_dim": ("head_dim",),
     "max_position_embeddings": ("max_position_embeddings",),
     "rope_theta": ("rope_parameters",),  # transformers 5 turns a `rope_theta` argument into rope_parameters
     "norm_eps": ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps"),
     "init_std": ("initializer_range",),
     "tie_embeddings": ("tie_word_embeddings",),
 }
-_NULLABLE = {"num_kv_heads", "intermediate_size", "rope_theta", "norm_eps"}  # null = the architecture's default
-_MEANING = {"num_kv_heads": "grouped-query attention", "rope_theta": "rotary position embeddings"}
+_NULLABLE = {"num_kv_heads", "intermediate_size", "head_dim", "rope_theta", "norm_eps"}  # null = the architecture's default
+_MEANING = {"num_kv_heads": "grouped-query attention", "rope_theta": "rotary position embeddings",
+            "head_dim": "head size of its own (it is hidden_size / num_heads)"}
 _COMMON_ARCHS = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox")
 
 
@@ -95,12 +97,25 @@ def hf_config(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> PreTrain
         problems.append(f"model.dropout = {model_cfg.dropout}, but the {arch} config has no dropout; set model.dropout "
                         "to 0")
     kwargs.update(dict.fromkeys(dropouts, model_cfg.dropout))
+    kwargs.update(_foreign_token_ids(default, vocab_size))
     if problems:
         raise ConfigError(problems)
     try:
         return AutoConfig.for_model(arch, **{**kwargs, "use_cache": False, **model_cfg.config_overrides})
     except (StrictDataclassError, ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"model (arch {arch}): transformers rejects the config: {exc}") from None
+
+
+def _foreign_token_ids(default: PreTrainedConfig, vocab_size: int) -> dict[str, None]:
+    """The architecture's default special-token ids that lie past this model's vocabulary, as None.
+
+    They belong to the tokenizer the architecture was released with, not to this one: Phi-3's pad id 32000 makes
+    its embedding's padding_idx fail to build at a 4096-token vocabulary, GPT-2's eos 50256 makes transformers
+    warn and generate() look for a token that cannot occur. ``config_overrides`` still sets any of them.
+    """
+    names = ("bos_token_id", "eos_token_id", "pad_token_id")
+    return {name: None for name in names if isinstance(getattr(default, name, None), int)
+            and getattr(default, name) >= vocab_size}
 
 
 def dropout_attributes(config: PreTrainedConfig) -> list[str]:
@@ -133,6 +148,10 @@ def _mapped_fields(
     for field, names in _CONFIG_NAMES.items():
         value = values[field]
         name = next((n for n in names if hasattr(default, n)), None)
+        if field == "head_dim" and value is None and name is not None:
+            # hidden_size / num_heads, what the recipe's widths say, on every architecture: transformers' own
+            # qwen3 (128) and gemma (256) defaults would silently resize a recipe's attention.
+            value = model_cfg.hidden_size // model_cfg.num_heads
         if name == "intermediate_size" and value is None:
             problems.append(
                 f"model.intermediate_size is required for arch {arch} (its default {default.intermediate_size} "
@@ -144,6 +163,8 @@ def _mapped_fields(
             kwargs["rope_theta" if name == "rope_parameters" else name] = value
         elif field == "num_kv_heads" and value == model_cfg.num_heads:
             continue  # multi-head attention is what an arch without GQA does anyway
+        elif field == "head_dim" and value == model_cfg.hidden_size // model_cfg.num_heads:
+            continue  # the head size such an arch has anyway
         elif field in _NULLABLE:
             what = _MEANING.get(field, f"`{names[0]}`")
             problems.append(f"model.{field} = {value}, but the {arch} config has no {what}; set model.{field} to null")
@@ -507,17 +528,27 @@ def closed_form_num_params(model_cfg: ModelConfig, vocab_size: int, seq_len: int
     return ModelShape.from_hf_config(config, source="model").num_params
 
 
-def save_pretrained_model(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], tokenizer, final: Path) -> None:
+def save_pretrained_model(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], tokenizer, final: Path,
+                          texts: list[str]) -> None:
     """``final`` as a transformers model directory (``save_pretrained`` of ``model``'s config with
     ``state_dict``'s weights, safetensors) plus the tokenizer, written under ``.tmp-<name>`` and renamed:
-    the run's final_model and pretrain-export both write it here. ``model`` may live on the meta device."""
+    the run's final_model and pretrain-export both write it here. ``model`` may live on the meta device.
+    The config carries the tokenizer's special ids and the KV cache on, and the tokenizer is verified on
+    ``texts`` (a validation sample) to load back with the training ids (``pretrain.model.export``); a
+    tokenizer that cannot is a ConfigError and nothing is written to ``final``."""
+    from pretrain.model.export import ready_for_generation, save_verified_tokenizer
+
     tmp = final.with_name(f".tmp-{final.name}")
     if tmp.exists():
         shutil.rmtree(tmp)
+    ready_for_generation(model, tokenizer)
     try:
         with no_progress_bars():  # the caller prints one line; a bar garbles a log file
             model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        save_verified_tokenizer(tokenizer, tmp, texts)
+    except ConfigError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     except Exception as exc:
         if not is_disk_full(exc, final.parent):
             raise

@@ -102,6 +102,11 @@ class ModelConfig(Section):
     intermediate_size: int | None = positive_or_null(
         "MLP hidden width (features); null = the architecture's default (gpt2: 4 x hidden)."
     )
+    head_dim: int | None = positive_or_null(
+        "Width of one attention head (features); null = hidden_size / num_heads on every architecture (transformers' "
+        "own qwen3 and gemma configs default to 128 and 256 whatever the width: set it to get those). "
+        "Architectures whose heads are always hidden_size / num_heads (gpt2, gpt_neox, ...) refuse another value."
+    )
     vocab_size: int | None = Field(
         None, gt=0, le=2**32,
         description="Embedding rows (tokens, at most 2**32: the token store's uint32); null = the tokenizer's "
@@ -209,10 +214,6 @@ class ModelConfig(Section):
         if clashes:
             return [f"model.config_overrides sets {', '.join(clashes)}: model.moe owns them; set them there"]
         return []
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
 
 # Architectures whose transformers model builds a block-causal mask from per-document position ids (and

@@ -93,12 +93,19 @@ def resolve_vocab_size(model_cfg: ModelConfig, tokenizer_vocab_size: int | None)
 
 def recipe_vocab_size(model_cfg: ModelConfig, data_cfg: DataConfig) -> int:
     """Embedding rows without loading a tokenizer (the estimator and the planner): ``model.vocab_size``, or
-    the size a ``bpe`` tokenizer will be trained to, rounded up like ``resolve_vocab_size`` does."""
+    the size a ``bpe`` tokenizer will be trained to, or a local tokenizer.json's vocabulary
+    (``pretrain.recipe.vocab``), rounded up like ``resolve_vocab_size`` does."""
     if model_cfg.vocab_size is None and data_cfg.tokenizer != "bpe":
-        raise ConfigError(
-            f"model.vocab_size is null and the tokenizer ({data_cfg.tokenizer}) is not loaded by the estimator; "
-            "pass model.vocab_size=N (the embedding rows) as an override"
-        )
+        from pretrain.recipe.vocab import tokenizer_file_vocab_size
+
+        num_tokens = tokenizer_file_vocab_size(data_cfg.tokenizer)
+        if num_tokens is None:
+            raise ConfigError(
+                f"model.vocab_size is null and the tokenizer ({data_cfg.tokenizer}) is not on this machine (no "
+                "local tokenizer.json, not in the Hugging Face cache); run pretrain-prepare-data once (it downloads "
+                "it), or pass model.vocab_size=N (the embedding rows) as an override"
+            )
+        return resolve_vocab_size(model_cfg, num_tokens)
     return resolve_vocab_size(model_cfg, data_cfg.tokenizer_vocab_size if model_cfg.vocab_size is None else None)
 
 
@@ -115,9 +122,20 @@ GATED_MLP_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo", "olmo2
 PLAIN_MLP_ARCHS = ("gpt2", "gpt_neox")
 MATMUL_ARCHS = (*GATED_MLP_ARCHS, *PLAIN_MLP_ARCHS)
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
-COUNTED_ARCHS = (*LLAMA_FAMILY, "gpt2", *MOE_ARCHS)
+COUNTED_ARCHS = (*LLAMA_FAMILY, "qwen3", "gemma", "olmo", "olmo2", "phi3", "gpt2", "gpt_neox", *MOE_ARCHS)
 """Every parameter tensor is known (not only the matmuls): parameter counts, the memory estimator, and a
-recipe's section read without transformers (``model_attributes`` mirrors their defaults only)."""
+recipe's section read without transformers (``model_attributes`` mirrors their defaults only). Each is
+checked against the meta-built model in tests/test_model.py; any other architecture's shape facts are
+measured from the model itself (``pretrain.model.measure``)."""
+
+# the config attributes model.dropout sets (build.dropout_attributes finds them in transformers' config)
+_DROPOUT_NAMES = {"gpt2": ("attn_pdrop", "resid_pdrop", "embd_pdrop"),
+                  "gpt_neox": ("attention_dropout", "hidden_dropout"),
+                  "phi3": ("attention_dropout", "resid_pdrop", "embd_pdrop")}  # fmt: skip
+# transformers' MLP activation where it is not SiLU (the estimator's activation bytes depend on it)
+_DEFAULT_HIDDEN_ACT = {"gpt2": "gelu_new", "gemma": "gelu_pytorch_tanh", "gpt_neox": "gelu"}
+# transformers' attention_bias default where it is not False: GPT-NeoX's q/k/v and output projections
+_DEFAULT_ATTENTION_BIAS = {"gpt_neox": True}
 
 # GPT-2's config names the common attributes its own way (GPT2Config.attribute_map); an override or a
 # config.json may use either name, and transformers stores the value under GPT-2's.
@@ -135,12 +153,12 @@ def model_attributes(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> d
     arch = model_cfg.arch
     if arch not in COUNTED_ARCHS:
         raise ConfigError(
-            f"model.arch = {arch!r}: the memory estimator and the planner have formulas for {', '.join(COUNTED_ARCHS)}"
+            f"model.arch = {arch!r}: the memory estimator and the planner have formulas for {', '.join(COUNTED_ARCHS)} "
+            "(other architectures get measured parameters and FLOPs per token, so MFU, but no memory estimate yet)"
         )
     over = model_cfg.config_overrides
-    if (arch != "gpt2" and model_cfg.moe is None and model_cfg.intermediate_size is None
-            and "intermediate_size" not in over):
-        raise ConfigError(f"model.intermediate_size is required for arch {arch} (the SwiGLU MLP width)")
+    if arch != "gpt2" and model_cfg.moe is None and model_cfg.intermediate_size is None and "intermediate_size" not in over:
+        raise ConfigError(f"model.intermediate_size is required for arch {arch} (the MLP width)")
     names = _GPT2_NAMES if arch == "gpt2" else {}
     attributes = {
         "model_type": arch,
@@ -153,11 +171,15 @@ def model_attributes(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> d
     }
     if arch == "gpt2":
         attributes["n_inner"] = model_cfg.intermediate_size  # null: 4 x hidden
-        attributes.update(dict.fromkeys(("attn_pdrop", "resid_pdrop", "embd_pdrop"), model_cfg.dropout))
     else:
         attributes["intermediate_size"] = model_cfg.intermediate_size
+    if arch not in PLAIN_MLP_ARCHS:
         attributes["num_key_value_heads"] = model_cfg.num_kv_heads or model_cfg.num_heads
-        attributes["attention_dropout"] = model_cfg.dropout  # the Llama family's only dropout
+    if arch not in PLAIN_MLP_ARCHS:
+        # null: hidden_size / num_heads on every architecture, as build.hf_config sets it (which refuses a
+        # head_dim the arch's config cannot hold)
+        attributes["head_dim"] = model_cfg.head_dim or model_cfg.hidden_size // model_cfg.num_heads
+    attributes.update(dict.fromkeys(_DROPOUT_NAMES.get(arch, ("attention_dropout",)), model_cfg.dropout))
     if model_cfg.moe is not None:
         attributes.update(moe_attributes(model_cfg))
     attributes.update(over)
@@ -281,7 +303,7 @@ class ModelShape:
             return (_GPT2_NAMES[attribute], attribute) if gpt2 else (attribute,)
 
         d, heads = need(*aliases("hidden_size")), need(*aliases("num_attention_heads"))
-        attention_bias = bool(first("attention_bias", default=False))
+        attention_bias = bool(first("attention_bias", default=_DEFAULT_ATTENTION_BIAS.get(arch, False)))
         moe = arch in MOE_ARCHS
         if arch == "qwen3_moe" and (first("mlp_only_layers", default=[]) or first("decoder_sparse_step", default=1) != 1):
             raise ConfigError(f"{source}: qwen3_moe with dense layers (mlp_only_layers, decoder_sparse_step > 1) has "
@@ -300,10 +322,10 @@ class ModelShape:
             max_positions=(need(*aliases("max_position_embeddings")) if gpt2
                            else first("max_position_embeddings", default=0)),
             tie_embeddings=first("tie_word_embeddings", default=gpt2),
-            hidden_act=first("activation_function", default="gelu_new") if gpt2 else first("hidden_act", default="silu"),
+            hidden_act=first("activation_function" if gpt2 else "hidden_act", default=_DEFAULT_HIDDEN_ACT.get(arch, "silu")),
             qkv_bias=gpt2 or attention_bias or arch == "qwen2",  # qwen2's q/k/v projections always have biases
             o_bias=gpt2 or attention_bias,
-            mlp_bias=gpt2 or bool(first("mlp_bias", default=False)),
+            mlp_bias=plain or bool(first("mlp_bias", default=False)),  # GPT-NeoX's MLP has biases too
             resid_dropout=first("hidden_dropout" if arch == "gpt_neox" else "resid_pdrop", default=0.1 if gpt2 else 0.0),
             embd_dropout=first("embd_pdrop", default=0.1 if gpt2 else 0.0),
             attn_dropout=first("attn_pdrop" if gpt2 else "attention_dropout", default=0.1 if gpt2 else 0.0),
@@ -326,8 +348,9 @@ class ModelShape:
 
     @property
     def family(self) -> str:
-        """gpt2 or llama: the block layout the estimator's activation formulas follow."""
-        return "gpt2" if self.arch == "gpt2" else "llama"
+        """gpt2 or llama: the block layout the estimator's activation formulas follow (GPT-NeoX's LayerNorms,
+        fused qkv and plain MLP are GPT-2's; its rotary positions are Llama's, a small term left out)."""
+        return "gpt2" if self.arch in PLAIN_MLP_ARCHS else "llama"
 
     @property
     def gated_mlp(self) -> bool:
@@ -380,17 +403,23 @@ class ModelShape:
     def block_param_sizes(self) -> list[int]:
         """Element counts of one transformer block's parameter tensors, in module order.
 
-        llama, mistral, qwen2 (SwiGLU MLP, RMSNorm): d q + 2 d k + q d + 3 d f + 2 d, q = heads x head_dim,
-        k = kv_heads x head_dim, + biases: q/k/v (q + 2 k: qwen2, llama with attention_bias), o_proj (d:
-        llama attention_bias), MLP (2 f + d: llama mlp_bias).
+        llama, mistral, qwen2, gemma (gated MLP, RMSNorm): d q + 2 d k + q d + 3 d f + 2 d, q = heads x
+        head_dim, k = kv_heads x head_dim, + biases: q/k/v (q + 2 k: qwen2, attention_bias), o_proj (d:
+        attention_bias), MLP (2 f + d: mlp_bias). qwen3 adds RMSNorms of one head on q and k (2 head_dim);
+        olmo has no norm weights (non-parametric LayerNorm); olmo2 has q and k norms over all heads (q + k)
+        and its two norms after attention and MLP instead of before; phi3 fuses q/k/v (d x (q + 2 k)) and
+        gate/up (d x 2 f) into one matrix each.
         gpt2 (every matrix has a bias, LayerNorms have weight and bias):
-        2 x 2 d + (3 d^2 + 3 d) + (d^2 + d) + (d f + f) + (f d + d).
+        2 x 2 d + (3 d^2 + 3 d) + (d^2 + d) + (d f + f) + (f d + d); gpt_neox the same (its q/k/v and output
+        biases only with attention_bias, its default).
         """
         require_counted(self.arch)
         d, f = self.hidden_size, self.intermediate_size
         attention, mlp = self.block_matmuls()
         if self.family == "gpt2":
             (qkv, proj), (fc, out) = attention, mlp
+            if self.arch == "gpt_neox" and not self.qkv_bias:
+                return [d, d, d, d, qkv, proj, fc, f, out, d]
             return [d, d, qkv, 3 * d, proj, d, d, d, fc, f, out, d]
         q, k = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if self.num_experts:  # the router, then every expert's fused gate_up (E x 2f x d) and down (E x d x f)
@@ -401,7 +430,16 @@ class ModelShape:
             elif self.arch == "qwen3_moe":  # q_norm and k_norm per head
                 sizes += [self.head_dim, self.head_dim]
             return sizes
-        sizes = [d, *attention, d, *mlp]
+        if self.arch == "olmo":
+            sizes = [*attention, *mlp]
+        elif self.arch == "olmo2":
+            sizes = [*attention, q, k, d, *mlp, d]
+        elif self.arch == "phi3":
+            sizes = [d, sum(attention[:3]), attention[3], d, sum(mlp[:2]), mlp[2]]
+        else:
+            sizes = [d, *attention, d, *mlp]
+        if self.arch == "qwen3":
+            sizes += [self.head_dim, self.head_dim]
         if self.qkv_bias:
             sizes += [q, k, k]
         if self.o_bias:
@@ -415,10 +453,10 @@ class ModelShape:
         positions P d), the blocks, the final norm (GPT-2's LayerNorm has a bias too), the LM head V d."""
         V, d = self.vocab_size, self.hidden_size
         sizes = [V * d]
-        if self.family == "gpt2":
+        if self.arch == "gpt2":
             sizes.append(self.max_positions * d)
         sizes += self.block_param_sizes() * self.num_layers
-        sizes += [d, d] if self.family == "gpt2" else [d]
+        sizes += [d, d] if self.family == "gpt2" else [] if self.arch == "olmo" else [d]
         if not self.tie_embeddings:
             sizes.append(V * d)
         return sizes
@@ -448,14 +486,17 @@ class ModelShape:
                 f"active, norms) + final RMSNorm{head}"
             )
         if self.family == "gpt2":
+            positions = f" + positions {self.max_positions:,} x {d:,}" if self.arch == "gpt2" else ""
             return (
-                f"embeddings {V:,} x {d:,} + positions {self.max_positions:,} x {d:,} + {L} blocks x "
+                f"embeddings {V:,} x {d:,}{positions} + {L} blocks x "
                 f"{self.block_params:,} (qkv, proj, MLP {d:,} -> {f:,}, 2 LayerNorms, biases) + final LayerNorm{head}"
             )
+        norms = {"olmo": "no norm weights", "olmo2": "q/k norms, 2 RMSNorms", "qwen3": "q/k head norms, 2 RMSNorms"}
+        final = "" if self.arch == "olmo" else " + final RMSNorm"
         return (
             f"embeddings {V:,} x {d:,} + {L} blocks x {self.block_params:,} (q {d:,} x {self.num_heads * self.head_dim:,}, "
-            f"k/v {d:,} x {self.num_kv_heads * self.head_dim:,}, o, SwiGLU 3 x {d:,} x {f:,}, 2 RMSNorms) + final "
-            f"RMSNorm{head}"
+            f"k/v {d:,} x {self.num_kv_heads * self.head_dim:,}, o, gated MLP 3 x {d:,} x {f:,}, "
+            f"{norms.get(self.arch, '2 RMSNorms')}){final}{head}"
         )
 
 

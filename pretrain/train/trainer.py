@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import set_seed
+from accelerate.utils import broadcast_object_list, set_seed
 
 from pretrain.checkpoint.checkpointer import Checkpointer, TrainerState
 from pretrain.checkpoint.rundir import latest_checkpoint
-from pretrain.data import cache_root, data_identity, ensure_data, open_data
+from pretrain.data import cache_root, data_identity, ensure_data, open_data, sample_val_texts
 from pretrain.distributed.accelerator import (
     build_accelerator,
     check_shared_output_dir,
@@ -44,12 +44,14 @@ from pretrain.model.build import (
     resolve_vocab_size,
     save_pretrained_model,
 )
+from pretrain.model.export import check_tokenizer_round_trip
 from pretrain.model.loss import install_loss
+from pretrain.model.measure import measure
 from pretrain.model.optim import build_optimizer, build_scheduler, deepspeed_optimizer
 from pretrain.plan.memory import MemoryEstimate, estimate
 from pretrain.recipe.batching import BatchPlan
 from pretrain.recipe.config import Recipe
-from pretrain.recipe.shape import flops_per_token
+from pretrain.recipe.shape import FlopsPerToken, flops_per_token
 from pretrain.system.hardware import gpu_for_device
 from pretrain.system.quiet import TiedWeightsSaved
 from pretrain.train.diagnostics import Diagnostics
@@ -88,15 +90,27 @@ def throughput_reference(recipe: Recipe, hf_config, device: torch.device, log):
     try:
         flops = flops_per_token(hf_config, recipe.data.seq_len,
                                 activation_checkpointing=recipe.model.activation_checkpointing)
-    except ConfigError as exc:
-        log(f"warning: no FLOPs count, so no TFLOP/s or MFU: {exc}")
-        flops = None
+    except ConfigError:
+        flops = measured_flops(recipe, hf_config, log)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     peak = resolve_peak(device.type, name, recipe.precision.dtype, recipe.logging.peak_tflops,
                         cache_dir=cache_root(recipe.data))
     if peak.tflops is None:
         log(f"warning: perf/mfu is not logged: {peak.detail} (logging.peak_tflops=<dense TFLOP/s>)")
     return flops, peak
+
+
+def measured_flops(recipe: Recipe, hf_config, log) -> FlopsPerToken | None:
+    """No closed form for this architecture: its FLOPs per token counted on the meta device (model/measure.py),
+    the same convention, one line saying so; None (no MFU) when even that fails."""
+    try:
+        measured = measure(hf_config, recipe.data.seq_len)
+    except ConfigError as exc:
+        log(f"warning: no FLOPs count, so no TFLOP/s or MFU: {exc}")
+        return None
+    log(f"FLOPs per token of {hf_config.model_type} measured (no closed form): {measured.forward_flops_per_token:,.0f} "
+        "per forward, counted by FlopCounterMode on the meta device; training = 3 x forward")
+    return measured.flops_per_token(recipe.model.activation_checkpointing)
 
 
 def memory_estimate(recipe: Recipe, plan: BatchPlan, launch: Launch, device: torch.device, log,
@@ -174,13 +188,16 @@ class Trainer:
                             device=placement.device, shard=placement.shard)
         self.num_params = count_parameters(model)
         self.num_active_params = count_active_parameters(model)
+        self.val_texts = self.check_export_tokenizer(model.config)
         self.loss_implementation, why = run_plan.loss  # model.loss (auto: liger on CUDA, if it can)
         self.log(f"loss: {self.loss_implementation} ({why})")
         self.loss_terms = install_loss(model, self.loss_implementation, recipe.stability.z_loss)
         self.router = RouterStats.for_model(model.config)  # MoE: the load-balancing loss and expert load
         TiedWeightsSaved.install(model)  # checkpoints leave out the tied LM head copy; loading ties it again
         self.flops, self.peak = throughput_reference(recipe, model.config, self.device, self.log)
-        estimated = memory_estimate(recipe, self.plan, self.launch, self.device, self.log, self.loss_implementation)
+        # The estimate of the model just built: its vocabulary, whatever the estimator could read of the tokenizer.
+        built = recipe.model_copy(update={"model": recipe.model.model_copy(update={"vocab_size": vocab})})
+        estimated = memory_estimate(built, self.plan, self.launch, self.device, self.log, self.loss_implementation)
         self.memory_estimate_gib = estimated.total_gib if estimated else None
         self.memory_estimate_tensors_gib = estimated.tensor_peak_gib if estimated else None
         if self.setup.deepspeed_optimizer:
@@ -479,11 +496,29 @@ class Trainer:
         if self.lock is not None:
             self.lock.release()
 
+    def check_export_tokenizer(self, config) -> list[str]:
+        """The final model's tokenizer check (pretrain.model.export), now rather than after training: rank 0
+        encodes a validation sample both ways; a tokenizer that will not load back with the training ids is
+        one ConfigError on every rank. Returns the sample (rank 0's; [] elsewhere) for the export to check again."""
+        if not self.recipe.checkpoint.save_final_model:
+            return []
+        texts, problem = [], None
+        if self.is_main:
+            texts = sample_val_texts(self.recipe.data)
+            try:
+                check_tokenizer_round_trip(config, self.tokenizer, texts)
+            except ConfigError as exc:
+                problem = str(exc)
+        [problem] = broadcast_object_list([problem])
+        if problem is not None:
+            raise ConfigError(f"{problem} (checkpoint.save_final_model=false trains without the final export)")
+        return texts
+
     def export_final_model(self) -> None:
         acc = self.accelerator
         state_dict = acc.get_state_dict(self.model)  # gathers ZeRO-3 / FSDP shards: every rank takes part
         if acc.is_main_process:
             final = self.output_dir / "final_model"
-            save_pretrained_model(acc.unwrap_model(self.model), state_dict, self.tokenizer, final)
+            save_pretrained_model(acc.unwrap_model(self.model), state_dict, self.tokenizer, final, self.val_texts)
             self.log(f"export: transformers model and tokenizer in {final}")
         acc.wait_for_everyone()

@@ -194,7 +194,7 @@ def estimate_shape(shape: ModelShape, workload: Workload, layout: Launch, *,
         )
     buffers = buffers or DeepSpeedBuffers()
     w = workload
-    if shape.family == "gpt2" and w.seq_len > shape.max_positions:
+    if shape.arch == "gpt2" and w.seq_len > shape.max_positions:  # learned positions
         raise ConfigError(f"seq_len {w.seq_len} is longer than the model's {shape.max_positions} positions")
     states = model_states(shape, w, layout, buffers)
     acts = activation_memory(shape, w.micro_batch_size, w.seq_len, w.precision, w.attention, w.activation_checkpointing,
