@@ -120,7 +120,9 @@ def test_a_slowed_rank_fails_naming_its_host(tmp_path):
     print(proc.stdout)
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     assert "doctor: 1 of 2 host(s) below the threshold: hostB" in proc.stdout
-    assert re.search(r"host hostB: rank 2: matmul TFLOP/s \S+ is 0\.\d\d of the median", proc.stdout)
+    # Every figure of rank 2 is slowed 10x; which ones cross the threshold depends on how busy the machine's
+    # other ranks are (a loaded CI machine once dragged the median matmul down to rank 2's): any one will do.
+    assert re.search(r"host hostB: rank 2: .+ is 0\.\d\d of the median", proc.stdout)
     report = json.loads((out / "doctor.json").read_text())
     assert not report["passed"] and list(report["failing_hosts"]) == ["hostB"]
 
