@@ -1,3 +1,3 @@
 """pretrain: an LLM pretraining toolkit on Hugging Face accelerate."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

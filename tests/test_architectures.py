@@ -1,4 +1,5 @@
-"""The architecture matrix: every dense causal LM pretrain claims, trained, resumed, exported and measured.
+"""The architecture matrix: every causal LM pretrain claims (dense and mixture-of-experts), trained, resumed,
+exported and measured.
 
 One module-scoped run per architecture (the tiny recipe's data and tokenizer at FAST's 2 x 64 shape, in this
 process: no interpreter start per run) is shared by its checks: it trains 5 steps, a copy of its step-3
@@ -38,6 +39,10 @@ ARCHS = {
     "phi3": ["model.num_kv_heads=2"],
     "gpt_neox": ["model.num_kv_heads=null"],
     "gpt2": ["model.num_kv_heads=null", "model.intermediate_size=null"],
+    # mixture-of-experts: 4 experts of 64 features, 2 per token (an MoE's MLP width is the experts')
+    **{arch: ["model.num_kv_heads=2", "model.intermediate_size=null", "model.moe.num_experts=4",
+              "model.moe.experts_per_token=2", "model.moe.expert_intermediate_size=64"]
+       for arch in ("olmoe", "qwen3_moe", "mixtral")},
 }
 # FAST on 32-token sequences, one micro-batch per step: the cheapest run that still trains and checkpoints.
 ARGS = [*FAST, "data.seq_len=32", "batch.global_batch_size=8", "batch.micro_batch_size=8", "eval.at_start=false",
@@ -202,14 +207,18 @@ def test_flops_per_token_match_the_flop_counter(run):
     FlopCounterMode on the trained model rebuilt with eager attention (the counter does not see CPU SDPA)."""
     from transformers import AutoModelForCausalLM
 
+    from pretrain.model.measure import measure
     from pretrain.recipe.shape import MATMUL_ARCHS, flops_per_token
 
     run_config = json.loads((run.straight / "run_config.json").read_text())
-    if run.arch not in MATMUL_ARCHS:
-        pytest.skip(f"pretrain has no FLOPs formula for {run.arch} (issue 26 part 1 measures one)")
     model = AutoModelForCausalLM.from_pretrained(run.straight / "final_model", dtype=torch.float32,
                                                  attn_implementation="eager")
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")  # the counter does not see torch._grouped_mm
     seq_len = run.recipe.data.seq_len
     counted = counted_flops_per_token(model, model.config.vocab_size, 1, seq_len)
-    assert flops_per_token(model.config, seq_len).model_flops == pytest.approx(counted, rel=0.02)
-    assert run_config["perf/flops_per_token"] == flops_per_token(model.config, seq_len).model_flops
+    # The closed form where pretrain has one, else the figure measured on the meta device (what the run logs).
+    figure = (flops_per_token(model.config, seq_len) if run.arch in MATMUL_ARCHS
+              else measure(model.config, seq_len).flops_per_token("none")).model_flops
+    assert figure == pytest.approx(counted, rel=0.02)
+    assert run_config["perf/flops_per_token"] == pytest.approx(figure, rel=1e-9)
