@@ -190,6 +190,30 @@ def train_in_process(args: list[str], before: str = "", between: str = "", after
     return run_cmd([sys.executable, "-c", script, recipe, *args], timeout=timeout)
 
 
+def train_here(args: list[str], recipe: str = TINY):
+    """The entry point's Trainer in this process (what pretrain/run.py runs on one process, without an interpreter
+    start and its imports: seconds per run): (the recipe, the trainer after train(), its console output)."""
+    import contextlib
+    import io
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    from pretrain.recipe.config import load_recipe
+    from pretrain.train.trainer import Trainer
+
+    loaded = load_recipe(recipe, list(args))
+    console = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(console), contextlib.redirect_stderr(console):
+            trainer = Trainer(loaded)
+            trainer.train()
+    finally:
+        # accelerate's process-wide singletons: the next run (and any later test of this process) starts afresh
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    return loaded, trainer, console.getvalue()
+
+
 def counted_flops_per_token(model, vocab_size: int, batch: int, seq_len: int) -> float:
     """FLOPs of one training step (forward + backward) counted by PyTorch's FlopCounterMode, per token: the
     reference the FLOPs formulas are checked against."""

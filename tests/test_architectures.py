@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import FAST, TINY, counted_flops_per_token, train_losses, write_tokenizer_json
+from tests.helpers import FAST, counted_flops_per_token, train_here, train_losses, write_tokenizer_json
 
 pytestmark = pytest.mark.slow
 
@@ -71,21 +71,8 @@ class ArchRun:
     num_params: int  # what the run counted (run_config.json's model/num_params)
 
 
-def train_here(arch: str, out: Path, *extra: str):
-    """The entry point's Trainer in this process (what pretrain/run.py runs on one process)."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    from pretrain.recipe.config import load_recipe
-    from pretrain.train.trainer import Trainer
-
-    recipe = load_recipe(TINY, [*ARGS, f"model.arch={arch}", *ARCHS[arch], *extra, f"output_dir={out}"])
-    try:
-        trainer = Trainer(recipe)
-        trainer.train()
-    finally:
-        # accelerate's process-wide singletons: the next run (and any later test of this process) starts afresh
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+def train_arch(arch: str, out: Path, *extra: str):
+    recipe, trainer, _ = train_here([*ARGS, f"model.arch={arch}", *ARCHS[arch], *extra, f"output_dir={out}"])
     return recipe, trainer
 
 
@@ -96,13 +83,13 @@ def run(request, tmp_path_factory) -> ArchRun:
     # transformers' AutoTokenizer always rebuilds a qwen2 tokenizer with Qwen2's own split, which pretrain's
     # GPT-2-style BPE does not use (the run refuses that pairing at set-up): qwen2 trains on a Qwen2-style one.
     extra = [f"data.tokenizer={write_tokenizer_json(root / 'tokenizer.json', 'qwen2')}"] if arch == "qwen2" else []
-    recipe, trainer = train_here(arch, root / "straight", *extra)
+    recipe, trainer = train_arch(arch, root / "straight", *extra)
     model = trainer.accelerator.unwrap_model(trainer.model).eval()
     # A run killed after step 3: its output_dir holds the step-3 checkpoint and nothing after it.
     resumed = root / "resumed"
     checkpoint = f"step_{CHECKPOINT_STEP:08d}"
     shutil.copytree(root / "straight" / "checkpoints" / checkpoint, resumed / "checkpoints" / checkpoint)
-    _, again = train_here(arch, resumed, *extra)
+    _, again = train_arch(arch, resumed, *extra)
     assert again.resumed is not None and again.step == STEPS, "the copy of the step-3 checkpoint was not resumed"
     num_params = json.loads((root / "straight" / "run_config.json").read_text())["model/num_params"]
     return ArchRun(arch, recipe, root / "straight", resumed, model, trainer.tokenizer, num_params)

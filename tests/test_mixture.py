@@ -279,3 +279,19 @@ def test_on_exhausted_stop_ends_the_run_with_a_checkpoint_where_a_source_runs_ou
     assert sorted(train_losses(out)) == [1, 2]
     assert (out / "checkpoints" / "step_00000002" / "trainer_state.json").exists()
     assert (out / "final_model").exists()
+
+
+def test_a_tokenizer_moved_to_another_path_is_the_same_data_but_another_one_is_not():
+    """A resume compares the tokenizer a checkpoint was trained with by its identity (what decides the token ids),
+    not by its name: a tokenizer.json copied to another directory resumes; another tokenizer is refused."""
+    from pretrain.data.mixture import SINGLE, data_changes
+
+    def identity(name, digest):
+        return {"source": "stdlib", "corpus_fingerprint": "c", "val_fraction": 0.1, "text_field": "text",
+                "on_decode_error": "replace", "tokenizer": {"name": name, "identity": digest}}
+
+    saved = {SINGLE: identity("/old/place/tokenizer.json", "5877271f")}
+    assert data_changes(saved, {SINGLE: (identity("/new/place/tokenizer.json", "5877271f"), None)}) == []
+    changed = data_changes(saved, {SINGLE: (identity("/old/place/tokenizer.json", "0badc0de"), None)})
+    assert changed == ["data.source: tokenizer /old/place/tokenizer.json (identity 5877271f) -> "
+                       "/old/place/tokenizer.json (identity 0badc0de)"]

@@ -240,9 +240,13 @@ def planned_data_identity(data_cfg: DataConfig, log: Log = print) -> dict[str, t
 
 
 def _stream_value(identity: dict[str, Any], key: str) -> Any:
-    """A field of an identity as compared: a tokenizer by its name and identity (a manifest adds its counts)."""
+    """A field of an identity as compared: a tokenizer by its identity (a digest of its vocabulary, merges and
+    EOS: the token ids), not its name, which for a tokenizer.json is its path: the same file moved to another
+    directory (another cluster, a copied run) writes the same ids. A manifest adds counts, not compared."""
     value = identity.get(key)
-    return (value["name"], value["identity"]) if key == "tokenizer" and isinstance(value, dict) else value
+    if key == "tokenizer" and isinstance(value, dict):
+        return value["identity"] if value.get("identity") is not None else value["name"]
+    return value
 
 
 def _label(name: str) -> str:
