@@ -12,6 +12,9 @@
 # Steps: 1. the offline install of what the image lacks (its torch kept); 2. the GPU tests (`pytest -m gpu`);
 # 3. `pretrain doctor` on this GPU; 4. `tools/bench_gpu.py --budget` with the seconds left of BUDGET_S.
 # GPU_VISIT_SKIP_INSTALL=1 skips step 1; BENCH_ARGS adds options to step 4 (a CPU rehearsal: --reduced).
+# STARTUP_PROFILE=1 adds step 3b: one 3-step run of the benchmark's first row under cProfile (one process, no
+# launcher), its top functions by cumulative time in startup_profile.txt: where launch-to-first-step goes
+# (STARTUP_RECIPE picks another recipe: recipes/tiny.yaml for a CPU rehearsal).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 work=runs/gpu_visit
@@ -39,6 +42,17 @@ timeout 120 "$py" -m pretrain doctor --recipe recipes/llama-1b.yaml "output_dir=
   "logging.backends=[jsonl]" data.source=stdlib data.hf_config=null data.tokenizer=bpe \
   data.tokenizer_vocab_size=32000 data.val_fraction=0.05 2>&1 | tee "$out/doctor.log"
 cp "$work/doctor/doctor.json" "$out/" 2>/dev/null
+if [ "${STARTUP_PROFILE:-0}" = 1 ]; then
+  step "3b. startup profile"
+  timeout 240 "$py" -m cProfile -o "$work/startup.prof" pretrain/run.py --recipe "${STARTUP_RECIPE:-recipes/llama-1b.yaml}" \
+    "output_dir=$work/startup" "logging.backends=[jsonl]" logging.progress=plain train.max_steps=3 \
+    lr_schedule.warmup_steps=0 eval.at_start=false eval.every_steps=0 eval.batches=1 checkpoint.every_steps=0 \
+    checkpoint.save_last=false checkpoint.save_final_model=false checkpoint.resume=none \
+    data.source=stdlib data.hf_config=null data.tokenizer=bpe data.tokenizer_vocab_size=32000 \
+    data.val_fraction=0.05 2>&1 | tail -n 20 | tee "$out/startup_run.log"
+  "$py" -c "import pstats, sys; pstats.Stats(sys.argv[1], stream=sys.stdout).sort_stats('cumulative').print_stats(60)" \
+    "$work/startup.prof" > "$out/startup_profile.txt" 2>&1
+fi
 step "4. benchmark"
 # shellcheck disable=SC2086  # BENCH_ARGS holds several options
 "$py" tools/bench_gpu.py --budget $(( $(left) - 20 )) --out "$work/bench" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
