@@ -105,3 +105,35 @@ def dropping_stdout_lines(pattern: re.Pattern) -> Iterator[None]:
         sys.stdout.write("".join(line for line in lines if not pattern.match(line.rstrip("\n"))))
         sys.stdout.flush()
 
+
+
+class _Dropping(logging.Filter):
+    def __init__(self, pattern: re.Pattern):
+        super().__init__()
+        self.pattern = pattern
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(record.getMessage())
+
+
+# (logger, message regex, why nobody acts on it), while torchao is imported (``importing_torchao``)
+TORCHAO_IMPORT: tuple[tuple[str, str, str], ...] = (
+    ("torchao", r"^Failed to load \S*/torchao/_C\S*\.so",
+     "torchao's compiled kernels (MX formats, CUTLASS) built for another Python or CUDA than this machine's (its CPU "
+     "wheel): float8 training (Float8Linear) uses torch's own float8 matmul and casts, not these"),
+    ("torch.utils._pytree", r"is an Enum subclass and is now natively supported by torch\.compile",
+     "torchao registers its enums with pytree, which newer torch no longer needs; torchao's call, not the user's"),
+)
+
+
+@contextlib.contextmanager
+def importing_torchao() -> Iterator[None]:
+    """The messages of ``TORCHAO_IMPORT`` dropped while torchao is first imported; any other still shows."""
+    installed = [(logging.getLogger(name), _Dropping(re.compile(pattern))) for name, pattern, _why in TORCHAO_IMPORT]
+    for logger, dropping in installed:
+        logger.addFilter(dropping)
+    try:
+        yield
+    finally:
+        for logger, dropping in installed:
+            logger.removeFilter(dropping)
