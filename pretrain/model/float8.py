@@ -22,6 +22,7 @@ plain Linear layers.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
@@ -35,7 +36,7 @@ MIN_CAPABILITY = (8, 9)
 
 
 def check_float8(recipe, launch, cuda_device: tuple[str, tuple[int, int]] | None) -> None:
-    """One ConfigError where ``precision.float8`` cannot run on ``launch``: a DeepSpeed layout or a
+    """One ConfigError where ``precision.float8`` cannot run on ``launch``: a DeepSpeed layout, no torchao, or a
     CUDA device (name, compute capability) below 8.9. ``cuda_device`` None: no CUDA (emulated on CPU)."""
     mode = recipe.precision.float8
     if mode == "off":
@@ -46,7 +47,11 @@ def check_float8(recipe, launch, cuda_device: tuple[str, tuple[int, int]] | None
             "does not take torchao's Float8Linear weights); use accelerate_configs/fsdp.yaml (FSDP2) or set "
             "precision.float8=off"
         )
-    # torchao itself: pretrain/system/environment.py (the float8 extra), with every other missing package
+    # torchao is checked with every other package by pretrain/system/environment.py (the float8 extra, from the
+    # installed metadata); this is the run's own check, for an environment whose metadata predates the extra.
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError(f"precision.float8={mode} needs torchao, which is not installed: pip install "
+                          "'pretrain[float8]' (or pip install 'torchao>=0.18'; tools/install.sh --extras float8)")
     if cuda_device is not None:
         check_capability(mode, *cuda_device)
 
@@ -98,8 +103,8 @@ def _skipped(name: str, patterns: list[str]) -> bool:
 def convert(model: torch.nn.Module, precision, *, emulate: bool, fsdp2: bool) -> Float8Report:
     """Swap the model's Linear layers for torchao's Float8Linear in place (on the meta model, before FSDP2 shards it:
     ``build_model``'s ``convert``), except those precision.float8_skip names and those torchao cannot take."""
-    with quiet.importing_torchao():
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    quiet.drop_torchao_import_messages()
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(precision.float8)
     # The float8 all-gather exists for tensorwise scaling only (torchao: rowwise scales are per row of the full
