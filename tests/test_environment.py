@@ -24,7 +24,7 @@ from .helpers import ROOT as REPO
 pytestmark = pytest.mark.floors  # also in CI's minimum-versions smoke set
 
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-OPTIONAL = ("deepspeed", "datasets", "wandb", "tensorboard", "liger-kernel")
+OPTIONAL = ("deepspeed", "datasets", "wandb", "tensorboard", "liger-kernel", "torchao")
 
 
 def versions(**found: str):
@@ -47,7 +47,8 @@ def test_floors_come_from_pyproject_core_and_extras():
     # The optional packages are optional: none of them is a core dependency.
     assert not core & set(OPTIONAL)
     for extra, _ in environment.needed_extras(load_recipe("recipes/tiny.yaml", [
-            "data.source=hf:wikitext", "logging.backends=[wandb]", "model.loss=liger"]), Launch("deepspeed", 2)):
+            "data.source=hf:wikitext", "logging.backends=[wandb]", "model.loss=liger", "precision.float8=rowwise"]),
+            Launch("deepspeed", 2)):
         assert extra in PYPROJECT["optional-dependencies"], extra
 
 

@@ -73,3 +73,24 @@ def test_export_of_a_real_fsdp_checkpoint_gives_the_final_models_logits(tmp_path
         with torch.no_grad():
             logits.append(model(ids % model.config.vocab_size).logits)
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-6)
+
+
+def test_float8_trains_a_few_steps_close_to_bf16(tmp_path):
+    """Real float8 matmuls (torchao's Float8Linear, tensorwise) on a GPU of capability 8.9+: finite losses within
+    the CPU-measured tolerance of the same bf16 run (tests/test_float8.py)."""
+    import torch
+
+    if torch.cuda.get_device_capability(0) < (8, 9):
+        pytest.skip("float8 needs compute capability 8.9 (the refusal is tested on CPU)")
+    from tests.test_float8 import RELATIVE_TOLERANCE
+
+    runs = {}
+    for mode in ("off", "tensorwise"):
+        out = tmp_path / mode
+        check_ok(accelerate_launch("single_gpu.yaml", [*FAST, "train.max_steps=8", "precision.dtype=bf16",
+                                                       f"precision.float8={mode}", f"output_dir={out}"]))
+        runs[mode] = [m["train/loss"] for m in metrics(out) if "train/loss" in m]
+    assert len(runs["off"]) == len(runs["tensorwise"]) == 8
+    for bf16, fp8 in zip(runs["off"], runs["tensorwise"], strict=True):
+        assert abs(fp8 - bf16) <= RELATIVE_TOLERANCE * bf16, (runs["off"], runs["tensorwise"])
+    assert json.loads((tmp_path / "tensorwise" / "run_config.json").read_text())["float8/emulated"] is False

@@ -46,7 +46,7 @@ if [ "$mode" = offline ]; then
     echo "error: $("$PY" -c 'import sys; print(sys.executable)') has no torch: activate the environment that holds this machine's torch build (the wheelhouse leaves torch out)" >&2
     exit 2
   }
-  if [ "$extras" = all ]; then extras="deepspeed,datasets,wandb,tensorboard,liger"; fi
+  if [ "$extras" = all ]; then extras="deepspeed,datasets,wandb,tensorboard,liger,float8"; fi
   # Liger's kernels are Triton's, which comes with a CUDA build of torch; without it there is no Liger to install.
   if [[ ",$extras," == *",liger,"* ]] && ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('triton') is None)"; then
     extras=$(echo ",$extras," | sed 's/,liger,/,/; s/^,//; s/,$//')

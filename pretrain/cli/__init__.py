@@ -9,6 +9,12 @@ import argparse
 import importlib
 import sys
 
+from pretrain.system.quiet import drop_torchao_import_messages
+
+# Every pretrain-* command lives under pretrain.cli: transformers imports torchao where it is installed, and what
+# that import logs is for nobody (pretrain/system/quiet.py, TORCHAO_IMPORT).
+drop_torchao_import_messages()
+
 # command -> (module with a main(argv) function, one line of help)
 COMMANDS = {
     "train": ("pretrain.run", "train in this process (under accelerate launch: in each process)"),

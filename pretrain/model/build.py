@@ -200,6 +200,7 @@ def build_model(
     meta: bool = False,
     device: torch.device | str = "cpu",
     shard: Callable[[PreTrainedModel], PreTrainedModel] | None = None,
+    convert: Callable[[PreTrainedModel], object] | None = None,
 ) -> PreTrainedModel:
     """The causal LM in fp32 (mixed precision casts at run time), initialised by ``init_weights(seed)``.
 
@@ -213,13 +214,15 @@ def build_model(
     - Otherwise the model is built on the meta device, ``shard`` (FSDP: fully_shard on the meta model)
       turns each parameter into this rank's shard, and only then is storage allocated, on ``device``
       (the run's device: no full CPU copy on a GPU run), and every tensor drawn by ``init_weights``.
+    - ``convert`` (float8: pretrain/model/float8.py) swaps modules on the meta model, before ``shard``, keeping
+      every module name, so the init draws the same weights.
 
     Transformers' construction-time draws are skipped in every case: the init draws each tensor once.
     """
     config = hf_config(model_cfg, vocab_size, seq_len)
     partitioned = not meta and is_deepspeed_zero3_enabled()
     with _freed_host_memory_returned():
-        model = _build(model_cfg, config, partitioned, meta, device, shard)
+        model = _build(model_cfg, config, partitioned, meta, device, shard, convert)
         if not meta:
             init_weights(model, seed)
             if not partitioned:
@@ -228,7 +231,8 @@ def build_model(
 
 
 def _build(model_cfg: ModelConfig, config: PreTrainedConfig, partitioned: bool, meta: bool,
-           device: torch.device | str, shard: Callable[[PreTrainedModel], PreTrainedModel] | None) -> PreTrainedModel:
+           device: torch.device | str, shard: Callable[[PreTrainedModel], PreTrainedModel] | None,
+           convert: Callable[[PreTrainedModel], object] | None = None) -> PreTrainedModel:
     """The model with its storage where it will live, nothing drawn yet."""
     with _partitioned_construction() if partitioned else init_empty_weights():
         try:
@@ -258,6 +262,8 @@ def _build(model_cfg: ModelConfig, config: PreTrainedConfig, partitioned: bool, 
     model.loss_function = chunked_causal_lm_loss  # transformers' loss without the fp32 logits (pretrain/model/loss.py)
     # a flag and a checkpoint function on the layers: module names (the init seeds) do not change
     recompute.apply(model, model_cfg.activation_checkpointing)
+    if convert is not None:
+        convert(model)
     if not meta and not partitioned:
         if shard is not None:
             model = shard(model)

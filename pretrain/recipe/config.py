@@ -521,12 +521,42 @@ class PrecisionConfig(Section):
         "reduce in fp32; fp16 recipes keep loss-scaled fp16 gradients.",
     )
 
+    float8: Literal["off", "tensorwise", "rowwise"] = Field(
+        "off",
+        description="float8 training of the Linear layers (torchao's Float8Linear, pretrain/model/float8.py): `off`, "
+        "`tensorwise` (one scale per tensor; under FSDP2 the weights are all-gathered in float8) or `rowwise` (one "
+        "scale per row: closer to bf16, a little slower). Needs torchao (the `float8` extra) and a GPU of compute "
+        "capability 8.9 or above (H100, L40S, RTX 4090); on CPU it is emulated, for tests only. precision.dtype "
+        "stays the dtype of everything else (bf16 or fp32; not fp16). Not under DeepSpeed.",
+    )
+    float8_skip: list[str] = Field(
+        default_factory=lambda: ["lm_head"],
+        description="float8 only: Linear layers left in precision.dtype, as module-name patterns (fnmatch; a pattern "
+        "matches a module's full name or its last parts, so `lm_head` and `*.mlp.down_proj` both work). Linear layers "
+        "whose dimensions are not multiples of 16 are left out too (torchao's float8 matmul cannot take them; the log "
+        "counts them).",
+    )
+
+    @field_validator("float8", mode="before")
+    @classmethod
+    def _yaml_off(cls, value):
+        return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
+
     @field_validator("loss_scale")
     @classmethod
     def _positive_scale(cls, value):
         if value != "dynamic" and value <= 0:
             raise ValueError(f"precision.loss_scale must be `dynamic` or a number > 0, got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _float8_not_fp16(self) -> PrecisionConfig:
+        if self.float8 != "off" and self.dtype == "fp16":
+            raise ValueError(
+                f"precision.float8={self.float8} cannot run with precision.dtype=fp16 (torchao's float8 training "
+                "keeps its high-precision copies in bf16 or fp32 and has no loss scaling); set precision.dtype=bf16"
+            )
+        return self
 
     @model_validator(mode="after")
     def _reduce_needs_bf16(self) -> PrecisionConfig:

@@ -153,6 +153,8 @@ def needed_extras(recipe: Recipe | None, launch: Launch | None) -> list[tuple[st
                 needed.append((backend, f"logging.backends: {backend}"))
         if recipe.model.loss == "liger":
             needed.append(("liger", "model.loss: liger"))
+        if recipe.precision.float8 != "off":
+            needed.append(("float8", f"precision.float8: {recipe.precision.float8}"))
     return needed
 
 

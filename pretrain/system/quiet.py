@@ -4,7 +4,8 @@ Only what the user should act on reaches the console. Each handler below matches
 its category, module or logger, and says why nobody has to act on it, so that a new or changed library message
 still shows. What a run prints (tests/test_console.py counts the lines of a 2-process ZeRO-2 run):
 
-- ``install_warning_filters()``: Python warnings, first thing in every process (``pretrain/run.py``);
+- ``install_warning_filters()``: Python warnings, first thing in every process (``pretrain/run.py``), and
+  torchao's import messages (``TORCHAO_IMPORT``);
 - ``TiedWeightsSaved``: accelerate's "Removed shared tensor" warning, for the weights the model ties;
 - ``no_progress_bars()``: transformers' "Writing model shards" bar while pretrain saves a model;
 - ``dropping_stdout_lines()``: DeepSpeed's "... built successfully" print while the process group starts;
@@ -37,6 +38,7 @@ def install_warning_filters() -> None:
     ``PYTHONWARNINGS`` still apply to everything else)."""
     for message, category, module, _why in WARNING_FILTERS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    drop_torchao_import_messages()
 
 
 class TiedWeightsSaved(logging.Filter):
@@ -105,3 +107,32 @@ def dropping_stdout_lines(pattern: re.Pattern) -> Iterator[None]:
         sys.stdout.write("".join(line for line in lines if not pattern.match(line.rstrip("\n"))))
         sys.stdout.flush()
 
+
+
+class _Dropping(logging.Filter):
+    def __init__(self, pattern: re.Pattern):
+        super().__init__()
+        self.pattern = pattern
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(record.getMessage())
+
+
+# (logger, message regex, why nobody acts on it): what importing torchao logs. transformers imports torchao whenever
+# it is installed (transformers/quantizers/auto.py -> quantizer_torchao.py), so every run meets these, float8 or not.
+TORCHAO_IMPORT: tuple[tuple[str, str, str], ...] = (
+    ("torchao", r"^Failed to load \S*/torchao/_C\S*\.so",
+     "torchao's compiled kernels (MX formats, CUTLASS) built for another Python or CUDA than this machine's (its CPU "
+     "wheel): float8 training (Float8Linear) uses torch's own float8 matmul and casts, not these"),
+    ("torch.utils._pytree", r"is an Enum subclass and is now natively supported by torch\.compile",
+     "torchao registers its enums with pytree, which newer torch no longer needs; torchao's call, not the user's"),
+)
+
+
+def drop_torchao_import_messages() -> None:
+    """The messages of ``TORCHAO_IMPORT`` dropped in this process (once; any other message of those loggers
+    still shows). Installed by ``install_warning_filters`` and before pretrain imports torchao itself."""
+    for name, pattern, _why in TORCHAO_IMPORT:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Dropping) and f.pattern.pattern == pattern for f in logger.filters):
+            logger.addFilter(_Dropping(re.compile(pattern)))

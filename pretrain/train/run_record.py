@@ -68,6 +68,9 @@ def run_config(trainer: Trainer) -> dict[str, Any]:
                   "vocab_size": len(trainer.tokenizer)},
         # model.compile resolved for this device and layout (accelerator.compile_choice)
         "compile": {"mode": trainer.setup.compile_mode},
+        # precision.float8 as applied (pretrain/model/float8.py): the torchao recipe, the Linear layers converted and
+        # left out; None when off
+        "float8": trainer.float8.record() if trainer.float8 else None,
         "loss": {"implementation": trainer.loss_implementation},  # model.loss as resolved (auto: liger or chunked)
         "memory": {"estimated_gib": trainer.memory_estimate_gib, "estimated_tensors_gib": trainer.memory_estimate_tensors_gib},
         "data": trainer.data.stats,

@@ -37,6 +37,7 @@ from pretrain.distributed.layout import Launch
 from pretrain.distributed.preemption import StopSignals
 from pretrain.distributed.supervise import RunLock
 from pretrain.errors import ConfigError, TrainingDiverged, writable_dir
+from pretrain.model import float8
 from pretrain.model.build import (
     build_model,
     count_active_parameters,
@@ -184,8 +185,17 @@ class Trainer:
         vocab = resolve_vocab_size(recipe.model, len(self.tokenizer))
         # Built on the run's device (or partitioned, or sharded first): never a full fp32 copy per rank on CPU.
         placement = model_placement(self.accelerator)
+        self.float8: float8.Float8Report | None = None
+
+        def to_float8(meta_model):  # on the meta model, before FSDP2 shards it (pretrain/model/float8.py)
+            self.float8 = float8.convert(meta_model, recipe.precision, emulate=self.device.type != "cuda",
+                                         fsdp2=self.accelerator.is_fsdp2)
+
         model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed,
-                            device=placement.device, shard=placement.shard)
+                            device=placement.device, shard=placement.shard,
+                            convert=to_float8 if recipe.precision.float8 != "off" else None)
+        if self.float8 is not None:
+            self.log(self.float8.line())
         self.num_params = count_parameters(model)
         self.num_active_params = count_active_parameters(model)
         self.val_texts = self.check_export_tokenizer(model.config)
@@ -205,6 +215,9 @@ class Trainer:
         else:
             optimizer = build_optimizer(model, recipe.optim, self.lr, self.device.type)
             scheduler = build_scheduler(optimizer, recipe.lr_schedule, self.num_steps)
+        if self.float8 is not None and self.float8.fsdp_float8_all_gather:
+            # torch's optimizer hook, on the optimizer accelerate wraps: after every update that happened
+            optimizer.register_step_post_hook(lambda *_: float8.after_optimizer_step(model, self.float8))
         compile_in_place(model, self.setup.compile_mode, self.launch)  # one process / DDP; else accelerate's
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
         fp16 = recipe.precision.dtype == "fp16"

@@ -216,3 +216,23 @@ def liger_term(shape: ModelShape, workload: Workload, layout: Launch) -> Term:
         f"no logits: T x H x {w} B (hidden-state gradient) + V x H x {w} B (LM-head gradient) + one chunk of "
         f"{num(chunk)} tokens x V x {b} B + T x 4 B (loss per token) = {num(T)} x {num(H)} x {w} + {num(V)} x "
         f"{num(H)} x {w} + {num(chunk)} x {num(V)} x {b} + {num(T)} x 4")
+
+
+def float8_term(shape: ModelShape, workload: Workload) -> Term | None:
+    """precision.float8's extra bytes: transient, one Linear at a time. torchao (0.18, ``float8_linear.py``
+    ``matmul_with_hp_or_float8_args``) saves the high-precision input and weight for backward (``save_for_backward(
+    input_hp, weight_hp_t)``) and casts them to float8 again there: the activations term is unchanged. Alive at once
+    are the float8 casts of one matmul's operands: 1 B each for the input (T x in) and the weight (in x out), and in
+    backward the output gradient (T x out) and the transposed copies torch's float8 matmul needs (row-major
+    operands): counted conservatively as 2 x 1 B of the largest Linear's input, weight and output, the MLP's
+    (hidden x intermediate). FSDP2's float8 all-gather (tensorwise) makes the gathered weight smaller than bf16's;
+    not credited here (the estimate stays on the safe side)."""
+    if workload.float8 == "off":
+        return None
+    d, f = shape.hidden_size, shape.intermediate_size
+    T = workload.micro_batch_size * workload.seq_len
+    total = 2 * (T * d + d * f + T * f)
+    return Term("float8", "float8 casts (transient)", total,
+                f"2 x 1 B x (T x H + H x I + T x I) = 2 x ({num(T)} x {num(d)} + {num(d)} x {num(f)} + {num(T)} x "
+                f"{num(f)}): one Linear's operands in float8 and their transposes; activations saved in "
+                f"{workload.precision}, as torchao saves them")

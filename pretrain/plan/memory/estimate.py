@@ -7,7 +7,7 @@ from typing import Any
 
 from pretrain.distributed.layout import Launch, check_offload
 from pretrain.errors import ConfigError
-from pretrain.plan.memory.activations import ActivationEstimate, activation_memory, activation_terms
+from pretrain.plan.memory.activations import ActivationEstimate, activation_memory, activation_terms, float8_term
 from pretrain.plan.memory.states import CLASSIC_EXAMPLE, model_states
 from pretrain.plan.memory.terms import GIB, PHASES, Term, gib
 from pretrain.plan.memory.workload import DeepSpeedBuffers, Workload
@@ -22,7 +22,7 @@ GPUs and drivers; counted as 1 GiB."""
 ALLOCATOR_FRACTION = 0.05
 """PyTorch's caching allocator rounds blocks up and fragments: 5% of the tensor peak."""
 _MAIN_TERMS = ("params", "grads", "optimizer", "activations")
-_ONLY_AT_BACKWARD = ("activations", "logits", "autocast")
+_ONLY_AT_BACKWARD = ("activations", "logits", "autocast", "float8")
 """Terms alive at the start of backward only (freed by the time gradients are reduced)."""
 
 
@@ -201,7 +201,7 @@ def estimate_shape(shape: ModelShape, workload: Workload, layout: Launch, *,
                              device, document_masking=w.document_masking)
     activations, logits = activation_terms(acts, shape, w, layout)
     terms = {t.key: t for t in (states.params, states.grads, states.optimizer, activations, logits, states.comm,
-                                states.autocast) if t is not None}
+                                states.autocast, float8_term(shape, w)) if t is not None}
     # The terms do not all peak together: each phase sums what is alive in it.
     phases = {phase: sum(t.at(phase) for t in terms.values() if phase == "backward" or t.key not in _ONLY_AT_BACKWARD)
               for phase in PHASES}

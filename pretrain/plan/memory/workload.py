@@ -55,6 +55,8 @@ class Workload:
     global_batch_size: int | None = None
     reduce_dtype: str = "fp32"
     """bf16 only (precision.reduce_dtype): the dtype DeepSpeed and FSDP accumulate and reduce gradients in."""
+    float8: str = "off"
+    """precision.float8: off, tensorwise or rowwise (``activations.float8_term``)."""
     loss: str = "chunked"
     """model.loss as the run resolves it (pretrain.model.loss.resolve_loss): chunked, plain or liger. Liger never
     materialises the logits, so its term differs; plain is counted as chunked."""
@@ -101,6 +103,7 @@ class Workload:
             grad_accum_steps=plan.grad_accum_steps,
             global_batch_size=plan.global_batch_size,
             reduce_dtype=recipe.precision.reduce_dtype,
+            float8=recipe.precision.float8,
             loss=loss,
         )
 
