@@ -7,9 +7,9 @@ the estimator) of a 1B and a 3B Llama on one GPU, one setting at a time, in prio
     python tools/bench_gpu.py --reduced --budget 60             # CPU: the tiny recipe, default and loss-plain (CI)
 
 Priority order (``ordered_rows``): llama-1b's default setting (the recipe as shipped: compile and loss ``auto``);
-compile none, then regional; each checkpointing policy (full, selective, every_2, none); loss chunked, then
+float8 tensorwise, then rowwise (``precision.float8``, torchao; against the default's bf16); compile none, then regional; each checkpointing policy (full, selective, every_2, none); loss chunked, then
 Liger; MBS 8, then 2; llama-3b's default (MBS 1); then the rest (loss plain, MBS 1, no step checks, and
-llama-3b's other settings). Float8 has no setting: the recipe has no float8 option yet. A row whose run equals
+llama-3b's other settings). A row whose run equals
 an earlier one (same recipe once model.compile and model.loss are resolved for this device and launch, by the
 run's own ``accelerator.compile_mode`` and ``loss.resolve_loss``: ac-none and compile-regional repeat the default on
 one GPU) is not repeated. A row the estimator says does not fit the GPU (nvidia-smi's memory, or

@@ -5,7 +5,7 @@
 #
 # Prepare on a machine with an index (6 MiB of wheels: what the GPU image lacks, tools/gpu_image_packages.txt):
 #   bash tools/install.sh --wheelhouse .whl --python 3.12 --platform manylinux_2_28_x86_64 \
-#       --extras deepspeed,liger --have tools/gpu_image_packages.txt
+#       --extras deepspeed,liger,float8 --have tools/gpu_image_packages.txt
 # On the GPU machine, from the checkout (the .whl folder travels with it):
 #   BUDGET_S=480 bash tools/gpu_visit.sh
 #
@@ -31,7 +31,7 @@ step() { echo "gpu_visit: $1 ($(left) s of $budget left)" | tee -a "$out/visit.l
 } | tee "$out/visit.log"
 if [ "${GPU_VISIT_SKIP_INSTALL:-0}" != 1 ]; then
   step "1. offline install"
-  PYTHON="$py" bash tools/install.sh --offline .whl --extras deepspeed,liger 2>&1 | tee "$out/install.log"
+  PYTHON="$py" bash tools/install.sh --offline .whl --extras deepspeed,liger,float8 2>&1 | tee "$out/install.log"
 fi
 step "2. GPU tests"
 timeout $(( $(left) * 2 / 5 )) "$py" -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.log"
