@@ -45,7 +45,7 @@ cp "$work/doctor/doctor.json" "$out/" 2>/dev/null
 if [ "${STARTUP_PROFILE:-0}" = 1 ]; then
   step "3b. startup profile"
   timeout 240 "$py" -m cProfile -o "$work/startup.prof" pretrain/run.py --recipe "${STARTUP_RECIPE:-recipes/llama-1b.yaml}" \
-    "output_dir=$work/startup" "logging.backends=[jsonl]" logging.progress=plain train.max_steps=3 \
+    "output_dir=$work/startup" "logging.backends=[jsonl]" logging.progress=plain train.max_steps=3 train.max_tokens=null \
     lr_schedule.warmup_steps=0 eval.at_start=false eval.every_steps=0 eval.batches=1 checkpoint.every_steps=0 \
     checkpoint.save_last=false checkpoint.save_final_model=false checkpoint.resume=none \
     data.source=stdlib data.hf_config=null data.tokenizer=bpe data.tokenizer_vocab_size=32000 \
