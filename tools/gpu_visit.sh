@@ -45,13 +45,15 @@ cp "$work/doctor/doctor.json" "$out/" 2>/dev/null
 if [ "${STARTUP_PROFILE:-0}" = 1 ]; then
   step "3b. startup profile"
   timeout 240 "$py" -m cProfile -o "$work/startup.prof" pretrain/run.py --recipe "${STARTUP_RECIPE:-recipes/llama-1b.yaml}" \
-    "output_dir=$work/startup" "logging.backends=[jsonl]" logging.progress=plain train.max_steps=3 train.max_tokens=null \
+    "output_dir=$work/startup" "logging.backends=[jsonl]" logging.progress=plain train.max_steps=3 train.max_tokens=null batch.global_batch_size=4 \
+    batch.gradient_accumulation_steps=null batch.local_batch_size=null \
     lr_schedule.warmup_steps=0 eval.at_start=false eval.every_steps=0 eval.batches=1 checkpoint.every_steps=0 \
     checkpoint.save_last=false checkpoint.save_final_model=false checkpoint.resume=none \
     data.source=stdlib data.hf_config=null data.tokenizer=bpe data.tokenizer_vocab_size=32000 \
     data.val_fraction=0.05 2>&1 | tail -n 20 | tee "$out/startup_run.log"
   "$py" -c "import pstats, sys; pstats.Stats(sys.argv[1], stream=sys.stdout).sort_stats('cumulative').print_stats(60)" \
     "$work/startup.prof" > "$out/startup_profile.txt" 2>&1
+  cp "$work/startup.prof" "$out/" 2>/dev/null  # the whole profile, for its callers (pstats print_callers)
 fi
 step "4. benchmark"
 # shellcheck disable=SC2086  # BENCH_ARGS holds several options
