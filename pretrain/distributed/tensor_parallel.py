@@ -30,7 +30,7 @@ TP_SHIM_NAME = "ReplicateParallel"
 """What accelerate 1.15's ``_prepare_tp`` imports from ``transformers.integrations.tensor_parallel``."""
 
 
-def tp_plan_problem(config: Any, arch: str, tp_size: int, tie_embeddings: bool) -> str | None:
+def tp_plan_problem(config: Any, arch: str, tp_size: int) -> str | None:
     """Why this architecture cannot run tensor parallel (None: it can). ``config`` is its transformers config."""
     if tp_size <= 1:
         return None
@@ -38,12 +38,6 @@ def tp_plan_problem(config: Any, arch: str, tp_size: int, tie_embeddings: bool) 
         return (f"model.arch = {arch} has no tensor-parallel plan in transformers (its config has no "
                 f"base_model_tp_plan), so parallelism_config_tp_size = {tp_size} cannot split it; use an "
                 "architecture with a plan (llama, qwen2, mistral, ...) or set tp_size to 1 (accelerate_configs/fsdp.yaml)")
-    if tie_embeddings:
-        # Measured (transformers 5.24, FSDP2 x TP 2 on CPU): with the LM head tied to the vocab-parallel embedding
-        # the first loss is 5.5363 against 5.5669 on one process; untied it agrees to 1e-7.
-        return ("model.tie_embeddings = true cannot run tensor parallel here: the LM head tied to the vocab-parallel "
-                "embedding computes a different loss from one process (measured 5.536 vs 5.567 on the first step); "
-                "set model.tie_embeddings=false")
     for head, style in (getattr(config, "base_model_tp_plan", None) or {}).items():
         if style not in SUPPORTED_STYLES:
             return (f"model.arch = {arch}: its tensor-parallel plan uses the style {style!r} (on {head}), which pretrain "
@@ -66,8 +60,11 @@ def parallelize(model: torch.nn.Module, tp_mesh) -> torch.nn.Module:
 
     plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=tp_mesh.size()))
     names = set(dict(model.named_modules())) | set(dict(model.named_parameters()))
-    # A tied LM head's weight is the embedding's (named_parameters lists it once): the embedding's entry shards it.
+    tied = _tied_slots(model)
+    # A tied LM head's weight is the embedding's (named_parameters lists it once): the embedding's entry shards it,
+    # and _retie points the head at that DTensor.
     apply_tensor_parallelism(model, tp_mesh, {name: style for name, style in plan.items() if name in names})
+    _retie(model, tied, plan, tp_mesh)
     local = ALL_PARALLEL_STYLES["local_params"]
     for name, param in list(model.named_parameters()):
         if isinstance(param, DTensor):
@@ -80,6 +77,47 @@ def parallelize(model: torch.nn.Module, tp_mesh) -> torch.nn.Module:
             local.install_forward(owner, tp_mesh)
             owner._pretrain_local_params = True
     return model
+
+
+def _tied_slots(model: torch.nn.Module) -> list[list[str]]:
+    """The parameter names that share one tensor (``tie_embeddings``: the embedding's and the LM head's weight), the
+    name named_parameters keeps first; groups of one are left out."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _retie(model: torch.nn.Module, tied: list[list[str]], plan: dict[str, str], tp_mesh) -> None:
+    """Point every alias of a tied parameter at the DTensor the plan made of its first name.
+
+    ``apply_tensor_parallelism`` replaces the embedding's Parameter with a DTensor one and leaves the LM head's slot
+    holding the old meta tensor: the head would then become a second, replicated parameter, initialised with the head's
+    seed and trained apart (measured before this: step-1 loss 5.5363 against 5.5669 on one process). Re-tied, the one
+    vocab-sharded tensor serves both: the embedding's rowwise lookup and the head's colwise matmul both want it
+    Shard(0) over the vocabulary. An alias whose own plan entry would place it otherwise cannot share the tensor and
+    is refused.
+    """
+    from torch.distributed.tensor import DTensor
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    for first, *aliases in tied:
+        owner_name, _, attr = first.rpartition(".")
+        shared = getattr(model.get_submodule(owner_name), attr)
+        for alias in aliases:
+            module_name, _, alias_attr = alias.rpartition(".")
+            module = model.get_submodule(module_name)
+            style = plan.get(alias) or plan.get(module_name)
+            if style is not None and isinstance(shared, DTensor):
+                probe = torch.nn.Module()
+                probe.weight = torch.nn.Parameter(torch.empty(shared.shape, device="meta"))
+                ALL_PARALLEL_STYLES[style].shard_param(probe, "weight", tp_mesh)
+                wanted = getattr(probe.weight, "placements", None)
+                if wanted != shared.placements:
+                    raise ConfigError(
+                        f"{alias} is tied to {first}, but transformers' TP plan places it {wanted} ({style}) and "
+                        f"{first} {shared.placements}: one tensor cannot be both; set model.tie_embeddings=false")
+            module._parameters[alias_attr] = shared
 
 
 def allow_accelerate_tp_prepare() -> None:

@@ -82,6 +82,6 @@ def check_tensor_parallel(recipe: Recipe, launch: Launch) -> None:
     from pretrain.distributed.tensor_parallel import tp_plan_problem
 
     config = CONFIG_MAPPING[recipe.model.arch]
-    problem = tp_plan_problem(config, recipe.model.arch, launch.tp_size, recipe.model.tie_embeddings)
+    problem = tp_plan_problem(config, recipe.model.arch, launch.tp_size)
     if problem:
         raise ConfigError(problem)
