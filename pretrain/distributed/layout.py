@@ -328,8 +328,9 @@ def _fsdp_layout(strategy: str | int | None, reshard_after_forward: str | bool |
         raise ConfigError(
             f"{source}: parallelism_config_cp_size = {cp}: pretrain does not run context parallelism yet (accelerate's "
             "CP needs the loop to shard every batch along the sequence inside accelerator.maybe_context_parallel, "
-            "and it cannot run with document masking, whose per-document positions and block mask are not split "
-            "with the sequence); set it to 1 (docs/distributed.md)")
+            "and torch's ring attention has only CUDA kernels, so it cannot be checked against one process on CPU; "
+            "it could not run with document masking either, whose per-document positions and block mask are not "
+            "split with the sequence); set it to 1 (docs/distributed.md)")
     if sizes.get("parallelism_config_sp_size", 1) != 1:
         raise ConfigError(f"{source}: parallelism_config_sp_size = {sizes['parallelism_config_sp_size']}: DeepSpeed's "
                           "sequence parallelism (Ulysses) is not supported by pretrain; set it to 1")
