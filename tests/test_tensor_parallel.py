@@ -115,3 +115,29 @@ def test_export_of_a_tp_checkpoint_is_the_run_s_final_model(tp_runs, tmp_path):
         assert sum(p.numel() for p in model.parameters()) == 606_528 - 64 * 4096  # the head is the embedding
         assert model.lm_head.weight is model.model.embed_tokens.weight
         assert all(type(p) is torch.nn.Parameter for p in model.parameters())  # plain tensors, not DTensor shards
+
+
+def test_a_tie_whose_plan_entries_disagree_is_refused():
+    """The LM head is re-tied to the embedding's DTensor only where its own plan entry would shard it the same way."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(8, 4, device="meta")
+    model.head = torch.nn.Linear(4, 8, bias=False, device="meta")
+    model.head.weight = model.embed.weight
+    tied = tensor_parallel._tied_slots(model)
+    assert tied == [["embed.weight", "head.weight"]]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+        apply_tensor_parallelism(model, mesh, {"embed.weight": "embedding_rowwise"})
+        tensor_parallel._retie(model, tied, {"head": "colwise_gather_output"}, mesh)  # Shard(0) both: one tensor
+        assert model.head.weight is model.embed.weight
+        with pytest.raises(ConfigError, match="head.weight is tied to embed.weight, but transformers' TP plan places"):
+            tensor_parallel._retie(model, tied, {"head": "rowwise"}, mesh)  # Shard(1): cannot share
+    finally:
+        dist.destroy_process_group()
