@@ -73,6 +73,7 @@ class Layout:
     world_size: int
     zero_stage: int | None = None  # DeepSpeed only; None: recorded by no one (older checkpoint, ZeRO-1 or 2)
     offload_optimizer: str = "none"
+    tp_size: int = 1  # FSDP2 x TP: the DCP files hold DTensors over a (dp_shard, tp) mesh
 
     @classmethod
     def of(cls, launch: Launch) -> Layout:
@@ -82,7 +83,8 @@ class Layout:
     def from_dict(cls, values: dict[str, Any]) -> Layout:
         return cls(engine=values["engine"], world_size=int(values["world_size"]),
                    zero_stage=values.get("zero_stage") if values["engine"] == "deepspeed" else None,
-                   offload_optimizer=values.get("offload_optimizer") or "none")
+                   offload_optimizer=values.get("offload_optimizer") or "none",
+                   tp_size=int(values.get("tp_size") or 1))
 
     def describe(self) -> str:
         processes = f"{self.world_size} process{'es' if self.world_size > 1 else ''}"
@@ -90,7 +92,7 @@ class Layout:
             stage = "1 or 2" if self.zero_stage is None else self.zero_stage
             return f"DeepSpeed ZeRO-{stage} on {processes}"
         if self.engine == "fsdp":
-            return f"FSDP on {processes}"
+            return f"FSDP x TP {self.tp_size} on {processes}" if self.tp_size > 1 else f"FSDP on {processes}"
         return f"DDP on {processes}" if self.world_size > 1 else "one process"
 
 

@@ -38,6 +38,12 @@ from accelerate.utils import (
 
 from pretrain.distributed.deepspeed import build_deepspeed_config, read_user_config
 from pretrain.distributed.layout import Launch
+from pretrain.distributed.tensor_parallel import (
+    allow_accelerate_tp_prepare,
+    attach_parallelism,
+    hidden_parallelism_env,
+    parallelize,
+)
 from pretrain.errors import ConfigError
 from pretrain.recipe.batching import BatchPlan
 from pretrain.recipe.config import Recipe
@@ -242,11 +248,11 @@ def build_accelerator(recipe: Recipe, run_plan: RunPlan, output_dir: Path, track
     handlers = []
     timeout = recipe.runtime.collective_timeout_s
     group = {"timeout": timedelta(seconds=timeout)} if timeout else {}
-    if not torch.cuda.is_available() and plan.world_size > 1:
+    if not torch.cuda.is_available() and launch.world_size > 1:
         # A multi-process CPU launch needs an explicit gloo group; without it DeepSpeed and accelerate
         # can disagree about the world size. (A single process must not get one: it has no group.)
         handlers.append(InitProcessGroupKwargs(backend="gloo", **group))
-    elif group and plan.world_size > 1:
+    elif group and launch.world_size > 1:
         handlers.append(InitProcessGroupKwargs(**group))
     prec = recipe.precision
     if prec.dtype == "fp16":
@@ -263,6 +269,8 @@ def build_accelerator(recipe: Recipe, run_plan: RunPlan, output_dir: Path, track
         handlers.append(ddp)
     mode, compile_reason = compile_choice(recipe.model.compile, "cuda" if torch.cuda.is_available() else "cpu", launch)
     dynamo = dynamo_plugin(mode, launch)
+    on_cpu = not torch.cuda.is_available()
+    hidden = hidden_parallelism_env(on_cpu and launch.engine == "fsdp")
     with quiet.dropping_stdout_lines(quiet.DEEPSPEED_BUILT):  # the process group starts here
         accelerator = Accelerator(
             # No CUDA and not DeepSpeed: run as MULTI_CPU over gloo. Without this, processes started by
@@ -280,11 +288,15 @@ def build_accelerator(recipe: Recipe, run_plan: RunPlan, output_dir: Path, track
             deepspeed_plugin=plugin,
             fsdp_plugin=fsdp,
         )
-    if launch.engine == "fsdp" and not torch.cuda.is_available():
+    os.environ.update(hidden)
+    if launch.engine == "fsdp" and on_cpu:
         fsdp_on_cpu(accelerator, fsdp if fsdp is not None else FullyShardedDataParallelPlugin())
-    if accelerator.num_processes != plan.world_size:
+        attach_parallelism(accelerator, launch)
+    if launch.tp_size > 1:
+        allow_accelerate_tp_prepare()
+    if accelerator.num_processes != launch.world_size:
         raise ConfigError(
-            f"the launch reported WORLD_SIZE={plan.world_size} but accelerate started {accelerator.num_processes} "
+            f"the launch reported WORLD_SIZE={launch.world_size} but accelerate started {accelerator.num_processes} "
             "processes; check the accelerate config's num_processes / distributed_type"
         )
     return AcceleratorSetup(accelerator, ds_config, ds_optimizer, mode, compile_reason)
@@ -300,7 +312,7 @@ def check_fsdp_on_cpu(launch: Launch, environ: Mapping[str, str] = os.environ) -
             "the accelerate config asks for FSDP1 (fsdp_version: 1), which pretrain runs on GPUs only; on CPU set "
             "fsdp_version: 2 (accelerate_configs/fsdp.yaml) or use accelerate_configs/cpu_ddp.yaml"
         )
-    if launch.hybrid_shard_size:
+    if launch.hybrid_shard_size:  # (the mesh attach_parallelism builds on CPU is dp_shard x tp only)
         raise ConfigError(
             "the accelerate config asks for HSDP (hybrid sharding over a 2-D device mesh), which pretrain runs on "
             "GPUs only; on CPU use accelerate_configs/fsdp.yaml (full sharding) or multinode_zero3_hpz.yaml"
@@ -440,6 +452,11 @@ def shard_fsdp2(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Mo
     """
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
+    config = accelerator.parallelism_config
+    if config is not None and config.tp_enabled:
+        # TP first, on the meta model (transformers' plan on the mesh's tp dimension); fully_shard then shards the
+        # DTensors over dp_shard, as accelerate's own TP + FSDP2 path does.
+        model = parallelize(model, accelerator.torch_device_mesh["tp"])
     plugin = accelerator.state.fsdp_plugin
     loading = plugin.cpu_ram_efficient_loading
     plugin.cpu_ram_efficient_loading = False

@@ -54,7 +54,8 @@ HPZ_KEY = "zero_hpz_partition_size"
 """DeepSpeed ZeRO++'s hierarchical partitioning (hpZ): a DeepSpeed JSON's zero_optimization key. "auto": the
 launch's GPUs per node."""
 # accelerate's parallelism_config keys (accelerate config file, `accelerate launch --<key>`) and the environment
-# variables accelerate launch exports for them; pretrain runs data parallelism only (no TP, CP or SP).
+# variables accelerate launch exports for them. pretrain runs data parallelism and, under FSDP2, tensor parallelism
+# (tp_size: transformers' TP plan of the architecture, pretrain/distributed/tensor_parallel.py); not CP or SP.
 _PARALLELISM_ENV = {
     "parallelism_config_dp_replicate_size": "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",
     "parallelism_config_dp_shard_size": "PARALLELISM_CONFIG_DP_SHARD_SIZE",
@@ -99,6 +100,9 @@ class Launch:
     compute-dtype parameters partitioned within the group, where backward gathers them) or FSDP2 HSDP
     (accelerate's parallelism_config dp_shard_size: every state sharded within the group, dp_replicate_size
     copies). None: sharded over the whole world."""
+    tp_size: int = 1
+    """Tensor parallelism (FSDP2 only, accelerate's parallelism_config tp_size): each group of tp_size consecutive
+    ranks splits every layer's matmuls and sees the same micro-batches; FSDP shards over the other dimension."""
 
     def __post_init__(self):
         check_launch(self)
@@ -117,9 +121,20 @@ class Launch:
         return self.engine == "deepspeed"
 
     @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different data: the world over the tensor-parallel size (the batch plan's world)."""
+        return self.world_size // self.tp_size
+
+    @property
+    def data_rank(self) -> int:
+        """This process's rank among the data-parallel ranks. accelerate's device mesh puts tp innermost
+        (dp_replicate, dp_shard, tp): ranks r and r+1 of one TP group read the same micro-batches."""
+        return self.rank // self.tp_size
+
+    @property
     def num_replicas(self) -> int:
         """Copies of the sharded states: world / hybrid_shard_size (1 unless hybrid)."""
-        return self.world_size // self.hybrid_shard_size if self.hybrid_shard_size else 1
+        return self.data_parallel_size // self.hybrid_shard_size if self.hybrid_shard_size else 1
 
     def hybrid_text(self) -> str:
         """How describe() and the planner name the hybrid part ("" when not hybrid)."""
@@ -135,6 +150,8 @@ class Launch:
             what = f"FSDP {self.fsdp_sharding or 'FULL_SHARD'}"
             if self.hybrid_shard_size:
                 what += f" ({self.hybrid_text()})"
+            if self.tp_size > 1:
+                what += f" x TP {self.tp_size} ({self.data_parallel_size}-way data parallel)"
             if self.offload_params != "none":
                 what += f" (offload params -> {self.offload_params})"
         else:
@@ -154,7 +171,7 @@ class Launch:
             "engine": self.engine, "zero_stage": self.zero_stage if self.uses_deepspeed else None,
             "fsdp_sharding": self.fsdp_sharding, "offload_optimizer": self.offload_optimizer,
             "offload_params": self.offload_params, "world_size": self.world_size, "num_machines": self.num_nodes,
-            "hybrid_shard_size": self.hybrid_shard_size,
+            "hybrid_shard_size": self.hybrid_shard_size, "tp_size": self.tp_size,
         }  # fmt: skip
 
     # ---- built from the environment of a launched process ---------------------------------------
@@ -179,11 +196,11 @@ class Launch:
             offload = environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"
             parallelism = ({key: environ.get(var) for key, var in _PARALLELISM_ENV.items()}
                            if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true" else {})
-            strategy, hybrid = _fsdp_layout(environ.get("FSDP_SHARDING_STRATEGY"), environ.get("FSDP_RESHARD_AFTER_FORWARD"),
+            strategy, hybrid, tp = _fsdp_layout(environ.get("FSDP_SHARDING_STRATEGY"), environ.get("FSDP_RESHARD_AFTER_FORWARD"),
                                             environ.get("FSDP_VERSION"), parallelism, common["num_nodes"],
                                             common["gpus_per_node"], "the accelerate launch environment")
             return cls("fsdp", offload_params="cpu" if offload else "none", fsdp_sharding=strategy,
-                       hybrid_shard_size=hybrid, **common)
+                       hybrid_shard_size=hybrid, tp_size=tp, **common)
         return cls("ddp", **common)
 
     # ---- built from an accelerate config file, before any process exists -------------------------
@@ -223,13 +240,13 @@ class Launch:
                 value = option_value(accelerate_args, f"--{key}")
                 if value is not None:
                     parallelism[key] = value
-            strategy, hybrid = _fsdp_layout(
+            strategy, hybrid, tp = _fsdp_layout(
                 option_value(accelerate_args, "--fsdp_sharding_strategy") or fsdp.get("fsdp_sharding_strategy"),
                 option_value(accelerate_args, "--fsdp_reshard_after_forward") or fsdp.get("fsdp_reshard_after_forward"),
                 option_value(accelerate_args, "--fsdp_version") or fsdp.get("fsdp_version"), parallelism, nodes,
                 gpus_per_node, source)
             return cls("fsdp", offload_params="cpu" if offload else "none", fsdp_sharding=strategy,
-                       hybrid_shard_size=hybrid, **common)
+                       hybrid_shard_size=hybrid, tp_size=tp, **common)
         if kind != "DEEPSPEED":
             raise ConfigError(f"{source}: distributed_type {kind} is not supported; use DEEPSPEED, FSDP, "
                               "MULTI_GPU, MULTI_CPU or NO")
@@ -285,9 +302,11 @@ def _hpz_size(value: Any, gpus_per_node: int, config_file: str | None) -> int | 
 
 
 def _fsdp_layout(strategy: str | int | None, reshard_after_forward: str | bool | None, version: str | int | None,
-                 parallelism: Mapping[str, Any], nodes: int, gpus_per_node: int, source: str) -> tuple[str, int | None]:
-    """(sharding strategy, hybrid_shard_size) of an FSDP launch. HSDP: FSDP2 with accelerate's parallelism_config
-    (dp_replicate_size x dp_shard_size); FSDP1's HYBRID_SHARD strategies shard within a node (torch's default)."""
+                 parallelism: Mapping[str, Any], nodes: int, gpus_per_node: int,
+                 source: str) -> tuple[str, int | None, int]:
+    """(sharding strategy, hybrid_shard_size, tp_size) of an FSDP launch. HSDP: FSDP2 with accelerate's
+    parallelism_config (dp_replicate_size x dp_shard_size [x tp_size]); FSDP1's HYBRID_SHARD strategies shard within
+    a node (torch's default)."""
     name = _fsdp_strategy(strategy, reshard_after_forward)
     fsdp2 = str(version or "1") == "2"
     if name.startswith("HYBRID_SHARD"):
@@ -295,7 +314,7 @@ def _fsdp_layout(strategy: str | int | None, reshard_after_forward: str | bool |
             raise ConfigError(f"{source}: FSDP2 has no {name} strategy (accelerate takes only true / false for "
                               "fsdp_reshard_after_forward); hybrid sharding with FSDP2 is accelerate's parallelism_config: "
                               "see accelerate_configs/multinode_hsdp.yaml")
-        return ("FULL_SHARD" if name == "HYBRID_SHARD" else "SHARD_GRAD_OP"), gpus_per_node
+        return ("FULL_SHARD" if name == "HYBRID_SHARD" else "SHARD_GRAD_OP"), gpus_per_node, 1
     sizes = {}
     for key, value in parallelism.items():
         if key not in _PARALLELISM_ENV or value in (None, ""):
@@ -304,32 +323,49 @@ def _fsdp_layout(strategy: str | int | None, reshard_after_forward: str | bool |
             sizes[key] = int(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{source}: parallelism_config.{key} = {value!r}; use a whole number") from None
-    unsupported = {k: v for k, v in sizes.items() if v != 1 and k not in (
-        "parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size")}
-    if unsupported:
-        raise ConfigError(f"{source}: {', '.join(f'parallelism_config.{k} = {v}' for k, v in unsupported.items())}: "
-                          "pretrain runs data parallelism only (no tensor, context or sequence parallelism); set them to 1")
+    cp = sizes.get("parallelism_config_cp_size", 1)
+    if cp != 1:
+        raise ConfigError(
+            f"{source}: parallelism_config_cp_size = {cp}: pretrain does not run context parallelism yet (accelerate's "
+            "CP needs the loop to shard every batch along the sequence inside accelerator.maybe_context_parallel, "
+            "and torch's ring attention has only CUDA kernels, so it cannot be checked against one process on CPU; "
+            "it could not run with document masking either, whose per-document positions and block mask are not "
+            "split with the sequence); set it to 1 (docs/distributed.md)")
+    if sizes.get("parallelism_config_sp_size", 1) != 1:
+        raise ConfigError(f"{source}: parallelism_config_sp_size = {sizes['parallelism_config_sp_size']}: DeepSpeed's "
+                          "sequence parallelism (Ulysses) is not supported by pretrain; set it to 1")
+    world = nodes * gpus_per_node
+    tp = sizes.get("parallelism_config_tp_size", 1)
+    if tp < 1 or world % tp:
+        raise ConfigError(f"{source}: parallelism_config_tp_size = {tp} must be a whole number that divides the "
+                          f"{world} processes")
+    if tp > 1 and not fsdp2:
+        raise ConfigError(f"{source}: parallelism_config_tp_size = {tp} needs fsdp_version: 2 (accelerate composes "
+                          "TP with FSDP2 only); see accelerate_configs/fsdp2_tp2.yaml")
+    dp = world // tp
     replicate = sizes.get("parallelism_config_dp_replicate_size", 1)
     shard = sizes.get("parallelism_config_dp_shard_size", 1)
+    tp_text = f" x tp_size ({tp})" if tp > 1 else ""
     if replicate <= 1:
-        if sizes.get("parallelism_config_dp_shard_size", nodes * gpus_per_node) not in (1, nodes * gpus_per_node):
-            raise ConfigError(f"{source}: parallelism_config_dp_shard_size = {shard} but the launch has "
-                              f"{nodes * gpus_per_node} processes; without dp_replicate_size it must be the world size")
-        return name, None
+        if sizes.get("parallelism_config_dp_shard_size", dp) not in (1, dp) or (tp > 1 and shard != dp):
+            raise ConfigError(f"{source}: parallelism_config_dp_shard_size = {shard}{tp_text} but the launch has "
+                              f"{world} processes; without dp_replicate_size, dp_shard_size{tp_text} must be the "
+                              f"world size (dp_shard_size {dp})")
+        return name, None, tp
     if not fsdp2:
         raise ConfigError(f"{source}: parallelism_config (dp_replicate_size {replicate}) needs fsdp_version: 2; "
                           "accelerate refuses it with FSDP1")
-    if replicate * shard != nodes * gpus_per_node:
+    if replicate * shard * tp != world:
         raise ConfigError(
-            f"{source}: parallelism_config dp_replicate_size ({replicate}) x dp_shard_size ({shard}) = "
-            f"{replicate * shard}, but the launch has {nodes} x {gpus_per_node} = {nodes * gpus_per_node} processes; "
-            f"for hybrid sharding set dp_shard_size to the GPUs per node ({gpus_per_node}) and dp_replicate_size "
-            f"to the nodes ({nodes})")
+            f"{source}: parallelism_config dp_replicate_size ({replicate}) x dp_shard_size ({shard}){tp_text} = "
+            f"{replicate * shard * tp}, but the launch has {nodes} x {gpus_per_node} = {world} processes; "
+            f"for hybrid sharding set dp_shard_size to the GPUs per node ({gpus_per_node // tp if tp > 1 else gpus_per_node}"
+            f"{' over tp_size' if tp > 1 else ''}) and dp_replicate_size to the nodes ({nodes})")
     if shard <= 1:
         raise ConfigError(f"{source}: parallelism_config dp_shard_size = {shard} leaves FSDP nothing to shard over; "
                           f"set it to the GPUs per node ({gpus_per_node}), or use accelerate_configs/ddp.yaml for "
                           "plain data parallelism")
-    return name, shard
+    return name, shard, tp
 
 
 def _fsdp_strategy(strategy: str | int | None, reshard_after_forward: str | bool | None) -> str:
@@ -362,6 +398,11 @@ def check_launch(launch: Launch) -> None:
     if (launch.fsdp_sharding or "").startswith("HYBRID_SHARD"):
         problems.append(f"fsdp_sharding {launch.fsdp_sharding}: give FULL_SHARD or SHARD_GRAD_OP with hybrid_shard_size "
                         "(the GPUs that shard one replica)")
+    if launch.tp_size > 1 and launch.engine != "fsdp":
+        problems.append(f"tensor parallelism (tp_size {launch.tp_size}) needs FSDP2 (accelerate composes TP with FSDP2 "
+                        "only); use accelerate_configs/fsdp2_tp2.yaml")
+    if launch.tp_size < 1 or launch.world_size % launch.tp_size:
+        problems.append(f"tp_size {launch.tp_size} must divide the world size ({launch.world_size})")
     if launch.hybrid_shard_size is not None and not problems:
         problems += _hybrid_problems(launch)
     if problems:
@@ -370,7 +411,7 @@ def check_launch(launch: Launch) -> None:
 
 def _hybrid_problems(launch: Launch) -> list[str]:
     """Hybrid sharding DeepSpeed or FSDP cannot run, or that would replicate nothing."""
-    size, world = launch.hybrid_shard_size, launch.world_size
+    size, world = launch.hybrid_shard_size, launch.data_parallel_size
     what = f"{HPZ_KEY} = {size}" if launch.uses_deepspeed else f"parallelism_config dp_shard_size = {size}"
     fix = (f"use the GPUs per node ({launch.gpus_per_node}; \"auto\" in the DeepSpeed JSON)" if launch.uses_deepspeed
            else f"set dp_shard_size to the GPUs per node ({launch.gpus_per_node}) and dp_replicate_size to the nodes")

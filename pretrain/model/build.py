@@ -548,6 +548,10 @@ def save_pretrained_model(model: PreTrainedModel, state_dict: dict[str, torch.Te
     if tmp.exists():
         shutil.rmtree(tmp)
     ready_for_generation(model, tokenizer)
+    # A tied weight once: save_pretrained drops an alias only when it shares storage with its tensor, and the
+    # gathered state of a tensor-parallel run (or its checkpoint) holds the LM head as a copy of the embedding.
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    state_dict = {k: v for k, v in state_dict.items() if k not in aliases}
     try:
         with no_progress_bars():  # the caller prints one line; a bar garbles a log file
             model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)

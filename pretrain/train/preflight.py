@@ -12,6 +12,7 @@ from functools import cached_property
 from typing import Any
 
 from pretrain.distributed.layout import Launch
+from pretrain.errors import ConfigError
 from pretrain.recipe.batching import BatchPlan, num_training_steps, plan_batches
 from pretrain.recipe.config import Recipe
 
@@ -63,9 +64,24 @@ def check_layout(recipe: Recipe, launch: Launch) -> RunPlan:
     from pretrain.distributed.accelerator import check_precision, deepspeed_config
     from pretrain.model.optim import scaled_lr
 
-    batch = plan_batches(recipe.batch, launch.world_size, recipe.data.seq_len)
+    if launch.tp_size > 1:
+        check_tensor_parallel(recipe, launch)
+    batch = plan_batches(recipe.batch, launch.data_parallel_size, recipe.data.seq_len)
     lr = scaled_lr(recipe.optim, batch.global_batch_size)
     mixed_precision = check_precision(recipe, launch)
     # The user's JSON against the recipe: conflicts are errors.
     deepspeed = deepspeed_config(recipe, batch, launch, lr) if launch.uses_deepspeed else None
     return RunPlan(launch, batch, 0, lr, mixed_precision, deepspeed)
+
+
+def check_tensor_parallel(recipe: Recipe, launch: Launch) -> None:
+    """A TP launch of an architecture transformers has no TP plan for (or one pretrain cannot match with one process)
+    is refused before anything starts; the plan is the config class's, so nothing is built."""
+    from transformers import CONFIG_MAPPING
+
+    from pretrain.distributed.tensor_parallel import tp_plan_problem
+
+    config = CONFIG_MAPPING[recipe.model.arch]
+    problem = tp_plan_problem(config, recipe.model.arch, launch.tp_size)
+    if problem:
+        raise ConfigError(problem)

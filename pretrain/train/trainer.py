@@ -244,11 +244,11 @@ class Trainer:
         pin = self.device.type == "cuda"
         masking = document_masking(recipe, self.tokenizer)
         self.train_loader, self.sample_order = build_train_loader(
-            self.data, recipe.data, self.plan, self.accelerator.process_index, recipe.train.seed, self.step, pin,
+            self.data, recipe.data, self.plan, self.launch.data_rank, recipe.train.seed, self.step, pin,
             masking,
         )
         val_sets = build_val_loaders(
-            self.data, recipe.data, self.plan, self.accelerator.process_index, recipe.eval.batches, pin,
+            self.data, recipe.data, self.plan, self.launch.data_rank, recipe.eval.batches, pin,
             masking,
         )
         # data.on_exhausted: the step at which `stop` ends the run (None: never), and the epochs read per source.
