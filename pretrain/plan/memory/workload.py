@@ -10,6 +10,7 @@ from pretrain.recipe.recompute import normalize
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 LOSSES = ("chunked", "plain", "liger")
+FLOAT8_MODES = ("off", "tensorwise", "rowwise")
 
 # Optimizer state bytes per parameter (fp32 states). Keys are lower-cased torch.optim names.
 _STATE_BYTES = {
@@ -58,8 +59,13 @@ class Workload:
     loss: str = "chunked"
     """model.loss as the run resolves it (pretrain.model.loss.resolve_loss): chunked, plain or liger. Liger never
     materialises the logits, so its term differs; plain is counted as chunked."""
+    float8: str = "off"
+    """float8 training of the Linear layers (precision.float8: off, tensorwise or rowwise): torchao's transient float8
+    casts (pretrain/plan/memory/parallel.py)."""
 
     def __post_init__(self):
+        if self.float8 not in FLOAT8_MODES:
+            raise ConfigError(f"float8 {self.float8!r}: use one of {', '.join(FLOAT8_MODES)}")
         if self.precision not in PRECISION_BYTES:
             raise ConfigError(f"precision {self.precision!r}: use one of fp32, bf16, fp16")
         if self.reduce_dtype not in ("fp32", "bf16"):
@@ -102,6 +108,8 @@ class Workload:
             global_batch_size=plan.global_batch_size,
             reduce_dtype=recipe.precision.reduce_dtype,
             loss=loss,
+            # precision.float8 comes with the float8 branch; a recipe without the field trains in bf16/fp32
+            float8=getattr(recipe.precision, "float8", "off"),
         )
 
 
