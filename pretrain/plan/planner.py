@@ -449,8 +449,8 @@ def _estimates(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: me
                     skipped.setdefault(why, []).append(layout_name(layout))
                 continue
         dp = layout.data_parallel_size
-        if gbs % dp:
-            continue
+        if dp != world and gbs % dp:
+            continue  # a TP / CP layout whose data-parallel ranks do not divide the batch (the world's own error stays)
         for ckpt in PLANNER_POLICIES:
             if layout.uses_deepspeed and layout.zero_stage == 3 and not runs_under_zero3(ckpt):
                 continue  # the launch refuses it (deepspeed_config)
