@@ -94,7 +94,7 @@ def main() -> None:
     out_dir = Path(out_dir)
     recipe = load_recipe(_ROOT / "recipes" / "tiny.yaml", [*overrides(dtype), *extra])
     launch = Launch.from_env()
-    plan = plan_batches(recipe.batch, launch.world_size, recipe.data.seq_len)
+    plan = plan_batches(recipe.batch, launch.data_parallel_size, recipe.data.seq_len)
     assert plan.grad_accum_steps == GRAD_ACCUM_STEPS, plan
     acc = build_accelerator(recipe, check_run(recipe, launch), out_dir, []).accelerator
     # Held before the model exists (the process group, RNG states): kept alive so that no freed address can be

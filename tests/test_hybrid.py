@@ -137,7 +137,8 @@ def test_planner_picks_hybrid_for_7b_on_8_nodes_of_8_h100_and_not_on_one_node():
     ranked, _ = planner.plan(recipe, 8, 8, H100)
     best = ranked[0]
     flat = next(c for c in ranked if not c.layout.hybrid_shard_size)
-    assert best.layout.hybrid_shard_size == 8 and best.tokens_per_s > flat.tokens_per_s
+    # a hybrid group of one node's 8 GPUs (HSDP x TP 2 shards over 4 TP pairs of the node)
+    assert best.layout.hybrid_shard_size * best.layout.tp_size == 8 and best.tokens_per_s > flat.tokens_per_s
     assert best.comm_s < flat.comm_s
     one_node, _ = planner.plan(recipe, 1, 8, H100)
     assert one_node and not any(c.layout.hybrid_shard_size for c in one_node)

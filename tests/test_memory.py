@@ -319,7 +319,7 @@ def test_estimate_from_recipe_and_plan():
                           gpu=memory.find_gpu("H100-80GB"))
     assert est.num_params == LLAMA2_7B and est.fits
     assert est.total_bytes == max(est.phases.values()) + est.allowance.bytes
-    with pytest.raises(ConfigError, match="batch plan is for 8 processes"):
+    with pytest.raises(ConfigError, match="batch plan is for 8 data-parallel ranks"):
         memory.estimate(recipe, batch_plan, Launch("deepspeed", 3, gpus_per_node=4))
     cpu = memory.estimate(load_recipe(ROOT / "recipes" / "tiny.yaml"), plan_batches(
         load_recipe(ROOT / "recipes" / "tiny.yaml").batch, 1, 128), Launch("ddp", 0), device="cpu")

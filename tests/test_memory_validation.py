@@ -294,3 +294,53 @@ def test_fsdp_model_states_match_estimate(tmp_path):
                          "+ grads)", ["case", "at", "measured B", "estimated B", "error"], rows)
     assert len(rows) == 6
     assert not bad, f"more than 1% off:\n{table}"
+
+
+@pytest.mark.slow
+def test_tp_model_states_match_estimate(tmp_path):
+    """TP 2 x FSDP 2 on 4 CPU processes (fsdp2_tp2.yaml, gloo; tests/fsdp_memory_probe.py, fp32, untied embeddings):
+    what each rank holds against the estimate's TP terms: one TP rank's parameters (the modules transformers' TP
+    plan splits halved, norms whole) sharded over the 2 data-parallel ranks, AdamW's states of that shard, and the
+    gradients (unsharded TP-local during no_sync, reduce-scattered shards before the step). Within 1%."""
+    from tests.helpers import run_cmd
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    import ds_memory_probe
+    import fsdp_memory_probe as probe
+
+    cfg = ModelConfig(**ds_memory_probe.MODEL)
+    shape = ModelShape.from_model_config(cfg, ds_memory_probe.MODEL["vocab_size"], ds_memory_probe.SEQ_LEN)
+    out = tmp_path / "tp"
+    proc = run_cmd([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                    str(ROOT / "accelerate_configs" / "fsdp2_tp2.yaml"), "--num_processes", "4",
+                    "--parallelism_config_dp_shard_size", "2", "--main_process_port", str(_free_port()),
+                    str(FSDP_PROBE), str(out), "fp32", "model.tie_embeddings=false"], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    results = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
+    assert results[0]["num_params"] == shape.num_params
+    workload = memory.Workload(precision="fp32", optimizer="AdamW", micro_batch_size=probe.MICRO_BATCH_SIZE,
+                               seq_len=ds_memory_probe.SEQ_LEN, grad_accum_steps=probe.GRAD_ACCUM_STEPS)
+    layout = Launch("fsdp", gpus_per_node=4, fsdp_sharding="FULL_SHARD", tp_size=2)
+    est = memory.estimate_shape(shape, workload, layout, device="cpu")
+    # without TP the same states would be 1/4 of the model; the TP plan leaves the norms whole on both TP ranks
+    whole = memory.estimate_shape(shape, workload, Launch("fsdp", gpus_per_node=2, fsdp_sharding="FULL_SHARD"),
+                                  device="cpu")
+    assert est.terms["params"].bytes < whole.terms["params"].bytes
+    rows, bad = [], []
+    for rank, result in enumerate(results):
+        for point, phase in (("after_no_sync_backward", "backward"), ("before_optimizer_step", "step")):
+            by_label = result["snapshots"][point]["by_label"]
+            measured = {"params": by_label["params (fp32 shards)"], "optimizer": by_label["optimizer states"],
+                        "grads": sum(v for k, v in by_label.items() if "grads" in k)}
+            expected = {"params": est.terms["params"].bytes, "optimizer": est.terms["optimizer"].bytes,
+                        "grads": est.terms["grads"].at(phase)}
+            for term in measured:
+                error = expected[term] / measured[term] - 1
+                row = [rank, point, term, f"{measured[term]:,}", f"{expected[term]:,}", f"{error:+.2%}"]
+                rows.append(row)
+                if abs(error) > 0.01:
+                    bad.append(row)
+    table = _print_table("TP 2 x FSDP 2 model states per rank (4 ranks, GAS 2, fp32): measured vs estimated",
+                         ["rank", "at", "term", "measured B", "estimated B", "error"], rows)
+    assert len(rows) == 24
+    assert not bad, f"more than 1% off:\n{table}"

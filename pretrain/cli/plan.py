@@ -23,6 +23,7 @@ from pretrain.plan.planner import (
     accelerate_config,
     calibration,
     default_output,
+    explain_choice,
     launch_command,
     nothing_fits,
     plan,
@@ -34,7 +35,7 @@ from pretrain.system import hardware
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="pretrain-plan",
-        description="Feasible layouts (DDP, ZeRO stage, FSDP, offload, activation checkpointing, MBS, GAS) for a recipe on a "
+        description="Feasible layouts (DDP, ZeRO stage, FSDP, HSDP, FSDP x TP, HSDP x TP, CP, offload, activation checkpointing, MBS, GAS) for a recipe on a "
         "cluster, ranked by expected throughput; writes the best as an accelerate config.",
     )
     add_recipe_arguments(parser, "recipes/7b.yaml")
@@ -60,8 +61,9 @@ def main(argv: list[str] | None = None) -> int:
             gpu = hardware.custom_gpu(args.gpu_memory_gib, gpu)
         recipe = load_recipe(args.recipe, args.overrides)
         calibrated = calibration(recipe, gpu, args.calibration)
+        skipped: dict[str, list[str]] = {}
         ranked, considered = plan(recipe, args.nodes, args.gpus_per_node, gpu, host_memory_gib=args.host_memory_gib,
-                                  base_mfu=calibrated.base_mfu)
+                                  base_mfu=calibrated.base_mfu, skipped=skipped)
         if not ranked:
             raise ConfigError(nothing_fits(recipe, args.nodes, args.gpus_per_node, gpu, considered, args.host_memory_gib))
     except ConfigError as exc:
@@ -85,8 +87,10 @@ def main(argv: list[str] | None = None) -> int:
                          "activation_checkpointing": c.checkpointing, "micro_batch_size": c.micro_batch_size,
                          "grad_accum_steps": c.grad_accum_steps, "total_gib": round(c.estimate.total_gib, 3),
                          "tight": c.tight, "host_gib_per_node": round(c.estimate.host_bytes_per_node / memory.GIB, 1),
+                         "tp_size": c.layout.tp_size, "cp_size": c.layout.cp_size, "runs": c.runs,
                          "tokens_per_s_per_gpu": round(c.tokens_per_s, 1), "why": c.describe()}
                         for i, c in enumerate(ranked[: args.top])],
+            "explanation": explain_choice(ranked, skipped),
         }, indent=2))
         return 0
     print(f"{recipe.name}: {best.estimate.num_params:,} parameters, GBS {best.estimate.workload.global_batch_size} x seq "
@@ -96,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(ranked)} of {considered} layouts fit; best first (relative step-time model, see pretrain/plan/planner.py):")
     for i, c in enumerate(ranked[: args.top]):
         print(f"{i + 1:>3}. {c.describe()}")
+    print("\n" + "\n".join(explain_choice(ranked, skipped)))
     print(f"\nwrote {output}")
     if best.layout.hybrid_shard_size:
         print(f"hybrid sharding ({best.layout.hybrid_text()}), written above; the shipped "

@@ -103,6 +103,10 @@ class Launch:
     tp_size: int = 1
     """Tensor parallelism (FSDP2 only, accelerate's parallelism_config tp_size): each group of tp_size consecutive
     ranks splits every layer's matmuls and sees the same micro-batches; FSDP shards over the other dimension."""
+    cp_size: int = 1
+    """Context parallelism (FSDP2 only, accelerate's parallelism_config cp_size): each group of cp_size x tp_size ranks
+    splits every sequence of its micro-batches; FSDP shards over dp_shard x cp (accelerate's dp_shard_cp). Only the
+    planner and the estimator build a Launch with cp_size > 1 while the accelerate config's cp_size is refused."""
 
     def __post_init__(self):
         check_launch(self)
@@ -122,14 +126,15 @@ class Launch:
 
     @property
     def data_parallel_size(self) -> int:
-        """Ranks that see different data: the world over the tensor-parallel size (the batch plan's world)."""
-        return self.world_size // self.tp_size
+        """Ranks that see different data: the world over the tensor- and context-parallel sizes (the batch plan's
+        world)."""
+        return self.world_size // (self.tp_size * self.cp_size)
 
     @property
     def data_rank(self) -> int:
         """This process's rank among the data-parallel ranks. accelerate's device mesh puts tp innermost
-        (dp_replicate, dp_shard, tp): ranks r and r+1 of one TP group read the same micro-batches."""
-        return self.rank // self.tp_size
+        (dp_replicate, dp_shard, cp, tp): ranks r and r+1 of one TP group read the same micro-batches."""
+        return self.rank // (self.tp_size * self.cp_size)
 
     @property
     def num_replicas(self) -> int:
@@ -150,8 +155,9 @@ class Launch:
             what = f"FSDP {self.fsdp_sharding or 'FULL_SHARD'}"
             if self.hybrid_shard_size:
                 what += f" ({self.hybrid_text()})"
-            if self.tp_size > 1:
-                what += f" x TP {self.tp_size} ({self.data_parallel_size}-way data parallel)"
+            if self.tp_size > 1 or self.cp_size > 1:
+                what += "".join(f" x {name} {size}" for name, size in (("TP", self.tp_size), ("CP", self.cp_size))
+                                if size > 1) + f" ({self.data_parallel_size}-way data parallel)"
             if self.offload_params != "none":
                 what += f" (offload params -> {self.offload_params})"
         else:
@@ -171,7 +177,7 @@ class Launch:
             "engine": self.engine, "zero_stage": self.zero_stage if self.uses_deepspeed else None,
             "fsdp_sharding": self.fsdp_sharding, "offload_optimizer": self.offload_optimizer,
             "offload_params": self.offload_params, "world_size": self.world_size, "num_machines": self.num_nodes,
-            "hybrid_shard_size": self.hybrid_shard_size, "tp_size": self.tp_size,
+            "hybrid_shard_size": self.hybrid_shard_size, "tp_size": self.tp_size, "cp_size": self.cp_size,
         }  # fmt: skip
 
     # ---- built from the environment of a launched process ---------------------------------------
@@ -403,6 +409,19 @@ def check_launch(launch: Launch) -> None:
                         "only); use accelerate_configs/fsdp2_tp2.yaml")
     if launch.tp_size < 1 or launch.world_size % launch.tp_size:
         problems.append(f"tp_size {launch.tp_size} must divide the world size ({launch.world_size})")
+    elif launch.tp_size > 1 and launch.gpus_per_node % launch.tp_size:
+        # TP all-reduces activations twice per block in forward and in backward, on the critical path: over the
+        # network instead of NVLink that costs more than TP saves. Consecutive ranks form a TP group, so a tp_size
+        # that divides the GPUs per node keeps every group inside one node.
+        problems.append(f"tp_size {launch.tp_size} does not divide the {launch.gpus_per_node} GPUs per node, so TP groups "
+                        "would span nodes (its per-block collectives need NVLink); use a tp_size that divides the GPUs "
+                        "per node (2, 4 or 8 on 8-GPU nodes)")
+    if launch.cp_size > 1 and launch.engine != "fsdp":
+        problems.append(f"context parallelism (cp_size {launch.cp_size}) needs FSDP2 (accelerate composes CP with FSDP2 "
+                        "only)")
+    if launch.cp_size < 1 or launch.world_size % (launch.tp_size * max(launch.cp_size, 1)):
+        problems.append(f"tp_size {launch.tp_size} x cp_size {launch.cp_size} must divide the world size "
+                        f"({launch.world_size})")
     if launch.hybrid_shard_size is not None and not problems:
         problems += _hybrid_problems(launch)
     if problems:

@@ -98,6 +98,7 @@ def layout_name(lay: Launch) -> str:
         return "DDP"
     if lay.engine == "fsdp":
         return (f"FSDP {lay.fsdp_sharding}" + (" (HSDP)" if lay.hybrid_shard_size else "")
+                + (f" x TP {lay.tp_size}" if lay.tp_size > 1 else "") + (f" x CP {lay.cp_size}" if lay.cp_size > 1 else "")
                 + (" +offload params" if lay.offload_params != "none" else ""))
     hpz = " (hpZ)" if lay.hybrid_shard_size else ""
     if lay.offload_params != "none":
@@ -119,6 +120,12 @@ class Candidate:
     """Bytes each GPU sends per optimizer step, per parameter (x Ψ)."""
     offload_s: float
     tokens_per_s: float
+    tp_comm_s: float = 0.0
+    """Of comm_s: TP's activation all-reduces (and the LM head's gather), exposed."""
+    cp_comm_s: float = 0.0
+    """Of comm_s: CP's K/V exchange, exposed."""
+    runs: bool = True
+    """False for a layout pretrain's launch refuses today (context parallelism): ranked, never chosen."""
 
     @property
     def tight(self) -> bool:
@@ -140,7 +147,10 @@ class Candidate:
             f"~{self.tokens_per_s:,.0f} tok/s/GPU: "
             f"compute {self.compute_s:.2f} s ({tokens:,} tokens/micro-batch -> {eff:.0%} of the efficient rate"
             f"{'' if self.checkpointing == 'none' else ', + ' + recompute}) + comm {self.comm_s:.2f} s exposed "
-            f"({self.comm_volume:g} B x Ψ per step){offload}"
+            f"({self.comm_volume:g} B x {'Ψ_TP' if self.layout.tp_size > 1 else 'Ψ'} per step"
+            + (f"; of it TP {self.tp_comm_s:.2f} s" if self.tp_comm_s else "")
+            + (f"; CP {self.cp_comm_s:.2f} s" if self.cp_comm_s else "") + f"){offload}"
+            + ("" if self.runs else " [not chosen: pretrain's launch refuses parallelism_config_cp_size today]")
         )
 
 
@@ -173,7 +183,77 @@ def layouts(nodes: int, gpus: int) -> list[Launch]:
         for sharding in ("FULL_SHARD", "SHARD_GRAD_OP"):
             out.append(Launch("fsdp", num_nodes=nodes, gpus_per_node=gpus, fsdp_sharding=sharding,
                               hybrid_shard_size=gpus))
+    return out + parallel_layouts(nodes, gpus)
+
+
+MODEL_PARALLEL_SIZES = (2, 4, 8)
+"""TP and CP sizes the planner tries (TP only where it divides the GPUs per node: TP never spans nodes)."""
+
+
+def parallel_layouts(nodes: int, gpus: int) -> list[Launch]:
+    """FSDP2 x TP (2-D), HSDP x TP (3-D, several nodes), FSDP2 x CP and FSDP2 x TP x CP, FULL_SHARD: the shapes
+    accelerate's parallelism_config builds (dp_replicate, dp_shard, cp, tp)."""
+    world, out = nodes * gpus, []
+    for tp in (1, *MODEL_PARALLEL_SIZES):
+        if tp > 1 and (gpus % tp or tp >= world):
+            continue
+        for cp in (1, *MODEL_PARALLEL_SIZES):
+            if (tp, cp) == (1, 1) or world % (tp * cp) or world // tp < 2:  # FSDP needs ranks to shard over
+                continue
+            out.append(Launch("fsdp", num_nodes=nodes, gpus_per_node=gpus, fsdp_sharding="FULL_SHARD", tp_size=tp,
+                              cp_size=cp))
+            if nodes > 1 and gpus // tp > 1 and cp == 1:  # HSDP x TP: shard within a node, replicas across nodes
+                out.append(Launch("fsdp", num_nodes=nodes, gpus_per_node=gpus, fsdp_sharding="FULL_SHARD",
+                                  hybrid_shard_size=gpus // tp, tp_size=tp))
     return out
+
+
+def cp_runs() -> bool:
+    """Whether pretrain's launch accepts an accelerate config with cp_size > 1 (read from the layout parser, the one
+    place that decides: False until context parallelism is wired into the training loop)."""
+    try:
+        Launch.from_accelerate_config(None, ["--use_fsdp", "--fsdp_version", "2", "--num_processes", "2",
+                                             "--parallelism_config_cp_size", "2", "--parallelism_config_dp_shard_size", "1"])
+    except ConfigError:
+        return False
+    return True
+
+
+def model_parallel_comm(est: memory.MemoryEstimate, gpu: hardware.GpuSpec) -> tuple[float, float]:
+    """(TP s, CP s) of exposed communication per optimizer step, per GPU.
+
+    TP (transformers' plan, no sequence parallelism): each block all-reduces its attention and MLP outputs in
+    forward (rowwise o, down) and the gradients of its colwise inputs in backward: 4 all-reduces of T x d per
+    block and micro-step, 2 more per block whose forward checkpointing recomputes; the vocab-parallel embedding and
+    the LM head add 2 all-reduces of T x d and an all-gather of the T x V logits. Ring all-reduce moves
+    2 (TP-1)/TP of the bytes, all-gather (TP-1)/TP, on NVLink (TP stays inside a node), on the critical path:
+    exposed in full. T = MBS x seq / CP, b the compute dtype's bytes.
+    CP (torch's context_parallel under accelerate, all-gather rotation): each block all-gathers the other chunks'
+    K and V in forward (2 b T k/TP per chunk, CP - 1 chunks), again in backward, and reduce-scatters their
+    gradients: 3 x (CP - 1) x 2 b T k/TP per block and micro-step (+1 per recomputed forward); on NVLink when the
+    TP x CP group fits a node, else the network; exposed in full (the all-gather precedes the attention)."""
+    from pretrain.recipe.recompute import checkpointed_blocks
+
+    w, lay, shape = est.workload, est.layout, est.shape
+    tp, cp = lay.tp_size, lay.cp_size
+    if tp == 1 and cp == 1:
+        return 0.0, 0.0
+    gas = w.grad_accum_steps or 1
+    b = 2 if w.precision != "fp32" else 4
+    T = w.micro_batch_size * w.seq_len // cp
+    L, d, V = shape.num_layers, shape.hidden_size, shape.vocab_size
+    recomputed = checkpointed_blocks(w.activation_checkpointing, L) if w.activation_checkpointing != "selective" else 0
+    tp_s = cp_s = 0.0
+    if tp > 1:
+        all_reduces = 4 * L + 2 * recomputed + 2
+        volume = all_reduces * 2 * (tp - 1) / tp * b * T * d + (tp - 1) / tp * b * T * V
+        tp_s = gas * volume / (gpu.intra_node_gb_s * 1e9)
+    if cp > 1:
+        kv = 2 * b * T * shape.num_kv_heads * shape.head_dim // tp
+        volume = (3 * L + recomputed) * (cp - 1) * kv
+        bandwidth = gpu.intra_node_gb_s if tp * cp <= lay.gpus_per_node else gpu.inter_node_gb_s
+        cp_s = gas * volume / (bandwidth * 1e9)
+    return tp_s, cp_s
 
 
 def throughput(est: memory.MemoryEstimate, gpu: hardware.GpuSpec, base_mfu: float = DEFAULT_BASE_MFU
@@ -182,18 +262,22 @@ def throughput(est: memory.MemoryEstimate, gpu: hardware.GpuSpec, base_mfu: floa
     w, lay, shape = est.workload, est.layout, est.shape
     gas = w.grad_accum_steps or 1
     tokens = w.micro_batch_size * w.seq_len
-    tokens_per_step = tokens * gas
+    # TP and CP ranks share a data-parallel rank's tokens: each GPU computes 1/(TP x CP) of them, on micro-batches
+    # of seq / CP tokens per sequence
+    split = lay.tp_size * lay.cp_size
+    tokens_per_step = tokens * gas / split
     flops = shape.flops_per_token(w.seq_len, w.activation_checkpointing).hardware_flops * tokens_per_step
-    rate = gpu.bf16_tflops * 1e12 * base_mfu * mbs_efficiency(tokens)
+    rate = gpu.bf16_tflops * 1e12 * base_mfu * mbs_efficiency(tokens // lay.cp_size)
     compute = flops / rate
-    N = lay.world_size
-    P = est.num_params
+    N = lay.world_size // lay.tp_size  # the ranks FSDP shards over (dp_shard x cp); the world without TP
+    tp_plan = memory.parallel.tensor_parallel(shape, lay.tp_size)
+    P = tp_plan.local(shape) if tp_plan else est.num_params  # one TP rank's parameters
     b = 2 if w.precision != "fp32" else 4
     # gradients travel in the dtype they are reduced in: fp32 for bf16 recipes unless precision.reduce_dtype=bf16
     r = 4 if w.precision == "fp32" or w.fp32_grads else b
-    G = lay.hybrid_shard_size
+    G = lay.hybrid_shard_size * lay.cp_size if lay.hybrid_shard_size else None
     # (bytes per parameter per step, ranks in the collective, whether they share a node: NVLink, else the network)
-    single, in_node = lay.num_nodes == 1, bool(G) and G <= lay.gpus_per_node
+    single, in_node = lay.num_nodes == 1, bool(G) and G * lay.tp_size <= lay.gpus_per_node
     if lay.engine == "ddp":
         # DDP's gradients are fp32 under autocast; precision.reduce_dtype=bf16 compresses the all-reduce
         key, r = "ddp", (2 if w.precision == "bf16" and not w.fp32_grads else 4)
@@ -220,6 +304,8 @@ def throughput(est: memory.MemoryEstimate, gpu: hardware.GpuSpec, base_mfu: floa
         if ranks > 1:
             bandwidth = (gpu.intra_node_gb_s if inside else gpu.inter_node_gb_s) * 1e9
             comm += v * P * (ranks - 1) / ranks / bandwidth * _EXPOSED[key]
+    tp_s, cp_s = model_parallel_comm(est, gpu)
+    comm += tp_s + cp_s
     offload = 0.0
     part = P / N
     params_on_host = lay.offload_params != "none"
@@ -328,8 +414,21 @@ def calibration(recipe, gpu: hardware.GpuSpec, path: str | Path | None = None) -
     return read_calibration(path, gpu)
 
 
-def _estimates(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: memory.DeepSpeedBuffers | None = None):
-    """(layout, recompute, MBS, GAS, estimate) for every combination the planner considers, fitting or not."""
+def _model_parallel_problem(shape: ModelShape, workload: memory.Workload, layout: Launch) -> str | None:
+    """Why the recipe cannot run this TP / CP layout (the estimator's refusal, which is the launch's), or None."""
+    try:
+        memory.parallel.tensor_parallel(shape, layout.tp_size)
+        memory.parallel.check_context_parallel(workload.seq_len, layout.cp_size, workload.attention,
+                                               workload.document_masking)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def _estimates(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: memory.DeepSpeedBuffers | None = None,
+               skipped: dict[str, list[str]] | None = None):
+    """(layout, recompute, MBS, GAS, estimate) for every combination the planner considers, fitting or not.
+    ``skipped`` collects the TP / CP layouts the recipe cannot run, by reason."""
     shape = ModelShape.from_recipe(recipe)
     buffers = buffers or memory.DeepSpeedBuffers.from_recipe(recipe)
     world = nodes * gpus
@@ -338,33 +437,94 @@ def _estimates(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: me
         seq_len=recipe.data.seq_len, attention=recipe.model.attention, reduce_dtype=recipe.precision.reduce_dtype,
     )
     gbs = recipe.batch.global_batch_size or recipe.batch.local_batch_size * world
+    base = memory.Workload(**{**base.__dict__, "document_masking": recipe.data.document_masking,
+                              "float8": getattr(recipe.precision, "float8", "off")})
     for layout in layouts(nodes, gpus):
         if layout.uses_deepspeed and layout.zero_stage == 0 and base.fp32_grads:
             continue  # ZeRO-0 cannot accumulate bf16 gradients in fp32 (the launch refuses it)
+        if layout.tp_size > 1 or layout.cp_size > 1:
+            why = _model_parallel_problem(shape, base, layout)
+            if why:
+                if skipped is not None:
+                    skipped.setdefault(why, []).append(layout_name(layout))
+                continue
+        dp = layout.data_parallel_size
+        if dp != world and gbs % dp:
+            continue  # a TP / CP layout whose data-parallel ranks do not divide the batch (the world's own error stays)
         for ckpt in PLANNER_POLICIES:
             if layout.uses_deepspeed and layout.zero_stage == 3 and not runs_under_zero3(ckpt):
                 continue  # the launch refuses it (deepspeed_config)
-            for mbs in _mbs_values(recipe, world):
-                gas = gbs // (mbs * world)
+            for mbs in _mbs_values(recipe, dp):
+                gas = gbs // (mbs * dp)
                 workload = memory.Workload(**{**base.__dict__, "micro_batch_size": mbs, "activation_checkpointing": ckpt,
                                               "grad_accum_steps": gas, "global_batch_size": gbs})
                 yield layout, ckpt, mbs, gas, memory.estimate_shape(shape, workload, layout, buffers=buffers, gpu=gpu)
 
 
 def plan(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: memory.DeepSpeedBuffers | None = None,
-         host_memory_gib: float = 1024.0, base_mfu: float = DEFAULT_BASE_MFU):
-    """(feasible candidates best first, number considered). Offload must also fit the host's memory."""
+         host_memory_gib: float = 1024.0, base_mfu: float = DEFAULT_BASE_MFU,
+         skipped: dict[str, list[str]] | None = None):
+    """(feasible candidates best first, number considered). Offload must also fit the host's memory. Layouts the
+    launch refuses today (CP) are ranked after every runnable one, so the first candidate is always one to run."""
     feasible, considered = [], 0
-    for layout, ckpt, mbs, gas, est in _estimates(recipe, nodes, gpus, gpu, buffers):
+    cp_ok = cp_runs()
+    for layout, ckpt, mbs, gas, est in _estimates(recipe, nodes, gpus, gpu, buffers, skipped):
         considered += 1
         if not est.fits or est.host_bytes_per_node > host_memory_gib * memory.GIB:
             continue
         compute, comm, volume, offload, rate = throughput(est, gpu, base_mfu)
-        feasible.append(Candidate(layout, ckpt, mbs, gas, est, compute, comm, volume, offload, rate))
+        tp_s, cp_s = model_parallel_comm(est, gpu)
+        feasible.append(Candidate(layout, ckpt, mbs, gas, est, compute, comm, volume, offload, rate, tp_s, cp_s,
+                                  runs=cp_ok or layout.cp_size == 1))
     # ties (selective's recompute is elementwise work the FLOPs model does not count) go to less recompute
-    feasible.sort(key=lambda c: (c.tight, c.offload_s > 0, -round(c.tokens_per_s, 6),
+    feasible.sort(key=lambda c: (not c.runs, c.tight, c.offload_s > 0, -round(c.tokens_per_s, 6),
                                  PLANNER_POLICIES.index(c.checkpointing), c.comm_volume, -c.micro_batch_size))
     return feasible, considered
+
+
+def family(c: Candidate) -> str:
+    """The layout family the explanation compares: ZeRO / FSDP / HSDP (data parallel only), then TP and CP ones."""
+    lay = c.layout
+    if lay.engine != "fsdp" or (lay.tp_size == 1 and lay.cp_size == 1):
+        return "DDP" if lay.engine == "ddp" else "ZeRO" if lay.uses_deepspeed else "FSDP / HSDP"
+    dims = (["HSDP" if lay.hybrid_shard_size else "FSDP"] + ["TP"] * (lay.tp_size > 1) + ["CP"] * (lay.cp_size > 1))
+    return " x ".join(dims)
+
+
+def explain_choice(ranked: list[Candidate], skipped: dict[str, list[str]] | None = None) -> list[str]:
+    """Why the first candidate: the best of every layout family beside it (tokens/s, memory, what costs time), and
+    the TP / CP layouts the recipe cannot run, with the reason."""
+    if not ranked:
+        return []
+    best, lines, seen = ranked[0], [], {}
+    for c in ranked:
+        seen.setdefault(family(c), c)
+    lines.append(f"chose {best.name}, MBS {best.micro_batch_size}, {recompute_label(best.checkpointing)}: "
+                 f"~{best.tokens_per_s:,.0f} tok/s/GPU, {best.estimate.total_gib:.1f} GiB per GPU; the best of each "
+                 "family:")
+    for name, c in seen.items():
+        ratio = c.tokens_per_s / best.tokens_per_s
+        why = []
+        if c.offload_s:
+            why.append(f"offload {c.offload_s:.0f} s")
+        if c.checkpointing != "none":
+            why.append(f"{recompute_label(c.checkpointing)} to fit")
+        if c.tp_comm_s:
+            why.append(f"TP all-reduces {c.tp_comm_s:.0f} s")
+        if c.cp_comm_s:
+            why.append(f"CP K/V exchange {c.cp_comm_s:.0f} s")
+        fsdp_s = c.comm_s - c.tp_comm_s - c.cp_comm_s
+        if fsdp_s > 0.01:
+            why.append(f"sharding collectives {fsdp_s:.0f} s")
+        if not c.runs:
+            why.append("not runnable yet: pretrain refuses cp_size")
+        lines.append(f"  {name:<16} {c.name}, MBS {c.micro_batch_size}: ~{c.tokens_per_s:,.0f} tok/s/GPU ({ratio:.0%}), "
+                     f"{c.estimate.total_gib:.1f} GiB; compute {c.compute_s:.0f} s"
+                     + (f" + {', '.join(why)}" if why else ""))
+    for reason, names in (skipped or {}).items():
+        lines.append(f"  not considered: {', '.join(sorted(set(names))[:3])}{' ...' if len(set(names)) > 3 else ''}: "
+                     f"{reason}")
+    return lines
 
 
 MAX_SEARCH_GPUS = 16384
@@ -475,6 +635,12 @@ def accelerate_config(c: Candidate, recipe_path: str) -> str:
         if lay.hybrid_shard_size:  # HSDP: accelerate's device mesh, as accelerate_configs/multinode_hsdp.yaml
             lines += ["parallelism_config:", f"  parallelism_config_dp_replicate_size: {lay.num_replicas}",
                       f"  parallelism_config_dp_shard_size: {lay.hybrid_shard_size}"]
+        elif lay.tp_size > 1 or lay.cp_size > 1:  # as accelerate_configs/fsdp2_tp2.yaml
+            lines += ["parallelism_config:", f"  parallelism_config_dp_shard_size: {lay.data_parallel_size}"]
+        if lay.tp_size > 1:
+            lines.append(f"  parallelism_config_tp_size: {lay.tp_size}")
+        if lay.cp_size > 1:
+            lines.append(f"  parallelism_config_cp_size: {lay.cp_size}")
     elif lay.hybrid_shard_size:  # ZeRO-3 + hpZ: the ZeRO block is the shipped JSON's (accelerate has no hpZ key)
         lines += ["distributed_type: DEEPSPEED", "deepspeed_config:", "  deepspeed_multinode_launcher: standard",
                   f"  deepspeed_config_file: {HPZ_JSON}   # relative to the directory you launch from",

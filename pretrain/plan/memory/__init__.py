@@ -31,10 +31,14 @@ DeepSpeed's fp32 gradient copy exists only inside ``step()``. The total is the l
 sums (start of backward, gradient reduction, optimizer step) plus the allowance, not the sum of every
 term's own peak. Each term is reported at its own peak.
 
-The estimate is for one data-parallel rank (no tensor or pipeline parallelism).
+The estimate is for one rank. Under tensor parallelism (FSDP2 x TP) its parameters, gradients and optimizer
+states are those of one TP rank (the modules transformers' TP plan splits divided by TP, the rest whole) sharded
+over the data-parallel ranks, its attention and MLP activations are divided by TP; under context parallelism every
+per-token term is that of seq / CP tokens; float8 adds torchao's transient casts (``parallel``). No pipeline
+parallelism.
 
 Modules: ``workload`` (what a rank computes, DeepSpeed's buffer sizes), ``activations``, ``states``
-(parameters, gradients, optimizer states and buffers per engine), ``terms`` (a term's bytes, formula and
+(parameters, gradients, optimizer states and buffers per engine), ``parallel`` (TP, CP, float8), ``terms`` (a term's bytes, formula and
 phases), ``estimate`` (the sum by phase and its report). The model's shape is ``pretrain.recipe.shape``'s, the
 GPU table ``pretrain.system.hardware``'s.
 """

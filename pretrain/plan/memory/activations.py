@@ -39,7 +39,7 @@ class ActivationEstimate:
 
 def activation_memory(shape: ModelShape, micro_batch_size: int, seq_len: int, precision: str,
                       attention: str = "sdpa", checkpointing: str = "none", device: str = "cuda",
-                      document_masking: bool = False) -> ActivationEstimate:
+                      document_masking: bool = False, tp_size: int = 1) -> ActivationEstimate:
     """Saved-for-backward bytes of one micro-batch, from the per-block formula of the architecture.
 
     b is the activation dtype's size (2 in bf16/fp16: DeepSpeed runs the model in that dtype; 4 in fp32),
@@ -54,6 +54,11 @@ def activation_memory(shape: ModelShape, micro_batch_size: int, seq_len: int, pr
     ``checkpointing`` is the policy (pretrain/recipe/recompute.py): a checkpointed block keeps its input (b T d)
     instead of its saved tensors, and one block's tensors are rebuilt at a time in backward; ``selective``
     also keeps, in every block, the outputs of the ops it saves (matmuls, the attention kernel).
+
+    ``tp_size`` > 1: the block's attention and MLP tensors are those of one TP rank (heads / TP, f / TP: the colwise
+    outputs and what is computed from them); the norms, the residual stream and the rowwise outputs stay whole
+    (transformers' TP plans have no sequence parallelism: pretrain/plan/memory/parallel.py). Context parallelism
+    is the caller's ``seq_len``: one CP rank's share of the sequence.
     """
     policy = normalize(checkpointing)  # booleans too: true = full
     checkpointed = checkpointed_blocks(policy, shape.num_layers)
@@ -88,6 +93,9 @@ def activation_memory(shape: ModelShape, micro_batch_size: int, seq_len: int, pr
             mlp = k * (mlp_units * b * T * f + 2 * b * T * d) + (b + 4) * T * E
             mlp_text = (f"MoE: top-{k} experts x ({mlp_units}bTf gate, up, act(gate), product + 2bTd gathered input, "
                         f"weighted output) + (b + 4)T x {E} router logits, probabilities")
+        if tp_size > 1:
+            attn, mlp = -(-attn // tp_size), -(-mlp // tp_size)
+            attn_text, mlp_text = f"({attn_text}) / TP {tp_size}", f"({mlp_text}) / TP {tp_size}"
         dropout = attn_dropout
         # computed once before the blocks; kept for backward (or, checkpointed, for the recompute)
         rope = 2 * s * shape.head_dim * b
@@ -131,7 +139,7 @@ def activation_memory(shape: ModelShape, micro_batch_size: int, seq_len: int, pr
     kept, recompute_text = b * T * d, "bTd (the block input)"
     recompute = per_layer
     if policy == "selective":
-        selected, selected_text, recompute = _selective(shape, b, T, s, B, eager, norm, attn, mlp, dropout)
+        selected, selected_text, recompute = _selective(shape, b, T, s, B, eager, norm, attn, mlp, dropout, tp_size)
         kept += selected
         recompute_text += f" + {selected_text}"
     if checkpointed == 0:
@@ -152,7 +160,7 @@ def activation_memory(shape: ModelShape, micro_batch_size: int, seq_len: int, pr
 
 
 def _selective(shape: ModelShape, b: int, T: int, s: int, B: int, eager: bool, norm: int, attn: int, mlp: int,
-               dropout: int) -> tuple[int, str, int]:
+               dropout: int, tp_size: int = 1) -> tuple[int, str, int]:
     """Selective checkpointing of one block: (bytes of the op outputs it keeps, how they were counted, bytes
     rebuilt when the block is recomputed in backward). Kept: every matmul's output (q, k, v or the fused
     qkv, o, the MLP's two or three), and the attention kernel's (output and fp32 logsumexp) or, for eager
@@ -160,6 +168,8 @@ def _selective(shape: ModelShape, b: int, T: int, s: int, B: int, eager: bool, n
     those: the norms, RoPE'd q and k, the activation function and the gate product, softmax and dropout."""
     d, f, h = shape.hidden_size, shape.intermediate_size, shape.num_heads
     q, k = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    if tp_size > 1:  # one TP rank's heads and MLP width; o and down are all-reduced to whole
+        f, h, q, k = f // tp_size, h // tp_size, q // tp_size, k // tp_size
     scores = B * h * s * s
     if shape.family == "llama":
         projections, text = b * T * (q + 2 * k + d + 2 * f + d), "b T(q + 2k + d + 2f + d) (q, k, v, o, gate, up, down)"
@@ -216,23 +226,3 @@ def liger_term(shape: ModelShape, workload: Workload, layout: Launch) -> Term:
         f"no logits: T x H x {w} B (hidden-state gradient) + V x H x {w} B (LM-head gradient) + one chunk of "
         f"{num(chunk)} tokens x V x {b} B + T x 4 B (loss per token) = {num(T)} x {num(H)} x {w} + {num(V)} x "
         f"{num(H)} x {w} + {num(chunk)} x {num(V)} x {b} + {num(T)} x 4")
-
-
-def float8_term(shape: ModelShape, workload: Workload) -> Term | None:
-    """precision.float8's extra bytes: transient, one Linear at a time. torchao (0.18, ``float8_linear.py``
-    ``matmul_with_hp_or_float8_args``) saves the high-precision input and weight for backward (``save_for_backward(
-    input_hp, weight_hp_t)``) and casts them to float8 again there: the activations term is unchanged. Alive at once
-    are the float8 casts of one matmul's operands: 1 B each for the input (T x in) and the weight (in x out), and in
-    backward the output gradient (T x out) and the transposed copies torch's float8 matmul needs (row-major
-    operands): counted conservatively as 2 x 1 B of the largest Linear's input, weight and output, the MLP's
-    (hidden x intermediate). FSDP2's float8 all-gather (tensorwise) makes the gathered weight smaller than bf16's;
-    not credited here (the estimate stays on the safe side)."""
-    if workload.float8 == "off":
-        return None
-    d, f = shape.hidden_size, shape.intermediate_size
-    T = workload.micro_batch_size * workload.seq_len
-    total = 2 * (T * d + d * f + T * f)
-    return Term("float8", "float8 casts (transient)", total,
-                f"2 x 1 B x (T x H + H x I + T x I) = 2 x ({num(T)} x {num(d)} + {num(d)} x {num(f)} + {num(T)} x "
-                f"{num(f)}): one Linear's operands in float8 and their transposes; activations saved in "
-                f"{workload.precision}, as torchao saves them")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from pretrain.distributed.layout import Launch, check_offload
 from pretrain.errors import ConfigError
-from pretrain.plan.memory.activations import ActivationEstimate, activation_memory, activation_terms, float8_term
+from pretrain.plan.memory.activations import ActivationEstimate, activation_memory, activation_terms
+from pretrain.plan.memory.parallel import check_context_parallel, float8_term, tensor_parallel
 from pretrain.plan.memory.states import CLASSIC_EXAMPLE, model_states
 from pretrain.plan.memory.terms import GIB, PHASES, Term, gib
 from pretrain.plan.memory.workload import DeepSpeedBuffers, Workload
@@ -148,7 +149,10 @@ class MemoryEstimate:
             f"layout     {self.layout.describe()}",
             f"workload   {w.precision}, {w.optimizer}, MBS {w.micro_batch_size} x seq {w.seq_len:,}"
             + (f", GAS {w.grad_accum_steps}" if w.grad_accum_steps else "")
-            + f", attention {w.attention}, activation checkpointing {w.activation_checkpointing}",
+            + f", attention {w.attention}, activation checkpointing {w.activation_checkpointing}"
+            + (f", float8 {w.float8}" if w.float8 != "off" else "")
+            + (f" (each rank: seq / CP {self.layout.cp_size} = {w.seq_len // self.layout.cp_size:,} tokens per sequence)"
+               if self.layout.cp_size > 1 else ""),
             "",
             "per device".ljust(34) + "GiB",
         ]
@@ -169,7 +173,8 @@ class MemoryEstimate:
         return "\n".join(rows)
 
     def explain(self) -> str:
-        out = [self.summary(), "", "How each term is computed (Ψ parameters, N data-parallel ranks):", ""]
+        out = [self.summary(), "", "How each term is computed (Ψ parameters, N data-parallel ranks"
+               + (", Ψ_TP one TP rank's parameters" if self.layout.tp_size > 1 else "") + "):", ""]
         out.append(f"Ψ = {self.num_params:,}: {self.shape.formula()}")
         for term in (*self.terms.values(), self.allowance):
             out.append(f"{term.label}: {gib(term.bytes)}")
@@ -197,11 +202,18 @@ def estimate_shape(shape: ModelShape, workload: Workload, layout: Launch, *,
     if shape.arch == "gpt2" and w.seq_len > shape.max_positions:  # learned positions
         raise ConfigError(f"seq_len {w.seq_len} is longer than the model's {shape.max_positions} positions")
     states = model_states(shape, w, layout, buffers)
-    acts = activation_memory(shape, w.micro_batch_size, w.seq_len, w.precision, w.attention, w.activation_checkpointing,
-                             device, document_masking=w.document_masking)
-    activations, logits = activation_terms(acts, shape, w, layout)
+    # TP splits the blocks' attention and MLP tensors, CP the sequence: one rank's activations are those of seq / CP
+    # tokens with heads and MLP width / TP (pretrain/plan/memory/parallel.py)
+    check_context_parallel(w.seq_len, layout.cp_size, w.attention, w.document_masking)
+    tp = tensor_parallel(shape, layout.tp_size)
+    local = replace(w, seq_len=w.seq_len // layout.cp_size)
+    acts = activation_memory(shape, local.micro_batch_size, local.seq_len, w.precision, w.attention,
+                             w.activation_checkpointing, device, document_masking=w.document_masking,
+                             tp_size=tp.size if tp is not None and tp.splits_activations else 1)
+    activations, logits = activation_terms(acts, shape, local, layout)
+    float8 = float8_term(w.float8, shape, local.micro_batch_size * local.seq_len, tp)
     terms = {t.key: t for t in (states.params, states.grads, states.optimizer, activations, logits, states.comm,
-                                states.autocast, float8_term(shape, w)) if t is not None}
+                                states.autocast, float8) if t is not None}
     # The terms do not all peak together: each phase sums what is alive in it.
     phases = {phase: sum(t.at(phase) for t in terms.values() if phase == "backward" or t.key not in _ONLY_AT_BACKWARD)
               for phase in PHASES}
@@ -229,10 +241,10 @@ def estimate(recipe, plan, layout: Launch, *, gpu: GpuSpec | None = None, buffer
     ``memory/estimated_gib`` and ``tensor_peak_gib`` as ``memory/estimated_tensors_gib`` beside the measured
     ``memory/peak_gib``.
     """
-    if plan.world_size != layout.world_size:
+    if plan.world_size != layout.data_parallel_size:  # TP and CP ranks share their micro-batches
         raise ConfigError(
-            f"the batch plan is for {plan.world_size} processes but the layout has {layout.world_size} "
-            f"({layout.num_nodes} x {layout.gpus_per_node})"
+            f"the batch plan is for {plan.world_size} data-parallel ranks but the layout has {layout.data_parallel_size} "
+            f"({layout.num_nodes} x {layout.gpus_per_node} over TP {layout.tp_size} x CP {layout.cp_size})"
         )
     shape = ModelShape.from_recipe(recipe, plan.seq_len)
     return estimate_shape(

@@ -13,6 +13,7 @@ from functools import cached_property
 
 from pretrain.distributed.layout import Launch
 from pretrain.errors import ConfigError
+from pretrain.plan.memory.parallel import tensor_parallel
 from pretrain.plan.memory.terms import PHASES, Phases, Term, gib, num
 from pretrain.plan.memory.workload import PRECISION_BYTES, DeepSpeedBuffers, Workload, optimizer_state_bytes
 from pretrain.recipe.shape import ModelShape
@@ -318,13 +319,21 @@ _GATHERS_EVERY_UNIT = ("SHARD_GRAD_OP",)
 
 
 def _fsdp_ranks(layout: Launch, strategy: str) -> tuple[int, str]:
-    """Ranks the states are sharded over, and how the formulas say it."""
+    """Ranks the states are sharded over, and how the formulas say it. Under TP, FSDP shards each TP rank's part over
+    the data-parallel ranks (and, under CP, the CP ranks too: accelerate's dp_shard_cp dimension)."""
+    cp = layout.cp_size
+    cp_text = f" x CP {cp}" if cp > 1 else ""
     if strategy == "NO_SHARD":
         return 1, "NO_SHARD: replicated, N = 1"
     if layout.hybrid_shard_size:
-        return layout.hybrid_shard_size, (f"{strategy} hybrid (HSDP): sharded within N = {layout.hybrid_shard_size} "
-                                          f"GPUs, {layout.num_replicas} replicas")
-    return layout.world_size, f"{strategy}: sharded over all N = {layout.world_size} ranks"
+        n = layout.hybrid_shard_size * cp
+        return n, (f"{strategy} hybrid (HSDP): sharded within N = {layout.hybrid_shard_size}{cp_text} ranks, "
+                   f"{layout.num_replicas} replicas")
+    n = layout.world_size // layout.tp_size
+    if layout.tp_size > 1 or cp > 1:
+        return n, (f"{strategy}: sharded over N = {layout.data_parallel_size}{cp_text} ranks (the world "
+                   f"{layout.world_size}{f' over TP {layout.tp_size}' if layout.tp_size > 1 else ''})")
+    return n, f"{strategy}: sharded over all N = {layout.world_size} ranks"
 
 
 def fsdp_states(run: _Run) -> ModelStates:
@@ -338,15 +347,20 @@ def fsdp_states(run: _Run) -> ModelStates:
                           f"{layout.offload_params}; use --offload-params cpu")
     strategy = layout.fsdp_sharding or "FULL_SHARD"
     ranks, sharding = _fsdp_ranks(layout, strategy)
-    offload, part = layout.offload_params == "cpu", run.part(P, ranks)
     block, embed = shape.block_params, 0 if shape.tie_embeddings else shape.vocab_size * shape.hidden_size
+    tp = tensor_parallel(shape, layout.tp_size)
+    psi = "Ψ"
+    if tp is not None:  # every count below is one TP rank's: the split modules' 1/TP and the whole ones
+        P, psi, block = tp.local(shape), "Ψ_TP", tp.block_local
+        embed = -(-embed // tp.size) if "embed_tokens" in tp.split_modules else embed
+    offload, part = layout.offload_params == "cpu", run.part(P, ranks)
     kept = P - shape.num_layers * block - embed  # the LM-head group and the root's leftovers
     unit = max(block, kept, embed)
     gas = w.grad_accum_steps or 1
 
     # NO_SHARD keeps whole copies and all-reduces gradients: the same terms with N = 1
-    shards, frac, reduce = (("shards", "Ψ/N", "reduce-scatter") if strategy != "NO_SHARD" else
-                            ("copies", "Ψ", "all-reduce"))
+    shards, frac, reduce = (("shards", f"{psi}/N", "reduce-scatter") if strategy != "NO_SHARD" else
+                            ("copies", psi, "all-reduce"))
     host = {}
     if offload:
         params = _term("params", 0, f"0 on the GPU: the fp32 {shards} offloaded to cpu ({sharding})")
@@ -356,7 +370,8 @@ def fsdp_states(run: _Run) -> ModelStates:
                 "grads": Term("grads", f"fp32 gradient {shards}", 4 * part, f"4 B x {frac}")}
     else:
         params = _term("params", 4 * part, f"4 B x {frac} = 4 x {num(P)}{f' / {ranks}' if ranks > 1 else ''} "
-                                           f"(fp32 {shards}; {sharding})")
+                                           f"(fp32 {shards}; {sharding})"
+                       + (f"\n{tp.formula(shape)}" if tp is not None else ""))
         optimizer = _term("optimizer", k * part, f"{k} B x {frac} ({opt_text}); no master copy: the fp32 {shards} "
                                                  "are the master")
 
@@ -364,16 +379,23 @@ def fsdp_states(run: _Run) -> ModelStates:
     # no_sync micro-steps in fp32 and reduce-scatters in fp32.
     r = 4 if (w.precision == "bf16" and w.reduce_dtype == "fp32") else b
     backward, reduced = r * P if gas > 1 else 0, 0 if offload else 4 * part
+    # Measured (tests/test_memory_validation.py, FSDP2 x TP 2 on CPU): during no_sync each rank holds one more
+    # vocab-parallel V x d / TP gradient than its parameters have (the embedding's or the LM head's), not explained
+    # by the plan; counted so that the estimate is not below what a TP run holds.
+    vocab_extra = (-(-shape.vocab_size * shape.hidden_size // tp.size) if tp is not None and gas > 1
+                   and "embed_tokens" in tp.split_modules else 0)
+    backward += r * vocab_extra
     grads = _term("grads", Phases(backward, reduced, reduced),
-                  f"backward: {r} B x Ψ unsharded{' (fp32 accumulation)' if r != b else ''} (accelerate skips the "
+                  f"backward: {r} B x {psi} unsharded{' (fp32 accumulation)' if r != b else ''} (accelerate skips the "
                   f"{reduce} on the {gas - 1} micro-steps before the last: no_sync keeps every gradient full size "
-                  "until then)" if gas > 1 else
+                  "until then)" + (f" + {r} B x V d / TP {num(vocab_extra)} (one more vocab-parallel gradient, "
+                                   "measured under TP)" if vocab_extra else "") if gas > 1 else
                   f"backward: none yet (each unit's gradient goes to the {reduce} when its backward ends)",
                   f"after the {reduce}: on the host" if offload else
                   f"after the {reduce}: fp32 {shards} 4 B x {frac} = {gib(reduced)}")
 
     if strategy in _GATHERS_EVERY_UNIT:
-        gathered, gathered_text = b * P, f"every unit gathered from its forward to its backward {b} B x Ψ"
+        gathered, gathered_text = b * P, f"every unit gathered from its forward to its backward {b} B x {psi}"
     elif strategy == "NO_SHARD" and not run.mixed:
         gathered, gathered_text = 0, "nothing gathered (NO_SHARD computes on its fp32 copy)"
     else:

@@ -10,6 +10,7 @@ from pretrain.recipe.recompute import normalize
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 LOSSES = ("chunked", "plain", "liger")
+FLOAT8_MODES = ("off", "tensorwise", "rowwise")
 
 # Optimizer state bytes per parameter (fp32 states). Keys are lower-cased torch.optim names.
 _STATE_BYTES = {
@@ -56,12 +57,14 @@ class Workload:
     reduce_dtype: str = "fp32"
     """bf16 only (precision.reduce_dtype): the dtype DeepSpeed and FSDP accumulate and reduce gradients in."""
     float8: str = "off"
-    """precision.float8: off, tensorwise or rowwise (``activations.float8_term``)."""
+    """precision.float8: off, tensorwise or rowwise (``parallel.float8_term``)."""
     loss: str = "chunked"
     """model.loss as the run resolves it (pretrain.model.loss.resolve_loss): chunked, plain or liger. Liger never
     materialises the logits, so its term differs; plain is counted as chunked."""
 
     def __post_init__(self):
+        if self.float8 not in FLOAT8_MODES:
+            raise ConfigError(f"float8 {self.float8!r}: use one of {', '.join(FLOAT8_MODES)}")
         if self.precision not in PRECISION_BYTES:
             raise ConfigError(f"precision {self.precision!r}: use one of fp32, bf16, fp16")
         if self.reduce_dtype not in ("fp32", "bf16"):

@@ -1,0 +1,178 @@
+"""What tensor parallelism, context parallelism and float8 change in the estimate: which parameters the TP plan
+splits, which activations shrink, and torchao's float8 casts.
+
+- **TP** (accelerate's tp_size, transformers' TP plan: pretrain/distributed/tensor_parallel.py). The plan is the
+  architecture's own: its config's ``base_model_tp_plan`` (the blocks' q/k/v/gate/up colwise, o/down rowwise) and
+  its CausalLM class's ``_tp_plan`` (the LM head, colwise with its output gathered), and the vocab-parallel input
+  embedding transformers adds. A module the plan names holds 1/TP of its weight (and of a colwise bias); everything
+  else (norms, a rowwise bias) is replicated on the TP ranks. FSDP then shards both over its own
+  ranks. Activations: without sequence parallelism (transformers' plans have none) the residual stream, the norms
+  and the block outputs stay whole on every TP rank (the rowwise o/down outputs are all-reduced); the colwise
+  outputs (q, k, v, gate, up, their products) and the attention over heads / TP are split. The logits are gathered
+  (colwise_gather_output): whole.
+- **CP** (cp_size): every sequence is split over the CP ranks, so every per-token activation and the logits are
+  those of seq / CP tokens; K/V of the other chunks are exchanged inside the attention and not kept for backward.
+- **float8** (precision.float8, torchao's Float8Linear): torchao saves the high-precision input and weight for
+  backward (``matmul_with_hp_or_float8_args`` in torchao/float8/float8_linear.py) and casts them again there, so
+  no float8 copy outlives the matmul that made it. The extra is transient: the float8 copies of the running
+  Linear's weight and input in forward, its weight and output gradient in backward (1 B per element, plus
+  scales). Counted conservatively as two weight-sized and two activation-sized float8 tensors of the largest
+  Linear alive at once. FSDP2's float8 all-gather (tensorwise) would shrink the gathered units; not counted
+  (the bf16 figure is kept: an overestimate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+from pretrain.errors import ConfigError
+from pretrain.plan.memory.terms import Phases, Term, num
+from pretrain.recipe.shape import ModelShape
+
+_COLWISE_OUTPUTS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROWWISE_OUTPUTS = ("o_proj", "down_proj")
+
+
+@cache
+def tp_plan(arch: str) -> dict[str, str]:
+    """The architecture's TP plan as transformers applies it (pretrain.distributed.tensor_parallel.parallelize reads
+    the model's resolved plan): module pattern -> style. The model's ``tp_plan`` is more than its config's
+    ``base_model_tp_plan`` (transformers 5.24 adds the vocab-parallel embedding and the CausalLM's LM head), so it is
+    read from a one-block model of the architecture on the meta device (no memory, a fraction of a second)."""
+    import torch
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    config = CONFIG_MAPPING[arch](hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+                                  intermediate_size=128, vocab_size=128, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name.removeprefix("model."): style for name, style in model.tp_plan.items()}
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """How a model divides over ``size`` TP ranks."""
+
+    size: int
+    split_block: int
+    """Elements of one block in the modules the plan splits (each TP rank holds 1/size of them)."""
+    whole_block: int
+    """Elements of one block the plan leaves whole (norms, rowwise biases): every TP rank holds all of them."""
+    split_rest: int
+    """Outside the blocks: the LM head and the embedding where the plan names them."""
+    whole_rest: int
+    splits_activations: bool
+    """The block's colwise outputs (q, k, v, gate, up) and the attention heads are split (plain colwise/rowwise)."""
+    split_modules: tuple[str, ...]
+
+    @property
+    def block_local(self) -> int:
+        """One block's elements on one TP rank (before FSDP)."""
+        return -(-self.split_block // self.size) + self.whole_block
+
+    def local(self, shape: ModelShape) -> int:
+        """The model's elements on one TP rank (before FSDP)."""
+        return shape.num_layers * self.block_local + -(-self.split_rest // self.size) + self.whole_rest
+
+    def formula(self, shape: ModelShape) -> str:
+        L, T = shape.num_layers, self.size
+        return (f"Ψ_TP = ({L} x {num(self.split_block)} + {num(self.split_rest)}) / {T} (split by the TP plan: "
+                f"{', '.join(self.split_modules)}) + {L} x {num(self.whole_block)} + {num(self.whole_rest)} (whole: "
+                f"norms and what the plan leaves out) = {num(self.local(shape))}")
+
+
+NO_TP = None
+
+
+def tensor_parallel(shape: ModelShape, size: int) -> TensorParallel | None:
+    """The TP division of ``shape`` over ``size`` ranks (None for size 1). Refuses, naming why, what the training
+    launch refuses (pretrain.distributed.tensor_parallel.tp_plan_problem) and a plan module the estimator cannot
+    size."""
+    if size <= 1:
+        return NO_TP
+    from transformers import CONFIG_MAPPING
+
+    from pretrain.distributed.tensor_parallel import tp_plan_problem
+
+    problem = tp_plan_problem(CONFIG_MAPPING[shape.arch], shape.arch, size, shape.tie_embeddings)
+    if problem:
+        raise ConfigError(problem)
+    if shape.num_experts or shape.family != "llama" or shape.arch == "phi3":
+        raise ConfigError(f"model.arch = {shape.arch}: the memory estimator sizes TP for dense Llama-style blocks "
+                          "with separate q/k/v and gate/up projections only; set tp_size to 1")
+    for what, value in (("num_heads", shape.num_heads), ("num_kv_heads", shape.num_kv_heads),
+                        ("intermediate_size", shape.intermediate_size)):
+        if value % size:
+            raise ConfigError(f"model.{what} = {value} is not divisible by tp_size {size}: every TP rank needs whole "
+                              f"heads and an equal share of the MLP; use a tp_size that divides it")
+    d, f, V = shape.hidden_size, shape.intermediate_size, shape.vocab_size
+    q, k = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    # (weight, bias split by colwise) per plan module; a rowwise bias stays whole
+    block_modules = {"q_proj": (d * q, q * shape.qkv_bias), "k_proj": (d * k, k * shape.qkv_bias),
+                     "v_proj": (d * k, k * shape.qkv_bias), "o_proj": (q * d, 0),
+                     "gate_proj": (d * f, f * shape.mlp_bias), "up_proj": (d * f, f * shape.mlp_bias),
+                     "down_proj": (f * d, 0)}
+    rest_modules = {"lm_head": V * d, "embed_tokens": V * d}
+    plan = tp_plan(shape.arch)
+    split_block = split_rest = 0
+    styles: dict[str, str] = {}
+    for pattern, style in plan.items():
+        name = pattern.rsplit(".", 1)[-1]
+        if pattern.startswith("layers.*.") and name in block_modules:
+            weight, bias = block_modules[name]
+            split_block += weight + (bias if style.startswith("colwise") else 0)
+            styles[name] = style
+        elif name in rest_modules and "*" not in pattern:
+            if name == "lm_head" and shape.tie_embeddings:
+                continue
+            split_rest += rest_modules[name]
+            styles[name] = style
+        else:
+            raise ConfigError(f"model.arch = {shape.arch}: its TP plan names {pattern!r} ({style}), which the memory "
+                              "estimator cannot size; set tp_size to 1")
+    whole_block = shape.block_params - split_block
+    whole_rest = shape.num_params - shape.num_layers * shape.block_params - split_rest
+    plain = (all(styles.get(n) == "colwise" for n in _COLWISE_OUTPUTS)
+             and all(styles.get(n) == "rowwise" for n in _ROWWISE_OUTPUTS))
+    return TensorParallel(size, split_block, whole_block, split_rest, whole_rest, plain, tuple(styles))
+
+
+def check_context_parallel(seq_len: int, cp_size: int, attention: str, document_masking: bool) -> None:
+    """What accelerate's CP (torch's context_parallel, ring attention over SDPA) cannot split."""
+    if cp_size <= 1:
+        return
+    problems = []
+    if seq_len % (2 * cp_size):
+        problems.append(f"data.seq_len {seq_len} must be divisible by 2 x cp_size = {2 * cp_size} (CP splits every "
+                        "sequence into 2 x cp_size chunks to balance the causal mask's work)")
+    if attention != "sdpa":
+        problems.append(f"model.attention = {attention}: context parallelism runs on SDPA only; set model.attention=sdpa")
+    if document_masking:
+        problems.append("data.document_masking = true cannot run context parallel: its per-document positions and "
+                        "block mask are not split with the sequence; set data.document_masking=false or cp_size 1")
+    if problems:
+        raise ConfigError(problems)
+
+
+def float8_term(mode: str, shape: ModelShape, tokens: int, tp: TensorParallel | None) -> Term | None:
+    """torchao's transient float8 copies (the module docstring), or None when float8 is off. ``tokens`` is one rank's
+    micro-batch (after CP). The LM head is left in bf16 (precision.float8_skip's default), so only block Linears
+    count."""
+    if mode == "off":
+        return None
+    d, f = shape.hidden_size, shape.intermediate_size
+    T_size = tp.size if tp else 1
+    attention, mlp = shape.block_matmuls()
+    largest_weight = -(-max(attention + mlp) // T_size)
+    widest = max(d, -(-f // T_size), -(-shape.num_heads * shape.head_dim // T_size))
+    scales = 4 * 4  # tensorwise: one fp32 scale per cast
+    if mode == "rowwise":
+        scales = 4 * 2 * (max(d, f) + tokens)  # one fp32 scale per row of each cast
+    total = 2 * largest_weight + 2 * tokens * widest + scales
+    tp_text = f" / TP {T_size}" if T_size > 1 else ""
+    return Term.phased(
+        "float8", f"float8 casts ({mode})", Phases(total, total, 0),
+        f"transient (torchao saves the bf16 input and weight for backward): 2 x 1 B x largest block Linear "
+        f"{num(max(attention + mlp))}{tp_text} + 2 x 1 B x T {num(tokens)} x widest Linear side {num(widest)} "
+        f"+ {mode} scales {num(scales)} B; conservative: no FSDP2 float8 all-gather saving counted")
