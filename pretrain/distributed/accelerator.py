@@ -70,10 +70,6 @@ def check_precision(recipe: Recipe, launch: Launch) -> str:
             "precision.dtype=fp16 needs a CUDA GPU (fp16 on CPU would silently train in fp32 or fail); "
             "use precision.dtype=bf16 or fp32 on this machine"
         )
-    if recipe.precision.float8 != "off":  # the device is asked only then (it initialises CUDA)
-        from pretrain.model.float8 import check_float8, cuda_device
-
-        check_float8(recipe, launch, cuda_device())
     if launch.engine == "ddp" and launch.world_size > 1 and ddp_kwargs(recipe) and not torch.cuda.is_available():
         raise ConfigError(
             "precision.reduce_dtype=bf16 under DDP needs CUDA and NCCL (torch's bf16 all-reduce hook); on CPU "

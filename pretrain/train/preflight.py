@@ -69,6 +69,10 @@ def check_layout(recipe: Recipe, launch: Launch) -> RunPlan:
     batch = plan_batches(recipe.batch, launch.data_parallel_size, recipe.data.seq_len)
     lr = scaled_lr(recipe.optim, batch.global_batch_size)
     mixed_precision = check_precision(recipe, launch)
+    if recipe.precision.float8 != "off":  # the device is asked only then (it initialises CUDA)
+        from pretrain.model.float8 import check_float8, cuda_device
+
+        check_float8(recipe, launch, cuda_device())
     # The user's JSON against the recipe: conflicts are errors.
     deepspeed = deepspeed_config(recipe, batch, launch, lr) if launch.uses_deepspeed else None
     return RunPlan(launch, batch, 0, lr, mixed_precision, deepspeed)

@@ -95,7 +95,7 @@ def tensor_parallel(shape: ModelShape, size: int) -> TensorParallel | None:
 
     from pretrain.distributed.tensor_parallel import tp_plan_problem
 
-    problem = tp_plan_problem(CONFIG_MAPPING[shape.arch], shape.arch, size, shape.tie_embeddings)
+    problem = tp_plan_problem(CONFIG_MAPPING[shape.arch], shape.arch, size)
     if problem:
         raise ConfigError(problem)
     if shape.num_experts or shape.family != "llama" or shape.arch == "phi3":
