@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 
 import pytest
 import torch
 
 from tests import golden_losses
-from tests.helpers import FAST, accelerate_launch, check_ok, run_cmd, train, train_losses
+from tests.helpers import FAST, accelerate_launch, check_ok, train, train_losses
 
 pytestmark = pytest.mark.slow
 
@@ -213,9 +212,15 @@ def test_export_of_the_last_checkpoint_gives_the_final_models_logits(curves, tmp
     """pretrain-export of the step-6 checkpoint (ZeRO-3: the fp32 partitions of 2 ranks merged; FSDP: the
     torch.distributed.checkpoint shards of 2 ranks, through accelerate's merge_fsdp_weights, also of a compiled
     run; DDP: the saved module) is the model the run itself wrote at step 6."""
+    import contextlib
+    import io
+
+    from pretrain.cli import export
+
     out = tmp_path / "exported"
-    proc = run_cmd([sys.executable, "-m", "pretrain", "export", str(curves[run] / "checkpoints" / "step_00000006"),
-                    str(out)])
-    check_ok(proc)
+    # pretrain-export's main in this process: the conversion under test, without an interpreter start per case
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert export.main([str(curves[run] / "checkpoints" / "step_00000006"), str(out)]) == 0
+    assert "export:" in printed.getvalue()
     torch.testing.assert_close(_logits(out), _logits(curves[run] / "final_model"), rtol=0, atol=1e-6)
     assert (out / "tokenizer.json").is_file()
