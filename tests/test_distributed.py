@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests import golden_losses
-from tests.helpers import FAST, accelerate_launch, check_ok, train, train_losses
+from tests.helpers import FAST, accelerate_launch, check_ok, free_port, train, train_losses
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,8 @@ def curves(tmp_path_factory):
     for name, config in [("cpu_ddp, GAS 2", "cpu_ddp.yaml"), ("ZeRO-1", "zero1.yaml"), ("ZeRO-2", "zero2.yaml"),
                          ("ZeRO-3", "zero3.yaml"), ("FSDP", "fsdp.yaml")]:
         out = root / config.removesuffix(".yaml")
-        extra = [] if config == "cpu_ddp.yaml" else ["--num_processes", "2"]
+        # a free rendezvous port: accelerate warns (noise) and moves off 29500 when another run holds it
+        extra = ["--main_process_port", str(free_port())] + ([] if config == "cpu_ddp.yaml" else ["--num_processes", "2"])
         # FSDP with selective activation checkpointing (kept outputs and recomputed ops across FSDP2's
         # per-block gathers; refused under ZeRO-3): the curve must not move.
         policy = [f"model.activation_checkpointing={SELECTIVE[name]}"] if name in SELECTIVE else []
@@ -59,7 +60,7 @@ def curves(tmp_path_factory):
         source = runs[name.split(" resumed")[0]] / "checkpoints" / "step_00000003"
         out = root / f"{config.removesuffix('.yaml')}_resumed"
         compiled = ["model.compile=regional"] if name in COMPILED else []
-        extra = [] if config == "cpu_ddp.yaml" else ["--num_processes", "2"]
+        extra = ["--main_process_port", str(free_port())] + ([] if config == "cpu_ddp.yaml" else ["--num_processes", "2"])
         proc = accelerate_launch(config, [*CURVE, f"output_dir={out}", f"checkpoint.resume={source}", *compiled],
                                  extra=extra, extra_env=threads)
         check_ok(proc)

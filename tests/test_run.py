@@ -23,6 +23,7 @@ from tests.helpers import (
     free_port,
     metrics,
     train,
+    train_here,
     train_in_process,
     train_killed_at,
     train_losses,
@@ -51,7 +52,8 @@ def test_demo_recipe_learns_three_nats(tmp_path):
 
 def test_metrics_files_and_final_model(tmp_path):
     out = tmp_path / "run"
-    check_ok(train([*FAST, "train.max_steps=6", "logging.every_steps=3", f"output_dir={out}"]))
+    # The entry point's Trainer in this process: what this test reads are the run's files, not the CLI's exit
+    train_here([*FAST, "train.max_steps=6", "logging.every_steps=3", f"output_dir={out}"])
     records = metrics(out)
     train_steps = [r["step"] for r in records if "train/loss" in r]
     assert train_steps == [1, 3, 6]  # step 1, every N, and the last
@@ -155,10 +157,9 @@ def test_non_utf8_text_is_replaced_and_counted_not_fatal(tmp_path):
         (corpus / f"doc{i}.txt").write_text(f"def function_{i}(x):\n    return x * {i} + 1\n" * 30)
     (corpus / "latin1.txt").write_bytes("caf\xe9 cr\xe8me br\xfbl\xe9e\n".encode("latin-1") * 50)
     out = tmp_path / "run"
-    proc = train([*FAST, "train.max_steps=2", f"data.source={corpus}", "data.tokenizer_vocab_size=300",
-                  f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={out}"])
-    check_ok(proc)
-    assert "non-UTF-8" in proc.stdout
+    _, _, console = train_here([*FAST, "train.max_steps=2", f"data.source={corpus}", "data.tokenizer_vocab_size=300",
+                                f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={out}"])  # in this process
+    assert "non-UTF-8" in console
     assert len(train_losses(out)) == 2
 
 
