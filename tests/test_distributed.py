@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 
 import pytest
 import torch
 
 from tests import golden_losses
-from tests.helpers import FAST, accelerate_launch, check_ok, run_cmd, train, train_losses
+from tests.helpers import FAST, accelerate_launch, check_ok, free_port, train, train_losses
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +44,8 @@ def curves(tmp_path_factory):
     for name, config in [("cpu_ddp, GAS 2", "cpu_ddp.yaml"), ("ZeRO-1", "zero1.yaml"), ("ZeRO-2", "zero2.yaml"),
                          ("ZeRO-3", "zero3.yaml"), ("FSDP", "fsdp.yaml")]:
         out = root / config.removesuffix(".yaml")
-        extra = [] if config == "cpu_ddp.yaml" else ["--num_processes", "2"]
+        # a free rendezvous port: accelerate warns (noise) and moves off 29500 when another run holds it
+        extra = ["--main_process_port", str(free_port())] + ([] if config == "cpu_ddp.yaml" else ["--num_processes", "2"])
         # FSDP with selective activation checkpointing (kept outputs and recomputed ops across FSDP2's
         # per-block gathers; refused under ZeRO-3): the curve must not move.
         policy = [f"model.activation_checkpointing={SELECTIVE[name]}"] if name in SELECTIVE else []
@@ -60,7 +60,7 @@ def curves(tmp_path_factory):
         source = runs[name.split(" resumed")[0]] / "checkpoints" / "step_00000003"
         out = root / f"{config.removesuffix('.yaml')}_resumed"
         compiled = ["model.compile=regional"] if name in COMPILED else []
-        extra = [] if config == "cpu_ddp.yaml" else ["--num_processes", "2"]
+        extra = ["--main_process_port", str(free_port())] + ([] if config == "cpu_ddp.yaml" else ["--num_processes", "2"])
         proc = accelerate_launch(config, [*CURVE, f"output_dir={out}", f"checkpoint.resume={source}", *compiled],
                                  extra=extra, extra_env=threads)
         check_ok(proc)
@@ -213,9 +213,15 @@ def test_export_of_the_last_checkpoint_gives_the_final_models_logits(curves, tmp
     """pretrain-export of the step-6 checkpoint (ZeRO-3: the fp32 partitions of 2 ranks merged; FSDP: the
     torch.distributed.checkpoint shards of 2 ranks, through accelerate's merge_fsdp_weights, also of a compiled
     run; DDP: the saved module) is the model the run itself wrote at step 6."""
+    import contextlib
+    import io
+
+    from pretrain.cli import export
+
     out = tmp_path / "exported"
-    proc = run_cmd([sys.executable, "-m", "pretrain", "export", str(curves[run] / "checkpoints" / "step_00000006"),
-                    str(out)])
-    check_ok(proc)
+    # pretrain-export's main in this process: the conversion under test, without an interpreter start per case
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert export.main([str(curves[run] / "checkpoints" / "step_00000006"), str(out)]) == 0
+    assert "export:" in printed.getvalue()
     torch.testing.assert_close(_logits(out), _logits(curves[run] / "final_model"), rtol=0, atol=1e-6)
     assert (out / "tokenizer.json").is_file()

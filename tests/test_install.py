@@ -13,7 +13,6 @@ from tests.helpers import FAST, ROOT, TINY, env
 from tools.wheelhouse import stub_wheel
 
 INSTALL = str(ROOT / "tools" / "install.sh")
-TORCH = "torch==2.13.0"  # install.sh's CPU build, which pip takes from this machine's disk
 
 
 def _run(cmd: list[str], cwd: Path, extra: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -31,6 +30,43 @@ def _air_gapped() -> dict:
 def _venv(path: Path) -> Path:
     subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
     return path / "bin" / "python"
+
+
+def _with_this_torch(python: Path) -> None:
+    """This environment's torch (the CPU build install.sh put here) and what it requires, put into the fresh
+    environment of ``python`` file by file where ``pip install torch`` puts them: hard links (seconds) where pip would
+    unpack a wheel of several hundred MB. What the fresh environment already has of those (setuptools) is
+    uninstalled first, as pip would upgrade it. A hard link is a file of the fresh environment's own: pip replacing
+    or removing it there leaves this environment's file as it was."""
+    import shutil
+    from importlib.metadata import distribution
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    names, todo = set(), ["torch"]
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name not in names:
+            names.add(name)
+            todo += [r.name for r in map(Requirement, distribution(name).requires or [])
+                     if r.marker is None or r.marker.evaluate({"extra": ""})]
+    site = python.parent.parent / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    present = {canonicalize_name(p.name.split("-")[0]) for p in site.glob("*.dist-info")}
+    if names & present:
+        out = _run([str(python), "-m", "pip", "uninstall", "-y", "-q", *sorted(names & present)], cwd=python.parent)
+        assert out.returncode == 0, out.stderr
+    for name in names:
+        for file in distribution(name).files or []:
+            if file.parts[0] == "..":  # console scripts (bin/torchrun): this environment's, not needed there
+                continue
+            target = site / file
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(file.locate(), target)
+            except OSError:  # another file system, or a file pip listed but did not keep
+                if Path(file.locate()).is_file():
+                    shutil.copy2(file.locate(), target)
 
 
 def _torch_version(python: Path) -> str:
@@ -101,9 +137,10 @@ def test_a_wheelhouse_installs_offline_next_to_torch_and_trains(tmp_path):
     assert not [w for w in wheels if w.startswith(("torch-", "triton-", "nvidia_cu"))], wheels
 
     python = _venv(tmp_path / "env")
-    torch = _run([str(python), "-m", "pip", "install", "-q", TORCH], cwd=tmp_path)
-    assert torch.returncode == 0, torch.stderr
+    _with_this_torch(python)
     before = _torch_version(python)
+    check = _run([str(python), "-m", "pip", "check"], cwd=tmp_path)  # torch and what it needs, as pip installs them
+    assert check.returncode == 0, check.stdout + check.stderr
 
     installed = _offline_install(python, wheelhouse)
     assert installed.returncode == 0, installed.stderr[-3000:]

@@ -23,6 +23,7 @@ from tests.helpers import (
     free_port,
     metrics,
     train,
+    train_here,
     train_in_process,
     train_killed_at,
     train_losses,
@@ -51,7 +52,8 @@ def test_demo_recipe_learns_three_nats(tmp_path):
 
 def test_metrics_files_and_final_model(tmp_path):
     out = tmp_path / "run"
-    check_ok(train([*FAST, "train.max_steps=6", "logging.every_steps=3", f"output_dir={out}"]))
+    # The entry point's Trainer in this process: what this test reads are the run's files, not the CLI's exit
+    train_here([*FAST, "train.max_steps=6", "logging.every_steps=3", f"output_dir={out}"])
     records = metrics(out)
     train_steps = [r["step"] for r in records if "train/loss" in r]
     assert train_steps == [1, 3, 6]  # step 1, every N, and the last
@@ -79,33 +81,42 @@ def test_metrics_files_and_final_model(tmp_path):
     assert isinstance(tokenizer.decode(generated[0]), str)
 
 
-def test_kill_9_then_rerun_resumes_exactly(tmp_path):
-    args = [*FAST, "train.max_steps=20", "checkpoint.every_steps=10", "checkpoint.keep_last=0"]
-    reference = tmp_path / "reference"
-    check_ok(train([*args, f"output_dir={reference}"]))
+STOP_ARGS = [*FAST, "train.max_steps=30", "checkpoint.every_steps=100", "checkpoint.keep_last=0"]
 
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The 30-step run that kill -9 and both stop signals are compared with, and that is started again finished:
+    the entry point's Trainer in this process (the curve is the same; the CLI's part is in the runs compared)."""
+    reference = tmp_path_factory.mktemp("reference")
+    train_here([*STOP_ARGS, f"output_dir={reference}"])
+    return reference
+
+
+def test_kill_9_then_rerun_resumes_exactly(tmp_path, uninterrupted):
+    """kill -9 once the step-10 checkpoint is written; the same command resumes on the uninterrupted run's curve
+    (that run checkpoints at step 100 only: the checkpoint cadence does not move the curve)."""
+    args = [*FAST, "train.max_steps=30", "checkpoint.every_steps=10", "checkpoint.keep_last=0"]
     killed = tmp_path / "killed"
     train_killed_at(args, 10, killed)
 
     check_ok(again := train([*args, f"output_dir={killed}"]))  # the same command, nothing added
     assert "resume: continuing from" in again.stdout and "at step 10" in again.stdout
 
-    expected, resumed = train_losses(reference), train_losses(killed)
-    assert sorted(resumed) == list(range(1, 21))  # redone steps replaced the lost ones, none twice
-    for step in range(11, 21):
+    expected, resumed = train_losses(uninterrupted), train_losses(killed)
+    assert sorted(resumed) == list(range(1, 31))  # redone steps replaced the lost ones, none twice
+    for step in range(11, 31):
         assert resumed[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-6), (step, resumed[step], expected[step])
     steps_logged = [m["step"] for m in metrics(killed) if "train/loss" in m]
     assert len(steps_logged) == len(set(steps_logged))
 
 
-def test_finished_run_started_again_does_not_retrain(tmp_path):
-    out = tmp_path / "run"
-    check_ok(train([*FAST, "train.max_steps=3", f"output_dir={out}"]))
-    before = (out / "metrics.jsonl").read_text()
-    again = train([*FAST, "train.max_steps=3", f"output_dir={out}"])
+def test_finished_run_started_again_does_not_retrain(uninterrupted):
+    before = (uninterrupted / "metrics.jsonl").read_text()
+    again = train([*STOP_ARGS, f"output_dir={uninterrupted}"])  # the command that finished it
     check_ok(again)
-    assert "run already complete at step 3/3" in again.stdout
-    assert (out / "metrics.jsonl").read_text() == before
+    assert "run already complete at step 30/30" in again.stdout
+    assert (uninterrupted / "metrics.jsonl").read_text() == before
 
 
 @pytest.mark.parametrize(
@@ -147,10 +158,9 @@ def test_non_utf8_text_is_replaced_and_counted_not_fatal(tmp_path):
         (corpus / f"doc{i}.txt").write_text(f"def function_{i}(x):\n    return x * {i} + 1\n" * 30)
     (corpus / "latin1.txt").write_bytes("caf\xe9 cr\xe8me br\xfbl\xe9e\n".encode("latin-1") * 50)
     out = tmp_path / "run"
-    proc = train([*FAST, "train.max_steps=2", f"data.source={corpus}", "data.tokenizer_vocab_size=300",
-                  f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={out}"])
-    check_ok(proc)
-    assert "non-UTF-8" in proc.stdout
+    _, _, console = train_here([*FAST, "train.max_steps=2", f"data.source={corpus}", "data.tokenizer_vocab_size=300",
+                                f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={out}"])  # in this process
+    assert "non-UTF-8" in console
     assert len(train_losses(out)) == 2
 
 
@@ -168,17 +178,6 @@ def test_print_config_and_dry_run_of_7b_without_allocating():
     assert "world 8: GBS 1024 = MBS 1 x GAS 128 x world 8" in proc.stdout
     assert "4,194,304" in proc.stdout  # tokens per step: 1024 x 4096
     assert time.perf_counter() - start < 60
-
-
-STOP_ARGS = [*FAST, "train.max_steps=30", "checkpoint.every_steps=100", "checkpoint.keep_last=0"]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The 30-step run both stop signals are compared with."""
-    reference = tmp_path_factory.mktemp("reference")
-    check_ok(train([*STOP_ARGS, f"output_dir={reference}"]))
-    return reference
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
@@ -230,53 +229,76 @@ def ctrl_c_after_step(cmd: list[str], out: Path, step: int) -> tuple[int, str]:
     return proc.returncode, output
 
 
-def test_ctrl_c_of_a_two_process_launch_checkpoints_and_the_rerun_continues_the_curve(tmp_path):
-    """Ctrl-C in a terminal: SIGINT to the launcher's whole foreground process group. torchrun's agent sends
-    SIGINT on to its workers (each in a session of its own); they finish the step in flight, agree on it,
-    checkpoint and stop; the same command resumes on the uninterrupted run's curve."""
-    out = tmp_path / "interrupted"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" /
-           "cpu_ddp.yaml"), "--main_process_port", str(free_port()), RUN, "--recipe", TINY, *CTRL_C_ARGS,
-           f"output_dir={out}"]
-    _, output = ctrl_c_after_step(cmd, out, 3)
-    assert "SIGINT: stopping after the step in flight with a checkpoint" in output, output
-    assert "interrupted: stopped after step" in output, output
-    (checkpoint,) = (out / "checkpoints").glob("step_*")
-    stopped_at = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
-    assert 3 <= stopped_at < 40 and f"interrupted: stopped after step {stopped_at}/40" in output
-    assert not (out / "final_model").exists()
+def _checkpoint_steps(out: Path) -> list[int]:
+    return sorted(json.loads((c / "trainer_state.json").read_text())["step"] for c in (out / "checkpoints").glob("step_*"))
 
-    check_ok(accelerate_launch("cpu_ddp.yaml", [*CTRL_C_ARGS, f"output_dir={out}"],
-                               extra=["--main_process_port", str(free_port())]))
-    reference = tmp_path / "reference"
+
+@pytest.fixture(scope="module")
+def ctrl_c(tmp_path_factory):
+    """One 2-process run directory interrupted with Ctrl-C twice and then finished: under ``accelerate launch``
+    after step 3; resumed by pretrain-launch and interrupted again two steps later; finished by that same
+    pretrain-launch command. Beside it, the uninterrupted launch its curve must continue. What each stage printed
+    and left behind, for the two tests below (one set of launches serves both)."""
+    root = tmp_path_factory.mktemp("ctrl_c")
+    out = root / "interrupted"
+    config = str(ROOT / "accelerate_configs" / "cpu_ddp.yaml")
+
+    def pretrain_launch() -> list[str]:
+        return [sys.executable, "-m", "pretrain.cli.launch", "--config_file", config, "--main_process_port",
+                str(free_port()), "--recipe", TINY, *CTRL_C_ARGS, f"output_dir={out}"]
+
+    stages = {}
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--main_process_port",
+                  str(free_port()), RUN, "--recipe", TINY, *CTRL_C_ARGS, f"output_dir={out}"]
+    code, output = ctrl_c_after_step(accelerate, out, 3)
+    stages["accelerate launch"] = code, output, _checkpoint_steps(out), (out / "final_model").exists()
+    # two steps past the first stop: the wait below sees only steps the resumed run trained
+    code, output = ctrl_c_after_step(pretrain_launch(), out, max(stages["accelerate launch"][2], default=3) + 2)
+    stages["pretrain-launch"] = code, output, _checkpoint_steps(out), (out / "final_model").exists()
+    stages["rerun"] = subprocess.run(pretrain_launch(), env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, timeout=600)
+    reference = root / "reference"
     check_ok(accelerate_launch("cpu_ddp.yaml", [*CTRL_C_ARGS, f"output_dir={reference}"],
                                extra=["--main_process_port", str(free_port())]))
+    return out, reference, stages
+
+
+def test_ctrl_c_of_a_two_process_launch_checkpoints_and_the_rerun_continues_the_curve(ctrl_c):
+    """Ctrl-C in a terminal: SIGINT to the launcher's whole foreground process group. torchrun's agent sends
+    SIGINT on to its workers (each in a session of its own); they finish the step in flight, agree on it,
+    checkpoint and stop; the rerun resumes there and ends on the uninterrupted run's curve."""
+    out, reference, stages = ctrl_c
+    _, output, checkpoints, final_model = stages["accelerate launch"]
+    assert "SIGINT: stopping after the step in flight with a checkpoint" in output, output
+    assert "interrupted: stopped after step" in output, output
+    (stopped_at,) = checkpoints
+    assert 3 <= stopped_at < 40 and f"interrupted: stopped after step {stopped_at}/40" in output
+    assert not final_model
+
+    resumed_from = out / "checkpoints" / f"step_{stopped_at:08d}"
+    assert f"resume: continuing from {resumed_from} at step {stopped_at}\n" in stages["pretrain-launch"][1]
+    assert stages["rerun"].returncode == 0, stages["rerun"].stdout
     expected, resumed = train_losses(reference), train_losses(out)
     assert sorted(resumed) == list(range(1, 41))
     for step in range(1, 41):
         assert resumed[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-6), step
 
 
-def test_ctrl_c_of_pretrain_launch_exits_130_without_a_traceback_and_the_same_command_continues(tmp_path):
+def test_ctrl_c_of_pretrain_launch_exits_130_without_a_traceback_and_the_same_command_continues(ctrl_c):
     """pretrain-launch takes the terminal's Ctrl-C itself (pretrain/distributed/supervise.py): the workers checkpoint the
     step they stop after, torchrun ends quietly, and the shell sees 130 (torchrun alone prints its
     SignalException traceback and exits 1). Rerunning the same command continues from that checkpoint."""
-    out = tmp_path / "run"
-
-    def command() -> list[str]:
-        return [sys.executable, "-m", "pretrain.cli.launch", "--config_file", str(ROOT / "accelerate_configs" /
-                "cpu_ddp.yaml"), "--main_process_port", str(free_port()), "--recipe", TINY, *CTRL_C_ARGS,
-                f"output_dir={out}"]
-
-    code, output = ctrl_c_after_step(command(), out, 2)
+    out, _, stages = ctrl_c
+    (before,) = stages["accelerate launch"][2]
+    code, output, checkpoints, final_model = stages["pretrain-launch"]
     assert code == 130 and "Traceback" not in output and "SignalException" not in output, output
-    (checkpoint,) = (out / "checkpoints").glob("step_*")
-    stopped_at = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
-    assert 2 <= stopped_at < 40 and f"interrupted: stopped after step {stopped_at}/40 with a checkpoint" in output
+    assert checkpoints[:-1] == [before] and not final_model
+    stopped_at = checkpoints[-1]
+    assert before + 2 <= stopped_at < 40 and f"interrupted: stopped after step {stopped_at}/40 with a checkpoint" in output
 
-    rerun = subprocess.run(command(), env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           timeout=600)
+    rerun = stages["rerun"]
     assert rerun.returncode == 0, rerun.stdout
+    checkpoint = out / "checkpoints" / f"step_{stopped_at:08d}"
     assert f"resume: continuing from {checkpoint} at step {stopped_at}\n" in rerun.stdout, rerun.stdout
     assert sorted(train_losses(out)) == list(range(1, 41))
 
