@@ -273,6 +273,7 @@ SMALL = [*FAST, "eval.batches=1", "eval.at_start=false", "checkpoint.save_final_
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
 def test_a_damaged_newest_checkpoint_falls_back_and_a_damaged_only_one_stops(tmp_path):
     """Bit-flipped and truncated model.safetensors of the newest checkpoint: each run resumes from the previous
     one with a warning naming the file; with only the damaged checkpoint the run exits 2."""

@@ -231,6 +231,7 @@ def e2e_recipe(tmp_path: Path) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
 def test_mixture_run_one_and_two_processes_agree_and_kill_9_resumes_exactly(tmp_path):
     recipe = e2e_recipe(tmp_path)
     args = [*E2E, "train.max_steps=8"]
@@ -270,6 +271,7 @@ def test_mixture_run_one_and_two_processes_agree_and_kill_9_resumes_exactly(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
 def test_on_exhausted_stop_ends_the_run_with_a_checkpoint_where_a_source_runs_out(tmp_path):
     out = tmp_path / "run"
     # 8 training rows per source; json's 4 rows per step run out after step 2.

@@ -30,6 +30,7 @@ from tests.helpers import (
     FAST,
     ROOT,
     TINY,
+    OneThread,
     accelerate_launch,
     check_ok,
     free_port,
@@ -473,7 +474,8 @@ def ddp_resumes(tmp_path_factory):
     root = tmp_path_factory.mktemp("ddp_resume")
     runs, logs = {"1 process": root / "one"}, {}
     # The one-process runs train in this process (what run.py runs on one process, without an interpreter start)
-    train_here([*DDP_ARGS, f"output_dir={runs['1 process']}"])
+    with OneThread():
+        train_here([*DDP_ARGS, f"output_dir={runs['1 process']}"])
     # The demo's one-process checkpoint under ZeRO-2: pretrain-launch refuses it before any process starts ...
     runs["1 -> 2 processes"] = root / "two"
     refused_cmd = [sys.executable, "-m", "pretrain.cli.launch", "--config_file", "accelerate_configs/zero2.yaml",
@@ -497,7 +499,8 @@ def ddp_resumes(tmp_path_factory):
             check_ok(proc)
             logs[name] = proc.stdout
         else:
-            logs[name] = train_here(resume)[2]
+            with OneThread():
+                logs[name] = train_here(resume)[2]
     return runs, logs, refused, refused_s, suggested
 
 

@@ -25,7 +25,18 @@ import pytest
 from pretrain.checkpoint.reshard import Layout
 from pretrain.cli import slurm
 from pretrain.distributed.layout import Launch
-from tests.helpers import FAST, ROOT, TINY, accelerate_launch, check_ok, env, metrics, train_here, train_losses
+from tests.helpers import (
+    FAST,
+    ROOT,
+    TINY,
+    OneThread,
+    accelerate_launch,
+    check_ok,
+    env,
+    metrics,
+    train_here,
+    train_losses,
+)
 from tests.slurm_cluster import SlurmCluster
 
 SLURM_TOOL = ["-m", "pretrain.cli.slurm"]
@@ -483,7 +494,8 @@ def test_usr1_checkpoints_requeues_and_the_job_continues_the_same_curve(cluster,
     start = time.perf_counter()
     # The uninterrupted curve, trained on one process in this process (seconds, no launch): DDP's curve is the
     # same on any process count up to reduction order (1e-5, tests/test_reshard.py), well inside 1e-4.
-    train_here([*args, f"output_dir={tmp_path / 'local'}"])
+    with OneThread():
+        train_here([*args, f"output_dir={tmp_path / 'local'}"])
     reference = train_losses(tmp_path / "local")
     reference_s = time.perf_counter() - start
 

@@ -188,6 +188,7 @@ def _finite_checkpoint(path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
 def test_diverging_run_skips_then_stops_naming_step_and_rule_with_finite_checkpoints(tmp_path):
     out = tmp_path / "nan"
     proc = train([*P, "checkpoint.every_steps=5", "optim.lr=1e6", f"output_dir={out}"])
@@ -217,6 +218,7 @@ def test_diverging_run_skips_then_stops_naming_step_and_rule_with_finite_checkpo
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
 def test_an_injected_nan_at_step_7_of_20_is_skipped_and_training_goes_on(tmp_path, monkeypatch):
     out = tmp_path / "run"
     monkeypatch.setenv(LOSS_FACTORS_ENV, "7:nan")  # read by the loop at each step: the run trains in this process
@@ -233,6 +235,7 @@ def test_an_injected_nan_at_step_7_of_20_is_skipped_and_training_goes_on(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
 def test_a_resume_applies_a_new_lr_and_horizon_and_records_them(tmp_path):
     out = tmp_path / "run"
     # The runs that train do so in this process; the refusal at the end is the entry point's (exit 2).
@@ -261,6 +264,7 @@ def _corpus(directory: Path, names: list[str]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
 def test_a_resume_after_the_corpus_changed_is_refused_naming_the_change(tmp_path):
     corpus, out = tmp_path / "corpus", tmp_path / "run"
     _corpus(corpus, ["shutil", "tempfile", "argparse", "inspect"])
