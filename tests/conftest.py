@@ -42,3 +42,14 @@ def cluster():
     yield cluster
     cluster.stop()
     shutil.rmtree(root, ignore_errors=True)
+
+
+# ---- in-process runs on one thread (trim2) --------------------------------------------------------------------
+@pytest.fixture
+def one_thread():
+    """The test's in-process runs (tests/helpers.train_here) on one torch thread, and the processes it starts with
+    OMP_NUM_THREADS=1 (tests/helpers.OneThread says why)."""
+    from tests.helpers import OneThread
+
+    with OneThread():
+        yield

@@ -35,7 +35,7 @@ from pretrain.distributed.supervise import RunLock
 from pretrain.errors import ConfigError, DataError
 from pretrain.recipe.config import CheckpointConfig
 from pretrain.train.diagnostics import profile_schedule
-from tests.helpers import FAST, ROOT, RUN, TINY, check_ok, env, free_port, train
+from tests.helpers import FAST, ROOT, RUN, TINY, env, free_port, train, train_here
 
 # ---- the manifest -------------------------------------------------------------------------------------------
 
@@ -273,23 +273,25 @@ SMALL = [*FAST, "eval.batches=1", "eval.at_start=false", "checkpoint.save_final_
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
 def test_a_damaged_newest_checkpoint_falls_back_and_a_damaged_only_one_stops(tmp_path):
     """Bit-flipped and truncated model.safetensors of the newest checkpoint: each run resumes from the previous
     one with a warning naming the file; with only the damaged checkpoint the run exits 2."""
     args = [*SMALL, "train.max_steps=6", "checkpoint.every_steps=3"]
     base = tmp_path / "base"
-    check_ok(train([*args, f"output_dir={base}"], timeout=600))
+    # The runs that succeed train in this process (what run.py runs, seconds instead of an interpreter start
+    # each); the refusal's exit code and message are the entry point's, so that run is a subprocess.
+    train_here([*args, f"output_dir={base}"])
     assert (base / "checkpoints" / "step_00000006" / MANIFEST_FILE).is_file()
     for damage in ("flip", "truncate"):
         run = tmp_path / damage
         shutil.copytree(base, run)
         weights = run / "checkpoints" / "step_00000006" / "model.safetensors"
         _flip(weights) if damage == "flip" else os.truncate(weights, weights.stat().st_size // 2)
-        proc = train([*args, f"output_dir={run}"], timeout=600)
-        check_ok(proc)
-        warning = next(line for line in proc.stdout.splitlines() if line.startswith("warning: checkpoint"))
+        _, _, console = train_here([*args, f"output_dir={run}"])
+        warning = next(line for line in console.splitlines() if line.startswith("warning: checkpoint"))
         assert f"checkpoint {run / 'checkpoints' / 'step_00000006'} is damaged (" in warning and str(weights) in warning
-        assert f"resume: continuing from {run / 'checkpoints' / 'step_00000003'} at step 3" in proc.stdout
+        assert f"resume: continuing from {run / 'checkpoints' / 'step_00000003'} at step 3" in console
         assert (run / "checkpoints" / ".damaged-step_00000006").is_dir()
         assert verify_all(run / "checkpoints" / "step_00000006") is None  # saved again, intact
         assert [m["step"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
@@ -364,8 +366,10 @@ def test_two_processes_profile_log_per_rank_step_times_and_a_stalled_rank_dumps_
     """One 2-process launch: steps 2-3 traced per rank (JSON), the per-rank step-time keys on every logging step,
     then rank 1 stalls before step 5: both ranks' stacks are dumped into output_dir/hang and the launch fails."""
     out = tmp_path / "run"
+    # A 5 s watchdog: over ten times a step (and a trace export) of this model, and the test waits it out (plus
+    # HANG_EXIT_GRACE_S) once rank 1 stalls.
     launcher = _launch("cpu_ddp.yaml", [*SMALL, "train.max_steps=8", f"output_dir={out}", "profile.start_step=2",
-                                        "runtime.hang_timeout_s=15"], extra_env={"PRETRAIN_TEST_STALL": "1:5"})
+                                        "runtime.hang_timeout_s=5"], extra_env={"PRETRAIN_TEST_STALL": "1:5"})
     try:
         output, _ = launcher.communicate(timeout=600)
     finally:
@@ -383,7 +387,7 @@ def test_two_processes_profile_log_per_rank_step_times_and_a_stalled_rank_dumps_
         assert 0 < m["perf/step_time_min_s"] <= m["perf/step_time_max_s"] and m["perf/step_time_slowest_rank"] in (0, 1)
     stacks = {rank: (out / "hang" / f"rank{rank}.txt").read_text() for rank in (0, 1)}
     for rank, text in stacks.items():
-        assert f"rank {rank} (host" in text and "runtime.hang_timeout_s = 15 s" in text and "most recent call first" in text
+        assert f"rank {rank} (host" in text and "runtime.hang_timeout_s = 5 s" in text and "most recent call first" in text
     assert "step_start" in stacks[1]  # the stalled rank sleeps in the test hook
     assert "step_time_metrics" in stacks[0] or "train_step" in stacks[0]  # the other waits for it in a collective
 

@@ -24,7 +24,7 @@ from tests.helpers import (
     make_recipe,
     metrics,
     recipe_data,
-    train,
+    train_here,
     train_killed_at,
     train_losses,
 )
@@ -231,12 +231,15 @@ def e2e_recipe(tmp_path: Path) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
 def test_mixture_run_one_and_two_processes_agree_and_kill_9_resumes_exactly(tmp_path):
     recipe = e2e_recipe(tmp_path)
     args = [*E2E, "train.max_steps=8"]
     single, double, killed = tmp_path / "single", tmp_path / "double", tmp_path / "killed"
-    check_ok(proc := train([*args, f"output_dir={single}"], recipe=recipe))
-    assert "data: 8 steps read json" in proc.stdout
+    # The one-process runs train in this process (what run.py runs, without an interpreter start each); the
+    # killed one is a real process, killed -9.
+    _, _, console = train_here([*args, f"output_dir={single}"], recipe=recipe)
+    assert "data: 8 steps read json" in console
     check_ok(accelerate_launch("cpu_ddp.yaml", [*args, "batch.micro_batch_size=2", f"output_dir={double}"],
                                recipe=recipe))
     one, two = train_losses(single), train_losses(double)
@@ -259,8 +262,8 @@ def test_mixture_run_one_and_two_processes_agree_and_kill_9_resumes_exactly(tmp_
     assert config["data/mixture/json/weight"] == 0.5 and json.loads(config["recipe/data/mixture"])[1]["name"] == "http"
 
     train_killed_at(args, 4, killed, recipe=recipe)
-    check_ok(again := train([*args, f"output_dir={killed}"], recipe=recipe))
-    assert "at step 4" in again.stdout
+    _, _, console = train_here([*args, f"output_dir={killed}"], recipe=recipe)
+    assert "at step 4" in console
     resumed = train_losses(killed)
     assert sorted(resumed) == list(range(1, 9))
     for step in range(5, 9):
@@ -268,14 +271,14 @@ def test_mixture_run_one_and_two_processes_agree_and_kill_9_resumes_exactly(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
 def test_on_exhausted_stop_ends_the_run_with_a_checkpoint_where_a_source_runs_out(tmp_path):
     out = tmp_path / "run"
     # 8 training rows per source; json's 4 rows per step run out after step 2.
-    proc = train([*E2E, "train.max_steps=6", "data.train_subset=8", "data.on_exhausted=stop", f"output_dir={out}"],
-                 recipe=e2e_recipe(tmp_path))
-    check_ok(proc)
-    assert "source 'json' has been read once after step 2: data.on_exhausted=stop ends the run there" in proc.stdout
-    assert "data: stopped after step 2/6: source 'json' has been read once" in proc.stdout
+    _, _, console = train_here([*E2E, "train.max_steps=6", "data.train_subset=8", "data.on_exhausted=stop",
+                                f"output_dir={out}"], recipe=e2e_recipe(tmp_path))
+    assert "source 'json' has been read once after step 2: data.on_exhausted=stop ends the run there" in console
+    assert "data: stopped after step 2/6: source 'json' has been read once" in console
     assert sorted(train_losses(out)) == [1, 2]
     assert (out / "checkpoints" / "step_00000002" / "trainer_state.json").exists()
     assert (out / "final_model").exists()

@@ -30,12 +30,14 @@ from tests.helpers import (
     FAST,
     ROOT,
     TINY,
+    OneThread,
     accelerate_launch,
     check_ok,
     free_port,
     metrics,
     run_cmd,
     train,
+    train_here,
 )
 
 DS2_W2 = Layout("deepspeed", 2, 2)
@@ -471,7 +473,9 @@ def ddp_resumes(tmp_path_factory):
     """The uninterrupted one-process run, and the resumes 1 -> 2 -> 3 and 2 -> 1 processes of its curve."""
     root = tmp_path_factory.mktemp("ddp_resume")
     runs, logs = {"1 process": root / "one"}, {}
-    check_ok(train([*DDP_ARGS, f"output_dir={runs['1 process']}"]))
+    # The one-process runs train in this process (what run.py runs on one process, without an interpreter start)
+    with OneThread():
+        train_here([*DDP_ARGS, f"output_dir={runs['1 process']}"])
     # The demo's one-process checkpoint under ZeRO-2: pretrain-launch refuses it before any process starts ...
     runs["1 -> 2 processes"] = root / "two"
     refused_cmd = [sys.executable, "-m", "pretrain.cli.launch", "--config_file", "accelerate_configs/zero2.yaml",
@@ -489,11 +493,14 @@ def ddp_resumes(tmp_path_factory):
     for name, num in [("2 -> 3 processes", 3), ("2 -> 1 process", 1)]:
         runs[name] = root / name.replace(" ", "").replace(">", "")
         resume = [*DDP_ARGS, f"output_dir={runs[name]}", f"checkpoint.resume={_step(runs['1 -> 2 processes'], 4)}"]
-        proc = (accelerate_launch("cpu_ddp.yaml", resume, extra=["--num_processes", str(num), "--main_process_port",
-                                                                 str(free_port())])
-                if num > 1 else train(resume))
-        check_ok(proc)
-        logs[name] = proc.stdout
+        if num > 1:
+            proc = accelerate_launch("cpu_ddp.yaml", resume, extra=["--num_processes", str(num), "--main_process_port",
+                                                                    str(free_port())])
+            check_ok(proc)
+            logs[name] = proc.stdout
+        else:
+            with OneThread():
+                logs[name] = train_here(resume)[2]
     return runs, logs, refused, refused_s, suggested
 
 

@@ -20,7 +20,7 @@ from pretrain.model.optim import build_scheduler, set_peak_lr
 from pretrain.recipe.config import StabilityConfig, load_recipe
 from pretrain.train.stability import LOSS_FACTORS_ENV, SkipPolicy
 from pretrain.train.tracking import JSONLTracker
-from tests.helpers import FAST, TINY, accelerate_launch, check_ok, metrics, train
+from tests.helpers import FAST, TINY, accelerate_launch, check_ok, metrics, train, train_here
 from tests.test_optim import _lrs  # every optimizer step's lr of a schedule
 
 # The command: the tiny recipe at tiny shapes.
@@ -188,6 +188,7 @@ def _finite_checkpoint(path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
 def test_diverging_run_skips_then_stops_naming_step_and_rule_with_finite_checkpoints(tmp_path):
     out = tmp_path / "nan"
     proc = train([*P, "checkpoint.every_steps=5", "optim.lr=1e6", f"output_dir={out}"])
@@ -207,22 +208,22 @@ def test_diverging_run_skips_then_stops_naming_step_and_rule_with_finite_checkpo
     for path in checkpoints:
         _finite_checkpoint(path)
     assert not (out / "final_model").exists()
-    # Resumable: the newest checkpoint loads and the run goes on (with the stop rule off it reaches the end).
-    proc = train([*P, "checkpoint.every_steps=5", "optim.lr=1e-3", "stability.max_consecutive_skips=0",
-                  f"output_dir={out}"])
-    check_ok(proc)
-    assert f"resume: continuing from {checkpoints[-1]}" in proc.stdout
+    # Resumable: the newest checkpoint loads and the run goes on (with the stop rule off it reaches the end). In
+    # this process: the exit codes and messages of the entry point are the first run's.
+    _, _, console = train_here([*P, "checkpoint.every_steps=5", "optim.lr=1e-3", "stability.max_consecutive_skips=0",
+                                f"output_dir={out}"])
+    assert f"resume: continuing from {checkpoints[-1]}" in console
     for path in sorted((out / "checkpoints").glob("step_*")):
         _finite_checkpoint(path)
 
 
 @pytest.mark.slow
-def test_an_injected_nan_at_step_7_of_20_is_skipped_and_training_goes_on(tmp_path):
+@pytest.mark.usefixtures("one_thread")
+def test_an_injected_nan_at_step_7_of_20_is_skipped_and_training_goes_on(tmp_path, monkeypatch):
     out = tmp_path / "run"
-    proc = train([*FAST, "train.max_steps=20", f"output_dir={out}"],
-                 extra_env={LOSS_FACTORS_ENV: "7:nan"})
-    check_ok(proc)
-    assert "step 7: update skipped by stability.skip_nonfinite: loss is nan (1 in a row, 1 in the run" in proc.stdout
+    monkeypatch.setenv(LOSS_FACTORS_ENV, "7:nan")  # read by the loop at each step: the run trains in this process
+    _, _, console = train_here([*FAST, "train.max_steps=20", f"output_dir={out}"])
+    assert "step 7: update skipped by stability.skip_nonfinite: loss is nan (1 in a row, 1 in the run" in console
     records = {r["step"]: r for r in metrics(out) if "train/loss" in r or "stability/skip_rule" in r}
     assert records[7]["stability/skip_rule"] == "stability.skip_nonfinite" and records[7]["train/loss"] is None
     # The schedule did not advance on the skipped step: step 8 uses the lr step 7 would have used.
@@ -234,12 +235,13 @@ def test_an_injected_nan_at_step_7_of_20_is_skipped_and_training_goes_on(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
 def test_a_resume_applies_a_new_lr_and_horizon_and_records_them(tmp_path):
     out = tmp_path / "run"
-    check_ok(train([*FAST, "train.max_steps=6", "checkpoint.every_steps=3", f"output_dir={out}"]))
-    proc = train([*FAST, "train.max_steps=10", "optim.lr=1e-3", f"output_dir={out}"])
-    check_ok(proc)
-    assert "resume: applying the recipe's optim.lr: 0.003 -> 0.001; train.max_steps: 6 -> 10" in proc.stdout
+    # The runs that train do so in this process; the refusal at the end is the entry point's (exit 2).
+    train_here([*FAST, "train.max_steps=6", "checkpoint.every_steps=3", f"output_dir={out}"])
+    _, _, console = train_here([*FAST, "train.max_steps=10", "optim.lr=1e-3", f"output_dir={out}"])
+    assert "resume: applying the recipe's optim.lr: 0.003 -> 0.001; train.max_steps: 6 -> 10" in console
     recipe = load_recipe(TINY, [*FAST, "train.max_steps=10", "optim.lr=1e-3"])
     expected = _lrs(recipe.lr_schedule, 10, 1e-3)
     logged = {r["step"]: r["train/lr"] for r in metrics(out) if "train/lr" in r}
@@ -262,12 +264,13 @@ def _corpus(directory: Path, names: list[str]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
 def test_a_resume_after_the_corpus_changed_is_refused_naming_the_change(tmp_path):
     corpus, out = tmp_path / "corpus", tmp_path / "run"
     _corpus(corpus, ["shutil", "tempfile", "argparse", "inspect"])
     args = [*FAST, f"data.source={corpus}", "data.tokenizer_vocab_size=512", "checkpoint.every_steps=2",
             f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={out}"]
-    check_ok(train([*args, "train.max_steps=2"]))
+    train_here([*args, "train.max_steps=2"])  # in this process; the refusal below is the entry point's (exit 2)
     stores = sorted((tmp_path / "cache" / "stores").iterdir())
     _corpus(corpus, ["typing"])
     proc = train([*args, "train.max_steps=4"])
@@ -278,7 +281,7 @@ def test_a_resume_after_the_corpus_changed_is_refused_naming_the_change(tmp_path
     assert "tokenizer bpe-512" in message and "a BPE trained on the changed files" in message
     assert sorted((tmp_path / "cache" / "stores").iterdir()) == stores  # refused before anything was built
     (corpus / "typing.txt").unlink()
-    check_ok(train([*args, "train.max_steps=4"]))  # the same data again: it resumes
+    train_here([*args, "train.max_steps=4"])  # the same data again: it resumes
 
 
 # ---- two processes -------------------------------------------------------------------------------------

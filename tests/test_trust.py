@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import socket
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from pretrain.checkpoint.integrity import read_manifest, record_own, verify_all,
 from pretrain.errors import ConfigError
 from pretrain.recipe.config import CheckpointConfig, load_recipe
 from pretrain.trust import FORCE_ENV, check_output_dir, weights_only
-from tests.helpers import FAST, ROOT, TINY, accelerate_launch, check_ok, run_cmd, train
+from tests.helpers import FAST, ROOT, TINY, accelerate_launch, check_ok, train
 
 
 class _Payload:
@@ -65,23 +64,35 @@ def checkpoints(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_crafted_optimizer_file_is_refused_by_resume_and_export_and_never_runs(checkpoints, layout, tmp_path):
+def test_a_crafted_optimizer_file_is_refused_by_resume_and_export_and_never_runs(checkpoints, layout, tmp_path,
+                                                                                  capsys, monkeypatch):
+    from pretrain.cli import export
+    from pretrain.cli import launch as launch_cli
+
     crafted = tmp_path / "crafted" / "step_00000002"
     shutil.copytree(checkpoints[layout], crafted)
     marker = tmp_path / "MARKER"
     rel = LAYOUTS[layout][1]
     _craft(crafted, rel, marker)
+    # pretrain-launch and pretrain-export run in this process (their exit code and stderr are main()'s); what
+    # pretrain.trust.enforce() sets in os.environ there is undone after the test (set then removed: recorded).
+    for name in (FORCE_ENV, "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"):
+        monkeypatch.setenv(name, "1")
+        monkeypatch.delenv(name)
+    launched = []
+    monkeypatch.setattr(launch_cli, "run_launcher", lambda argv, environment: launched.append(argv) or 0)
 
     resume = [*STEPS_ARGS, "train.max_steps=4", f"output_dir={tmp_path / 'run'}", f"checkpoint.resume={crafted}"]
     # pretrain-launch refuses it before any process starts: exit 2, the file named
-    proc = run_cmd([sys.executable, "-m", "pretrain.cli.launch", "--config_file",
-                    str(ROOT / "accelerate_configs" / LAYOUTS[layout][0]), "--num_processes", "2", "--recipe", TINY,
-                    *resume])
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert f"{crafted / rel} holds a pickle that names os.makedirs" in proc.stderr and "launch:" not in proc.stdout
+    code = launch_cli.main(["--config_file", str(ROOT / "accelerate_configs" / LAYOUTS[layout][0]), "--num_processes",
+                            "2", "--recipe", TINY, *resume])
+    out, err = capsys.readouterr()
+    assert code == 2 and "Traceback" not in err and launched == [], err[-3000:]
+    assert f"{crafted / rel} holds a pickle that names os.makedirs" in err and "launch:" not in out
     assert not marker.exists()
 
-    proc = accelerate_launch(LAYOUTS[layout][0], resume, extra=["--num_processes", "2"])
+    # launched as a user would (nothing of this process's enforce() inherited): the run's own checks refuse it
+    proc = accelerate_launch(LAYOUTS[layout][0], resume, extra=["--num_processes", "2"], extra_env={FORCE_ENV: None})
     # every rank refuses with exit 2 (torchrun's summary; accelerate launch itself then exits 1), one message
     assert proc.returncode != 0 and proc.stderr.count("exitcode  : 2") == 2, proc.stderr[-3000:]
     assert proc.stderr.count(f"rank 0 (host {socket.gethostname()}) {crafted / rel} holds a pickle that names "
@@ -89,9 +100,10 @@ def test_a_crafted_optimizer_file_is_refused_by_resume_and_export_and_never_runs
     assert "pretrain/" not in proc.stderr.split("error: cannot resume")[0]  # no traceback of pretrain's
     assert not marker.exists()
 
-    proc = run_cmd([sys.executable, "-m", "pretrain.cli.export", str(crafted), str(tmp_path / "exported")])
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert f"{crafted / rel} holds a pickle that names os.makedirs" in proc.stderr and "Traceback" not in proc.stderr
+    code = export.main([str(crafted), str(tmp_path / "exported")])
+    err = capsys.readouterr().err
+    assert code == 2, err[-3000:]
+    assert f"{crafted / rel} holds a pickle that names os.makedirs" in err and "Traceback" not in err
     assert not marker.exists() and not (tmp_path / "exported").exists()
 
 
