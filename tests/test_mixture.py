@@ -5,6 +5,7 @@ policy, and the errors a user sees. The end-to-end runs (1 vs 2 processes, kill 
 from __future__ import annotations
 
 import json
+import shutil
 from fractions import Fraction
 from pathlib import Path
 
@@ -381,3 +382,40 @@ def test_pretrain_data_which_names_the_documents_each_rank_trained_on(two_proces
     ):
         code, _, err = which(capsys, *args)
         assert code == 2 and message in err and "Traceback" not in err, (args, err)
+
+
+@pytest.mark.slow
+def test_pretrain_data_which_after_a_resume_on_another_world_size(two_process_run, tmp_path, capsys):
+    """The 2-process run as a resume at step 4 on 1 process (MBS 2 x GAS 4) leaves it: run_config.json with that
+    plan and resume/step 4, step 8's checkpoint written by it. Every step has the same sequences as before; steps
+    5-8 are split by the new layout, steps 1-4 (the checkpoints disagree on their layout) have no rank."""
+    out, _ = two_process_run
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copy(out / "recipe.resolved.yaml", resumed)
+    config = json.loads((out / "run_config.json").read_text())
+    config.update({"plan/world_size": 1, "plan/grad_accum_steps": 4, "dist/world_size": 1, "resume/step": 4,
+                   "resume/from": str(out / "checkpoints" / "step_00000004")})
+    (resumed / "run_config.json").write_text(json.dumps(config))
+    for step, world, gas in ((4, 2, 2), (8, 1, 4)):
+        state = json.loads((out / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").read_text())
+        assert state["plan"]["world_size"] == 2
+        state["plan"].update(world_size=world, grad_accum_steps=gas)
+        (resumed / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+        (resumed / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").write_text(json.dumps(state))
+
+    def rows(run: Path, step: int) -> tuple[list, set]:
+        code, text, err = which(capsys, "--run", str(run), "--step", str(step), "--json")
+        assert code == 0, err
+        answer = json.loads(text)
+        return answer, {(s["source"], s["row"]) for s in answer}
+
+    for step in (3, 6):
+        before, after = rows(out, step), rows(resumed, step)
+        assert after[1] == before[1] and len(after[0]) == 8  # the same global batch on any world size
+    assert {(s["rank"], s["micro"]) for s in rows(resumed, 6)[0]} == {(0, m) for m in range(4)}
+    assert {(s["rank"], s["micro"]) for s in rows(resumed, 3)[0]} == {(None, None)}
+    code, _, err = which(capsys, "--run", str(resumed), "--step", "3", "--rank", "0")
+    assert code == 2 and "ran before the resume at step 4" in err and "drop --rank and --micro" in err
+    code, text, _ = which(capsys, "--run", str(resumed), "--step", "3")
+    assert code == 0 and text.splitlines()[2].split()[0] == "?"

@@ -31,7 +31,7 @@ from pretrain.data.provenance import document_rows, row_spans
 from pretrain.errors import ConfigError, DataError
 from pretrain.recipe.batching import BatchPlan
 from pretrain.recipe.config import Recipe, load_recipe
-from pretrain.train.loader import RankBatchSampler, build_train_loader
+from pretrain.train.loader import RankBatchSampler, build_train_loader, data_horizon
 
 RESOLVED_RECIPE = "recipe.resolved.yaml"
 PREVIEW_CHARS = 60
@@ -80,6 +80,9 @@ class RunData:
         self.early_plan, self.resume_step = early_plan, resume_step
         # The run's own construction of the loader: the dataset it reads and the order behind its batch sampler.
         loader, self.order = build_train_loader(data, recipe.data, plan, 0, recipe.train.seed, 0, pin_memory=False)
+        # data.on_exhausted=stop ends a run before its horizon, at the step training itself computes
+        stop_step, _ = data_horizon(self.order, num_steps, recipe.data.on_exhausted)
+        self.num_steps = stop_step if stop_step is not None else num_steps
         self.dataset = loader.dataset
         if isinstance(data, MixtureData):
             self.names, self.parts, self.offsets = data.train.names, data.train.parts, data.train.offsets
@@ -112,8 +115,9 @@ class RunData:
 
     def check_step(self, step: int) -> None:
         if not 1 <= step <= self.num_steps:
-            raise ConfigError(f"--step {step}: the run {self.run_dir} has steps 1..{self.num_steps} (its horizon, "
-                              "train.max_steps or max_tokens); pass a step in that range")
+            raise ConfigError(f"--step {step}: the run {self.run_dir} has steps 1..{self.num_steps} (its horizon: "
+                              "train.max_steps or max_tokens, or where data.on_exhausted=stop ends it); pass a step "
+                              "in that range")
 
     def sequences(self, step: int, rank: int | None = None, micro: int | None = None,
                   with_tokens: bool = False) -> list[Sequence]:
