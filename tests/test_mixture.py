@@ -419,3 +419,11 @@ def test_pretrain_data_which_after_a_resume_on_another_world_size(two_process_ru
     assert code == 2 and "ran before the resume at step 4" in err and "drop --rank and --micro" in err
     code, text, _ = which(capsys, "--run", str(resumed), "--step", "3")
     assert code == 0 and text.splitlines()[2].split()[0] == "?"
+
+    # Stores that no longer hold what the run trained on (another content digest than its newest checkpoint's)
+    state_file = resumed / "checkpoints" / "step_00000008" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state["data"]["mixture:http"]["content"] = "0" * 16
+    state_file.write_text(json.dumps(state))
+    code, _, err = which(capsys, "--run", str(resumed), "--step", "3")
+    assert code == 2 and "not the data the run trained on (step_00000008)" in err and "holds other tokens" in err

@@ -19,6 +19,10 @@ def _documents(sequence, only: tuple[str, int] | None = None) -> str:
                     if only is None or (s.file, s.document) == only)
 
 
+def _one_line(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)  # quoted, newlines and tabs escaped
+
+
 def _where(sequence) -> str:
     if sequence.rank is None:
         return f"step {sequence.step} (rank ?)"
@@ -45,7 +49,7 @@ def which(args: argparse.Namespace) -> int:
         print(f"  {'rank/micro':>10} {'#':>3}  {'source:row':<18} documents  \"preview\"")
         for s in sequences:
             rank = "?" if s.rank is None else f"{s.rank}/{s.micro}"
-            print(f"  {rank:>10} {s.position:>3}  {f'{s.source}:{s.row}':<18} {_documents(s)}  \"{s.preview}\"")
+            print(f"  {rank:>10} {s.position:>3}  {f'{s.source}:{s.row}':<18} {_documents(s)}  {_one_line(s.preview)}")
         return 0
     rows, reads = run.document_reads(args.document)
     if args.json:

@@ -17,7 +17,6 @@ steps are listed without rank and micro-step, and asking for a rank or micro-ste
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ import numpy as np
 
 from pretrain.checkpoint import rundir
 from pretrain.data import MixtureData, PackedData, open_store
-from pretrain.data.mixture import SINGLE, MixtureRows
+from pretrain.data.mixture import SINGLE, MixtureRows, data_changes, data_identity
 from pretrain.data.provenance import document_rows, row_spans
 from pretrain.errors import ConfigError, DataError
 from pretrain.recipe.batching import BatchPlan
@@ -50,7 +49,7 @@ class Sequence:
     source: str  # the mixture source's name; "data" for a single source
     row: int  # the row of that source's training split
     spans: list  # provenance.Span: the documents the row holds, in order
-    preview: str = ""
+    preview: str = ""  # the first PREVIEW_CHARS characters of the decoded row
     tokens: Any = field(default=None, repr=False)  # the row's seq_len + 1 token ids, as the loader reads them
 
     def to_dict(self) -> dict[str, Any]:
@@ -105,7 +104,9 @@ class RunData:
         plan = _plan(config, str(run_dir / rundir.RUN_CONFIG_FILE))
         num_steps = int(config.get("train/num_steps") or 0)
         early_plan, resume_step = _early_plan(run_dir, config, plan)
-        return cls(run_dir, recipe, plan, num_steps, _open_stores(recipe, config), early_plan, resume_step)
+        data = _open_stores(recipe, config)
+        _check_trained_on(run_dir, data)
+        return cls(run_dir, recipe, plan, num_steps, data, early_plan, resume_step)
 
     # ---- step -> sequences --------------------------------------------------------------------------------
 
@@ -148,9 +149,8 @@ class RunData:
         row = index - int(self.offsets[source])
         tokens = self.dataset[index]
         text = self.tokenizer.decode(tokens[:PREVIEW_TOKENS].tolist())
-        preview = json.dumps(text[:PREVIEW_CHARS], ensure_ascii=False)[1:-1]  # one line: newlines escaped
         return Sequence(step, rank, micro, position, self.names[source], row, row_spans(self.parts[source], row),
-                        preview, tokens if with_tokens else None)
+                        text[:PREVIEW_CHARS], tokens if with_tokens else None)
 
     # ---- document -> steps --------------------------------------------------------------------------------
 
@@ -192,6 +192,22 @@ def _early_plan(run_dir: Path, config: dict[str, Any], plan: BatchPlan) -> tuple
         saved = (rundir.read_state(checkpoint) or {}).get("plan") or {}
         layouts.add(tuple(saved.get(k) for k in ("world_size", "micro_batch_size", "grad_accum_steps")))
     return (plan if layouts <= {_layout(plan)} else None), resume_step
+
+
+def _check_trained_on(run_dir: Path, data: PackedData | MixtureData) -> None:
+    """The stores opened hold the tokens the run trained on (its newest checkpoint's data identity: shard
+    checksums), else the answer would name other documents: one ConfigError. A run without a checkpoint yet
+    has nothing to compare with."""
+    checkpoint = rundir.latest_checkpoint(run_dir)
+    saved = (rundir.read_state(checkpoint) or {}).get("data") if checkpoint else None
+    if not saved:
+        return
+    opened = data_identity(data)
+    changes = data_changes(saved, {name: (identity, None) for name, identity in opened.items()}, opened)
+    if changes:
+        raise ConfigError(f"the token store(s) {run_dir / rundir.RUN_CONFIG_FILE} names are not the data the run "
+                          f"trained on ({checkpoint.name}): {'; '.join(changes)}. The lookup reads the stores the run "
+                          "read: restore them at those paths")
 
 
 def _open_stores(recipe: Recipe, config: dict[str, Any]) -> PackedData | MixtureData:
