@@ -39,7 +39,7 @@ PLAN_KEYS = ("global_batch_size", "micro_batch_size", "grad_accum_steps", "world
 
 
 @dataclass
-class Sequence:
+class SequenceRead:
     """One sequence of a global batch: where it sits in the step and where its tokens come from."""
 
     step: int
@@ -61,7 +61,7 @@ class Sequence:
 def _plan(config: dict[str, Any], where: str) -> BatchPlan:
     try:
         return BatchPlan(**{k: int(config[f"plan/{k}"]) for k in PLAN_KEYS})
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, AssertionError):  # AssertionError: GBS != MBS x GAS x world
         raise ConfigError(f"{where} does not record the run's batch plan (plan/...); it was not written by this "
                           "version of pretrain: rerun the run's command to rewrite it") from None
 
@@ -121,7 +121,7 @@ class RunData:
                               "in that range")
 
     def sequences(self, step: int, rank: int | None = None, micro: int | None = None,
-                  with_tokens: bool = False) -> list[Sequence]:
+                  with_tokens: bool = False) -> list[SequenceRead]:
         """Every sequence of optimizer step ``step`` (1-based), narrowed to a rank and/or micro-step."""
         self.check_step(step)
         plan = self.plan_at(step)
@@ -144,17 +144,17 @@ class RunData:
                 out += [self._sequence(step, r, m, p, i, with_tokens) for p, i in enumerate(micro_batches[m])]
         return out
 
-    def _sequence(self, step: int, rank, micro, position: int, index: int, with_tokens: bool) -> Sequence:
+    def _sequence(self, step: int, rank, micro, position: int, index: int, with_tokens: bool) -> SequenceRead:
         source = int(np.searchsorted(self.offsets, index, side="right")) - 1
         row = index - int(self.offsets[source])
         tokens = self.dataset[index]
         text = self.tokenizer.decode(tokens[:PREVIEW_TOKENS].tolist())
-        return Sequence(step, rank, micro, position, self.names[source], row, row_spans(self.parts[source], row),
+        return SequenceRead(step, rank, micro, position, self.names[source], row, row_spans(self.parts[source], row),
                         text[:PREVIEW_CHARS], tokens if with_tokens else None)
 
     # ---- document -> steps --------------------------------------------------------------------------------
 
-    def document_reads(self, document: str) -> tuple[range, list[Sequence]]:
+    def document_reads(self, document: str) -> tuple[range, list[SequenceRead]]:
         """(The rows of its source that hold the document ``SOURCE:FILE:INDEX``, every read of them in steps
         1..num_steps.) Scans the run's steps through the order, so it costs one global batch per step."""
         source, file, index = parse_document(document, self.names)
