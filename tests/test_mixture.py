@@ -5,6 +5,7 @@ policy, and the errors a user sees. The end-to-end runs (1 vs 2 processes, kill 
 from __future__ import annotations
 
 import json
+import shutil
 from fractions import Fraction
 from pathlib import Path
 
@@ -230,18 +231,29 @@ def e2e_recipe(tmp_path: Path) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory) -> tuple[Path, Path]:
+    """(run directory, recorded batches) of 8 steps of the e2e mixture on 2 DDP processes, MBS 2 x GAS 2: every
+    micro-batch each rank trained on is written down by tests/record_batches_run.py."""
+    base = tmp_path_factory.mktemp("two_process_mixture")
+    out, recorded = base / "run", base / "recorded"
+    check_ok(accelerate_launch("cpu_ddp.yaml", [*E2E, "train.max_steps=8", "batch.micro_batch_size=2",
+                                                f"output_dir={out}"], recipe=e2e_recipe(base),
+                               script=[str(Path(__file__).parent / "record_batches_run.py"), str(recorded)]))
+    return out, recorded
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")
-def test_mixture_run_one_and_two_processes_agree_and_kill_9_resumes_exactly(tmp_path):
+def test_mixture_run_one_and_two_processes_agree_and_kill_9_resumes_exactly(tmp_path, two_process_run):
     recipe = e2e_recipe(tmp_path)
     args = [*E2E, "train.max_steps=8"]
-    single, double, killed = tmp_path / "single", tmp_path / "double", tmp_path / "killed"
+    single, killed = tmp_path / "single", tmp_path / "killed"
+    double = two_process_run[0]
     # The one-process runs train in this process (what run.py runs, without an interpreter start each); the
     # killed one is a real process, killed -9.
     _, _, console = train_here([*args, f"output_dir={single}"], recipe=recipe)
     assert "data: 8 steps read json" in console
-    check_ok(accelerate_launch("cpu_ddp.yaml", [*args, "batch.micro_batch_size=2", f"output_dir={double}"],
-                               recipe=recipe))
     one, two = train_losses(single), train_losses(double)
     assert sorted(one) == sorted(two) == list(range(1, 9))
     for step in one:
@@ -298,3 +310,123 @@ def test_a_tokenizer_moved_to_another_path_is_the_same_data_but_another_one_is_n
     changed = data_changes(saved, {SINGLE: (identity("/old/place/tokenizer.json", "0badc0de"), None)})
     assert changed == ["data.source: tokenizer /old/place/tokenizer.json (identity 5877271f) -> "
                        "/old/place/tokenizer.json (identity 0badc0de)"]
+
+
+# ---- pretrain-data which on the 2-process run ----------------------------------------------------------
+
+
+def store_tokens(store: Path, span: dict) -> list[int]:
+    """A document's tokens [start, stop) read straight from a store's files (the .ds and its .ds.index)."""
+    manifest = json.loads((store / "manifest.json").read_text())
+    dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
+    tokens = np.fromfile(store / "shards" / span["file"], dtype=dtype)
+    ends = np.fromfile(store / "shards" / f"{span['file']}.index", dtype="<u8")
+    begin = int(ends[span["document"] - 1]) if span["document"] else 0
+    assert int(ends[span["document"]]) - begin == span["document_tokens"]
+    return tokens[begin + span["start"] : begin + span["stop"]].astype(np.int64).tolist()
+
+
+def which(capsys, *args: str) -> tuple[int, str, str]:
+    from pretrain.cli.data import main
+
+    code = main(["which", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.slow
+def test_pretrain_data_which_names_the_documents_each_rank_trained_on(two_process_run, capsys):
+    out, recorded = two_process_run
+    trained = {}  # (step, rank, micro) -> the rows that rank took from its loader
+    for rank in (0, 1):
+        for line in (recorded / f"rank{rank}.jsonl").read_text().splitlines():
+            batch = json.loads(line)
+            trained[batch["step"], rank, batch["micro"]] = batch["rows"]
+    assert sorted({k[0] for k in trained}) == list(range(1, 9)) and len(trained) == 8 * 2 * 2
+    config = json.loads((out / "run_config.json").read_text())
+    stores = {name: Path(config[f"data/mixture/{name}/cache_dir"]) for name in ("json", "http", "concurrent")}
+
+    for step in (1, 5, 8):
+        code, text, _ = which(capsys, "--run", str(out), "--step", str(step), "--json")
+        assert code == 0
+        sequences = json.loads(text)
+        assert len(sequences) == 8 and {(s["rank"], s["micro"]) for s in sequences} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+        for s in sequences:  # the named documents' tokens, read back from the store, are the ids the rank trained on
+            ids = [t for span in s["documents"] for t in store_tokens(stores[s["source"]], span)]
+            assert ids == trained[step, s["rank"], s["micro"]][s["position"]], (step, s)
+        assert {s["source"] for s in sequences} == {"json", "http", "concurrent"}  # 4 / 2.4 / 1.6 rows a step
+
+    code, text, _ = which(capsys, "--run", str(out), "--step", "5", "--rank", "1", "--micro", "0")
+    assert code == 0
+    lines = text.splitlines()
+    assert lines[0].startswith("step 5 of ") and "2 of 8 sequences of 65 tokens" in lines[0] and len(lines) == 4
+    assert all(line.split()[0] == "1/0" and ".train.ds:" in line for line in lines[2:])
+
+    # The reverse: a document consumed at step 5 is listed with every read of it, step 5 (rank 1, micro 0) among them.
+    step5 = json.loads(which(capsys, "--run", str(out), "--step", "5", "--rank", "1", "--micro", "0", "--json")[1])
+    first = step5[0]
+    span = first["documents"][0]
+    document = f"{first['source']}:{span['file']}:{span['document']}"
+    code, text, _ = which(capsys, "--run", str(out), "--document", document, "--json")
+    assert code == 0
+    reads = json.loads(text)["reads"]
+    assert any((r["step"], r["rank"], r["micro"], r["position"], r["row"]) == (5, 1, 0, 0, first["row"]) for r in reads)
+    for r in reads:  # each read holds a part of that document, and the rank really trained on that row
+        assert any((d["file"], d["document"]) == (span["file"], span["document"]) for d in r["documents"])
+        ids = [t for d in r["documents"] for t in store_tokens(stores[r["source"]], d)]
+        assert ids == trained[r["step"], r["rank"], r["micro"]][r["position"]]
+
+    for args, message in (
+        (["--run", str(out / "nope"), "--step", "1"], "no run directory at"),
+        (["--run", str(out), "--step", "9"], "has steps 1..8"),
+        (["--run", str(out), "--step", "2", "--rank", "2"], "pass --rank from 0 to 1"),
+        (["--run", str(out), "--document", "web:00000.train.ds:0"], "its sources are json, http, concurrent"),
+        (["--run", str(out), "--document", f"json:{span['file']}:100000"], "there is no document 100000"),
+    ):
+        code, _, err = which(capsys, *args)
+        assert code == 2 and message in err and "Traceback" not in err, (args, err)
+
+
+@pytest.mark.slow
+def test_pretrain_data_which_after_a_resume_on_another_world_size(two_process_run, tmp_path, capsys):
+    """The 2-process run as a resume at step 4 on 1 process (MBS 2 x GAS 4) leaves it: run_config.json with that
+    plan and resume/step 4, step 8's checkpoint written by it. Every step has the same sequences as before; steps
+    5-8 are split by the new layout, steps 1-4 (the checkpoints disagree on their layout) have no rank."""
+    out, _ = two_process_run
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copy(out / "recipe.resolved.yaml", resumed)
+    config = json.loads((out / "run_config.json").read_text())
+    config.update({"plan/world_size": 1, "plan/grad_accum_steps": 4, "dist/world_size": 1, "resume/step": 4,
+                   "resume/from": str(out / "checkpoints" / "step_00000004")})
+    (resumed / "run_config.json").write_text(json.dumps(config))
+    for step, world, gas in ((4, 2, 2), (8, 1, 4)):
+        state = json.loads((out / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").read_text())
+        assert state["plan"]["world_size"] == 2
+        state["plan"].update(world_size=world, grad_accum_steps=gas)
+        (resumed / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+        (resumed / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").write_text(json.dumps(state))
+
+    def rows(run: Path, step: int) -> tuple[list, set]:
+        code, text, err = which(capsys, "--run", str(run), "--step", str(step), "--json")
+        assert code == 0, err
+        answer = json.loads(text)
+        return answer, {(s["source"], s["row"]) for s in answer}
+
+    for step in (3, 6):
+        before, after = rows(out, step), rows(resumed, step)
+        assert after[1] == before[1] and len(after[0]) == 8  # the same global batch on any world size
+    assert {(s["rank"], s["micro"]) for s in rows(resumed, 6)[0]} == {(0, m) for m in range(4)}
+    assert {(s["rank"], s["micro"]) for s in rows(resumed, 3)[0]} == {(None, None)}
+    code, _, err = which(capsys, "--run", str(resumed), "--step", "3", "--rank", "0")
+    assert code == 2 and "ran before the resume at step 4" in err and "drop --rank and --micro" in err
+    code, text, _ = which(capsys, "--run", str(resumed), "--step", "3")
+    assert code == 0 and text.splitlines()[2].split()[0] == "?"
+
+    # Stores that no longer hold what the run trained on (another content digest than its newest checkpoint's)
+    state_file = resumed / "checkpoints" / "step_00000008" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state["data"]["mixture:http"]["content"] = "0" * 16
+    state_file.write_text(json.dumps(state))
+    code, _, err = which(capsys, "--run", str(resumed), "--step", "3")
+    assert code == 2 and "not the data the run trained on (step_00000008)" in err and "holds other tokens" in err

@@ -59,6 +59,10 @@ SKIPPED = {
     "pretrain-prepare-data --recipe recipes/7b.yaml": "tokenizes FineWeb from the hub (network, hours)",
     "pretrain-export runs/tiny/checkpoints/step_00000200": "needs the demo's checkpoint at step 200",
     "pretrain-plot runs/tiny": "needs the demo's metrics.jsonl",
+    "pretrain-launch --config_file accelerate_configs/cpu_ddp.yaml --recipe recipes/mixture-tiny.yaml":
+        "a 2-process training (a minute); tests/test_mixture.py runs a 2-process mixture",
+    "pretrain-data which --run runs/mixture-tiny": "needs that run; tests/test_mixture.py runs pretrain-data which on "
+                                                   "a 2-process mixture run",
     "pretrain-sweep --recipe recipes/tiny.yaml": "measures real runs per MBS (minutes; machine-dependent numbers)",
     "pretrain-bench --recipe recipes/tiny.yaml": "times training steps (a minute)",
     "pretrain-slurm submit --recipe recipes/7b.yaml --accelerate-config accelerate_configs/zero3.yaml "

@@ -27,6 +27,7 @@ COMMANDS = {
     "slurm": ("pretrain.cli.slurm", "submit to SLURM with preemption-safe auto-resume; show a run's jobs"),
     "bench": ("pretrain.cli.bench", "time the training loop against a minimal accelerate loop"),
     "doctor": ("pretrain.cli.doctor", "check every rank of a launch (compute, memory, collectives, output_dir)"),
+    "data": ("pretrain.cli.data", "which data a run read at a step, and which steps read a document"),
     "export": ("pretrain.cli.export", "write any checkpoint as a transformers model and tokenizer (CPU)"),
 }
 

@@ -1,0 +1,93 @@
+"""pretrain-data which: the data a run read at an optimizer step, or the steps that read a document.
+
+    pretrain-data which --run runs/tiny --step 40 [--rank R] [--micro M] [--json]
+    pretrain-data which --run runs/tiny --document json:00000.train.ds:12 [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pretrain.cli.options import count
+from pretrain.errors import EXIT_USAGE, ConfigError
+
+
+def _documents(sequence, only: tuple[str, int] | None = None) -> str:
+    return " ".join(f"{s.file}:{s.document}[{s.start}:{s.stop}/{s.document_tokens}]" for s in sequence.spans
+                    if only is None or (s.file, s.document) == only)
+
+
+def _one_line(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)  # quoted, newlines and tabs escaped
+
+
+def _where(sequence) -> str:
+    if sequence.rank is None:
+        return f"step {sequence.step} (rank ?)"
+    return f"step {sequence.step} rank {sequence.rank} micro {sequence.micro}"
+
+
+def which(args: argparse.Namespace) -> int:
+    from pretrain.train.data_lookup import RunData  # torch and transformers: after the arguments are read
+
+    if (args.step is None) == (args.document is None):
+        raise ConfigError("pretrain-data which takes one of --step N or --document SOURCE:FILE:INDEX")
+    if args.document is not None and (args.rank is not None or args.micro is not None):
+        raise ConfigError("--rank and --micro narrow --step; --document lists every rank and micro-step")
+    run = RunData.open(args.run)
+    if args.step is not None:
+        sequences = run.sequences(args.step, args.rank, args.micro)
+        if args.json:
+            print(json.dumps([s.to_dict() for s in sequences], indent=1))
+            return 0
+        p = run.plan_at(args.step) or run.plan
+        print(f"step {args.step} of {args.run}: {len(sequences)} of {p.global_batch_size} sequences of "
+              f"{p.seq_len + 1} tokens (seed {run.recipe.train.seed}; rank/micro: world {p.world_size}, "
+              f"MBS {p.micro_batch_size}, GAS {p.grad_accum_steps}); documents as FILE:INDEX[start:stop/length]")
+        print(f"  {'rank/micro':>10} {'#':>3}  {'source:row':<18} documents  \"preview\"")
+        for s in sequences:
+            rank = "?" if s.rank is None else f"{s.rank}/{s.micro}"
+            print(f"  {rank:>10} {s.position:>3}  {f'{s.source}:{s.row}':<18} {_documents(s)}  {_one_line(s.preview)}")
+        return 0
+    rows, reads = run.document_reads(args.document)
+    if args.json:
+        print(json.dumps({"document": args.document, "rows": [rows.start, rows.stop],
+                          "reads": [s.to_dict() for s in reads]}, indent=1))
+        return 0
+    if not rows:
+        print(f"{args.document}: in no row of its source (tokens past the last whole row are never read)")
+        return 0
+    print(f"{args.document}: rows {rows.start}..{rows.stop - 1} of its source; read {len(reads)} time(s) in steps "
+          f"1..{run.num_steps}")
+    _, file, index = args.document.rsplit(":", 2)
+    for s in reads:
+        print(f"  {_where(s)} #{s.position}: row {s.row} {_documents(s, (file, int(index)))}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pretrain-data", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    w = commands.add_parser("which", help="the data of an optimizer step, or the steps that read a document",
+                            description="Where each sequence of an optimizer step came from (source, store file, "
+                            "document, token offsets, a preview), or every step that read a document. Reads the "
+                            "run directory and the token stores it names; nothing is trained or loaded on a GPU.")
+    w.add_argument("--run", required=True, help="the run's output_dir (holds run_config.json, recipe.resolved.yaml)")
+    w.add_argument("--step", type=count(), help="optimizer step, numbered as in metrics.jsonl (1 = the first)")
+    w.add_argument("--rank", type=count(0), help="only this process's micro-batches")
+    w.add_argument("--micro", type=count(0), help="only this micro-step (0 .. GAS - 1)")
+    w.add_argument("--document", metavar="SOURCE:FILE:INDEX",
+                   help="list the steps that read any token of this document (a single source is named 'data')")
+    w.add_argument("--json", action="store_true", help="print JSON for scripts")
+    args = parser.parse_args(argv)
+    try:
+        return which(args)
+    except ConfigError as exc:  # DataError is one: a store gone or damaged
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

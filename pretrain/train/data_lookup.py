@@ -1,0 +1,231 @@
+"""Which data a run read at an optimizer step, and at which steps it read a document (``pretrain-data which``).
+
+The answer comes from the run directory alone: ``recipe.resolved.yaml`` (seed, data section, mixture),
+``run_config.json`` (the batch plan, the horizon, each store's path, the latest resume) and the token stores
+those paths name. The order is not recomputed here: ``build_train_loader`` builds the same sample order and
+rank slices (``RankBatchSampler``) and the same dataset the run's loader read, so the lookup cannot drift from
+training. Steps are numbered as in metrics.jsonl: step N is the N-th optimizer step, which reads global batch
+N - 1 of the order.
+
+World size. A resume keeps the global batch size, the seed and the data (a change is refused), so the sequences
+of every step are the same on any world size; only how they were split over ranks and micro-steps depends on the
+layout of the launch that ran the step. ``run_config.json`` holds the latest launch's plan: steps after its
+resume (all steps of a run never resumed) are split as it says. For earlier steps the split is given when every
+checkpoint left in the run directory (each records the plan that wrote it) has the same layout; otherwise those
+steps are listed without rank and micro-step, and asking for a rank or micro-step there is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pretrain.checkpoint import rundir
+from pretrain.data import MixtureData, PackedData, open_store
+from pretrain.data.mixture import SINGLE, MixtureRows, data_changes, data_identity
+from pretrain.data.provenance import document_rows, row_spans
+from pretrain.errors import ConfigError, DataError
+from pretrain.recipe.batching import BatchPlan
+from pretrain.recipe.config import Recipe, load_recipe
+from pretrain.train.loader import RankBatchSampler, build_train_loader, data_horizon
+
+RESOLVED_RECIPE = "recipe.resolved.yaml"
+PREVIEW_CHARS = 60
+PREVIEW_TOKENS = 64  # decoded for the preview: ~60 characters of text need far fewer tokens
+PLAN_KEYS = ("global_batch_size", "micro_batch_size", "grad_accum_steps", "world_size", "seq_len")
+
+
+@dataclass
+class SequenceRead:
+    """One sequence of a global batch: where it sits in the step and where its tokens come from."""
+
+    step: int
+    rank: int | None  # None: the layout that ran this step is not known (see the module docstring)
+    micro: int | None
+    position: int  # within the micro-batch (or, rank None, within the global batch)
+    source: str  # the mixture source's name; "data" for a single source
+    row: int  # the row of that source's training split
+    spans: list  # provenance.Span: the documents the row holds, in order
+    preview: str = ""  # the first PREVIEW_CHARS characters of the decoded row
+    tokens: Any = field(default=None, repr=False)  # the row's seq_len + 1 token ids, as the loader reads them
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "rank": self.rank, "micro": self.micro, "position": self.position,
+                "source": self.source, "row": self.row, "documents": [s.to_dict() for s in self.spans],
+                "preview": self.preview}
+
+
+def _plan(config: dict[str, Any], where: str) -> BatchPlan:
+    try:
+        return BatchPlan(**{k: int(config[f"plan/{k}"]) for k in PLAN_KEYS})
+    except (KeyError, TypeError, ValueError, AssertionError):  # AssertionError: GBS != MBS x GAS x world
+        raise ConfigError(f"{where} does not record the run's batch plan (plan/...); it was not written by this "
+                          "version of pretrain: rerun the run's command to rewrite it") from None
+
+
+def _layout(plan: BatchPlan) -> tuple[int, int, int]:
+    return plan.world_size, plan.micro_batch_size, plan.grad_accum_steps
+
+
+class RunData:
+    """A run's training data as its loader reads it: opened from the run directory (``RunData.open``)."""
+
+    def __init__(self, run_dir: Path, recipe: Recipe, plan: BatchPlan, num_steps: int, data: PackedData | MixtureData,
+                 early_plan: BatchPlan | None, resume_step: int):
+        self.run_dir, self.recipe, self.plan, self.num_steps, self.data = run_dir, recipe, plan, num_steps, data
+        self.early_plan, self.resume_step = early_plan, resume_step
+        # The run's own construction of the loader: the dataset it reads and the order behind its batch sampler.
+        loader, self.order = build_train_loader(data, recipe.data, plan, 0, recipe.train.seed, 0, pin_memory=False)
+        # data.on_exhausted=stop ends a run before its horizon, at the step training itself computes
+        stop_step, _ = data_horizon(self.order, num_steps, recipe.data.on_exhausted)
+        self.num_steps = stop_step if stop_step is not None else num_steps
+        self.dataset = loader.dataset
+        if isinstance(data, MixtureData):
+            self.names, self.parts, self.offsets = data.train.names, data.train.parts, data.train.offsets
+        else:
+            self.names, self.parts, self.offsets = [SINGLE], [data.train], np.array([0, len(data.train)])
+        self.tokenizer = data.tokenizer
+
+    @classmethod
+    def open(cls, run_dir: str | Path) -> RunData:
+        run_dir = Path(run_dir)
+        fix = ("pass --run the output_dir of a run (it holds run_config.json and recipe.resolved.yaml, written when "
+               "the run starts)")
+        if not run_dir.is_dir():
+            raise ConfigError(f"no run directory at {run_dir}; {fix}")
+        config = rundir.read_run_config(run_dir)
+        if config is None or not (run_dir / RESOLVED_RECIPE).is_file():
+            missing = rundir.RUN_CONFIG_FILE if config is None else RESOLVED_RECIPE
+            raise ConfigError(f"{run_dir} is not a run directory: no readable {missing}; {fix}")
+        recipe = load_recipe(run_dir / RESOLVED_RECIPE)
+        plan = _plan(config, str(run_dir / rundir.RUN_CONFIG_FILE))
+        num_steps = int(config.get("train/num_steps") or 0)
+        early_plan, resume_step = _early_plan(run_dir, config, plan)
+        data = _open_stores(recipe, config)
+        _check_trained_on(run_dir, data)
+        return cls(run_dir, recipe, plan, num_steps, data, early_plan, resume_step)
+
+    # ---- step -> sequences --------------------------------------------------------------------------------
+
+    def plan_at(self, step: int) -> BatchPlan | None:
+        """The plan whose launch ran ``step`` (1-based), or None where the run directory does not say."""
+        return self.plan if step > self.resume_step else self.early_plan
+
+    def check_step(self, step: int) -> None:
+        if not 1 <= step <= self.num_steps:
+            raise ConfigError(f"--step {step}: the run {self.run_dir} has steps 1..{self.num_steps} (its horizon: "
+                              "train.max_steps or max_tokens, or where data.on_exhausted=stop ends it); pass a step "
+                              "in that range")
+
+    def sequences(self, step: int, rank: int | None = None, micro: int | None = None,
+                  with_tokens: bool = False) -> list[SequenceRead]:
+        """Every sequence of optimizer step ``step`` (1-based), narrowed to a rank and/or micro-step."""
+        self.check_step(step)
+        plan = self.plan_at(step)
+        if plan is None:
+            if rank is not None or micro is not None:
+                raise ConfigError(
+                    f"step {step} ran before the resume at step {self.resume_step}, and the run directory does not "
+                    "record the layout that ran it (its checkpoints hold different world sizes or batch splits): "
+                    "the step's sequences are known, not their ranks; drop --rank and --micro")
+            indices = self.order.global_batch(step - 1)
+            return [self._sequence(step, None, None, p, int(i), with_tokens) for p, i in enumerate(indices)]
+        for name, value, limit in (("--rank", rank, plan.world_size), ("--micro", micro, plan.grad_accum_steps)):
+            if value is not None and not 0 <= value < limit:
+                raise ConfigError(f"{name} {value}: step {step} ran on {plan.world_size} process(es) with "
+                                  f"{plan.grad_accum_steps} micro-step(s) each; pass {name} from 0 to {limit - 1}")
+        out = []
+        for r in range(plan.world_size) if rank is None else [rank]:
+            micro_batches = RankBatchSampler(self.order, plan, r).micro_batch_indices(step - 1)
+            for m in range(plan.grad_accum_steps) if micro is None else [micro]:
+                out += [self._sequence(step, r, m, p, i, with_tokens) for p, i in enumerate(micro_batches[m])]
+        return out
+
+    def _sequence(self, step: int, rank, micro, position: int, index: int, with_tokens: bool) -> SequenceRead:
+        source = int(np.searchsorted(self.offsets, index, side="right")) - 1
+        row = index - int(self.offsets[source])
+        tokens = self.dataset[index]
+        text = self.tokenizer.decode(tokens[:PREVIEW_TOKENS].tolist())
+        return SequenceRead(step, rank, micro, position, self.names[source], row, row_spans(self.parts[source], row),
+                        text[:PREVIEW_CHARS], tokens if with_tokens else None)
+
+    # ---- document -> steps --------------------------------------------------------------------------------
+
+    def document_reads(self, document: str) -> tuple[range, list[SequenceRead]]:
+        """(The rows of its source that hold the document ``SOURCE:FILE:INDEX``, every read of them in steps
+        1..num_steps.) Scans the run's steps through the order, so it costs one global batch per step."""
+        source, file, index = parse_document(document, self.names)
+        part = self.names.index(source)
+        try:
+            rows = document_rows(self.parts[part], file, index)
+        except DataError as exc:
+            raise ConfigError(f"--document {document}: source {source!r}: {exc}") from None
+        wanted = np.arange(rows.start, rows.stop, dtype=np.int64) + int(self.offsets[part])
+        reads = []
+        for step in range(1, self.num_steps + 1):
+            if len(wanted) and np.isin(self.order.global_batch(step - 1), wanted).any():
+                reads += [s for s in self.sequences(step) if s.source == source and s.row in rows]
+        return rows, reads
+
+
+def parse_document(text: str, names: list[str]) -> tuple[str, str, int]:
+    parts = text.rsplit(":", 2)
+    if len(parts) != 3 or not parts[2].isdigit():
+        raise ConfigError(f"--document {text!r}: expected SOURCE:FILE:INDEX, e.g. {names[0]}:00000.train.ds:12 "
+                          "(as `pretrain-data which --step N` prints them)")
+    if parts[0] not in names:
+        raise ConfigError(f"--document {text!r}: the run has no source {parts[0]!r}; its sources are "
+                          f"{', '.join(names)}")
+    return parts[0], parts[1], int(parts[2])
+
+
+def _early_plan(run_dir: Path, config: dict[str, Any], plan: BatchPlan) -> tuple[BatchPlan | None, int]:
+    """(The plan of steps up to the latest resume, None where unknown; that resume's step, 0 if none)."""
+    resume_step = config.get("resume/step")
+    if not isinstance(resume_step, int) or resume_step <= 0:
+        return plan, 0
+    layouts = set()
+    for _, checkpoint in rundir.complete_checkpoints(run_dir):
+        saved = (rundir.read_state(checkpoint) or {}).get("plan") or {}
+        layouts.add(tuple(saved.get(k) for k in ("world_size", "micro_batch_size", "grad_accum_steps")))
+    return (plan if layouts <= {_layout(plan)} else None), resume_step
+
+
+def _check_trained_on(run_dir: Path, data: PackedData | MixtureData) -> None:
+    """The stores opened hold the tokens the run trained on (its newest checkpoint's data identity: shard
+    checksums), else the answer would name other documents: one ConfigError. A run without a checkpoint yet
+    has nothing to compare with."""
+    checkpoint = rundir.latest_checkpoint(run_dir)
+    saved = (rundir.read_state(checkpoint) or {}).get("data") if checkpoint else None
+    if not saved:
+        return
+    opened = data_identity(data)
+    changes = data_changes(saved, {name: (identity, None) for name, identity in opened.items()}, opened)
+    if changes:
+        raise ConfigError(f"the token store(s) {run_dir / rundir.RUN_CONFIG_FILE} names are not the data the run "
+                          f"trained on ({checkpoint.name}): {'; '.join(changes)}. The lookup reads the stores the run "
+                          "read: restore them at those paths")
+
+
+def _open_stores(recipe: Recipe, config: dict[str, Any]) -> PackedData | MixtureData:
+    """Each store at the path the run recorded, opened from its manifest alone (no corpus, no tokenizer
+    training), with the recipe's row length and data.train_subset, as the run opened it."""
+    data_cfg = recipe.data
+    names = [m.name for m in data_cfg.mixture] or [SINGLE]
+    opened = {}
+    for name in names:
+        key = f"data/mixture/{name}/cache_dir" if data_cfg.mixture else "data/cache_dir"
+        path = config.get(key)
+        if not path:
+            raise ConfigError(f"run_config.json records no store for {name!r} ({key}); rerun the run's command to "
+                              "rewrite it")
+        cfg = data_cfg.source_config(name) if data_cfg.mixture else data_cfg
+        opened[name] = open_store(cfg.model_copy(update={"store": path}), log=lambda _: None, checksums=False)
+    if not data_cfg.mixture:
+        return opened[SINGLE]
+    first = opened[names[0]]
+    return MixtureData(train=MixtureRows(names, [d.train for d in opened.values()]), sources=opened,
+                       weights=data_cfg.mixture_weights(), tokenizer=first.tokenizer, stats={})
