@@ -99,8 +99,12 @@ def test_launch_read_from_the_config_equals_the_launch_the_processes_read(config
     assert Launch.from_env(accelerate_environment(path)) == before
     assert before.engine == ("fsdp" if "sdp" in config else "deepspeed" if "zero" in config else "ddp")
     options = ["--num_processes", "4", "--num_machines", "2"]
-    if "hsdp" in config:  # the mesh's sizes are the config's own numbers, not derived
+    # the mesh's sizes are the config's own numbers, not derived (TP 2 stays inside a node)
+    if "hsdp" in config:  # HSDP x TP: 8 processes, as 2 replicas x FSDP 2 x TP 2
+        options = ["--num_processes", "8", "--num_machines", "2"] if "tp" in config else options
         options += ["--parallelism_config_dp_replicate_size", "2", "--parallelism_config_dp_shard_size", "2"]
+    elif "tp" in config:
+        options += ["--parallelism_config_dp_shard_size", "2"]
     assert Launch.from_env(accelerate_environment(path, *options)) == Launch.from_accelerate_config(path, options)
 
 
@@ -180,7 +184,7 @@ def test_7b_ddp_on_h100_is_refused_naming_the_estimate_and_a_layout_that_fits(ca
     assert code == 2 and execv == []
     assert "7b on PyTorch DDP on 8 GPUs (MBS 1, GAS 128, no recompute): estimated 170.8 GiB per GPU" in err, err
     assert "does not fit: needs 91.1 GiB more than the H100-80GB's 79.6 GiB" in err
-    assert "pretrain-plan's best layout on 1 x 8 H100-80GB: FSDP FULL_SHARD, MBS 2, GAS 64, recompute selective: 68.1 GiB" in err
+    assert "pretrain-plan's best layout on 1 x 8 H100-80GB: FSDP FULL_SHARD x TP 2, MBS 4, GAS 64, recompute selective: 62.1 GiB" in err
     assert f"pretrain-plan --recipe {R7B} --nodes 1 --gpus-per-node 8 --gpu H100-80GB\n" in err
     assert "--force" in err
 
@@ -199,7 +203,7 @@ def test_the_suggested_commands_write_a_layout_that_passes(capsys, execv, tmp_pa
     assert launch_line[0] == "pretrain-launch" and (tmp_path / launch_line[2]).is_file()
     code, out, err = launch_in_process(capsys, "--gpu", "H100-80GB", *launch_line[1:])
     assert code == 0 and err == "" and len(execv) == 1, err
-    assert "batch.micro_batch_size=2" in execv[0] and "model.activation_checkpointing=selective" in execv[0]
+    assert "batch.micro_batch_size=4" in execv[0] and "model.activation_checkpointing=selective" in execv[0]
 
 
 def test_force_launches_anyway_with_one_warning_and_keeps_its_options_from_accelerate(capsys, execv):

@@ -35,6 +35,10 @@ SAMPLE_ROOT = "/home/me/pretrain"
 
 # Commands the test does not run, by the start of their text, and why.
 SKIPPED = {
+    "pretrain-launch --config_file accelerate_configs/fsdp2_tp2.yaml --recipe R":
+        "a TP 2 x FSDP 4 launch on 8 GPUs (R: any recipe); tests/test_tensor_parallel.py runs TP 2 x FSDP 2 on 4 CPU "
+        "processes",
+    "python -m cProfile pretrain/run.py": "a profiled training run on a GPU (tools/gpu_visit.sh STARTUP_PROFILE=1)",
     "bash tools/install.sh": "installs packages (network, minutes); CI's fresh-clone job runs it, tests/test_install.py "
                              "its --wheelhouse and --offline",
     "accelerate launch --config_file accelerate_configs/cpu.yaml pretrain/run.py --recipe recipes/tiny.yaml":
