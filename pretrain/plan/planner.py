@@ -569,7 +569,8 @@ def nothing_fits(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, considere
     if est.host:
         lowest += f" and {est.host_bytes_per_node / memory.GIB:,.0f} GiB of CPU memory per node"
     lines = [f"no layout of {recipe.name} fits {nodes} x {gpus} {gpu.name} ({gpu.memory_gib:,.1f} GiB; {considered} "
-             f"considered: DDP, ZeRO-0 to 3, FSDP, CPU offload with {host_memory_gib:g} GiB of CPU memory per node, "
+             f"considered: DDP, ZeRO-0 to 3, FSDP, FSDP and HSDP x TP, FSDP x CP, CPU offload with {host_memory_gib:g} "
+             "GiB of CPU memory per node, "
              "every power-of-two MBS down to 1, activation checkpointing none, selective, every_2 and full). The "
              "smallest is "
              f"{lowest}. What would fit:"]
