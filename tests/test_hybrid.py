@@ -77,7 +77,7 @@ def hsdp_config(tmp_path, replicate, shard, processes=16, machines=2, version=2,
     (4, 8, 2, "", r"dp_replicate_size \(4\) x dp_shard_size \(8\) = 32, but the launch has 2 x 8 = 16"),
     (16, 1, 2, "", "dp_shard_size = 1 leaves FSDP nothing to shard over"),
     (2, 8, 1, "", "needs fsdp_version: 2"),
-    (2, 4, 2, "  parallelism_config_cp_size: 2\n", "pretrain does not run context parallelism yet"),
+    (2, 8, 2, "  parallelism_config_cp_size: 2\n", r"x cp_size \(2\) = 32, but the launch has 2 x 8 = 16"),
     (2, 8, 2, "  parallelism_config_tp_size: 2\n", r"x tp_size \(2\) = 32, but the launch has 2 x 8 = 16"),
 ])
 def test_hsdp_sizes_that_do_not_match_the_launch_are_refused(tmp_path, replicate, shard, version, extra, message):

@@ -103,7 +103,7 @@ def test_launch_read_from_the_config_equals_the_launch_the_processes_read(config
     if "hsdp" in config:  # HSDP x TP: 8 processes, as 2 replicas x FSDP 2 x TP 2
         options = ["--num_processes", "8", "--num_machines", "2"] if "tp" in config else options
         options += ["--parallelism_config_dp_replicate_size", "2", "--parallelism_config_dp_shard_size", "2"]
-    elif "tp" in config:
+    elif "tp" in config or "_cp" in config:  # fsdp2_tp2, fsdp2_cp2: TP 2 or CP 2 x FSDP 2
         options += ["--parallelism_config_dp_shard_size", "2"]
     assert Launch.from_env(accelerate_environment(path, *options)) == Launch.from_accelerate_config(path, options)
 

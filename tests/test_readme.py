@@ -38,6 +38,9 @@ SKIPPED = {
     "pretrain-launch --config_file accelerate_configs/fsdp2_tp2.yaml --recipe R":
         "a TP 2 x FSDP 4 launch on 8 GPUs (R: any recipe); tests/test_tensor_parallel.py runs TP 2 x FSDP 2 on 4 CPU "
         "processes",
+    "pretrain-launch --config_file accelerate_configs/fsdp2_cp2.yaml --recipe R":
+        "a CP 2 x FSDP 4 launch on 8 GPUs (R: any recipe; CUDA only); tests/test_context_parallel.py checks it up to "
+        "the launch, tests/test_gpu.py runs CP 2 on 2 GPUs",
     "python -m cProfile pretrain/run.py": "a profiled training run on a GPU (tools/gpu_visit.sh STARTUP_PROFILE=1)",
     "bash tools/install.sh": "installs packages (network, minutes); CI's fresh-clone job runs it, tests/test_install.py "
                              "its --wheelhouse and --offline",

@@ -27,8 +27,9 @@ def test_shipped_tp_configs_give_the_data_parallel_size():
 @pytest.mark.parametrize("parallelism, message", [
     ("parallelism_config_tp_size: 3", "parallelism_config_tp_size = 3 must be a whole number that divides the 8"),
     ("parallelism_config_tp_size: 2\n  parallelism_config_dp_shard_size: 2", "dp_shard_size x tp_size (2) must be"),
-    ("parallelism_config_cp_size: 2", "pretrain does not run context parallelism yet"),
-    ("parallelism_config_cp_size: 2", "document masking"),
+    # CP 2 x TP 2 x FSDP 2 = 8: accelerate composes them; a dp_shard_size that leaves out the cp ranks does not
+    ("parallelism_config_tp_size: 2\n  parallelism_config_cp_size: 2\n  parallelism_config_dp_shard_size: 4",
+     "dp_shard_size x cp_size (2) x tp_size (2) must be the world size (dp_shard_size 2)"),
 ])
 def test_bad_parallelism_configs_are_refused_by_name(tmp_path, parallelism, message):
     path = tmp_path / "acc.yaml"

@@ -55,6 +55,11 @@ with a 32k BPE (nothing downloaded: GPU machines often have no network; throughp
 text, and the model keeps the recipe's 128,256-row vocabulary); ``--data recipe`` keeps FineWeb-Edu and the
 Llama tokenizer (prepared beforehand, ``pretrain-prepare-data``).
 
+Not here (this benchmark is one GPU by design): tensor- and context-parallel rows, which split a model or a sequence
+over 2+ GPUs. Owed to a 2+ GPU machine (docs/performance.md#gpu-acceptance-benchmark): llama-1b at seq 8192 and 32768
+as CP 2 (accelerate_configs/fsdp2_cp2.yaml --num_processes 2 --parallelism_config_dp_shard_size 1) against FSDP on
+the same GPUs, then CP 2 x TP 2 on 4.
+
 Settings (``SETTINGS``): each a named set of recipe overrides, one knob changed from the recipe as shipped
 (``default``): ``precision.float8`` tensorwise | rowwise, ``model.compile`` none | regional, ``model.activation_checkpointing`` none | full | selective |
 every_2, ``model.loss`` plain | chunked | liger, and ``batch.micro_batch_size``. ``--settings`` picks some;

@@ -36,6 +36,7 @@ from accelerate.utils import (
     gather_object,
 )
 
+from pretrain.distributed.context_parallel import check_launch_device
 from pretrain.distributed.deepspeed import build_deepspeed_config, read_user_config
 from pretrain.distributed.layout import Launch
 from pretrain.distributed.tensor_parallel import (
@@ -146,7 +147,7 @@ def compile_choice(requested: str, device_type: str, launch: Launch) -> tuple[st
     """``model.compile`` resolved for the device and layout the run trains on, and why: the one place ``auto``
     is decided (the run, its log, ``--dry-run`` and tools/bench_gpu.py all ask here).
 
-    ``auto`` is regional on CUDA, except under DeepSpeed ZeRO-3, and none elsewhere. On CPU inductor spends
+    ``auto`` is regional on CUDA, except under DeepSpeed ZeRO-3 and context parallelism, and none elsewhere. On CPU inductor spends
     minutes compiling C++ for a small gain. Under ZeRO-3 DeepSpeed gathers and releases each module's
     parameters in hooks it marks compiler-disabled, so every block breaks into small graphs at each hook: a
     long compile for little fused code. Until a measurement says otherwise, ZeRO-3 runs eager. The other
@@ -155,6 +156,10 @@ def compile_choice(requested: str, device_type: str, launch: Launch) -> tuple[st
         return requested, f"model.compile={requested}"
     if device_type != "cuda":
         return "none", "auto: none off CUDA (inductor's CPU compile costs minutes for a small gain)"
+    if launch.cp_size > 1:
+        return "none", ("auto: none under context parallelism (torch's context_parallel swaps SDPA for ring attention "
+                        "by patching it around every step, which compiled blocks have not been verified to follow; "
+                        "model.compile=regional forces it)")
     if launch.uses_deepspeed and launch.zero_stage == 3:
         return "none", ("auto: none under DeepSpeed ZeRO-3 (its parameter gather hooks are compiler-disabled: each "
                         "block breaks into small graphs, a long compile for little gain); model.compile=regional "
@@ -231,6 +236,10 @@ def build_accelerator(recipe: Recipe, run_plan: RunPlan, output_dir: Path, track
     """The accelerator for ``run_plan`` (check_run's: the precision and the DeepSpeed config are its decisions,
     not taken again here)."""
     plan, launch = run_plan.batch, run_plan.launch
+    # A CP launch that reached CPU processes (plain accelerate launch; pretrain-launch refuses it before): refused
+    # before the process group, not inside the first forward.
+    check_launch_device(launch, cuda=torch.cuda.is_available()
+                        and os.environ.get("ACCELERATE_USE_CPU", "false").lower() != "true")
     if launch.engine == "fsdp" and not torch.cuda.is_available():
         check_fsdp_on_cpu(launch)
     if not torch.cuda.is_available():

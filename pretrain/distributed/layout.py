@@ -55,7 +55,8 @@ HPZ_KEY = "zero_hpz_partition_size"
 launch's GPUs per node."""
 # accelerate's parallelism_config keys (accelerate config file, `accelerate launch --<key>`) and the environment
 # variables accelerate launch exports for them. pretrain runs data parallelism and, under FSDP2, tensor parallelism
-# (tp_size: transformers' TP plan of the architecture, pretrain/distributed/tensor_parallel.py); not CP or SP.
+# (tp_size: transformers' TP plan of the architecture, pretrain/distributed/tensor_parallel.py) and context
+# parallelism (cp_size: pretrain/distributed/context_parallel.py); not SP.
 _PARALLELISM_ENV = {
     "parallelism_config_dp_replicate_size": "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",
     "parallelism_config_dp_shard_size": "PARALLELISM_CONFIG_DP_SHARD_SIZE",
@@ -105,8 +106,8 @@ class Launch:
     ranks splits every layer's matmuls and sees the same micro-batches; FSDP shards over the other dimension."""
     cp_size: int = 1
     """Context parallelism (FSDP2 only, accelerate's parallelism_config cp_size): each group of cp_size x tp_size ranks
-    splits every sequence of its micro-batches; FSDP shards over dp_shard x cp (accelerate's dp_shard_cp). Only the
-    planner and the estimator build a Launch with cp_size > 1 while the accelerate config's cp_size is refused."""
+    reads the same micro-batches and splits every sequence of them over its cp ranks (pretrain/distributed/
+    context_parallel.py); FSDP shards over dp_shard x cp (accelerate's dp_shard_cp)."""
 
     def __post_init__(self):
         check_launch(self)
@@ -132,8 +133,9 @@ class Launch:
 
     @property
     def data_rank(self) -> int:
-        """This process's rank among the data-parallel ranks. accelerate's device mesh puts tp innermost
-        (dp_replicate, dp_shard, cp, tp): ranks r and r+1 of one TP group read the same micro-batches."""
+        """This process's rank among the data-parallel ranks. accelerate's device mesh puts tp innermost, then cp
+        (dp_replicate, dp_shard, cp, tp): the tp x cp consecutive ranks of one group read the same micro-batches (TP
+        splits the layers, CP the sequences)."""
         return self.rank // (self.tp_size * self.cp_size)
 
     @property
@@ -196,17 +198,24 @@ class Launch:
                       rank=int(environ.get("RANK", "0") or 0), local_rank=int(environ.get("LOCAL_RANK", "0") or 0),
                       mixed_precision=environ.get("ACCELERATE_MIXED_PRECISION", "no").lower())
         if environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+            _refuse_cp_outside_fsdp(environ.get("PARALLELISM_CONFIG_CP_SIZE")
+                                    if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true"
+                                    else None, "the accelerate launch environment", "DeepSpeed")
             ds = {key: environ.get(var) for key, var in _DEEPSPEED_ENV.items()}
             return cls._deepspeed(ds, "the accelerate launch environment", **common)
         if environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
             offload = environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"
             parallelism = ({key: environ.get(var) for key, var in _PARALLELISM_ENV.items()}
                            if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true" else {})
-            strategy, hybrid, tp = _fsdp_layout(environ.get("FSDP_SHARDING_STRATEGY"), environ.get("FSDP_RESHARD_AFTER_FORWARD"),
-                                            environ.get("FSDP_VERSION"), parallelism, common["num_nodes"],
-                                            common["gpus_per_node"], "the accelerate launch environment")
+            strategy, hybrid, tp, cp = _fsdp_layout(
+                environ.get("FSDP_SHARDING_STRATEGY"), environ.get("FSDP_RESHARD_AFTER_FORWARD"),
+                environ.get("FSDP_VERSION"), parallelism, common["num_nodes"], common["gpus_per_node"],
+                "the accelerate launch environment")
             return cls("fsdp", offload_params="cpu" if offload else "none", fsdp_sharding=strategy,
-                       hybrid_shard_size=hybrid, tp_size=tp, **common)
+                       hybrid_shard_size=hybrid, tp_size=tp, cp_size=cp, **common)
+        _refuse_cp_outside_fsdp(environ.get("PARALLELISM_CONFIG_CP_SIZE")
+                                if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true" else None,
+                                "the accelerate launch environment", "DDP")
         return cls("ddp", **common)
 
     # ---- built from an accelerate config file, before any process exists -------------------------
@@ -236,26 +245,28 @@ class Launch:
             gpus_per_node = processes // nodes
         precision = str(option_value(accelerate_args, "--mixed_precision") or config.get("mixed_precision", "no")).lower()
         common = dict(num_nodes=nodes, gpus_per_node=gpus_per_node, mixed_precision=precision)
+        parallelism = dict(config.get("parallelism_config") or {})
+        for key in _PARALLELISM_ENV:
+            value = option_value(accelerate_args, f"--{key}")
+            if value is not None:
+                parallelism[key] = value
         if kind in _DDP_TYPES:
+            _refuse_cp_outside_fsdp(parallelism.get("parallelism_config_cp_size"), source, "DDP")
             return cls("ddp", **common)
         if kind == "FSDP":
             fsdp = config.get("fsdp_config") or {}
             offload = str(fsdp.get("fsdp_offload_params", False)).lower() == "true"
-            parallelism = dict(config.get("parallelism_config") or {})
-            for key in _PARALLELISM_ENV:
-                value = option_value(accelerate_args, f"--{key}")
-                if value is not None:
-                    parallelism[key] = value
-            strategy, hybrid, tp = _fsdp_layout(
+            strategy, hybrid, tp, cp = _fsdp_layout(
                 option_value(accelerate_args, "--fsdp_sharding_strategy") or fsdp.get("fsdp_sharding_strategy"),
                 option_value(accelerate_args, "--fsdp_reshard_after_forward") or fsdp.get("fsdp_reshard_after_forward"),
                 option_value(accelerate_args, "--fsdp_version") or fsdp.get("fsdp_version"), parallelism, nodes,
                 gpus_per_node, source)
             return cls("fsdp", offload_params="cpu" if offload else "none", fsdp_sharding=strategy,
-                       hybrid_shard_size=hybrid, tp_size=tp, **common)
+                       hybrid_shard_size=hybrid, tp_size=tp, cp_size=cp, **common)
         if kind != "DEEPSPEED":
             raise ConfigError(f"{source}: distributed_type {kind} is not supported; use DEEPSPEED, FSDP, "
                               "MULTI_GPU, MULTI_CPU or NO")
+        _refuse_cp_outside_fsdp(parallelism.get("parallelism_config_cp_size"), source, "DeepSpeed")
         ds = dict(config.get("deepspeed_config") or {})
         for key in _DEEPSPEED_ENV:
             value = option_value(accelerate_args, f"--{key}")
@@ -309,10 +320,10 @@ def _hpz_size(value: Any, gpus_per_node: int, config_file: str | None) -> int | 
 
 def _fsdp_layout(strategy: str | int | None, reshard_after_forward: str | bool | None, version: str | int | None,
                  parallelism: Mapping[str, Any], nodes: int, gpus_per_node: int,
-                 source: str) -> tuple[str, int | None, int]:
-    """(sharding strategy, hybrid_shard_size, tp_size) of an FSDP launch. HSDP: FSDP2 with accelerate's
-    parallelism_config (dp_replicate_size x dp_shard_size [x tp_size]); FSDP1's HYBRID_SHARD strategies shard within
-    a node (torch's default)."""
+                 source: str) -> tuple[str, int | None, int, int]:
+    """(sharding strategy, hybrid_shard_size, tp_size, cp_size) of an FSDP launch. HSDP: FSDP2 with accelerate's
+    parallelism_config (dp_replicate_size x dp_shard_size [x cp_size] [x tp_size]); FSDP1's HYBRID_SHARD strategies
+    shard within a node (torch's default)."""
     name = _fsdp_strategy(strategy, reshard_after_forward)
     fsdp2 = str(version or "1") == "2"
     if name.startswith("HYBRID_SHARD"):
@@ -320,7 +331,7 @@ def _fsdp_layout(strategy: str | int | None, reshard_after_forward: str | bool |
             raise ConfigError(f"{source}: FSDP2 has no {name} strategy (accelerate takes only true / false for "
                               "fsdp_reshard_after_forward); hybrid sharding with FSDP2 is accelerate's parallelism_config: "
                               "see accelerate_configs/multinode_hsdp.yaml")
-        return ("FULL_SHARD" if name == "HYBRID_SHARD" else "SHARD_GRAD_OP"), gpus_per_node, 1
+        return ("FULL_SHARD" if name == "HYBRID_SHARD" else "SHARD_GRAD_OP"), gpus_per_node, 1, 1
     sizes = {}
     for key, value in parallelism.items():
         if key not in _PARALLELISM_ENV or value in (None, ""):
@@ -329,17 +340,10 @@ def _fsdp_layout(strategy: str | int | None, reshard_after_forward: str | bool |
             sizes[key] = int(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{source}: parallelism_config.{key} = {value!r}; use a whole number") from None
-    cp = sizes.get("parallelism_config_cp_size", 1)
-    if cp != 1:
-        raise ConfigError(
-            f"{source}: parallelism_config_cp_size = {cp}: pretrain does not run context parallelism yet (accelerate's "
-            "CP needs the loop to shard every batch along the sequence inside accelerator.maybe_context_parallel, "
-            "and torch's ring attention has only CUDA kernels, so it cannot be checked against one process on CPU; "
-            "it could not run with document masking either, whose per-document positions and block mask are not "
-            "split with the sequence); set it to 1 (docs/distributed.md)")
     if sizes.get("parallelism_config_sp_size", 1) != 1:
         raise ConfigError(f"{source}: parallelism_config_sp_size = {sizes['parallelism_config_sp_size']}: DeepSpeed's "
-                          "sequence parallelism (Ulysses) is not supported by pretrain; set it to 1")
+                          "sequence parallelism (Ulysses) is not supported by pretrain; set it to 1 (context "
+                          "parallelism is parallelism_config_cp_size, under FSDP2)")
     world = nodes * gpus_per_node
     tp = sizes.get("parallelism_config_tp_size", 1)
     if tp < 1 or world % tp:
@@ -348,30 +352,50 @@ def _fsdp_layout(strategy: str | int | None, reshard_after_forward: str | bool |
     if tp > 1 and not fsdp2:
         raise ConfigError(f"{source}: parallelism_config_tp_size = {tp} needs fsdp_version: 2 (accelerate composes "
                           "TP with FSDP2 only); see accelerate_configs/fsdp2_tp2.yaml")
-    dp = world // tp
+    cp = sizes.get("parallelism_config_cp_size", 1)
+    if cp < 1 or world % (tp * cp):
+        raise ConfigError(f"{source}: parallelism_config_cp_size = {cp}" + (f" x tp_size {tp}" if tp > 1 else "")
+                          + f" must be a whole number that divides the {world} processes")
+    if cp > 1 and not fsdp2:
+        raise ConfigError(f"{source}: parallelism_config_cp_size = {cp} needs fsdp_version: 2 (accelerate composes "
+                          "context parallelism with FSDP2 only: FSDP shards over dp_shard x cp); see "
+                          "accelerate_configs/fsdp2_cp2.yaml")
+    dp = world // (tp * cp)
     replicate = sizes.get("parallelism_config_dp_replicate_size", 1)
     shard = sizes.get("parallelism_config_dp_shard_size", 1)
-    tp_text = f" x tp_size ({tp})" if tp > 1 else ""
+    model_text = "".join(f" x {key} ({size})" for key, size in (("cp_size", cp), ("tp_size", tp)) if size > 1)
     if replicate <= 1:
-        if sizes.get("parallelism_config_dp_shard_size", dp) not in (1, dp) or (tp > 1 and shard != dp):
-            raise ConfigError(f"{source}: parallelism_config_dp_shard_size = {shard}{tp_text} but the launch has "
-                              f"{world} processes; without dp_replicate_size, dp_shard_size{tp_text} must be the "
+        if sizes.get("parallelism_config_dp_shard_size", dp) not in (1, dp) or (tp * cp > 1 and shard != dp):
+            raise ConfigError(f"{source}: parallelism_config_dp_shard_size = {shard}{model_text} but the launch has "
+                              f"{world} processes; without dp_replicate_size, dp_shard_size{model_text} must be the "
                               f"world size (dp_shard_size {dp})")
-        return name, None, tp
+        return name, None, tp, cp
     if not fsdp2:
         raise ConfigError(f"{source}: parallelism_config (dp_replicate_size {replicate}) needs fsdp_version: 2; "
                           "accelerate refuses it with FSDP1")
-    if replicate * shard * tp != world:
+    if replicate * shard * tp * cp != world:
+        per_node = gpus_per_node // (tp * cp) if tp * cp > 1 else gpus_per_node
         raise ConfigError(
-            f"{source}: parallelism_config dp_replicate_size ({replicate}) x dp_shard_size ({shard}){tp_text} = "
-            f"{replicate * shard * tp}, but the launch has {nodes} x {gpus_per_node} = {world} processes; "
-            f"for hybrid sharding set dp_shard_size to the GPUs per node ({gpus_per_node // tp if tp > 1 else gpus_per_node}"
-            f"{' over tp_size' if tp > 1 else ''}) and dp_replicate_size to the nodes ({nodes})")
+            f"{source}: parallelism_config dp_replicate_size ({replicate}) x dp_shard_size ({shard}){model_text} = "
+            f"{replicate * shard * tp * cp}, but the launch has {nodes} x {gpus_per_node} = {world} processes; "
+            f"for hybrid sharding set dp_shard_size to the GPUs per node ({per_node}"
+            f"{' over ' + ' x '.join(k for k, v in (('cp_size', cp), ('tp_size', tp)) if v > 1) if tp * cp > 1 else ''}"
+            f") and dp_replicate_size to the nodes ({nodes})")
     if shard <= 1:
         raise ConfigError(f"{source}: parallelism_config dp_shard_size = {shard} leaves FSDP nothing to shard over; "
                           f"set it to the GPUs per node ({gpus_per_node}), or use accelerate_configs/ddp.yaml for "
                           "plain data parallelism")
-    return name, shard, tp
+    return name, shard, tp, cp
+
+
+def _refuse_cp_outside_fsdp(cp_size: Any, source: str, engine: str) -> None:
+    """accelerate composes context parallelism with FSDP2 only; under DDP or DeepSpeed its parallelism_config cp_size
+    would still split the sequences, with gradients averaged as if every rank had its own batch."""
+    if cp_size in (None, "") or str(cp_size).strip() == "1":
+        return
+    raise ConfigError(f"{source}: parallelism_config_cp_size = {cp_size} with {engine}: context parallelism runs under "
+                      "FSDP2 only (accelerate composes it with FSDP2, which shards over dp_shard x cp); use "
+                      "accelerate_configs/fsdp2_cp2.yaml, or set parallelism_config_cp_size to 1")
 
 
 def _fsdp_strategy(strategy: str | int | None, reshard_after_forward: str | bool | None) -> str:

@@ -125,7 +125,8 @@ class Candidate:
     cp_comm_s: float = 0.0
     """Of comm_s: CP's K/V exchange, exposed."""
     runs: bool = True
-    """False for a layout pretrain's launch refuses today (context parallelism): ranked, never chosen."""
+    """False for a layout pretrain's launch refuses (``cp_runs``: context parallelism, were the layout parser to
+    refuse it again): ranked, never chosen."""
 
     @property
     def tight(self) -> bool:
@@ -210,7 +211,9 @@ def parallel_layouts(nodes: int, gpus: int) -> list[Launch]:
 
 def cp_runs() -> bool:
     """Whether pretrain's launch accepts an accelerate config with cp_size > 1 (read from the layout parser, the one
-    place that decides: False until context parallelism is wired into the training loop)."""
+    place that decides; True since the loop splits sequences under accelerate's context parallelism,
+    pretrain/distributed/context_parallel.py). The planner plans GPUs, where CP runs; its refusals on CPU are the
+    launch's."""
     try:
         Launch.from_accelerate_config(None, ["--use_fsdp", "--fsdp_version", "2", "--num_processes", "2",
                                              "--parallelism_config_cp_size", "2", "--parallelism_config_dp_shard_size", "1"])
@@ -518,6 +521,12 @@ def explain_choice(ranked: list[Candidate], skipped: dict[str, list[str]] | None
             why.append(f"sharding collectives {fsdp_s:.0f} s")
         if not c.runs:
             why.append("not runnable yet: pretrain refuses cp_size")
+        elif c.tokens_per_s > best.tokens_per_s and c.offload_s and not best.offload_s:
+            # the sort's rule, said where it overrides the model's tokens/s (the module docstring)
+            why.append("not chosen: CPU offload ranks after every layout without it (its cost depends on the host "
+                       "far more than this model knows, and it needs host memory)")
+        elif c.tokens_per_s > best.tokens_per_s and c.tight and not best.tight:
+            why.append(f"not chosen: tight (under {TIGHT_FRACTION:.0%} of the GPU free)")
         lines.append(f"  {name:<16} {c.name}, MBS {c.micro_batch_size}: ~{c.tokens_per_s:,.0f} tok/s/GPU ({ratio:.0%}), "
                      f"{c.estimate.total_gib:.1f} GiB; compute {c.compute_s:.0f} s"
                      + (f" + {', '.join(why)}" if why else ""))

@@ -3,7 +3,9 @@
 The evaluation set is the same on any world size (``pretrain/train/loader.py``): every rank sums token losses
 over its share and one reduction gives the exact mean. A mixture is evaluated per source (each on its own
 validation split); its ``val/loss`` is the mean of the sources' losses weighted by the mixture's weights,
-the loss expected on the mixture whatever the sizes of the validation splits.
+the loss expected on the mixture whatever the sizes of the validation splits. Under context parallelism a batch is
+evaluated as it is trained: split along the sequence over the CP ranks, each summing the losses of its part, and
+counting its part's targets, so that the one reduction still gives the exact mean.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from pretrain.distributed import context_parallel
 
 
 @dataclass
@@ -28,6 +32,7 @@ class Evaluator:
     at_start: bool
     console: Any
     weights: dict[str, float] | None = None  # a mixture's normalised weights, by name
+    cp_size: int = 1  # context parallelism: each rank evaluates its part of every sequence
 
     def due(self, step: int) -> bool:
         if step == 0:
@@ -42,10 +47,12 @@ class Evaluator:
         for i, batches in enumerate(self.val_sets.values()):
             for batch in batches:
                 batch = batch.to(device)
-                out = model(input_ids=batch.input_ids, labels=batch.targets, shift_labels=batch.targets,
-                            num_items_in_batch=1.0, **batch.attention_kwargs())
-                totals[i, 0] += out.loss.double()
-                totals[i, 1] += batch.targets.numel()
+                inputs = context_parallel.forward_inputs(batch.input_ids, batch.targets, batch.attention_kwargs(),
+                                                         self.cp_size)
+                with context_parallel.split_sequences(self.accelerator, inputs, self.cp_size):
+                    out = model(**inputs, num_items_in_batch=1.0)
+                    totals[i, 0] += out.loss.double()
+                    totals[i, 1] += inputs["shift_labels"].numel()  # this rank's targets (under CP: its part)
         model.train()
         # Expensive device-to-host synchronization (one for all sources).
         sums = self.accelerator.reduce(totals, reduction="sum").tolist()

@@ -66,6 +66,8 @@ def check_layout(recipe: Recipe, launch: Launch) -> RunPlan:
 
     if launch.tp_size > 1:
         check_tensor_parallel(recipe, launch)
+    if launch.cp_size > 1:
+        check_context_parallel(recipe, launch)
     batch = plan_batches(recipe.batch, launch.data_parallel_size, recipe.data.seq_len)
     lr = scaled_lr(recipe.optim, batch.global_batch_size)
     mixed_precision = check_precision(recipe, launch)
@@ -87,5 +89,26 @@ def check_tensor_parallel(recipe: Recipe, launch: Launch) -> None:
 
     config = CONFIG_MAPPING[recipe.model.arch]
     problem = tp_plan_problem(config, recipe.model.arch, launch.tp_size)
+    if problem:
+        raise ConfigError(problem)
+
+
+def check_context_parallel(recipe: Recipe, launch: Launch) -> None:
+    """What a CP launch cannot split, refused before anything starts: the recipe's sequence length, attention kernel
+    and document masking, then the architecture (its transformers model on the meta device: transformers' own
+    ``supports_context_parallel``, and the attention modules accelerate's hooks attach to). The device is the
+    launcher's to check (``prelaunch.preflight``, ``accelerator.build_accelerator``): a login node planning a GPU job
+    has no GPU itself."""
+    from pretrain.distributed.context_parallel import model_problem, recipe_problems
+    from pretrain.model.build import build_model
+
+    problems = recipe_problems(recipe.data.seq_len, launch.cp_size, recipe.model.attention,
+                               recipe.data.document_masking)
+    if problems:
+        raise ConfigError(problems)
+    # The vocabulary does not change what is asked (layer types, module names): a small one keeps the build cheap.
+    model = build_model(recipe.model, recipe.model.vocab_size or 256, recipe.data.seq_len, seed=recipe.train.seed,
+                        meta=True)
+    problem = model_problem(model, recipe.model.arch, launch.cp_size)
     if problem:
         raise ConfigError(problem)

@@ -196,6 +196,12 @@ def preflight(accelerate_args: list[str], run_args: list[str], options: argparse
     recipe = load_recipe(recipe_path, recipe_overrides)
     cpu = "--cpu" in accelerate_args or _config_uses_cpu(option_value(accelerate_args, "--config_file"))
     check_environment(recipe, launch, gpu_launch=not cpu)
+    if launch.cp_size > 1:  # the processes start on this machine: CP needs its GPUs
+        import torch
+
+        from pretrain.distributed.context_parallel import check_launch_device
+
+        check_launch_device(launch, cuda=not cpu and torch.cuda.is_available())
     # The checkpoint to resume against this launch first: its refusal, with the command that resumes it, comes
     # in ~2 s (before torch._dynamo, which the optimizer check imports, and transformers).
     check_resume(recipe, launch, LaunchSpelling(accelerate_args, run_args, options, cpu))

@@ -5,8 +5,9 @@ Names: a *micro-step* is one forward/backward on MBS sequences of one process; a
 logging, evaluation and checkpoints all count optimizer steps.
 
 The loss of an optimizer step is the sum of token losses over the whole global batch divided by its
-number of target tokens. Each micro-step's loss is normalised by N_global / (world x GAS): accelerate
-divides by GAS and data parallelism averages over world, which leaves exactly sum / N_global.
+number of target tokens. Each micro-step's loss is normalised by N_global / (ranks x GAS): accelerate
+divides by GAS and the gradient reduction averages over the ranks (the data-parallel world; under context
+parallelism dp x cp, each CP rank summing its part of the sequences), which leaves exactly sum / N_global.
 
 Each component owns its cadence and its state: the ``Checkpointer`` (pretrain/checkpoint/checkpointer.py) when to
 save, the ``Evaluator`` (pretrain/train/evaluation.py) when to evaluate, the ``StepLog`` (pretrain/train/tracking.py)
@@ -27,6 +28,7 @@ from accelerate.utils import broadcast_object_list, set_seed
 from pretrain.checkpoint.checkpointer import Checkpointer, TrainerState
 from pretrain.checkpoint.rundir import latest_checkpoint
 from pretrain.data import cache_root, data_identity, ensure_data, open_data, sample_val_texts
+from pretrain.distributed import context_parallel
 from pretrain.distributed.accelerator import (
     build_accelerator,
     check_shared_output_dir,
@@ -66,6 +68,12 @@ from pretrain.train.router import RouterStats
 from pretrain.train.run_record import start_run_record
 from pretrain.train.stability import SkipPolicy, StepGate, Verdict, injected_loss_factors
 from pretrain.train.tracking import Console, StepLog, build_trackers
+
+
+def loss_normaliser(global_target_tokens: int, launch: Launch, grad_accum_steps: int) -> float:
+    """What each micro-step's summed token loss is divided by: N_global / (ranks x GAS), the ranks being those the
+    gradients are averaged over (``context_parallel.gradient_ranks``: dp, x cp under context parallelism)."""
+    return global_target_tokens / (context_parallel.gradient_ranks(launch) * grad_accum_steps)
 
 
 def check_output_dir(output_dir: Path) -> None:
@@ -257,17 +265,18 @@ class Trainer:
         # Targets per global batch: packed sequences have no padding, so every position is a target (with
         # document masking too: an eos keeps the next document's first token as its target).
         self.global_target_tokens = self.plan.tokens_per_step
-        self.loss_normaliser = self.global_target_tokens / (self.plan.world_size * self.plan.grad_accum_steps)
+        self.loss_normaliser = loss_normaliser(self.global_target_tokens, self.launch, self.plan.grad_accum_steps)
 
         self.evaluator = Evaluator(self.accelerator, val_sets, every_steps=recipe.eval.every_steps,
                                    num_steps=self.num_steps, at_start=recipe.eval.at_start, console=self.console,
-                                   weights=getattr(self.data, "weights", None))
+                                   weights=getattr(self.data, "weights", None), cp_size=self.launch.cp_size)
         self.step_log = StepLog(self.accelerator, self.console, every_steps=recipe.logging.every_steps,
                                 num_steps=self.num_steps)
         # any checkpointing policy: perf/hfu too (selective's equals perf/mfu: it recomputes no matmul)
         flops, recomputes = self.flops, recipe.model.activation_checkpointing != "none"
         self.throughput = ThroughputMonitor(
-            self.plan.tokens_per_step, self.plan.global_batch_size, self.plan.world_size,
+            # per device: every GPU, TP and CP ranks too (the batch plan's world is the data-parallel ranks)
+            self.plan.tokens_per_step, self.plan.global_batch_size, self.launch.world_size,
             warmup_steps=recipe.logging.throughput_warmup_steps, peak_tflops=self.peak.tflops,
             flops_per_token=flops.model_flops if flops else None,
             hardware_flops_per_token=flops.hardware_flops if flops and recomputes else None,
@@ -368,16 +377,14 @@ class Trainer:
         the verdict (None on the other micro-steps). ``loss_before``: this step's earlier micro-step losses."""
         acc, model, engine = self.accelerator, self.model, self.engine
         grad_norm = verdict = None
-        with acc.accumulate(model):
+        inputs = context_parallel.forward_inputs(batch.input_ids, batch.targets, batch.attention_kwargs(),
+                                                 self.launch.cp_size)
+        # Context parallelism: forward and backward on this rank's part of every sequence, ring attention between
+        # the CP ranks (nothing without CP).
+        with acc.accumulate(model), context_parallel.split_sequences(acc, inputs, self.launch.cp_size):
             # Only the loss is kept: the output's logits are freed before backward, not at the next forward.
-            output = model(
-                input_ids=batch.input_ids,
-                labels=batch.targets,
-                shift_labels=batch.targets,
-                num_items_in_batch=self.loss_normaliser,
-                **batch.attention_kwargs(),
-                **(self.router.forward_kwargs if self.router else {}),
-            )
+            output = model(**inputs, num_items_in_batch=self.loss_normaliser,
+                           **(self.router.forward_kwargs if self.router else {}))
             # The objective (backward's) includes an MoE's weighted load-balancing loss; `loss`, which is
             # logged and gated on, is the cross-entropy (+ z-loss) as for a dense model.
             loss = objective = output.loss

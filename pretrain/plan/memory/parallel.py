@@ -139,18 +139,11 @@ def tensor_parallel(shape: ModelShape, size: int) -> TensorParallel | None:
 
 
 def check_context_parallel(seq_len: int, cp_size: int, attention: str, document_masking: bool) -> None:
-    """What accelerate's CP (torch's context_parallel, ring attention over SDPA) cannot split."""
-    if cp_size <= 1:
-        return
-    problems = []
-    if seq_len % (2 * cp_size):
-        problems.append(f"data.seq_len {seq_len} must be divisible by 2 x cp_size = {2 * cp_size} (CP splits every "
-                        "sequence into 2 x cp_size chunks to balance the causal mask's work)")
-    if attention != "sdpa":
-        problems.append(f"model.attention = {attention}: context parallelism runs on SDPA only; set model.attention=sdpa")
-    if document_masking:
-        problems.append("data.document_masking = true cannot run context parallel: its per-document positions and "
-                        "block mask are not split with the sequence; set data.document_masking=false or cp_size 1")
+    """What accelerate's CP (torch's context_parallel, ring attention over SDPA) cannot split: the launch's own refusals
+    (pretrain/distributed/context_parallel.py), so that the planner never ranks a layout the launch refuses."""
+    from pretrain.distributed.context_parallel import recipe_problems
+
+    problems = recipe_problems(seq_len, cp_size, attention, document_masking)
     if problems:
         raise ConfigError(problems)
 
