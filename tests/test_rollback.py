@@ -117,6 +117,10 @@ def test_a_persistent_spike_rolls_back_skips_its_window_and_ends_finite(rolled_b
     assert (checkpoints / "latest").read_text().strip() == "step_00000012"
     assert read_state(checkpoints / "step_00000008")["rollbacks"] == [record]
     assert read_state(checkpoints / "step_00000004").get("rollbacks") == []
+    # pretrain-data which reads the same order: step 5 read the global batch after the skipped ones
+    from pretrain.train.data_lookup import RunData
+
+    assert [RunData.open(out).order.batch_index(s - 1) for s in (4, 5, 12)] == [3, 9, 16]
 
 
 def _resumed_copy(out: Path, where: Path, resume_step: int, keep_records: bool) -> Path:

@@ -438,9 +438,10 @@ class Trainer:
 
     def log_skip(self, verdict: Verdict) -> None:
         limit = self.recipe.stability.max_consecutive_skips
+        then = "rolls back" if self.recipe.stability.rollback.enabled else "stops"
         self.log(f"step {self.step}: update skipped by {verdict.rule}: {verdict.reason} "
                  f"({self.policy.consecutive} in a row, {self.policy.skipped} in the run"
-                 + (f"; the run stops at {limit} in a row)" if limit else ")"))
+                 + (f"; the run {then} at {limit} in a row)" if limit else ")"))
 
     def roll_back(self, stop: TooManySkips):
         """stability.rollback, instead of the stop ``stop``: reload the newest verified checkpoint saved before
