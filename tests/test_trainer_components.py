@@ -81,8 +81,8 @@ def test_trainer_state_round_trips_and_reads_old_checkpoints(tmp_path, recipe):
     state = TrainerState(step=7, tokens_seen=7 * 512, num_steps=20, plan={"global_batch_size": 8}, recipe=recipe)
     assert TrainerState.from_json(state.to_json()) == state
     written = json.loads(state.to_json())
-    assert {"step", "tokens_seen", "num_steps", "plan", "recipe", "layout", "data", "stability", "saved_at", "python",
-            "torch"} == set(written)
+    assert {"step", "tokens_seen", "num_steps", "plan", "recipe", "layout", "data", "stability", "rollbacks",
+            "saved_at", "python", "torch"} == set(written)
 
     old = {k: v for k, v in written.items() if k != "layout"}  # written before the layout was recorded
     old = {**old, "samples_seen": 56, "data_cursor": {"kind": "global_step", "step": 7, "seed": 1234},

@@ -97,6 +97,7 @@ class TrainerState:
     layout: dict[str, Any] | None = None  # Launch.to_dict() when saved (None: saved before it was recorded)
     data: dict[str, Any] | None = None  # the token store(s) trained on (pretrain.data.data_identity; None: older)
     stability: dict[str, Any] | None = None  # SkipPolicy.state_dict(): the rolling window and skip counts
+    rollbacks: list[dict[str, Any]] | None = None  # stability.Rollbacks.records: the rollbacks before this save
     python: str = field(default_factory=lambda: sys.version.split()[0])
     torch: str = field(default_factory=lambda: torch.__version__)
     saved_at: float | None = None  # time.time() of the save
@@ -255,6 +256,19 @@ class ResumeChoice:
             candidates = _candidates(output_dir, cfg)
         except ConfigError as exc:
             return replace(choice, error=str(exc))
+        return choice.first_intact(candidates)
+
+    @classmethod
+    def before(cls, output_dir: str | Path, step: int) -> ResumeChoice:
+        """The newest complete checkpoint of ``output_dir`` saved before optimizer step ``step`` whose files have
+        their manifest's sizes, older ones as fallbacks (stability.rollback's target: rank 0 decides, and
+        ``agree_on_resume`` verifies it on every rank as for a resume). ``path`` None: there is none."""
+        choice = cls(resume="auto", host=socket.gethostname())
+        return choice.first_intact([p for s, p in reversed(complete_checkpoints(output_dir)) if s < step])
+
+    def first_intact(self, candidates: list[Path]) -> ResumeChoice:
+        """This choice of the first of ``candidates`` (newest first) whose files have their manifest's sizes."""
+        choice = self
         if not candidates:
             return choice
         damaged = []
@@ -270,7 +284,7 @@ class ResumeChoice:
                 return replace(choice, path=str(path), step=TrainerState.read(path).step, fallbacks=fallbacks,
                                damaged=tuple(damaged))
             damaged.append((str(path), problem))
-        return replace(choice, error=no_intact_checkpoint(damaged, cfg.resume))
+        return replace(choice, error=no_intact_checkpoint(damaged, choice.resume))
 
 
 def _sees(path: Path, step: int, output_dir: str | Path) -> str | None:
@@ -284,14 +298,14 @@ def _sees(path: Path, step: int, output_dir: str | Path) -> str | None:
     return f"found {seen} at {path.resolve()} ({own})"
 
 
-def set_aside(path: Path) -> Path:
-    """Move a damaged checkpoint out of the way (kept for inspection, never counted, pruned or resumed);
-    its converted siblings are derived data and are deleted."""
+def set_aside(path: Path, why: str = "damaged") -> Path:
+    """Move a checkpoint out of the way as ``.<why>-<name>`` (damaged, or rolled-back: kept for inspection, never
+    counted, pruned or resumed); its converted siblings are derived data and are deleted."""
     for view in views(path):
         shutil.rmtree(view, ignore_errors=True)
-    aside = path.with_name(f".damaged-{path.name}")
+    aside = path.with_name(f".{why}-{path.name}")
     if aside.exists():
-        aside = path.with_name(f".damaged-{path.name}-{int(time.time())}")
+        aside = path.with_name(f".{why}-{path.name}-{int(time.time())}")
     os.rename(path, aside)
     return aside
 
@@ -436,15 +450,27 @@ class Checkpointer:
             for view in views(final):
                 shutil.rmtree(view)  # converted from the replaced save
             os.rename(tmp, final)
-            pointer_tmp = self.dir / f".{LATEST_FILE}.tmp"
-            pointer_tmp.write_text(name + "\n")
-            os.replace(pointer_tmp, self.dir / LATEST_FILE)
+            self._point_latest(name)
             self._prune(keep=final)
             size_gib = sum(entry["size"] for entry in files.values()) / 2**30
             self.log(f"checkpoint: saved step {state.step} to {final} ({size_gib:.2f} GiB, "
                      f"{time.perf_counter() - start:.1f}s, of which checksums {hashing:.1f}s)")
         acc.wait_for_everyone()
         return final
+
+    def _point_latest(self, name: str) -> None:
+        pointer_tmp = self.dir / f".{LATEST_FILE}.tmp"
+        pointer_tmp.write_text(name + "\n")
+        os.replace(pointer_tmp, self.dir / LATEST_FILE)
+
+    def abandon_after(self, path: Path) -> list[Path]:
+        """After a rollback to ``path`` (rank 0): the complete checkpoints of later steps hold the abandoned
+        attempt; each is set aside as ``.rolled-back-step_X`` (never resumed, counted or deleted: the run's user
+        deletes them) and ``latest`` names ``path`` again. Returns where they went."""
+        state = TrainerState.read(path)
+        moved = [set_aside(p, "rolled-back") for s, p in complete_checkpoints(self.dir.parent) if s > state.step]
+        self._point_latest(path.name)
+        return moved
 
     def _written(self, step: int, tmp: Path, write: Callable[[], Any]) -> None:
         """Run this rank's part of a checkpoint write; a full disk on any rank is one ConfigError on every

@@ -23,6 +23,7 @@ RUN_CONFIG_FILE = "run_config.json"
 CHECKPOINTS_DIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
 LATEST_FILE = "latest"
+ROLLBACKS_FILE = "rollbacks.jsonl"
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -52,6 +53,25 @@ def read_run_config(run_dir: str | Path) -> dict[str, Any] | None:
         return json.loads((Path(run_dir) / RUN_CONFIG_FILE).read_text())
     except (OSError, json.JSONDecodeError):
         return None
+
+
+def read_rollbacks(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every record of ``<run_dir>/rollbacks.jsonl`` (stability.rollback), oldest first; [] when there is none.
+    A torn last line (a run killed while appending) is skipped, as in metrics.jsonl."""
+    path = Path(run_dir) / ROLLBACKS_FILE
+    if not path.is_file():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if number == len(lines):
+                continue
+            raise ConfigError(f"{path}:{number} is not JSON ({exc.msg}); the file is damaged") from None
+        records.append(record)
+    return records
 
 
 def read_state(checkpoint: str | Path) -> dict[str, Any] | None:

@@ -594,6 +594,33 @@ class EvalConfig(Section):
     at_start: bool = Field(True, description="Evaluate the untrained model at step 0 (logged like the others).")
 
 
+class RollbackConfig(Section):
+    """``stability.rollback``: what a run does instead of stopping after max_consecutive_skips (pretrain/train/stability.py)."""
+
+    enabled: bool = Field(
+        False,
+        description="Instead of stopping after stability.max_consecutive_skips skips in a row: reload the newest "
+        "verified checkpoint written before the first skip of the streak, skip the global batches from that "
+        "checkpoint's step to the step that stopped the run (recorded in output_dir/rollbacks.jsonl and the "
+        "checkpoints; a resume skips them too) and go on, in the same process.",
+    )
+    max_attempts: int = Field(
+        3,
+        ge=1,
+        description="Rollbacks to one checkpoint; one more stop there ends the run (exit 3) as without rollback. "
+        "A rollback to a newer checkpoint counts afresh.",
+    )
+    lr_factor: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Multiplies the scheduled lr of the first lr_factor_steps updates after a rollback (1 = unchanged).",
+    )
+    lr_factor_steps: int = Field(
+        0, ge=0, description="Updates after a rollback whose lr is multiplied by lr_factor; 0 = none."
+    )
+
+
 class StabilityConfig(Section):
     """What a run does about updates that would damage it (see pretrain/train/stability.py)."""
 
@@ -627,6 +654,7 @@ class StabilityConfig(Section):
         description="Coefficient of the z-loss z x mean(logsumexp(logits)^2) added to the training loss (PaLM; "
         "1e-4 is common), logged as train/z_loss; train/loss and val/loss stay the cross-entropy. 0 = off.",
     )
+    rollback: RollbackConfig = Field(default_factory=RollbackConfig)
 
     @property
     def checks_steps(self) -> bool:
@@ -777,6 +805,25 @@ class Recipe(Section):
                 f"deepspeed.communication_data_type or set precision.reduce_dtype={comm}"
                 + (" (fp16 reduction of bf16 gradients is not offered)" if comm == "fp16" else "")
             )
+        return self
+
+    @model_validator(mode="after")
+    def _rollback_can_happen(self) -> Recipe:
+        """stability.rollback acts where the rules would stop the run, from a periodic checkpoint: without either
+        it would be accepted and never act."""
+        stability = self.stability
+        if not stability.rollback.enabled:
+            return self
+        missing = []
+        if not stability.checks_steps:
+            missing.append("no update is ever skipped (stability.skip_nonfinite=false and stability.spike_sigma=null)")
+        if stability.max_consecutive_skips == 0:
+            missing.append("the rules never stop the run (stability.max_consecutive_skips=0): set it, e.g. 5")
+        if self.checkpoint.every_steps == 0:
+            missing.append("no checkpoint is written before the end (checkpoint.every_steps=0): set it, e.g. 1000")
+        if missing:
+            raise ValueError(f"stability.rollback.enabled=true cannot act: {'; '.join(missing)}; or set "
+                             "stability.rollback.enabled=false")
         return self
 
     def to_dict(self) -> dict[str, Any]:

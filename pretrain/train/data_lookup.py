@@ -31,6 +31,7 @@ from pretrain.errors import ConfigError, DataError
 from pretrain.recipe.batching import BatchPlan
 from pretrain.recipe.config import Recipe, load_recipe
 from pretrain.train.loader import RankBatchSampler, build_train_loader, data_horizon
+from pretrain.train.stability import Rollbacks, run_rollbacks
 
 RESOLVED_RECIPE = "recipe.resolved.yaml"
 PREVIEW_CHARS = 60
@@ -78,7 +79,10 @@ class RunData:
         self.run_dir, self.recipe, self.plan, self.num_steps, self.data = run_dir, recipe, plan, num_steps, data
         self.early_plan, self.resume_step = early_plan, resume_step
         # The run's own construction of the loader: the dataset it reads and the order behind its batch sampler.
-        loader, self.order = build_train_loader(data, recipe.data, plan, 0, recipe.train.seed, 0, pin_memory=False)
+        # Global batches skipped by rollbacks (stability.rollback) are skipped here too.
+        skipped = Rollbacks.skipped_by(run_rollbacks(run_dir))
+        loader, self.order = build_train_loader(data, recipe.data, plan, 0, recipe.train.seed, 0, pin_memory=False,
+                                                skipped=skipped)
         # data.on_exhausted=stop ends a run before its horizon, at the step training itself computes
         stop_step, _ = data_horizon(self.order, num_steps, recipe.data.on_exhausted)
         self.num_steps = stop_step if stop_step is not None else num_steps

@@ -231,6 +231,47 @@ def data_horizon(order: GlobalSampleOrder | MixtureSampleOrder, num_steps: int, 
                   "(`stop` would end the run there)")
 
 
+class SkippingOrder:
+    """A sample order with whole global batches left out (``stability.rollback``): optimizer step k reads the k-th
+    global batch (0-based) of the order that is not skipped, so the stream stays a pure function of (seed, step,
+    the skipped batches) and a resume that knows the skipped batches reads what the run read.
+
+    ``skipped``: (first, last) global batch indices of the order, inclusive, each range one rollback's window.
+    Everything else (epochs, steps available, per-source metrics) is the wrapped order's, at the batch read."""
+
+    def __init__(self, order: GlobalSampleOrder | MixtureSampleOrder, skipped: Sequence[tuple[int, int]]):
+        self.order = order
+        self.skipped = sorted((int(first), int(last)) for first, last in skipped)
+        self.global_batch_size = order.global_batch_size
+
+    def batch_index(self, step: int) -> int:
+        """The global batch of the order that optimizer step ``step`` (0-based) reads."""
+        index = step
+        for first, last in self.skipped:  # sorted and disjoint: each range at or before the index moves it on
+            if first <= index:
+                index += last - first + 1
+        return index
+
+    def global_batch(self, step: int) -> np.ndarray:
+        return self.order.global_batch(self.batch_index(step))
+
+    def steps_available(self) -> tuple[int, str]:
+        steps, name = self.order.steps_available()
+        return max(0, steps - sum(min(last, steps - 1) - first + 1 for first, last in self.skipped if first < steps)), name
+
+    def epochs_read(self, step: int) -> dict[str, float]:
+        return self.order.epochs_read(self.batch_index(step))
+
+    def metrics(self, step: int) -> dict[str, float]:
+        return self.order.metrics(self.batch_index(step))
+
+
+def batch_index(order, step: int) -> int:
+    """The global batch of ``order`` that optimizer step ``step`` (0-based) reads: ``step`` unless batches are
+    skipped (``SkippingOrder``)."""
+    return order.batch_index(step) if isinstance(order, SkippingOrder) else step
+
+
 class RankBatchSampler:
     """Yields this rank's micro-batches (lists of sequence indices), GAS per optimizer step, forever."""
 
@@ -366,14 +407,18 @@ def _loader(dataset: Dataset, batch_sampler, data_cfg: DataConfig, pin_memory: b
 
 def build_train_loader(
     data: PackedData | MixtureData, data_cfg: DataConfig, plan: BatchPlan, rank: int, seed: int, start_step: int,
-    pin_memory: bool, masking: DocumentMasking | None = None,
-) -> tuple[DataLoader, GlobalSampleOrder | MixtureSampleOrder]:
+    pin_memory: bool, masking: DocumentMasking | None = None, skipped: Sequence[tuple[int, int]] = (),
+) -> tuple[DataLoader, GlobalSampleOrder | MixtureSampleOrder | SkippingOrder]:
+    """The training loader from optimizer step ``start_step`` on, and its order; ``skipped``: global batches left
+    out by rollbacks ((first, last) ranges, ``SkippingOrder``)."""
     if isinstance(data, MixtureData):
         order = MixtureSampleOrder(data.train.rows_per_source, {m.name: m.weight for m in data_cfg.mixture},
                                    plan.global_batch_size, seed, data_cfg.shuffle, data_cfg.seq_len)
     else:
         order = GlobalSampleOrder(len(data.train), plan.global_batch_size, seed, data_cfg.shuffle,
                                   data_cfg.drop_last)
+    if skipped:
+        order = SkippingOrder(order, skipped)
     sampler = RankBatchSampler(order, plan, rank, start_step)
     return _loader(PackedSequences(data.train), sampler, data_cfg, pin_memory, masking), order
 

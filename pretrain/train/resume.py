@@ -16,7 +16,8 @@ Two phases, because a run needs the answer on both sides of the process group:
 - ``Resume.load`` (every process, collective, once the model, optimizer and scheduler are prepared): every
   rank takes rank 0's choice and verifies its share of the files (``checkpoint.agree_on_resume``: damage
   moves every rank to the next fallback), prepares that checkpoint if it is not the one seen first, restores
-  the accelerator's state (``Checkpointer.load``), the stability rules' window and this recipe's peak lr.
+  the accelerator's state (``Checkpointer.load``), the stability rules' window, the run's rollbacks and this
+  recipe's peak lr. ``Resume.roll_back`` (stability.rollback) does the same in a running process.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class Resumed:
     step: int
     tokens_seen: int
     record: dict[str, Any]  # what run_config.json records of the resume (``resume``)
+    checkpoint: Path | None = None  # the checkpoint loaded
+    saved_at: float | None = None  # its trainer state's save time: which save of that step it is
 
 
 class Resume:
@@ -107,11 +110,12 @@ class Resume:
 
     # ---- every process, collective, after accelerator.prepare -----------------------------------------------
     def load(self, accelerator, checkpointer, *, trackers: list, data: dict[str, Any], scheduler, policy,
-             lr: float, num_steps: int) -> Resumed | None:
+             rollbacks, lr: float, num_steps: int) -> Resumed | None:
         """Agree on rank 0's checkpoint, then restore it: the accelerator's state (model, optimizer,
-        scheduler, RNG, by ``checkpointer``), the stability ``policy``'s window, and this recipe's peak ``lr``
-        on the ``scheduler``. None: a fresh start. Any problem raises the same ConfigError on every rank."""
-        from pretrain.model.optim import set_peak_lr
+        scheduler, RNG, by ``checkpointer``), the stability ``policy``'s window, the ``rollbacks`` of the run's
+        timeline (the checkpoint's, and rollbacks.jsonl's to that checkpoint since), and this recipe's peak
+        ``lr`` on the ``scheduler``. None: a fresh start. Any problem raises the same ConfigError on every rank."""
+        from pretrain.checkpoint.rundir import read_rollbacks
         from pretrain.train.tracking import set_resume_step
 
         choice = self.choice if self.launch.is_main else None
@@ -120,16 +124,41 @@ class Resume:
             self.source = None
             return None
         if self.source is None or self.source.checkpoint != resume_from:
-            # This rank saw another checkpoint before the process group existed (or the checksums sent every
-            # rank to an older one); it sees rank 0's (agreed above): follow rank 0, which prepares it first.
-            self.source = prepare_resume(resume_from, self.launch, log=self.log)
             # The trackers were built for the step of the checkpoint seen first.
             set_resume_step(trackers, TrainerState.read(resume_from).step)
+
+        def restore(state: TrainerState) -> None:  # before the lr: the rollbacks' lr factors are in the schedule
+            rollbacks.restore(state.rollbacks, read_rollbacks(self.recipe.output_dir), resume_from.name,
+                              state.saved_at)
+
+        return self._restore(resume_from, checkpointer, data=data, scheduler=scheduler, policy=policy, lr=lr,
+                             num_steps=num_steps, before_lr=restore)
+
+    def roll_back(self, accelerator, choice, checkpointer, *, data: dict[str, Any], scheduler, policy, lr: float,
+                  num_steps: int) -> Resumed:
+        """stability.rollback, in the running process (collective): agree on rank 0's ``choice`` (a
+        ``ResumeChoice.before``: None on the other ranks) and restore it as ``load`` does, by the same
+        machinery (checksums, fallbacks, ``Checkpointer.load``); the run's rollbacks stay the caller's."""
+        resume_from = agree_on_resume(accelerator, choice, self.recipe.output_dir, log=self.log)
+        assert resume_from is not None, "a rollback has a checkpoint to go back to"
+        return self._restore(resume_from, checkpointer, data=data, scheduler=scheduler, policy=policy, lr=lr,
+                             num_steps=num_steps)
+
+    def _restore(self, resume_from: Path, checkpointer, *, data, scheduler, policy, lr: float, num_steps: int,
+                 before_lr=None) -> Resumed:
+        from pretrain.model.optim import set_peak_lr
+
+        if self.source is None or self.source.checkpoint != resume_from:
+            # This rank saw another checkpoint before the process group existed (or the checksums sent every
+            # rank to an older one, or a rollback goes back to one): follow rank 0, which prepares it first.
+            self.source = prepare_resume(resume_from, self.launch, log=self.log)
         state, applied = checkpointer.load(self.source.checkpoint, self.recipe.to_dict(), self.source, data=data)
         policy.load_state_dict(state.stability)
+        if before_lr is not None:
+            before_lr(state)
         # The checkpoint's scheduler and optimizer state carry its peak lr: this recipe's is the one in force.
         lr_now = set_peak_lr(scheduler, lr)
         if applied:
             self.log(f"resume: lr {lr_now:.4g} at step {state.step} (peak {lr:.4g}, {num_steps} steps)")
         record = {"from": str(self.source.checkpoint), "step": state.step, "applied": applied, "lr": lr_now}
-        return Resumed(state.step, state.tokens_seen, record)
+        return Resumed(state.step, state.tokens_seen, record, Path(resume_from), state.saved_at)

@@ -69,13 +69,23 @@ class JSONLTracker(GeneralTracker):
     @on_main_process
     def start(self):
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._keep_until(self.resume_step if self.resume_step is not None else -1)
+        # Line-buffered: a killed run keeps every line it logged.
+        self._file = open(self.path, "a", buffering=1, encoding="utf-8")
+
+    def _keep_until(self, step: int) -> None:
         if self.path.exists():
-            keep_until = self.resume_step if self.resume_step is not None else -1
-            kept = [r for r in read_metrics(self.path.parent) if r["step"] <= keep_until]
+            kept = [r for r in read_metrics(self.path.parent) if r["step"] <= step]
             tmp = self.path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
             os.replace(tmp, self.path)
-        # Line-buffered: a killed run keeps every line it logged.
+
+    @on_main_process
+    def rewind(self, step: int) -> None:
+        """A rollback to ``step`` (stability.rollback): the lines of later steps are dropped, as on resume; the
+        steps redone replace them (rollbacks.jsonl keeps what the abandoned ones were)."""
+        self.finish()
+        self._keep_until(step)
         self._file = open(self.path, "a", buffering=1, encoding="utf-8")
 
     @property
@@ -106,6 +116,14 @@ def set_resume_step(trackers: list[GeneralTracker], step: int) -> None:
     for tracker in trackers:
         if isinstance(tracker, JSONLTracker):
             tracker.resume_step = step
+
+
+def rewind_trackers(trackers: list[GeneralTracker], step: int) -> None:
+    """A rollback to ``step``: metrics.jsonl drops the later steps' lines (wandb and tensorboard keep theirs: they
+    cannot take a line back; the redone steps are logged again there)."""
+    for tracker in trackers:
+        if isinstance(tracker, JSONLTracker):
+            tracker.rewind(step)
 
 
 def wandb_key_configured() -> bool:

@@ -17,7 +17,10 @@ which steps log, the ``ThroughputMonitor`` (pretrain/train/metrics.py) the measu
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,8 +28,8 @@ from typing import Any
 import torch
 from accelerate.utils import broadcast_object_list, set_seed
 
-from pretrain.checkpoint.checkpointer import Checkpointer, TrainerState
-from pretrain.checkpoint.rundir import latest_checkpoint
+from pretrain.checkpoint.checkpointer import Checkpointer, ResumeChoice, TrainerState
+from pretrain.checkpoint.rundir import ROLLBACKS_FILE, latest_checkpoint
 from pretrain.data import cache_root, data_identity, ensure_data, open_data, sample_val_texts
 from pretrain.distributed import context_parallel
 from pretrain.distributed.accelerator import (
@@ -50,7 +53,7 @@ from pretrain.model.build import (
 from pretrain.model.export import check_tokenizer_round_trip
 from pretrain.model.loss import install_loss
 from pretrain.model.measure import measure
-from pretrain.model.optim import build_optimizer, build_scheduler, deepspeed_optimizer
+from pretrain.model.optim import build_optimizer, build_scheduler, deepspeed_optimizer, set_peak_lr
 from pretrain.plan.memory import MemoryEstimate, estimate
 from pretrain.recipe.batching import BatchPlan
 from pretrain.recipe.config import Recipe
@@ -60,14 +63,28 @@ from pretrain.system.quiet import TiedWeightsSaved
 from pretrain.train.diagnostics import Diagnostics
 from pretrain.train.engine import Engine
 from pretrain.train.evaluation import Evaluator
-from pretrain.train.loader import DocumentMasking, build_train_loader, build_val_loaders, data_horizon
+from pretrain.train.loader import (
+    DocumentMasking,
+    batch_index,
+    build_train_loader,
+    build_val_loaders,
+    data_horizon,
+)
 from pretrain.train.metrics import ThroughputMonitor, memory_metrics, resolve_peak
 from pretrain.train.preflight import check_run
 from pretrain.train.resume import Resume
 from pretrain.train.router import RouterStats
 from pretrain.train.run_record import start_run_record
-from pretrain.train.stability import SkipPolicy, StepGate, Verdict, injected_loss_factors
-from pretrain.train.tracking import Console, StepLog, build_trackers
+from pretrain.train.stability import (
+    Rollbacks,
+    SkipPolicy,
+    StepGate,
+    TooManySkips,
+    Verdict,
+    injected_loss_factors,
+    scale_schedule,
+)
+from pretrain.train.tracking import Console, StepLog, build_trackers, rewind_trackers
 
 
 def loss_normaliser(global_target_tokens: int, launch: Launch, grad_accum_steps: int) -> float:
@@ -231,6 +248,11 @@ class Trainer:
         fp16 = recipe.precision.dtype == "fp16"
         self.policy = SkipPolicy(recipe.stability, fp16=fp16)
         self.gate = StepGate(self.policy) if recipe.stability.checks_steps else None
+        # stability.rollback's history: the batches skipped and the lr factors, part of the schedule itself (a
+        # resume restores them below, before the lr is set; without rollbacks every factor is 1).
+        self.rollbacks = Rollbacks(recipe.stability.rollback)
+        scale_schedule(self.scheduler, self.rollbacks.lr_factor)
+        self.rolled_back = False  # the step after a rollback is always logged
         # Backward, clipping, the update and the loss scale: the engine's (pretrain/train/engine.py).
         self.engine = Engine.build(self.accelerator, self.model, self.optimizer, self.scheduler, self.gate,
                                    fp16=fp16, deepspeed_config=self.setup.deepspeed_config)
@@ -245,15 +267,16 @@ class Trainer:
         self.resumed: dict | None = None  # what run_config.json records of the resume
         resumed = self.resume.load(self.accelerator, self.checkpointer, trackers=self.trackers,
                                    data=data_identity(self.data), scheduler=self.scheduler, policy=self.policy,
-                                   lr=self.lr, num_steps=self.num_steps)
+                                   rollbacks=self.rollbacks, lr=self.lr, num_steps=self.num_steps)
         if resumed is not None:
             self.step, self.tokens_seen, self.resumed = resumed.step, resumed.tokens_seen, resumed.record
 
         pin = self.device.type == "cuda"
         masking = document_masking(recipe, self.tokenizer)
+        self.masking = masking
         self.train_loader, self.sample_order = build_train_loader(
             self.data, recipe.data, self.plan, self.launch.data_rank, recipe.train.seed, self.step, pin,
-            masking,
+            masking, skipped=self.rollbacks.skipped,
         )
         val_sets = build_val_loaders(
             self.data, recipe.data, self.plan, self.launch.data_rank, recipe.eval.batches, pin,
@@ -344,7 +367,13 @@ class Trainer:
             self.step += 1
             self.tokens_seen += self.plan.tokens_per_step
             self.throughput.step_done(self.step)
-            last_metrics = self.report(result) or last_metrics  # TrainingDiverged: too many skips
+            try:
+                last_metrics = self.report(result) or last_metrics
+            except TooManySkips as stop_here:  # TrainingDiverged (exit 3) unless stability.rollback takes over
+                batches = self.roll_back(stop_here)
+                self.throughput.start(self.step)  # the interval restarts after the reload, as after a resume
+                diagnostics.step_done()
+                continue
             if self.evaluator.due(self.step):
                 with self.throughput.excluded():
                     self.evaluator.evaluate(self.model, self.step)
@@ -393,8 +422,12 @@ class Trainer:
             del output
             if acc.sync_gradients:
                 self.diagnostics.before_sync()
-            if self.step + 1 in self.loss_factors:
-                factor = self.loss_factors[self.step + 1]  # the test hook (stability.LOSS_FACTORS_ENV)
+            # The test hook (stability.LOSS_FACTORS_ENV), keyed like the data: by the global batch this step reads
+            # (batch N - 1 for step N, unless a rollback skipped batches), so a rollback skips an injected spike
+            # as it skips bad data, and a resume meets the same factors.
+            data_step = batch_index(self.sample_order, self.step) + 1
+            if data_step in self.loss_factors:
+                factor = self.loss_factors[data_step]
                 loss, objective = loss * factor, objective * factor
             if acc.sync_gradients and self.gate is not None:
                 # The step's global loss (cross-entropy), reduced before the last backward: DeepSpeed updates
@@ -412,9 +445,77 @@ class Trainer:
 
     def log_skip(self, verdict: Verdict) -> None:
         limit = self.recipe.stability.max_consecutive_skips
+        then = "rolls back" if self.recipe.stability.rollback.enabled else "stops"
         self.log(f"step {self.step}: update skipped by {verdict.rule}: {verdict.reason} "
                  f"({self.policy.consecutive} in a row, {self.policy.skipped} in the run"
-                 + (f"; the run stops at {limit} in a row)" if limit else ")"))
+                 + (f"; the run {then} at {limit} in a row)" if limit else ")"))
+
+    def roll_back(self, stop: TooManySkips):
+        """stability.rollback, instead of the stop ``stop``: reload the newest verified checkpoint saved before
+        the streak's first skipped step, skip the global batches from its step to ``stop.step``, and go on (in this
+        process: the load is the resume's own, Resume.roll_back). Every rank gets here at the same step (the
+        verdicts are the same on every rank) and takes rank 0's choice of checkpoint. Returns the batches from the
+        checkpoint's step on. Raises ``stop`` (exit 3) when rollback is off, when no checkpoint precedes the
+        streak, or after max_attempts rollbacks to that checkpoint."""
+        cfg = self.recipe.stability.rollback
+        if not cfg.enabled:
+            raise stop
+        first = stop.first_skipped_step
+        choice = ResumeChoice.before(self.output_dir, first) if self.is_main else None
+        [choice] = broadcast_object_list([choice])
+        if choice.path is None and choice.error is None:
+            raise TrainingDiverged(f"{stop}. stability.rollback: no checkpoint was saved before step {first}, the "
+                                   "first skip of the streak (checkpoint.every_steps)") from None
+        if choice.step is not None and self.rollbacks.attempts(choice.step) >= cfg.max_attempts:
+            raise TrainingDiverged(f"{stop}. stability.rollback gave up: {cfg.max_attempts} rollback(s) to "
+                                   f"{choice.path} (step {choice.step}) already (stability.rollback.max_attempts)"
+                                   ) from None
+        resumed = self.resume.roll_back(self.accelerator, choice if self.is_main else None, self.checkpointer,
+                                        data=data_identity(self.data), scheduler=self.scheduler,
+                                        policy=self.policy, lr=self.lr, num_steps=self.num_steps)
+        back_to = resumed.step
+        skipped_first_step = back_to + 1
+        # The window in the order's global batches: those steps back_to + 1 .. stop.step read in the attempt given
+        # up (consecutive batches: every earlier rollback's window lies before back_to's batch).
+        batches = [batch_index(self.sample_order, back_to), batch_index(self.sample_order, stop.step - 1)]
+        inner = getattr(self.scheduler, "scheduler", self.scheduler)
+        schedule_step = int(inner.last_epoch)
+        number = len(self.rollbacks.records) + 1
+        record = {
+            "rollback": number, "stopped_at_step": stop.step, "first_skipped_step": first,
+            "rule": stop.verdict.rule, "reason": stop.verdict.reason,
+            "checkpoint": resumed.checkpoint.name, "checkpoint_saved_at": resumed.saved_at, "to_step": back_to,
+            "skipped_steps": [skipped_first_step, stop.step], "batches": batches,
+            "lr_factor": cfg.lr_factor, "lr_schedule_steps": [schedule_step, schedule_step + cfg.lr_factor_steps],
+            "time": round(time.time(), 3),
+        }
+        self.rollbacks.records.append(record)
+        lr_now = set_peak_lr(self.scheduler, self.lr)  # again: the new window's factor, from the next update
+        if self.is_main:
+            # The record first, made durable: a run killed from here on resumes with this rollback applied.
+            with open(self.output_dir / ROLLBACKS_FILE, "a", encoding="utf-8") as records:
+                records.write(json.dumps(record) + "\n")
+                records.flush()
+                os.fsync(records.fileno())
+            moved = self.checkpointer.abandon_after(resumed.checkpoint)
+            rewind_trackers(self.trackers, back_to)
+        self.accelerator.wait_for_everyone()
+        self.step, self.tokens_seen = back_to, resumed.tokens_seen
+        pin = self.device.type == "cuda"
+        self.train_loader, self.sample_order = build_train_loader(
+            self.data, self.recipe.data, self.plan, self.launch.data_rank, self.recipe.train.seed, self.step, pin,
+            self.masking, skipped=self.rollbacks.skipped,
+        )
+        self.data_stop_step, _ = data_horizon(self.sample_order, self.num_steps, self.recipe.data.on_exhausted)
+        self.rolled_back = True
+        lr_text = (f"; lr x{cfg.lr_factor:g} for the next {cfg.lr_factor_steps} updates (now {lr_now:.4g})"
+                   if cfg.lr_factor != 1 and cfg.lr_factor_steps else "")
+        aside = f"; set aside: {', '.join(p.name for p in moved)}" if self.is_main and moved else ""
+        self.log(f"stability: rollback {self.rollbacks.attempts(back_to)}/{cfg.max_attempts} to {resumed.checkpoint} "
+                 f"(step {back_to}) after steps {first}-{stop.step} were skipped in a row ({stop.verdict.rule}: "
+                 f"{stop.verdict.reason}); the global batches of steps {skipped_first_step}-{stop.step} "
+                 f"(batches {batches[0]}-{batches[1]}) are skipped, recorded in {ROLLBACKS_FILE}{lr_text}{aside}")
+        return iter(self.train_loader)
 
     # ---- around the loop ----------------------------------------------------------------------------
     def log_train(self, result: OptimizerStep) -> dict[str, float]:
@@ -447,6 +548,7 @@ class Trainer:
             **self.sample_order.metrics(self.step),  # a mixture: data/tokens/<name>, data/epochs/<name>
             **self.diagnostics.step_time_metrics(),  # collective: perf/step_time_max_s, _min_s, _slowest_rank
             **(self.policy.metrics(result.verdict) if self.gate is not None else {}),
+            **(self.rollbacks.metrics() if self.gate is not None else {}),  # stability/rollbacks
         }
         return self.step_log.write(self.step, metrics)
 
@@ -461,8 +563,9 @@ class Trainer:
                 diverged = exc
         skipped = result.verdict is not None and result.verdict.skip
         logged = None
-        if self.step_log.due(self.step) or skipped:
+        if self.step_log.due(self.step) or skipped or self.rolled_back:
             logged = self.log_train(result)
+            self.rolled_back = False
         else:
             self.console.advance(self.step)
         if skipped:
@@ -475,7 +578,8 @@ class Trainer:
         """What a checkpoint records besides the accelerator's state."""
         return TrainerState(step=self.step, tokens_seen=self.tokens_seen, num_steps=self.num_steps,
                             plan=self.plan.to_dict(), recipe=self.recipe.to_dict(), layout=self.launch.to_dict(),
-                            data=data_identity(self.data), stability=self.policy.state_dict())
+                            data=data_identity(self.data), stability=self.policy.state_dict(),
+                            rollbacks=list(self.rollbacks.records))
 
     def save_checkpoint(self) -> None:
         """A checkpoint of the step just done, unless the training state is not finite (TrainingDiverged)."""

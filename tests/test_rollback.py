@@ -1,0 +1,159 @@
+"""stability.rollback: a run that keeps skipping goes back to the checkpoint before the trouble, skips the
+window of global batches that led to it, and goes on; a resume skips the same window."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pretrain.checkpoint.rundir import read_state
+from pretrain.errors import ConfigError, TrainingDiverged
+from pretrain.recipe.config import RollbackConfig, load_recipe
+from pretrain.train.loader import GlobalSampleOrder, SkippingOrder
+from pretrain.train.stability import LOSS_FACTORS_ENV, Rollbacks
+from tests.helpers import FAST, TINY, OneThread, metrics, train_here, train_losses
+from tests.test_optim import _lrs  # every optimizer step's lr of a schedule
+
+# ---- the pieces, alone ------------------------------------------------------------------------------------
+
+
+def test_skipped_batches_are_left_out_of_the_order_and_nothing_else_moves():
+    order = GlobalSampleOrder(num_samples=64, global_batch_size=4, seed=0, shuffle=True, drop_last=True)
+    skipping = SkippingOrder(order, [(9, 10), (3, 5)])  # two rollbacks' windows, in any order
+    assert [skipping.batch_index(s) for s in range(8)] == [0, 1, 2, 6, 7, 8, 11, 12]
+    assert np.array_equal(skipping.global_batch(3), order.global_batch(6))
+    assert skipping.steps_available() == (16 - 5, "")  # 16 batches per epoch, 5 of them skipped
+    assert skipping.epochs_read(3) == order.epochs_read(6)
+
+
+def test_a_resume_restores_the_rollbacks_of_its_own_timeline_only():
+    history = Rollbacks(RollbackConfig())
+    saved = [{"to_step": 4, "batches": [4, 8], "lr_factor": 0.5, "lr_schedule_steps": [4, 6]}]
+    logged = [
+        *saved,  # made before the checkpoint was saved: the checkpoint holds it
+        {"checkpoint": "step_00000012", "checkpoint_saved_at": 1.0, "to_step": 12, "batches": [15, 17],
+         "lr_factor": 0.5, "lr_schedule_steps": [12, 14]},  # to an earlier save of the same step: another timeline
+        {"checkpoint": "step_00000012", "checkpoint_saved_at": 2.0, "to_step": 12, "batches": [16, 19],
+         "lr_factor": 0.25, "lr_schedule_steps": [12, 13]},  # to the checkpoint resumed, after it was saved
+    ]
+    history.restore(saved, logged, "step_00000012", 2.0)
+    assert history.skipped == [(4, 8), (16, 19)]
+    assert [history.lr_factor(s) for s in (3, 4, 5, 6, 12, 13)] == [1.0, 0.5, 0.5, 1.0, 0.25, 1.0]
+    assert history.attempts(12) == 1 and history.attempts(4) == 1
+
+
+def test_a_rollback_that_could_never_act_is_refused():
+    with pytest.raises(ConfigError, match=r"stability.rollback.enabled=true cannot act: .*checkpoint.every_steps=0"):
+        load_recipe(TINY, ["stability.rollback.enabled=true", "checkpoint.every_steps=0"])
+    with pytest.raises(ConfigError, match=r"stability.max_consecutive_skips=0"):
+        load_recipe(TINY, ["stability.rollback.enabled=true", "stability.max_consecutive_skips=0"])
+    for name in ("7b", "13b", "70b", "llama-1b"):  # on in the large recipes, off in the demo
+        assert load_recipe(Path(TINY).with_name(f"{name}.yaml")).stability.rollback.enabled, name
+    assert not load_recipe(TINY).stability.rollback.enabled
+
+
+# ---- end to end, in this process ----------------------------------------------------------------------------
+
+# Checkpoints every 4 steps; the spike rule judges once 2 updates are in its window; 3 skips in a row would stop the
+# run. The injected spike (x1000 on the loss) hits the global batches steps 7, 8 and 9 read: the run skips them,
+# would stop at step 9, and rolls back to step 4 instead (the checkpoint of step 8 was saved mid-streak).
+ARGS = [*FAST, "train.max_steps=12", "checkpoint.every_steps=4", "checkpoint.keep_last=0",
+        "checkpoint.save_final_model=false", "stability.window_steps=4", "stability.spike_sigma=100",
+        "stability.max_consecutive_skips=3",
+        "stability.rollback.enabled=true", "stability.rollback.lr_factor=0.5", "stability.rollback.lr_factor_steps=2"]
+SPIKE = "7:1e3,8:1e3,9:1e3"
+
+
+def _train(out: Path, factors: str, *extra: str):
+    with pytest.MonkeyPatch.context() as patch, OneThread():
+        patch.setenv(LOSS_FACTORS_ENV, factors)  # read when the Trainer is built: it trains in this process
+        return train_here([*ARGS, *extra, f"output_dir={out}"])
+
+
+@pytest.fixture(scope="module")
+def rolled_back(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rollback") / "run"
+    _, _, console = _train(out, SPIKE)
+    return out, console
+
+
+def _rollbacks(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "rollbacks.jsonl").read_text().splitlines()]
+
+
+def test_a_persistent_spike_rolls_back_skips_its_window_and_ends_finite(rolled_back):
+    out, console = rolled_back
+    for step in (7, 8, 9):
+        assert f"step {step}: update skipped by stability.spike_sigma" in console
+    assert (f"stability: rollback 1/3 to {out / 'checkpoints' / 'step_00000004'} (step 4) after steps 7-9 were "
+            "skipped in a row (stability.spike_sigma: loss") in console
+    assert "the global batches of steps 5-9 (batches 4-8) are skipped, recorded in rollbacks.jsonl" in console
+    [record] = _rollbacks(out)
+    assert {k: record[k] for k in ("rollback", "stopped_at_step", "first_skipped_step", "to_step", "checkpoint",
+                                   "skipped_steps", "batches", "lr_factor", "lr_schedule_steps", "rule")} == {
+        "rollback": 1, "stopped_at_step": 9, "first_skipped_step": 7, "to_step": 4, "checkpoint": "step_00000004",
+        "skipped_steps": [5, 9], "batches": [4, 8], "lr_factor": 0.5, "lr_schedule_steps": [4, 6],
+        "rule": "stability.spike_sigma"}
+    # metrics.jsonl: each step once, the redone steps replacing the abandoned ones (as after a resume)
+    records = [r for r in metrics(out) if "train/loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    by_step = {r["step"]: r for r in records}
+    assert by_step[4]["stability/rollbacks"] == 0 and by_step[5]["stability/rollbacks"] == 1
+    assert by_step[12]["stability/skipped_steps"] == 0 and math.isfinite(by_step[12]["train/loss"])
+    assert by_step[12]["train/loss"] < by_step[1]["train/loss"]
+    # lr x0.5 for the two updates after the rollback, then the schedule as it was
+    recipe = load_recipe(TINY, ARGS)
+    expected = _lrs(recipe.lr_schedule, 12, recipe.optim.lr)
+    assert [by_step[s]["train/lr"] for s in (5, 6, 7)] == pytest.approx([expected[4] / 2, expected[5] / 2, expected[6]])
+    # The mid-streak checkpoint of the abandoned attempt is set aside, not resumed; the new ones hold the rollback.
+    checkpoints = out / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith(("step_", ".rolled"))) == [
+        ".rolled-back-step_00000008", "step_00000004", "step_00000008", "step_00000012"]
+    assert (checkpoints / "latest").read_text().strip() == "step_00000012"
+    assert read_state(checkpoints / "step_00000008")["rollbacks"] == [record]
+    assert read_state(checkpoints / "step_00000004").get("rollbacks") == []
+    # pretrain-data which reads the same order: step 5 read the global batch after the skipped ones
+    from pretrain.train.data_lookup import RunData
+
+    assert [RunData.open(out).order.batch_index(s - 1) for s in (4, 5, 12)] == [3, 9, 16]
+
+
+def _resumed_copy(out: Path, where: Path, resume_step: int, keep_records: bool) -> Path:
+    """``out`` as a run killed before it saved anything after ``resume_step`` leaves it."""
+    shutil.copytree(out, where)
+    for path in (where / "checkpoints").iterdir():
+        state = read_state(path) if path.is_dir() else None
+        if path.name.startswith(".rolled") or (state is not None and state["step"] > resume_step):
+            shutil.rmtree(path)
+    (where / "checkpoints" / "latest").write_text(f"step_{resume_step:08d}\n")
+    if not keep_records:
+        (where / "rollbacks.jsonl").unlink()
+    return where
+
+
+@pytest.mark.parametrize(("resume_step", "keep_records"), [
+    (4, True),  # killed right after the rollback: only rollbacks.jsonl knows the window
+    (8, False),  # killed after the next checkpoint: the checkpoint alone carries the window
+])
+def test_a_resume_after_a_kill_skips_the_same_window_and_reproduces_the_losses(rolled_back, tmp_path, resume_step,
+                                                                                keep_records):
+    out, _ = rolled_back
+    resumed = _resumed_copy(out, tmp_path / "resumed", resume_step, keep_records)
+    _, _, console = _train(resumed, SPIKE)
+    assert f"resume: continuing from {resumed / 'checkpoints' / f'step_{resume_step:08d}'}" in console
+    assert "stability: rollback" not in console  # the spike's batches are skipped: no new rollback
+    assert train_losses(resumed) == train_losses(out)  # exactly: the same batches, the same lr
+
+
+def test_a_spike_that_outlasts_max_attempts_stops_the_run_as_without_rollback(tmp_path):
+    out = tmp_path / "run"
+    # The spike goes on past the skipped window: after the rollback steps 5-7 read batches 9-11, spiking again.
+    with pytest.raises(TrainingDiverged, match=r"step 7: 3 updates in a row skipped .* stability.rollback gave up: "
+                                               r"1 rollback\(s\) to .*step_00000004 \(step 4\) already"):
+        _train(out, ",".join(f"{k}:1e3" for k in range(7, 13)), "stability.rollback.max_attempts=1")
+    assert [r["to_step"] for r in _rollbacks(out)] == [4]
