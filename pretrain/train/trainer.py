@@ -309,6 +309,7 @@ class Trainer:
                     ended, last_metrics = self.loop(batches, stop, diagnostics)
                 except TrainingDiverged as exc:
                     self.console.close()
+                    self.checkpointer.wait()  # the newest checkpoint may still be written in the background
                     newest = latest_checkpoint(self.output_dir)
                     self.accelerator.end_training()
                     raise TrainingDiverged(f"{exc} (newest checkpoint: {newest or 'none'})") from None
@@ -477,6 +478,7 @@ class Trainer:
     def stop_preempted(self) -> None:
         """A stop signal reached every rank: checkpoint the step just done and end; the same command resumes."""
         self.save_checkpoint()
+        self.checkpointer.wait()  # checkpoint.async: written before the run says it has it
         self.preempted = True
         self.console.close()
         what = "interrupted" if self.interrupted else "preempted"  # pretrain-slurm status counts "preempted: ..."
@@ -505,6 +507,7 @@ class Trainer:
         self.end()
 
     def end(self) -> None:
+        self.checkpointer.wait()  # checkpoint.async: the write in flight completes before the process group goes
         self.accelerator.end_training()
         if self.lock is not None:
             self.lock.release()
