@@ -77,7 +77,7 @@ def reference() -> str:
                 lines += [f"| `{name}.{key}.{k}` | {_type_name(f.annotation)} | {_default(f)} | {f.description} |"
                           for k, f in sub.annotation.model_fields.items()]
                 continue
-            lines.append(f"| `{name}.{key}` | {_type_name(sub.annotation)} | {_default(sub)} | {sub.description} |")
+            lines.append(f"| `{name}.{sub.alias or key}` | {_type_name(sub.annotation)} | {_default(sub)} | {sub.description} |")
             item = _list_item(sub.annotation)
             for item_key, item_field in (item.model_fields.items() if item else ()):
                 lines.append(f"| `{name}.{key}[].{item_key}` | {_type_name(item_field.annotation)} | "

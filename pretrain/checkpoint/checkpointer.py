@@ -38,6 +38,7 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from pydantic import BaseModel
 
+from pretrain.checkpoint.background import StagedSave, Writer, gather_over, injected_write_delay
 from pretrain.checkpoint.integrity import (
     MANIFEST_FILE,
     Unverified,
@@ -57,7 +58,7 @@ from pretrain.checkpoint.rundir import (
     read_state,
 )
 from pretrain.data import data_changes, planned_data_identity
-from pretrain.distributed.accelerator import SHARED_FS_HINT, rank_problems
+from pretrain.distributed.accelerator import SHARED_FS_HINT, merge_problems, rank_problems
 from pretrain.errors import ConfigError, TrainingDiverged, disk_full_error, is_disk_full
 from pretrain.recipe.config import CheckpointConfig, DataConfig, Recipe, renamed_keys
 from pretrain.trust import check_files, is_inside, weights_only
@@ -386,7 +387,11 @@ def nonfinite_state(optimizer) -> str | None:
 
 
 class Checkpointer:
-    """Saves and restores checkpoints under ``<output_dir>/checkpoints`` and decides when to save."""
+    """Saves and restores checkpoints under ``<output_dir>/checkpoints`` and decides when to save.
+
+    With ``checkpoint.async`` a save returns once the states are copied to host memory and the files follow
+    in a thread (``pretrain/checkpoint/background.py``); ``wait()`` (the next save, the end of the run) waits for
+    it. ``stalls_s``: the seconds each save held the loop (tools/bench_checkpoint.py reads them)."""
 
     def __init__(self, accelerator: Accelerator, output_dir: str | Path, cfg: CheckpointConfig, num_steps: int,
                  log=print):
@@ -395,6 +400,15 @@ class Checkpointer:
         self.cfg = cfg
         self.num_steps = num_steps
         self.log = log
+        self.stalls_s: list[float] = []
+        self.writes_s: list[float] = []  # rank 0: each save from the start of save_state to the rename
+        self.writer = Writer() if cfg.async_ else None
+        # The writer thread's collectives (the checksums' gather) get a gloo group of their own: a second
+        # thread's collectives on the loop's group could pair with the loop's. So does each of DCP's background
+        # saves (dcp_group). Collective: every rank builds its Checkpointer.
+        self.group = (torch.distributed.new_group(backend="gloo")
+                      if cfg.async_ and accelerator.num_processes > 1 else None)
+        self.dcp_groups: list[Any] = []
 
     def should_save(self, step: int) -> bool:
         """Every ``checkpoint.every_steps`` optimizer steps, and after the last one unless save_last=false."""
@@ -408,8 +422,12 @@ class Checkpointer:
         removes the partial checkpoint and raises the same ConfigError on every rank (exit 2): the previous
         checkpoint is untouched and the same command resumes from it. With ``optimizer``, its parameters and
         state are checked for NaN / inf on every rank first: a non-finite state is never written (nor are
-        healthy ones pruned for it); TrainingDiverged instead."""
+        healthy ones pruned for it); TrainingDiverged instead. Asynchronous (``checkpoint.async``): the
+        previous write completes first, then everything after the copy to host memory happens in the
+        background, and its failure is raised by the next ``wait()``."""
         acc = self.accelerator
+        begin = time.perf_counter()
+        self.wait()  # one write in flight at most: its host copy is freed before the next is taken
         if optimizer is not None:
             problems = rank_problems(acc, nonfinite_state(optimizer))
             if problems:
@@ -427,36 +445,126 @@ class Checkpointer:
                 shutil.rmtree(tmp)  # left by a run killed while saving
         acc.wait_for_everyone()
         start = time.perf_counter()
-        files: dict[str, Any] = {}
 
         def write_state() -> None:
             if acc.is_main_process:
                 (tmp / STATE_FILE).write_text(replace(state, saved_at=time.time()).to_json())
 
-        def write_manifest_last() -> None:
-            if acc.is_main_process:
-                write_manifest(tmp, files, acc.num_processes)
+        if self.writer is None:
+            self._written(state.step, tmp, lambda: acc.save_state(str(tmp), safe_serialization=True))
+            self._written(state.step, tmp, write_state)
+            failure = self._complete(state.step, tmp, final, start, gather_object, None)
+            if failure is not None:
+                raise failure
+            self.stalls_s.append(time.perf_counter() - begin)
+            return final
+        staged = StagedSave(tmp, self.dcp_group)
 
-        self._written(state.step, tmp, lambda: acc.save_state(str(tmp), safe_serialization=True))
+        def stage() -> None:
+            with staged.capturing():
+                acc.save_state(str(tmp), safe_serialization=True)
+
+        self._written(state.step, tmp, stage)
         self._written(state.step, tmp, write_state)
+        stall = time.perf_counter() - begin
+        self.stalls_s.append(stall)
+        staged.pause_s = injected_write_delay(state.step)  # the test hook (background.SLOW_WRITE_ENV); 0 in real runs
+
+        def background() -> ConfigError | None:
+            return self._complete(state.step, tmp, final, start, lambda own: gather_over(self.group, own[0]),
+                                  staged, stall)
+
+        self.writer.submit(background)
+        return final
+
+    def dcp_group(self, index: int) -> Any:
+        """The gloo group of a checkpoint's index-th DCP background save (None: one process). Made the first
+        time it is asked for, on the loop's thread, where every rank reaches the same DCP saves in order."""
+        if self.group is None:
+            return None
+        while len(self.dcp_groups) <= index:
+            self.dcp_groups.append(torch.distributed.new_group(backend="gloo"))
+        return self.dcp_groups[index]
+
+    def wait(self) -> None:
+        """Wait for the checkpoint write in flight, if any (``checkpoint.async``); raises its failure, on every
+        rank alike. Every rank calls it at the same points (the next save, the end of the run)."""
+        if self.writer is not None and (failure := self.writer.wait()) is not None:
+            raise failure
+
+    def _complete(self, step: int, tmp: Path, final: Path, start: float, gather: Callable[[list], list],
+                  staged: StagedSave | None, stall: float | None = None) -> ConfigError | None:
+        """The save after ``save_state``: (asynchronous: the staged writes,) every rank's checksums of its files
+        gathered into the manifest, written last, then the rename, ``latest`` and pruning. Returns the full-disk
+        ConfigError every rank gets (after rank 0 removed the partial checkpoint), or None. ``gather``: every
+        rank's [value] onto every rank (collective: the loop's group, or the writer thread's)."""
+        acc = self.accelerator
+        host = socket.gethostname()
+
+        def agree(found: list[tuple[str, str | None, bool]]) -> ConfigError | None:
+            """Every rank's (host, problem, disk full) -> the failure every rank returns (None: none)."""
+            if all(p is None for _, p, _ in found):
+                return None
+            if acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+            problems = merge_problems([(h, p) for h, p, _ in found])
+            if not any(full for _, _, full in found):
+                raise RuntimeError(f"the checkpoint of step {step} failed while written in the background: "
+                                   f"{'; '.join(problems)}")
+            return self._disk_full(step, problems)
+
+        def attempt(write: Callable[[], Any]) -> tuple[Any, str | None, bool]:
+            try:
+                return write(), None, False
+            except Exception as exc:
+                if staged is None and not is_disk_full(exc, self.dir):
+                    raise  # synchronous: as any other error of the loop
+                return None, f"{type(exc).__name__}: {exc}", is_disk_full(exc, self.dir)
+
+        if staged is not None:
+            _, problem, full = attempt(staged.write)
+            if (failure := agree(gather([(host, problem, full)]))) is not None:
+                return failure
         hashing = time.perf_counter()
-        own = record_own(tmp, acc.process_index, acc.num_processes)  # reads back only what this rank wrote
-        files.update(entry for part in gather_object([own]) for entry in part.items())
+        own, problem, full = attempt(lambda: record_own(tmp, acc.process_index, acc.num_processes))
+        gathered = gather([(host, problem, full, own or {})])
+        if (failure := agree([(h, p, f) for h, p, f, _ in gathered])) is not None:
+            return failure
+        files = {rel: entry for *_, part in gathered for rel, entry in part.items()}
         hashing = time.perf_counter() - hashing
-        self._written(state.step, tmp, write_manifest_last)
+        _, problem, full = attempt(lambda: write_manifest(tmp, files, acc.num_processes) if acc.is_main_process
+                                   else None)
+        if (failure := agree(gather([(host, problem, full)]))) is not None:
+            return failure
         if acc.is_main_process:
             if final.exists():
                 shutil.rmtree(final)  # the same step saved again after a resume: the new one is equivalent
             for view in views(final):
                 shutil.rmtree(view)  # converted from the replaced save
             os.rename(tmp, final)
-            self._point_latest(name)
+            self._point_latest(final.name)
             self._prune(keep=final)
             size_gib = sum(entry["size"] for entry in files.values()) / 2**30
-            self.log(f"checkpoint: saved step {state.step} to {final} ({size_gib:.2f} GiB, "
-                     f"{time.perf_counter() - start:.1f}s, of which checksums {hashing:.1f}s)")
-        acc.wait_for_everyone()
-        return final
+            took = time.perf_counter() - start
+            self.writes_s.append(took)
+            if stall is None:
+                self.log(f"checkpoint: saved step {step} to {final} ({size_gib:.2f} GiB, {took:.1f}s, of which "
+                         f"checksums {hashing:.1f}s)")
+            else:
+                self.log(f"checkpoint: saved step {step} to {final} ({size_gib:.2f} GiB, {took:.1f}s, of which "
+                         f"checksums {hashing:.1f}s; in the background: the loop waited {stall:.2f}s for "
+                         f"{staged.staged_bytes / 2**30:.2f} GiB copied to host memory)")
+        if staged is None:
+            acc.wait_for_everyone()
+        return None
+
+    def _disk_full(self, step: int, problems: list[str]) -> ConfigError:
+        previous = latest_checkpoint(self.dir.parent)
+        kept = (f"{previous} (step {TrainerState.read(previous).step}) is intact and the same command resumes "
+                "from it" if previous is not None else "no earlier checkpoint exists")
+        return disk_full_error(self.dir, f"the checkpoint of step {step} ({'; '.join(problems)})",
+                               f"its partial files are removed; {kept}. Free space there (or lower "
+                               "checkpoint.keep_last), then rerun the same command")
 
     def _point_latest(self, name: str) -> None:
         pointer_tmp = self.dir / f".{LATEST_FILE}.tmp"
@@ -487,12 +595,7 @@ class Checkpointer:
             return
         if self.accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
-        previous = latest_checkpoint(self.dir.parent)
-        kept = (f"{previous} (step {TrainerState.read(previous).step}) is intact and the same command resumes "
-                "from it" if previous is not None else "no earlier checkpoint exists")
-        raise disk_full_error(self.dir, f"the checkpoint of step {step} ({'; '.join(problems)})",
-                              f"its partial files are removed; {kept}. Free space there (or lower "
-                              "checkpoint.keep_last), then rerun the same command")
+        raise self._disk_full(step, problems)
 
     def _prune(self, keep: Path) -> None:
         """Keep the newest ``keep_last`` complete checkpoints, and always ``keep`` (the one just saved and

@@ -208,7 +208,8 @@ class Problem:
         layout = layout or self.layout
         mbs = micro_batch_size if micro_batch_size is not None else self.args.micro_batch_size
         return memory.estimate_shape(
-            self.shape, self.workload(mbs, layout.world_size), layout, buffers=self.buffers, gpu=self.gpu
+            self.shape, self.workload(mbs, layout.world_size), layout, buffers=self.buffers, gpu=self.gpu,
+            async_checkpoint=self.recipe is not None and self.recipe.checkpoint.async_,
         )
 
 

@@ -375,7 +375,11 @@ def rank_problems(accelerator: Accelerator, problem: str | None) -> list[str]:
     """Every rank's problem (None: none), gathered onto every rank as ``"rank 3 (host b) <problem>"`` lines,
     ranks with the same host and problem merged. Collective: every rank calls it, and every rank gets the
     same list, so every rank raises (or goes on) together instead of some waiting forever for the others."""
-    gathered = gather_object([(socket.gethostname(), problem)])
+    return merge_problems(gather_object([(socket.gethostname(), problem)]))
+
+
+def merge_problems(gathered: list[tuple[str, str | None]]) -> list[str]:
+    """Every rank's (host, problem or None), in rank order, as rank_problems words them."""
     merged: dict[tuple[str, str], list[int]] = {}
     for rank, (host, found) in enumerate(gathered):
         if found is not None:

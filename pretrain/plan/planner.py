@@ -461,7 +461,8 @@ def _estimates(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: me
                 gas = gbs // (mbs * dp)
                 workload = memory.Workload(**{**base.__dict__, "micro_batch_size": mbs, "activation_checkpointing": ckpt,
                                               "grad_accum_steps": gas, "global_batch_size": gbs})
-                yield layout, ckpt, mbs, gas, memory.estimate_shape(shape, workload, layout, buffers=buffers, gpu=gpu)
+                yield layout, ckpt, mbs, gas, memory.estimate_shape(shape, workload, layout, buffers=buffers, gpu=gpu,
+                                                                    async_checkpoint=recipe.checkpoint.async_)
 
 
 def plan(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: memory.DeepSpeedBuffers | None = None,

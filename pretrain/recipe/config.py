@@ -663,6 +663,9 @@ class StabilityConfig(Section):
 
 
 class CheckpointConfig(Section):
+    # `async` is a Python keyword: the field is async_, read and written (to_dict, checkpoints) as `async`.
+    model_config = ConfigDict(**Section.model_config, serialize_by_alias=True)
+
     every_steps: int = Field(0, ge=0, description="Save every N optimizer steps; 0 = only at the end.")
     keep_last: int = Field(2, ge=0, description="Keep the newest N checkpoints; 0 = keep all.")
     save_last: bool = Field(True, description="Also save a checkpoint after the last step (false: e.g. for sweeps).")
@@ -672,6 +675,12 @@ class CheckpointConfig(Section):
     )
     save_final_model: bool = Field(
         True, description="Export a transformers `save_pretrained` model and tokenizer to output_dir/final_model."
+    )
+    async_: bool = Field(
+        False, alias="async",
+        description="Write checkpoints in the background: the loop waits only while the states are copied to host "
+        "memory (one copy of this rank's checkpoint states); the files, checksums, manifest and `latest` follow in "
+        "a thread, one save in flight at a time. Same files and guarantees as a synchronous save.",
     )
 
 
@@ -995,7 +1004,7 @@ def _field_names(model_cls: type[BaseModel], loc: tuple) -> list[str]:
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return []
         cls = annotation
-    return list(cls.model_fields)
+    return [f.alias or name for name, f in cls.model_fields.items()]
 
 
 def _shown(value: Any, limit: int = 80) -> str:

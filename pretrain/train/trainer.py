@@ -341,6 +341,7 @@ class Trainer:
                     ended, last_metrics = self.loop(batches, stop, diagnostics)
                 except TrainingDiverged as exc:
                     self.console.close()
+                    self.checkpointer.wait()  # the newest checkpoint may still be written in the background
                     newest = latest_checkpoint(self.output_dir)
                     self.accelerator.end_training()
                     raise TrainingDiverged(f"{exc} (newest checkpoint: {newest or 'none'})") from None
@@ -461,6 +462,7 @@ class Trainer:
         if not cfg.enabled:
             raise stop
         first = stop.first_skipped_step
+        self.checkpointer.wait()  # checkpoint.async: a write in flight is finished (and listed) before the choice
         choice = ResumeChoice.before(self.output_dir, first) if self.is_main else None
         [choice] = broadcast_object_list([choice])
         if choice.path is None and choice.error is None:
@@ -588,6 +590,7 @@ class Trainer:
     def stop_preempted(self) -> None:
         """A stop signal reached every rank: checkpoint the step just done and end; the same command resumes."""
         self.save_checkpoint()
+        self.checkpointer.wait()  # checkpoint.async: written before the run says it has it
         self.preempted = True
         self.console.close()
         what = "interrupted" if self.interrupted else "preempted"  # pretrain-slurm status counts "preempted: ..."
@@ -616,6 +619,7 @@ class Trainer:
         self.end()
 
     def end(self) -> None:
+        self.checkpointer.wait()  # checkpoint.async: the write in flight completes before the process group goes
         self.accelerator.end_training()
         if self.lock is not None:
             self.lock.release()

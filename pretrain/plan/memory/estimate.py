@@ -22,6 +22,8 @@ CUDA_CONTEXT_BYTES = 1 * GIB
 GPUs and drivers; counted as 1 GiB."""
 ALLOCATOR_FRACTION = 0.05
 """PyTorch's caching allocator rounds blocks up and fragments: 5% of the tensor peak."""
+CHECKPOINT_STAGING = "checkpoint"
+"""The host term of checkpoint.async's copy (``checkpoint_staging``)."""
 _MAIN_TERMS = ("params", "grads", "optimizer", "activations")
 _ONLY_AT_BACKWARD = ("activations", "logits", "autocast", "float8")
 """Terms alive at the start of backward only (freed by the time gradients are reduced)."""
@@ -78,6 +80,12 @@ class MemoryEstimate:
     @property
     def host_bytes_per_rank(self) -> int:
         return sum(t.bytes for t in self.host.values())
+
+    @property
+    def host_purpose(self) -> str:
+        staging = CHECKPOINT_STAGING in self.host
+        offload = len(self.host) > staging
+        return " and ".join(what for what, used in (("offload", offload), ("checkpoint.async", staging)) if used)
 
     @property
     def host_bytes_per_node(self) -> int:
@@ -167,7 +175,7 @@ class MemoryEstimate:
         if self.host:
             rows.append(
                 f"host       {self.host_bytes_per_rank / GIB:,.2f} GiB per rank, {self.host_bytes_per_node / GIB:,.2f} GiB "
-                f"per node ({self.layout.gpus_per_node} ranks) for offload"
+                f"per node ({self.layout.gpus_per_node} ranks) for {self.host_purpose}"
             )
         rows += [f"note       {n}" for n in self.notes]
         return "\n".join(rows)
@@ -180,7 +188,7 @@ class MemoryEstimate:
             out.append(f"{term.label}: {gib(term.bytes)}")
             out += [f"    {line}" for line in term.formula.splitlines()]
         if self.host:
-            out.append("host memory per rank (offload):")
+            out.append(f"host memory per rank ({self.host_purpose}):")
             out += [f"    {t.label}: {gib(t.bytes)} = {t.formula}" for t in self.host.values()]
         out.append("activation formula:")
         out += [f"    {line}" for line in self.activations.lines]
@@ -188,10 +196,23 @@ class MemoryEstimate:
         return "\n".join(out)
 
 
+def checkpoint_staging(states) -> Term:
+    """checkpoint.async: the host copy of what this rank's checkpoint holds, taken while the loop waits and
+    written in the background (pretrain/checkpoint/background.py): its parameters and optimizer states, wherever
+    they live (on the device, or offloaded to the host). The worst rank is counted: rank 0, which also writes
+    the replicated model under DDP and ZeRO-1/2."""
+    parts = [states.params, states.optimizer,
+             *(t for k, t in states.host.items() if k in ("params", "master", "optimizer_states"))]
+    return Term(CHECKPOINT_STAGING, "checkpoint copy (checkpoint.async)", sum(t.bytes for t in parts),
+                " + ".join(f"{t.label} {gib(t.bytes)}" for t in parts if t.bytes)
+                + ": one copy of this rank's checkpoint states, written in the background")
+
+
 def estimate_shape(shape: ModelShape, workload: Workload, layout: Launch, *,
                    buffers: DeepSpeedBuffers | None = None, gpu: GpuSpec | None = None,
-                   device: str = "cuda") -> MemoryEstimate:
-    """The per-device estimate for a model shape (the core; ``estimate`` wraps it for a recipe)."""
+                   device: str = "cuda", async_checkpoint: bool = False) -> MemoryEstimate:
+    """The per-device estimate for a model shape (the core; ``estimate`` wraps it for a recipe).
+    ``async_checkpoint``: checkpoint.async, whose host copy is a host term."""
     check_offload(layout)
     if shape.arch not in ESTIMATED_ARCHS:
         raise ConfigError(
@@ -226,7 +247,8 @@ def estimate_shape(shape: ModelShape, workload: Workload, layout: Launch, *,
         + f"{ALLOCATOR_FRACTION:.0%} of the tensor peak {gib(tensor_peak)} (allocator rounding, fragmentation)")
     return MemoryEstimate(
         num_params=shape.num_params, shape=shape, workload=w, layout=layout, buffers=buffers, terms=terms,
-        phases=phases, allowance=allowance, host=states.host, gpu=gpu, activations=acts,
+        phases=phases, allowance=allowance, gpu=gpu, activations=acts,
+        host={**states.host, **({CHECKPOINT_STAGING: checkpoint_staging(states)} if async_checkpoint else {})},
         model_state_bytes=states.peak, notes=states.notes,
     )
 
@@ -250,4 +272,5 @@ def estimate(recipe, plan, layout: Launch, *, gpu: GpuSpec | None = None, buffer
     return estimate_shape(
         shape, Workload.from_recipe(recipe, plan, loss), layout,
         buffers=buffers or DeepSpeedBuffers.from_recipe(recipe), gpu=gpu, device=device,
+        async_checkpoint=recipe.checkpoint.async_,
     )
