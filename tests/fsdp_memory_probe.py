@@ -72,6 +72,28 @@ def labels(model, optimizer) -> dict[int, str]:
     return names
 
 
+def unsharded_grads(model) -> dict[str, dict]:
+    """Each unsharded gradient FSDP holds (under no_sync), by parameter: its DTensor placements, the shape of its local
+    tensor against the local shape of the parameter it belongs to, and the bytes of the storage behind it (what the
+    snapshot counts)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for fp in fsdp_params(model):
+        param = getattr(fp, "_unsharded_param", None)
+        for grad in (fp.unsharded_accumulated_grad, getattr(param, "grad", None)):
+            if grad is None:
+                continue
+            local = grad._local_tensor if isinstance(grad, DTensor) else grad
+            out[fp._param_fqn] = {
+                "placements": str(grad.placements) if isinstance(grad, DTensor) else None,
+                "local_shape": list(local.shape),
+                "param_local_shape": list((param._local_tensor if isinstance(param, DTensor) else param).shape),
+                "storage_bytes": local.untyped_storage().nbytes(),
+            }
+    return out
+
+
 def fsdp_params(model) -> list:
     """Every FSDPParam of the FSDP2 modules in ``model`` (torch's own bookkeeping of each sharded parameter)."""
     from torch.distributed.fsdp import FSDPModule
@@ -115,7 +137,8 @@ def main() -> None:
         for ptr, (nbytes, _) in held.items():
             label = names.get(ptr, "other")
             by_label[label] = by_label.get(label, 0) + nbytes
-        snapshots[name] = {"bytes": sum(n for n, _ in held.values()), "by_label": by_label}
+        snapshots[name] = {"bytes": sum(n for n, _ in held.values()), "by_label": by_label,
+                           "unsharded_grads": unsharded_grads(model)}
 
     generator = torch.Generator().manual_seed(acc.process_index)
     for step in range(2):

@@ -15,6 +15,7 @@ Both print the measured and estimated numbers side by side (``pytest -s`` or the
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -318,6 +319,15 @@ def test_tp_model_states_match_estimate(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     results = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
     assert results[0]["num_params"] == shape.num_params
+    # Every unsharded gradient FSDP keeps through no_sync is its parameter's TP-local size and owns no larger storage:
+    # the vocab-parallel embedding's too (DTensor's own embedding backward built the whole V x d table on every TP
+    # rank; pretrain.distributed.tensor_parallel.local_vocab_lookup).
+    for result in results:
+        grads = result["snapshots"]["after_no_sync_backward"]["unsharded_grads"]
+        assert "model.embed_tokens.weight" in grads and "lm_head.weight" in grads, sorted(grads)
+        for name, grad in grads.items():
+            assert grad["local_shape"] == grad["param_local_shape"], (name, grad)
+            assert grad["storage_bytes"] == 4 * math.prod(grad["local_shape"]), (name, grad)
     workload = memory.Workload(precision="fp32", optimizer="AdamW", micro_batch_size=probe.MICRO_BATCH_SIZE,
                                seq_len=ds_memory_probe.SEQ_LEN, grad_accum_steps=probe.GRAD_ACCUM_STEPS)
     layout = Launch("fsdp", gpus_per_node=4, fsdp_sharding="FULL_SHARD", tp_size=2)

@@ -7,10 +7,12 @@
     pretrain-estimate --model-config path/to/config.json --seq-len 4096 --num-gpus 8 --zero 3
     pretrain-estimate --recipe recipes/7b.yaml --accelerate-config accelerate_configs/fsdp.yaml --explain
     pretrain-estimate --recipe recipes/7b.yaml --nodes 8 --gpus-per-node 8 --zero 3 --hybrid   # ZeRO++ hpZ
+    pretrain-estimate --recipe recipes/70b.yaml --nodes 4 --gpus-per-node 8 --fsdp --tp 8 --explain   # FSDP2 x TP
 
 Without --zero, --fsdp or --accelerate-config the layout is PyTorch DDP (accelerate's MULTI_GPU). Arithmetic
 only: no weights are allocated and transformers is not imported (pretrain/memory has the formulas,
-pretrain/recipe/shape.py the model's shape, pretrain/system/hardware.py the GPU table).
+pretrain/recipe/shape.py the model's shape, pretrain/system/hardware.py the GPU table); with --tp the first
+estimate per transformers version reads the architecture's TP plan from a meta model, and the cache keeps it.
 """
 
 from __future__ import annotations
@@ -57,6 +59,12 @@ def build_parser(prog: str = "pretrain-estimate") -> argparse.ArgumentParser:
                      help="hybrid sharding, within a node and replicated across nodes: ZeRO-3 hpZ or FSDP HSDP")
     lay.add_argument("--accelerate-config", help="an accelerate config YAML (DeepSpeed, FSDP, DDP); sets stage, offload, "
                      "world")
+    lay.add_argument("--tp", type=count(), metavar="N",
+                     help="tensor parallel size (FSDP2: with --fsdp or an FSDP accelerate config; accelerate's "
+                     "parallelism_config_tp_size): the TP plan's modules split N ways, FSDP shards over the rest")
+    lay.add_argument("--cp", type=count(), metavar="N",
+                     help="context parallel size (FSDP2; accelerate's parallelism_config_cp_size): every sequence "
+                     "split N ways (sdpa, no document masking)")
     lay.add_argument("--offload-optimizer", nargs="?", const="cpu", choices=("cpu", "nvme"),
                      help="offload the optimizer partition (cpu unless nvme is given; ZeRO >= 1)")
     lay.add_argument("--offload-params", nargs="?", const="cpu", choices=("cpu", "nvme"),
@@ -119,6 +127,8 @@ def resolve_layout(args) -> Launch:
             raise ConfigError("--hybrid goes with --zero 3 or --fsdp (an accelerate config says it itself: "
                               "multinode_zero3_hpz.yaml, multinode_hsdp.yaml)")
         layout = replace(layout, hybrid_shard_size=layout.gpus_per_node)
+    if args.tp is not None or args.cp is not None:
+        layout = _model_parallel(layout, args.tp, args.cp)
     if args.offload_optimizer or args.offload_params:
         if layout.engine == "ddp":
             raise ConfigError("--offload-optimizer / --offload-params need DeepSpeed: add --zero 1, 2 or 3 (or --fsdp "
@@ -126,6 +136,21 @@ def resolve_layout(args) -> Launch:
         layout = replace(layout, offload_optimizer=args.offload_optimizer or layout.offload_optimizer,
                          offload_params=args.offload_params or layout.offload_params)
     return layout
+
+
+def _model_parallel(layout: Launch, tp: int | None, cp: int | None) -> Launch:
+    """``layout`` with --tp / --cp in place of its own sizes (an accelerate config's parallelism_config). HSDP keeps
+    its replicas: each node's GPUs, over TP, shard one (as the planner's HSDP x TP). check_launch refuses what cannot
+    run (TP spanning nodes, sizes that do not divide the world)."""
+    if layout.engine != "fsdp":
+        raise ConfigError("--tp / --cp compose with FSDP2 only (accelerate's parallelism_config): add --fsdp, or give "
+                          "an FSDP accelerate config (accelerate_configs/fsdp2_tp2.yaml)")
+    tp = tp if tp is not None else layout.tp_size
+    cp = cp if cp is not None else layout.cp_size
+    hybrid = layout.hybrid_shard_size
+    if hybrid:
+        hybrid = layout.gpus_per_node // tp if layout.gpus_per_node % tp == 0 else hybrid
+    return replace(layout, tp_size=tp, cp_size=cp, hybrid_shard_size=hybrid)
 
 
 def _policy(value: str) -> str:
@@ -207,8 +232,9 @@ class Problem:
     def at(self, layout: Launch | None = None, micro_batch_size: int | None = None) -> memory.MemoryEstimate:
         layout = layout or self.layout
         mbs = micro_batch_size if micro_batch_size is not None else self.args.micro_batch_size
+        # TP and CP ranks share their micro-batches: the batch plan is over the data-parallel ranks
         return memory.estimate_shape(
-            self.shape, self.workload(mbs, layout.world_size), layout, buffers=self.buffers, gpu=self.gpu,
+            self.shape, self.workload(mbs, layout.data_parallel_size), layout, buffers=self.buffers, gpu=self.gpu,
             async_checkpoint=self.recipe is not None and self.recipe.checkpoint.async_,
         )
 
@@ -244,6 +270,9 @@ def sweep_mbs_values(problem: Problem) -> list[int]:
 
 def sweep(problem: Problem) -> tuple[list[dict], str]:
     base = problem.layout
+    if base.tp_size > 1 or base.cp_size > 1:
+        raise ConfigError("--sweep compares DDP, ZeRO and FSDP without tensor or context parallelism; drop --tp / --cp "
+                          "(or the accelerate config's parallelism_config), or rank TP / CP layouts with pretrain-plan")
     world = dict(num_nodes=base.num_nodes, gpus_per_node=base.gpus_per_node)
     offload = dict(offload_optimizer=base.offload_optimizer, offload_params=base.offload_params)
     candidates = [("DDP", Launch("ddp", **world))]

@@ -30,9 +30,10 @@ STORE_FIX = ("point data.store (or data.cache_dir, or the PRETRAIN_CACHE_DIR env
              "with data.store")
 
 
-def cache_root(data_cfg: DataConfig) -> Path:
-    """Where tokenizers and token stores are cached: data.cache_dir, $PRETRAIN_CACHE_DIR or ~/.cache/pretrain."""
-    root = data_cfg.cache_dir or os.environ.get("PRETRAIN_CACHE_DIR") or "~/.cache/pretrain"
+def cache_root(data_cfg: DataConfig | None = None) -> Path:
+    """Where tokenizers and token stores are cached: data.cache_dir, $PRETRAIN_CACHE_DIR or ~/.cache/pretrain (without
+    a data section: the last two)."""
+    root = (data_cfg.cache_dir if data_cfg else None) or os.environ.get("PRETRAIN_CACHE_DIR") or "~/.cache/pretrain"
     return Path(root).expanduser().absolute()
 
 

@@ -426,7 +426,7 @@ class Trainer:
             # The test hook (stability.LOSS_FACTORS_ENV), keyed like the data: by the global batch this step reads
             # (batch N - 1 for step N, unless a rollback skipped batches), so a rollback skips an injected spike
             # as it skips bad data, and a resume meets the same factors.
-            data_step = batch_index(self.sample_order, self.step) + 1
+            data_step = batch_index(self.sample_order, self.step) + 1 if self.loss_factors else None
             if data_step in self.loss_factors:
                 factor = self.loss_factors[data_step]
                 loss, objective = loss * factor, objective * factor

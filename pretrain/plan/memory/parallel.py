@@ -34,20 +34,65 @@ _COLWISE_OUTPUTS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROWWISE_OUTPUTS = ("o_proj", "down_proj")
 
 
+TP_PLAN_CACHE = "tp_plans"
+"""Under the cache root: one JSON file per (transformers version, architecture), what ``read_tp_plan`` returns."""
+
+
 @cache
-def tp_plan(arch: str) -> dict[str, str]:
-    """The architecture's TP plan as transformers applies it (pretrain.distributed.tensor_parallel.parallelize reads
-    the model's resolved plan): module pattern -> style. The model's ``tp_plan`` is more than its config's
-    ``base_model_tp_plan`` (transformers 5.24 adds the vocab-parallel embedding and the CausalLM's LM head), so it is
-    read from a one-block model of the architecture on the meta device (no memory, a fraction of a second)."""
+def tp_plan(arch: str) -> tuple[dict[str, str], dict[str, str]]:
+    """(the model's TP plan as transformers applies it: module pattern -> style, its config's ``base_model_tp_plan``).
+
+    pretrain.distributed.tensor_parallel.parallelize applies the model's resolved plan, which is more than the
+    config's (transformers 5.24 adds the vocab-parallel embedding and the CausalLM's LM head), so it is read from a
+    model (``read_tp_plan``). Building one imports torch and transformers' modeling code (seconds), so the answer is
+    kept under the cache root, keyed by transformers' installed version (read from its metadata, no import): the
+    planner and pretrain-estimate then size TP without importing either. A cache that cannot be written (read-only,
+    shared) only costs the seconds."""
+    import json
+    import os
+    import tempfile
+    from importlib.metadata import version
+
+    from pretrain.data.cache import cache_root
+
+    safe = arch.replace("_", "").isalnum()  # a file name: transformers' model types are [a-z0-9_]
+    path = cache_root() / TP_PLAN_CACHE / f"transformers-{version('transformers')}" / f"{arch}.json"
+    if safe and path.is_file():
+        try:
+            entry = json.loads(path.read_text())
+            plan, base = entry["tp_plan"], entry["base_model_tp_plan"]
+            if all(isinstance(k, str) and isinstance(v, str) for d in (plan, base) for k, v in d.items()):
+                return plan, base
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # unreadable or not ours: read the plan again and replace the file
+    plan, base = read_tp_plan(arch)
+    if safe:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{arch}-", suffix=".json", dir=path.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"tp_plan": plan, "base_model_tp_plan": base}, f)
+            os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
+        except OSError:
+            pass
+    return plan, base
+
+
+def read_tp_plan(arch: str) -> tuple[dict[str, str], dict[str, str]]:
+    """``tp_plan``'s answer from transformers itself: a one-block model of the architecture on the meta device (no
+    memory, a fraction of a second once torch and transformers are imported)."""
     import torch
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-    config = CONFIG_MAPPING[arch](hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
-                                  intermediate_size=128, vocab_size=128, tie_word_embeddings=False)
+    config_class = CONFIG_MAPPING[arch]
+    base = dict(getattr(config_class, "base_model_tp_plan", None) or {})
+    if not base:
+        return {}, {}
+    config = config_class(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+                          intermediate_size=128, vocab_size=128, tie_word_embeddings=False)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return {name.removeprefix("model."): style for name, style in model.tp_plan.items()}
+    return {name.removeprefix("model."): style for name, style in model.tp_plan.items()}, base
 
 
 @dataclass(frozen=True)
@@ -91,11 +136,12 @@ def tensor_parallel(shape: ModelShape, size: int) -> TensorParallel | None:
     size."""
     if size <= 1:
         return NO_TP
-    from transformers import CONFIG_MAPPING
+    from types import SimpleNamespace
 
     from pretrain.distributed.tensor_parallel import tp_plan_problem
 
-    problem = tp_plan_problem(CONFIG_MAPPING[shape.arch], shape.arch, size)
+    plan, base = tp_plan(shape.arch)
+    problem = tp_plan_problem(SimpleNamespace(base_model_tp_plan=base), shape.arch, size)
     if problem:
         raise ConfigError(problem)
     if shape.num_experts or shape.family != "llama" or shape.arch == "phi3":
@@ -114,7 +160,6 @@ def tensor_parallel(shape: ModelShape, size: int) -> TensorParallel | None:
                      "gate_proj": (d * f, f * shape.mlp_bias), "up_proj": (d * f, f * shape.mlp_bias),
                      "down_proj": (f * d, 0)}
     rest_modules = {"lm_head": V * d, "embed_tokens": V * d}
-    plan = tp_plan(shape.arch)
     split_block = split_rest = 0
     styles: dict[str, str] = {}
     for pattern, style in plan.items():

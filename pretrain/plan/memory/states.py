@@ -378,18 +378,14 @@ def fsdp_states(run: _Run) -> ModelStates:
     # bf16 with reduce_dtype fp32 (pretrain's default policy): FSDP2 accumulates the unsharded gradients of the
     # no_sync micro-steps in fp32 and reduce-scatters in fp32.
     r = 4 if (w.precision == "bf16" and w.reduce_dtype == "fp32") else b
+    # Under TP each unsharded gradient is its parameter's TP shard, the vocab-parallel embedding's too (pretrain looks
+    # its rows up locally: pretrain.distributed.tensor_parallel.local_vocab_lookup); measured by
+    # tests/test_memory_validation.py::test_tp_model_states_match_estimate.
     backward, reduced = r * P if gas > 1 else 0, 0 if offload else 4 * part
-    # Measured (tests/test_memory_validation.py, FSDP2 x TP 2 on CPU): during no_sync each rank holds one more
-    # vocab-parallel V x d / TP gradient than its parameters have (the embedding's or the LM head's), not explained
-    # by the plan; counted so that the estimate is not below what a TP run holds.
-    vocab_extra = (-(-shape.vocab_size * shape.hidden_size // tp.size) if tp is not None and gas > 1
-                   and "embed_tokens" in tp.split_modules else 0)
-    backward += r * vocab_extra
     grads = _term("grads", Phases(backward, reduced, reduced),
                   f"backward: {r} B x {psi} unsharded{' (fp32 accumulation)' if r != b else ''} (accelerate skips the "
                   f"{reduce} on the {gas - 1} micro-steps before the last: no_sync keeps every gradient full size "
-                  "until then)" + (f" + {r} B x V d / TP {num(vocab_extra)} (one more vocab-parallel gradient, "
-                                   "measured under TP)" if vocab_extra else "") if gas > 1 else
+                  "until then)" if gas > 1 else
                   f"backward: none yet (each unit's gradient goes to the {reduce} when its backward ends)",
                   f"after the {reduce}: on the host" if offload else
                   f"after the {reduce}: fp32 {shards} 4 B x {frac} = {gib(reduced)}")
