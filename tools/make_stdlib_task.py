@@ -6,8 +6,9 @@ Built from the tiny recipe's own corpus (this interpreter's standard library), f
 (the store's split: a document goes to val by a hash of its text, pretrain/data/split.py), so the model never
 trained on these lines. Each example: the context is up to 3 lines of a file plus the start of the next line,
 cut before a space at least 8 characters in; the gold choice is the rest of that line; the 3 distractors are the
-ends of lines of other files, of about the same length (within 30%, so that neither acc nor acc_norm can win by
-length alone). Choices are shuffled. Chance is 1/4.
+ends of lines of other files with as many tokens (the tiny recipe's tokenizer) and about as many characters (within
+30%): a model that knows nothing (uniform predictions) scores chance on acc and near it on acc_norm, instead of
+winning by length. Choices are shuffled. Chance is 1/4.
 
 Why the tiny model learns it in the demo's 300 steps: the true end of a line continues the syntax its start
 opened (brackets, a call's arguments, an assignment's value) and reuses the names of the lines before it, which
@@ -71,9 +72,17 @@ def candidates(doc_index: int, text: str, rng: random.Random) -> list[dict]:
 
 
 def build(num_examples: int, seed: int) -> list[dict]:
+    from pretrain.data import build_tokenizer
+    from pretrain.recipe.config import load_recipe
+
     rng = random.Random(seed)
     docs = validation_documents(num_docs=400)
     pool = [c for i, text in enumerate(docs) for c in candidates(i, text, rng)]
+    tokenizer = build_tokenizer(load_recipe(ROOT / "recipes" / "tiny.yaml").data, log=lambda _: None)
+    # A continuation starts with a space: the byte-level pre-tokenizer splits there, so its tokens after any
+    # context are its tokens alone (what pretrain/train/downstream.py's encode_pair scores).
+    for c in pool:
+        c["num_tokens"] = len(tokenizer.encode(c["gold"], add_special_tokens=False))
     by_doc: dict[int, list[dict]] = {}
     for c in pool:
         by_doc.setdefault(c["doc"], []).append(c)
@@ -83,7 +92,7 @@ def build(num_examples: int, seed: int) -> list[dict]:
     for c in chosen:
         n = len(c["gold"])
         others = sorted({o["gold"] for o in pool if o["doc"] != c["doc"] and o["gold"] != c["gold"]
-                         and abs(len(o["gold"]) - n) <= LENGTH_TOLERANCE * n})
+                         and o["num_tokens"] == c["num_tokens"] and abs(len(o["gold"]) - n) <= LENGTH_TOLERANCE * n})
         if len(others) < NUM_CHOICES - 1:
             continue
         choices = [c["gold"], *rng.sample(others, NUM_CHOICES - 1)]
