@@ -216,7 +216,7 @@ def test_zero3_final_model_is_the_gathered_full_model(curves):
 @pytest.mark.parametrize("config", ["zero2_offload.yaml", "zero3_offload.yaml"])
 def test_offload_configs_run_the_tiny_recipe(tmp_path, config):
     out = tmp_path / "run"
-    check_ok(accelerate_launch(config, ["train.max_steps=2", "lr_schedule.warmup_steps=1", "eval.batches=1",
+    check_ok(accelerate_launch(config, ["train.max_steps=2", "lr_schedule.warmup_steps=1", "eval.batches=1", "eval.tasks=[]",
                                         "logging.progress=plain", f"output_dir={out}"], extra=["--num_processes", "2"]))
     assert run_config(out)["dist/world_size"] == 2
     assert len(train_losses(out)) == 2
