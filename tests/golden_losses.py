@@ -23,7 +23,7 @@ from tests.helpers import FAST, accelerate_launch, check_ok, train, train_losses
 GOLDEN = Path(__file__).resolve().parent / "golden" / "losses.json"
 REL_TOL = 1e-6
 
-TINY_ARGS = ["train.max_steps=21", "logging.every_steps=1", "eval.batches=1", "checkpoint.every_steps=0",
+TINY_ARGS = ["train.max_steps=21", "logging.every_steps=1", "eval.batches=1", "eval.tasks=[]", "checkpoint.every_steps=0",
              "checkpoint.save_last=false", "checkpoint.save_final_model=false", "logging.progress=plain"]
 TINY_STEPS = range(1, 21)
 

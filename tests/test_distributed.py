@@ -27,6 +27,10 @@ COMPILED = ("ZeRO-2 resumed at 3", "ZeRO-3 resumed at 3", "cpu_ddp, GAS 2 resume
 # Runs with an activation checkpointing policy (the others: none, as the curve's recipe says).
 SELECTIVE = {"FSDP": "selective"}
 
+# The fresh runs score the demo's downstream task at steps 0 and 6 (15 examples: ranks hold 8 and 7, so one rank
+# pads its forward calls); every layout must count what one process counts (test_downstream_counts_on_every_layout).
+TASK = ["eval.tasks=[{name: lines, path: recipes/tasks/stdlib_lines.jsonl, limit: 15}]"]
+
 
 def run_config(run_dir) -> dict:
     return json.loads((run_dir / "run_config.json").read_text())
@@ -38,7 +42,7 @@ def curves(tmp_path_factory):
     runs = {}
     # As pretrain-launch sets it (cores / processes per node); without it torchrun warns that it set 1 itself.
     threads = {"OMP_NUM_THREADS": "1"}
-    proc = train([*CURVE, f"output_dir={root / 'single'}"])
+    proc = train([*CURVE, *TASK, f"output_dir={root / 'single'}"])
     check_ok(proc)
     runs["1 process, GAS 4"] = keep_console(proc, root / "single")
     for name, config in [("cpu_ddp, GAS 2", "cpu_ddp.yaml"), ("ZeRO-1", "zero1.yaml"), ("ZeRO-2", "zero2.yaml"),
@@ -49,7 +53,8 @@ def curves(tmp_path_factory):
         # FSDP with selective activation checkpointing (kept outputs and recomputed ops across FSDP2's
         # per-block gathers; refused under ZeRO-3): the curve must not move.
         policy = [f"model.activation_checkpointing={SELECTIVE[name]}"] if name in SELECTIVE else []
-        proc = accelerate_launch(config, [*CURVE, f"output_dir={out}", *policy], extra=extra, extra_env=threads)
+        proc = accelerate_launch(config, [*CURVE, *TASK, f"output_dir={out}", *policy], extra=extra,
+                                 extra_env=threads)
         check_ok(proc)
         runs[name] = keep_console(proc, out)
     # Resume from the step-3 checkpoint of the ZeRO-2 / ZeRO-3 / DDP / FSDP runs into a fresh directory, with regional
@@ -146,6 +151,37 @@ def test_regional_compile_runs_on_every_engine_with_plain_checkpoint_keys(curves
     assert "model.model.layers.0.mlp.up_proj.weight" in keys and not [k for k in keys if "_orig_mod" in k]
 
 
+def downstream(run_dir) -> dict[int, tuple[float, float]]:
+    return {m["step"]: (m["eval/lines/acc"], m["eval/lines/acc_norm"])
+            for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "eval/lines/acc" in m}
+
+
+def test_downstream_counts_on_every_layout(curves):
+    """Sharded over 2 ranks (DDP, ZeRO 1-3, FSDP2: the model called as each engine wraps it), the task's acc and
+    acc_norm are one process's; pretrain-eval on a ZeRO-3 checkpoint and on the final model gives them again."""
+    import subprocess
+    import sys
+
+    from pretrain.train.downstream import evaluate_model, load_exported_model, read_task
+    from tests.helpers import ROOT, env
+
+    reference = downstream(curves["1 process, GAS 4"])
+    assert sorted(reference) == [0, STEPS]
+    for name in ("cpu_ddp, GAS 2", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP"):
+        assert downstream(curves[name]) == reference, name
+    proc = subprocess.run([sys.executable, "-m", "pretrain", "eval", "--checkpoint",
+                           str(curves["ZeRO-3"] / "checkpoints" / f"step_{STEPS:08d}"), "--task",
+                           "recipes/tasks/stdlib_lines.jsonl", "--limit", "15", "--json"],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)["tasks"]["stdlib_lines"]
+    assert (result["acc"], result["acc_norm"], result["num_examples"]) == (*reference[STEPS], 15)
+    model, tokenizer, window = load_exported_model(curves["1 process, GAS 4"] / "final_model")
+    task = read_task(ROOT / "recipes" / "tasks" / "stdlib_lines.jsonl", limit=15)
+    [score] = evaluate_model(model, tokenizer, window, [task], batch_tokens=256)
+    assert (score.acc, score.acc_norm) == reference[STEPS]
+
+
 def test_ddp_and_zero2_curves_match_the_golden_curves(curves):
     """Recorded before the redesign (tests/golden/losses.json); any later change must reproduce them."""
     golden = golden_losses.load()
@@ -180,7 +216,7 @@ def test_zero3_final_model_is_the_gathered_full_model(curves):
 @pytest.mark.parametrize("config", ["zero2_offload.yaml", "zero3_offload.yaml"])
 def test_offload_configs_run_the_tiny_recipe(tmp_path, config):
     out = tmp_path / "run"
-    check_ok(accelerate_launch(config, ["train.max_steps=2", "lr_schedule.warmup_steps=1", "eval.batches=1",
+    check_ok(accelerate_launch(config, ["train.max_steps=2", "lr_schedule.warmup_steps=1", "eval.batches=1", "eval.tasks=[]",
                                         "logging.progress=plain", f"output_dir={out}"], extra=["--num_processes", "2"]))
     assert run_config(out)["dist/world_size"] == 2
     assert len(train_losses(out)) == 2

@@ -155,3 +155,15 @@ def test_bad_smoothing_weight_is_a_usage_error(tmp_path, capsys, weight):
     with pytest.raises(SystemExit) as exit_info:
         main([str(tmp_path), "--smooth", weight])
     assert exit_info.value.code == 2 and "--smooth takes an averaging weight" in capsys.readouterr().err
+
+
+def test_downstream_tasks_have_a_panel(tmp_path):
+    """eval/<task>/acc and acc_norm (the recipe's eval.tasks): one panel, a line per task and metric, 0-1."""
+    write_metrics(tmp_path)
+    extra = [{"step": step, "eval/lines/acc": 0.25 + step / 200, "eval/lines/acc_norm": 0.3 + step / 200,
+              "eval/arc/acc": 0.3} for step in (0, 30, 60)]
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in extra))
+    axes = panels(read_metrics(tmp_path / "metrics.jsonl"))
+    assert sorted(labels(axes["Downstream tasks"])) == ["arc acc", "lines acc", "lines acc_norm"]
+    assert axes["Downstream tasks"].get_ylim() == (0, 1)

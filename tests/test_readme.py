@@ -66,6 +66,9 @@ SKIPPED = {
     "pretrain-prepare-data --recipe recipes/7b.yaml": "tokenizes FineWeb from the hub (network, hours)",
     "pretrain-export runs/tiny/checkpoints/step_00000200": "needs the demo's checkpoint at step 200",
     "pretrain-plot runs/tiny": "needs the demo's metrics.jsonl",
+    "pretrain-eval --checkpoint runs/tiny/checkpoints/step_00000300": "needs the demo's last checkpoint; "
+                                                                      "tests/test_distributed.py runs pretrain-eval",
+    "pretrain-eval --model runs/tiny/final_model": "needs the demo's final model; tests/test_distributed.py scores one",
     "pretrain-launch --config_file accelerate_configs/cpu_ddp.yaml --recipe recipes/mixture-tiny.yaml":
         "a 2-process training (a minute); tests/test_mixture.py runs a 2-process mixture",
     "pretrain-data which --run runs/mixture-tiny": "needs that run; tests/test_mixture.py runs pretrain-data which on "

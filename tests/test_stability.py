@@ -25,7 +25,7 @@ from tests.test_optim import _lrs  # every optimizer step's lr of a schedule
 
 # The command: the tiny recipe at tiny shapes.
 P = ["train.max_steps=10", "data.seq_len=64", "batch.global_batch_size=8", "batch.micro_batch_size=2",
-     "lr_schedule.warmup_steps=2", "logging.progress=plain"]
+     "lr_schedule.warmup_steps=2", "logging.progress=plain", "eval.tasks=[]"]
 
 
 # ---- the rules, alone ---------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ COMMANDS = {
     "doctor": ("pretrain.cli.doctor", "check every rank of a launch (compute, memory, collectives, output_dir)"),
     "data": ("pretrain.cli.data", "which data a run read at a step, and which steps read a document"),
     "export": ("pretrain.cli.export", "write any checkpoint as a transformers model and tokenizer (CPU)"),
+    "eval": ("pretrain.cli.evaluate", "score multiple-choice tasks on a checkpoint or an exported model"),
 }
 
 

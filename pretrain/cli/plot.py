@@ -1,4 +1,4 @@
-"""Plot a run's metrics.jsonl: loss, learning rate, gradient norm, throughput, MFU and memory.
+"""Plot a run's metrics.jsonl: loss, learning rate, gradient norm, throughput, MFU, memory and downstream accuracy.
 
     pretrain-plot runs/tiny [--out runs/tiny/metrics.png] [--smooth 0.9]
 
@@ -87,7 +87,10 @@ class Figure:
         import matplotlib.pyplot as plt
 
         self.series, self.config, self.smoothing = series, config or {}, smoothing
-        panels = [p for p in (self.loss, self.learning_rate, self.grad_norm, self.throughput, self.mfu, self.memory)
+        # eval/<task>/acc and acc_norm: the tasks are the recipe's, so their keys are found, not listed
+        self._keys = {**self._keys, "downstream": tuple(k for k in series if k.startswith("eval/"))}
+        panels = [p for p in (self.loss, self.learning_rate, self.grad_norm, self.throughput, self.mfu, self.memory,
+                              self.downstream)
                   if self._has(*self._keys[p.__name__])]
         num_rows = -(-len(panels) // 2)
         self.fig, axes = plt.subplots(num_rows, 2, figsize=(13, 3.6 * num_rows), squeeze=False)
@@ -168,6 +171,16 @@ class Figure:
         top.set_xlabel("tokens seen", fontsize=9)
         top.xaxis.set_major_formatter(EngFormatter(sep=""))
         top.tick_params(labelsize=8)
+
+    def downstream(self, ax) -> None:
+        """Every task's acc (solid) and acc_norm (dashed), on the 0-1 scale."""
+        ax.set_title("Downstream tasks")
+        ax.set_ylabel("accuracy")
+        for key in sorted(self._keys["downstream"]):
+            task, _, metric = key.removeprefix("eval/").rpartition("/")
+            style = {"linestyle": "--"} if metric == "acc_norm" else {}
+            self._line(ax, key, f"{task} {metric}", **style)
+        ax.set_ylim(0, 1)
 
     def learning_rate(self, ax) -> None:
         ax.set_title("Learning rate")

@@ -13,6 +13,7 @@ import difflib
 import math
 import re
 import reprlib
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -584,14 +585,54 @@ class TrainConfig(Section):
         return self
 
 
+TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+"""A downstream task's name: it becomes a metric key (eval/<name>/acc) and a tensorboard / wandb tag."""
+
+
+class EvalTaskConfig(Section):
+    """One downstream multiple-choice task (pretrain/train/downstream.py; docs/evaluation.md)."""
+
+    name: str = Field(description="The task's name in the metric keys eval/<name>/acc and eval/<name>/acc_norm.")
+    path: str = Field(
+        description="A jsonl file, one example per line: {\"context\": str, \"choices\": [str, ...], \"gold\": int}. "
+        "In a recipe file, relative to that file (as base: is); in a command-line override, to the current "
+        "directory. Read and checked before any process starts."
+    )
+    every_steps: int | None = positive_or_null("Evaluate this task every N optimizer steps; null = eval.every_steps.")
+    limit: int | None = positive_or_null("Evaluate only the first N examples of the file; null = all of them.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not TASK_NAME.fullmatch(value):
+            raise ValueError(f"task name {value!r} must be letters, digits, '_', '.' or '-' (it becomes the metric "
+                             "key eval/<name>/acc), e.g. hellaswag")
+        return value
+
+
 class EvalConfig(Section):
-    """Evaluation on the validation split (pretrain/train/evaluation.py): when, and on how much of it."""
+    """Evaluation on the validation split (pretrain/train/evaluation.py): when, and on how much of it; and the
+    downstream tasks (pretrain/train/downstream.py)."""
 
     every_steps: int = Field(0, ge=0, description="Evaluate every N optimizer steps; 0 = only at start and end.")
     batches: int = Field(
         0, ge=0, description="Validation global batches (GBS sequences each) per evaluation; 0 = the whole split."
     )
     at_start: bool = Field(True, description="Evaluate the untrained model at step 0 (logged like the others).")
+    tasks: list[EvalTaskConfig] = Field(
+        default_factory=list,
+        description="Downstream multiple-choice tasks scored by log-likelihood (acc, acc_norm), at step 0 (at_start), "
+        "every task's every_steps and after the last step: [{name, path, every_steps?, limit?}].",
+    )
+
+    @field_validator("tasks")
+    @classmethod
+    def _unique_tasks(cls, tasks: list[EvalTaskConfig]) -> list[EvalTaskConfig]:
+        names = [task.name for task in tasks]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"task names {twice} appear more than once; give each task its own name")
+        return tasks
 
 
 class RollbackConfig(Section):
@@ -927,6 +968,17 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
+def _anchor_task_paths(data: dict[str, Any], directory: Path) -> None:
+    """A relative ``eval.tasks[].path`` in a recipe file is relative to that file (as ``base:`` is), so a shipped
+    recipe finds its task from any directory; on the command line it stays relative to the current directory.
+    Anything malformed is left for the schema to report."""
+    section = data.get("eval")
+    tasks = section.get("tasks") if isinstance(section, dict) else None
+    for task in tasks if isinstance(tasks, list) else []:
+        if isinstance(task, dict) and isinstance(task.get("path"), str) and not Path(task["path"]).is_absolute():
+            task["path"] = str(directory / task["path"])
+
+
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     """Return base updated by override, merging nested mappings key by key (lists are replaced)."""
     merged = copy.deepcopy(base)
@@ -949,6 +1001,7 @@ def load_recipe_dict(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[st
     moved = moved_keys(data, str(path))
     if moved:
         raise ConfigError(moved)
+    _anchor_task_paths(data, resolved.parent)
     base = data.pop("base", None)
     if base is None:
         return data
@@ -999,8 +1052,12 @@ def _field_names(model_cls: type[BaseModel], loc: tuple) -> list[str]:
     """Valid keys at the section named by loc (for 'did you mean' suggestions)."""
     cls = model_cls
     for part in loc:
-        field = cls.model_fields.get(part) if isinstance(part, str) else None
+        if isinstance(part, int):  # an item of a list of sections (eval.tasks.0)
+            continue
+        field = cls.model_fields.get(part)
         annotation = getattr(field, "annotation", None)
+        if typing.get_origin(annotation) is list:
+            annotation = typing.get_args(annotation)[0]
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return []
         cls = annotation

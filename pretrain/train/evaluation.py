@@ -23,7 +23,7 @@ from pretrain.distributed import context_parallel
 class Evaluator:
     """Evaluates at step 0 (``eval.at_start``), every ``eval.every_steps`` optimizer steps and
     after the last one; logs ``val/*`` (a mixture also ``val/loss/<name>``, ``val/tokens/<name>``) through
-    the accelerator's trackers and one console line."""
+    the accelerator's trackers and one console line. The downstream tasks, if any, keep their own cadence."""
 
     accelerator: Any
     val_sets: dict[str, Any]  # name ("" for a single source) -> an iterable of batches, the same on every pass
@@ -33,14 +33,25 @@ class Evaluator:
     console: Any
     weights: dict[str, float] | None = None  # a mixture's normalised weights, by name
     cp_size: int = 1  # context parallelism: each rank evaluates its part of every sequence
+    downstream: Any = None  # the recipe's eval.tasks (pretrain/train/downstream.py), each at its own cadence
 
-    def due(self, step: int) -> bool:
+    def val_due(self, step: int) -> bool:
         if step == 0:
             return self.at_start
         return step == self.num_steps or (self.every_steps > 0 and step % self.every_steps == 0)
 
+    def due(self, step: int) -> bool:
+        return self.val_due(step) or (self.downstream is not None and self.downstream.due(step))
+
+    def evaluate(self, model, step: int, everything: bool = False) -> dict[str, float]:
+        """What is due at ``step`` (``everything``: the validation loss and every task, as at a run's end)."""
+        metrics = self.validate(model, step) if everything or self.val_due(step) else {}
+        if self.downstream is not None:
+            metrics.update(self.downstream.evaluate(model, step, every_task=everything))
+        return metrics
+
     @torch.no_grad()
-    def evaluate(self, model, step: int) -> dict[str, float]:
+    def validate(self, model, step: int) -> dict[str, float]:
         device = self.accelerator.device
         model.eval()
         totals = torch.zeros(len(self.val_sets), 2, device=device, dtype=torch.float64)

@@ -32,6 +32,7 @@ class RunPlan:
     # None unless the launch uses DeepSpeed. The run's plugin is built from a copy.
     deepspeed: tuple[dict[str, Any], bool] | None = field(default=None, repr=False)
     recipe: Recipe | None = field(default=None, repr=False, compare=False)
+    tasks: tuple = field(default=(), repr=False, compare=False)  # eval.tasks, read and checked (train/downstream.py)
 
     @cached_property
     def loss(self) -> tuple[str, str]:
@@ -45,12 +46,15 @@ class RunPlan:
 def check_run(recipe: Recipe, launch: Launch) -> RunPlan:
     """Raise one ConfigError for the first section that cannot run on ``launch``; else the plan."""
     from pretrain.model.optim import check_optimizer_args, check_schedule
+    from pretrain.train.downstream import read_tasks
 
     layout = check_layout(recipe, launch)
     num_steps = num_training_steps(recipe.train.max_steps, recipe.train.max_tokens, layout.batch)
     check_optimizer_args(recipe.optim, layout.lr)
     check_schedule(recipe.lr_schedule, num_steps)
-    plan = RunPlan(launch, layout.batch, num_steps, layout.lr, layout.mixed_precision, layout.deepspeed, recipe)
+    tasks = tuple(read_tasks(recipe.eval)) if recipe.eval.tasks else ()  # a missing or malformed file: exit 2 here
+    plan = RunPlan(launch, layout.batch, num_steps, layout.lr, layout.mixed_precision, layout.deepspeed, recipe,
+                   tasks)
     if recipe.model.loss != "auto":  # auto always resolves; an explicit liger (or plain) may not run here
         _ = plan.loss
     return plan

@@ -61,6 +61,7 @@ from pretrain.recipe.shape import FlopsPerToken, flops_per_token
 from pretrain.system.hardware import gpu_for_device
 from pretrain.system.quiet import TiedWeightsSaved
 from pretrain.train.diagnostics import Diagnostics
+from pretrain.train.downstream import DownstreamEvaluator
 from pretrain.train.engine import Engine
 from pretrain.train.evaluation import Evaluator
 from pretrain.train.loader import (
@@ -292,7 +293,8 @@ class Trainer:
 
         self.evaluator = Evaluator(self.accelerator, val_sets, every_steps=recipe.eval.every_steps,
                                    num_steps=self.num_steps, at_start=recipe.eval.at_start, console=self.console,
-                                   weights=getattr(self.data, "weights", None), cp_size=self.launch.cp_size)
+                                   weights=getattr(self.data, "weights", None), cp_size=self.launch.cp_size,
+                                   downstream=self.downstream_evaluator(run_plan.tasks))
         self.step_log = StepLog(self.accelerator, self.console, every_steps=recipe.logging.every_steps,
                                 num_steps=self.num_steps)
         # any checkpointing policy: perf/hfu too (selective's equals perf/mfu: it recomputes no matmul)
@@ -306,6 +308,19 @@ class Trainer:
             on_peak_raised=self.peak_raised,
         )
         start_run_record(self)
+
+    def downstream_evaluator(self, tasks) -> DownstreamEvaluator | None:
+        """eval.tasks (read and checked by check_run): each rank's share tokenized once, scored in forward calls of
+        at most MBS x seq_len padded tokens (logits no larger than a training micro-batch's)."""
+        if not tasks:
+            return None
+        recipe = self.recipe
+        return DownstreamEvaluator(
+            self.accelerator, tasks, self.tokenizer, max_len=recipe.data.seq_len,
+            batch_tokens=self.plan.micro_batch_size * recipe.data.seq_len, data_rank=self.launch.data_rank,
+            data_world=self.launch.data_parallel_size, every_steps=recipe.eval.every_steps,
+            num_steps=self.num_steps, at_start=recipe.eval.at_start, console=self.console,
+        )
 
     def log(self, message: str) -> None:
         if self.is_main:
@@ -604,7 +619,7 @@ class Trainer:
         if self.step > first_step and not self.checkpointer.should_save(self.step):
             self.save_checkpoint()
         if not self.evaluator.due(self.step):
-            self.evaluator.evaluate(self.model, self.step)
+            self.evaluator.evaluate(self.model, self.step, everything=True)
         _, source = self.sample_order.steps_available()
         what = f"source {source!r}" if source else "the training split"
         self.log(f"data: stopped after step {self.step}/{self.num_steps}: {what} has been read once and "

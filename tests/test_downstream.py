@@ -1,0 +1,258 @@
+"""Downstream multiple-choice evaluation (pretrain/train/downstream.py): the scoring on a hand-computed case,
+lm-evaluation-harness's context/continuation split, sharding, the task files and the recipe's eval.tasks.
+The in-loop figures on every layout and pretrain-eval on a checkpoint: tests/test_distributed.py."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pretrain.errors import ConfigError
+from pretrain.train.downstream import (
+    DownstreamEvaluator,
+    Example,
+    Task,
+    build_requests,
+    count_correct,
+    encode_pair,
+    loglikelihoods,
+    plan_batches,
+    read_task,
+    score_task,
+    shard,
+)
+from tests.helpers import ROOT, make_recipe, train
+
+DEMO_TASK = ROOT / "recipes" / "tasks" / "stdlib_lines.jsonl"
+
+
+class CharTokenizer:
+    """One token per character of VOCAB; eos is the last id."""
+
+    VOCAB = "abcd "
+    bos_token_id = None
+    eos_token_id = len(VOCAB)
+
+    def encode(self, text, add_special_tokens=False):
+        assert not add_special_tokens
+        return [self.VOCAB.index(ch) for ch in text]
+
+
+# P(next | previous) of a bigram model over a b c d space eos: the rows the examples below read are powers of 1/2.
+_P = {
+    "a": {"b": 1 / 4, "c": 1 / 2, "a": 1 / 16, "d": 1 / 16, " ": 1 / 16, "eos": 1 / 16},
+    "b": {"a": 1 / 2, "c": 1 / 8, "d": 1 / 4, "b": 1 / 24, " ": 1 / 24, "eos": 1 / 24},
+    "c": {"d": 1 / 4, "a": 1 / 8, "b": 5 / 32, "c": 5 / 32, " ": 5 / 32, "eos": 5 / 32},
+}
+_NAMES = [*CharTokenizer.VOCAB, "eos"]
+LOGP = torch.tensor([[math.log(_P.get(prev, {}).get(nxt, 1 / 6)) for nxt in _NAMES] for prev in _NAMES])
+
+
+class BigramStub:
+    """Logits = log P(next | this token): log_softmax gives back log P exactly. Counts its forward calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, ids):
+        self.calls += 1
+        return LOGP[ids]
+
+
+HAND = Task("hand", Path("hand.jsonl"), (
+    # "b": log 1/4 = -1.386; "cd": log 1/2 + log 1/4 = log 1/8 = -2.079 -> acc picks "b" (wrong);
+    # per character "cd" has -1.040 > -1.386 -> acc_norm picks "cd" (right)
+    Example("a", ("b", "cd"), 1),
+    # "a": log 1/2, "c": log 1/8 -> both pick "a" (right)
+    Example("ab", ("a", "c"), 0),
+    # "d": log 1/4, "a": log 1/8 -> both pick "d" (wrong)
+    Example("c", ("d", "a"), 1),
+))
+
+
+def test_scoring_on_a_hand_computed_case():
+    requests = build_requests(HAND, CharTokenizer(), max_len=16, indices=range(3))
+    batches = plan_batches(requests, batch_tokens=8)
+    assert sorted(i for b in batches for i in b) == list(range(6)) and len(batches) == 2  # 4 rows of 2 tokens, then 2 of 1
+    scores = loglikelihoods(BigramStub(), requests, batches, device=torch.device("cpu")).tolist()
+    expected = [math.log(1 / 4), math.log(1 / 8), math.log(1 / 2), math.log(1 / 8), math.log(1 / 4), math.log(1 / 8)]
+    assert scores == pytest.approx(expected, abs=1e-6)
+    assert count_correct(HAND, requests, scores) == (1, 2, 3)
+    score = score_task(BigramStub(), HAND, requests, batches, device=torch.device("cpu"))
+    assert (score.acc, score.acc_norm, score.num_examples) == (pytest.approx(1 / 3), pytest.approx(2 / 3), 3)
+    assert HAND.chance == pytest.approx(0.5)
+
+
+def test_acc_norm_divides_by_characters_and_ties_go_to_the_first_choice():
+    task = Task("t", Path("t"), (Example("x", ("ab", "c"), 0),))
+    requests = [SimpleNamespace(example=0, choice=c) for c in (0, 1)]
+    cases = {(-1.0, -2.0): (1, 1),  # "ab" wins both
+             (-2.0, -2.0): (1, 1),  # equal sums: the first choice; per character -1 against -2
+             (-3.0, -2.0): (0, 1),  # "c" has the higher sum, "ab" the higher per character (-1.5)
+             (-4.0, -2.0): (0, 1),  # equal per character (-2): the first choice
+             (-4.5, -2.0): (0, 0)}  # "c" wins both
+    for scores, (acc, acc_norm) in cases.items():
+        assert count_correct(task, requests, scores) == (acc, acc_norm, 1), scores
+
+
+def test_batches_pad_on_the_right_and_windows_keep_the_last_tokens():
+    """A request scores the same alone and batched with longer ones; a long one keeps its last max_len + 1 tokens
+    (left truncation), so its continuation is still scored whole."""
+    task = Task("t", Path("t"), (Example("abcabcabc", ("d", "dd"), 0), Example("a", ("b", "cd"), 0)))
+    cpu, requests = torch.device("cpu"), build_requests(task, CharTokenizer(), 16, range(2))
+    alone = [loglikelihoods(BigramStub(), [r], [[0]], cpu).item() for r in requests]
+    assert len(plan_batches(requests, 64)) == 1
+    batched = loglikelihoods(BigramStub(), requests, plan_batches(requests, 64), cpu).tolist()
+    assert batched == pytest.approx(alone, abs=1e-6)
+    short = build_requests(task, CharTokenizer(), max_len=3, indices=[0])
+    assert [len(r.tokens) for r in short] == [4, 4] and [r.num_scored for r in short] == [1, 2]
+    assert short[1].tokens == tuple(CharTokenizer().encode("bcdd"))  # "abcabcabc" + "dd", its last 4 tokens
+    assert loglikelihoods(BigramStub(), short, [[0, 1]], cpu).tolist() == pytest.approx(
+        [math.log(1 / 4), math.log(1 / 4) + math.log(1 / 6)], abs=1e-6)
+
+
+def bpe_tokenizer():
+    """A byte-level BPE trained here on a little Python (what the tiny recipe's tokenizer is, smaller)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["def foo(self, bar):\n    return self.foobar(bar)\n", "foobar = foo + bar\n"] * 50
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def test_tokenization_follows_lm_evaluation_harness():
+    """lm-evaluation-harness's _encode_pair: the context's trailing spaces move to the continuation; the
+    continuation's tokens are the whole string's after the context's own tokens; an empty context is eos."""
+    tok = bpe_tokenizer()
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    context = enc("def foo(self,")
+    ctx, cont = encode_pair(tok, "def foo(self, ", "bar):")
+    assert (ctx, cont) == (context, enc("def foo(self, bar):")[len(context):])
+    assert ctx + cont == enc("def foo(self, bar):")
+    assert tok.decode(cont) == " bar):"  # the space went with the continuation
+    assert encode_pair(tok, "def foo(self,", " bar):") == (ctx, cont)
+    # Across a merge: "foobar" is one token of the whole string, in the place of the context's last token "foo".
+    # The continuation is what the whole string holds after as many tokens as the context encodes to ("(bar)"),
+    # not the tokens of "bar(bar)" encoded alone.
+    ctx, cont = encode_pair(tok, "return self.foo", "bar(bar)")
+    whole = enc("return self.foobar(bar)")
+    assert ctx == enc("return self.foo") and cont == whole[len(ctx):]
+    assert tok.decode(whole[len(ctx) - 1:len(ctx)]) == "foobar" and tok.decode(cont) == "(bar)"
+    assert encode_pair(tok, "", " foo") == ([tok.eos_token_id], enc(" foo"))
+
+
+def test_two_ranks_count_what_one_counts_with_the_same_number_of_calls():
+    """Each rank scores its share (r, r + W, ...); the summed counts are those of one process, and every rank
+    makes the same number of forward calls (FSDP and ZeRO-3 gather parameters in each)."""
+    examples = tuple(Example(ctx, choices, gold) for ctx, choices, gold in [
+        ("a", ("b", "cd"), 1), ("ab", ("a", "c"), 0), ("c", ("d", "a"), 1), ("b", ("a", "d", "c"), 0),
+        ("a", ("c", "b", "dd"), 2)])
+    task = Task("t", Path("t"), examples)
+    cpu = torch.device("cpu")
+
+    def plan(world):
+        """Each rank's requests and forward calls at 4 padded tokens per call, and the most calls of any rank."""
+        requests = [build_requests(task, CharTokenizer(), 16, shard(len(examples), r, world)) for r in range(world)]
+        batches = [plan_batches(r, batch_tokens=4) for r in requests]
+        return requests, batches, max(map(len, batches))
+
+    def counts(requests, batches, calls):
+        model = BigramStub()
+        scores = loglikelihoods(model, requests, batches, cpu, calls=calls).tolist()
+        return count_correct(task, requests, scores), model.calls
+
+    [one_requests], [one_batches], one_calls = plan(1)
+    one, calls = counts(one_requests, one_batches, one_calls)
+    assert one[2] == 5 and calls == 4  # 4 inputs of 2 tokens (2 per call), 8 of 1 (4 per call)
+    requests, batches, most = plan(2)
+    assert [len(b) for b in batches] == [3, 2]  # rank 0: 2 + 5 rows; rank 1: 2 + 3 rows
+    (r0, calls0), (r1, calls1) = (counts(requests[r], batches[r], most) for r in range(2))
+    assert tuple(a + b for a, b in zip(r0, r1, strict=True)) == one
+    assert calls0 == calls1 == 3  # rank 1 pads one call
+
+
+def test_cadence_of_each_task():
+    tasks = [Task("x", Path("x"), HAND.examples), Task("y", Path("y"), HAND.examples, every_steps=3)]
+    evaluator = DownstreamEvaluator(None, tasks, CharTokenizer(), 16, 4, 0, 1, every_steps=4, num_steps=10,
+                                    at_start=True, console=None)
+    due = {step: evaluator.due_tasks(step) for step in range(11) if evaluator.due(step)}
+    assert due == {0: [0, 1], 3: [1], 4: [0], 6: [1], 8: [0], 9: [1], 10: [0, 1]}
+
+
+def write(path: Path, lines: list) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def test_task_files_are_checked_line_by_line(tmp_path):
+    good = {"context": "x", "choices": ["a", "b"], "gold": 1, "id": 7}
+    task = read_task(write(tmp_path / "ok.jsonl", [good, "", good]), limit=None)
+    assert task.name == "ok" and len(task.examples) == 2 and task.examples[0] == Example("x", ("a", "b"), 1)
+    assert len(read_task(tmp_path / "ok.jsonl", limit=1).examples) == 1
+    bad = write(tmp_path / "bad.jsonl", [good, "{not json", [1], {"context": "x", "choices": ["a"], "gold": 0},
+                                         {"context": "x", "choices": ["a", "b"], "gold": 2},
+                                         {"context": "x", "choices": ["a", ""], "gold": True}, {"context": "x"}])
+    with pytest.raises(ConfigError) as exc:
+        read_task(bad)
+    message = str(exc.value)
+    for part in ("bad.jsonl", "line 2: not JSON", "line 3: a JSON list", "line 4: choices must be a list of at least 2",
+                 "line 5: gold = 2 is not an index of the 2 choices", "line 6: choices", "(and 1 more)"):
+        assert part in message, (part, message)
+    with pytest.raises(ConfigError, match="holds no examples"):
+        read_task(write(tmp_path / "empty.jsonl", [""]))
+
+
+def test_recipe_tasks_are_strict():
+    recipe = make_recipe("eval.tasks=[{name: arc-e, path: a.jsonl, every_steps: 50, limit: 100}]")
+    assert [(t.name, t.path, t.every_steps, t.limit) for t in recipe.eval.tasks] == [("arc-e", "a.jsonl", 50, 100)]
+    for override, problem in [("eval.tasks=[{name: a, path: x}, {name: a, path: y}]", "appear more than once"),
+                              ("eval.tasks=[{name: a/b, path: x}]", "must be letters, digits"),
+                              ("eval.tasks=[{name: a, path: x, every: 3}]",
+                               "unknown key 'eval.tasks.0.every': did you mean 'eval.tasks.0.every_steps'"),
+                              ("eval.tasks=[{name: a, path: x, limit: 0}]", "limit"),
+                              ("eval.tasks=[{name: a}]", "missing required key 'eval.tasks.0.path'")]:
+        with pytest.raises(ConfigError, match=problem):
+            make_recipe(override)
+
+
+def test_task_paths_are_relative_to_the_recipe_file_that_names_them(tmp_path):
+    from pretrain.recipe.config import load_recipe
+
+    (tmp_path / "sub").mkdir()
+    recipe = tmp_path / "sub" / "r.yaml"
+    recipe.write_text(f"base: {ROOT / 'recipes' / 'tiny.yaml'}\neval:\n  tasks: [{{name: a, path: t.jsonl}}]\n")
+    assert [t.path for t in load_recipe(recipe).eval.tasks] == [str(tmp_path / "sub" / "t.jsonl")]
+    overridden = load_recipe(recipe, ["eval.tasks=[{name: b, path: here.jsonl}]"])
+    assert [t.path for t in overridden.eval.tasks] == ["here.jsonl"]  # the command line's: the current directory
+
+
+@pytest.mark.slow
+def test_a_missing_task_file_is_exit_2_naming_it_before_training(tmp_path):
+    proc = train([f"output_dir={tmp_path / 'run'}",
+                  "eval.tasks=[{name: ok, path: recipes/tasks/stdlib_lines.jsonl}, {name: gone, path: no/such.jsonl}]"])
+    assert proc.returncode == 2, proc.stderr
+    assert "eval.tasks[1] (gone): task file 'no/such.jsonl' not found (relative to the current directory" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_the_demo_task_is_shipped_and_valid():
+    """recipes/tiny.yaml's task (tools/make_stdlib_task.py): 200 examples of 4 choices, small, read by the run's
+    reader; the gold is not always at the same place."""
+    task = read_task(DEMO_TASK)
+    assert len(task.examples) == 200 and {len(e.choices) for e in task.examples} == {4}
+    assert task.chance == 0.25 and DEMO_TASK.stat().st_size < 100_000
+    assert len({e.gold for e in task.examples}) == 4
+    from pretrain.recipe.config import load_recipe
+
+    [cfg] = load_recipe(ROOT / "recipes" / "tiny.yaml").eval.tasks
+    assert Path(cfg.path) == DEMO_TASK  # relative to the recipe file: found from any directory
