@@ -175,3 +175,25 @@ def test_compile_is_accepted_under_every_zero_stage(mode):
     for stage in (1, 2, 3):
         config, _ = build(make_recipe(model={"compile": mode}), launch(stage=stage))
         assert config["zero_optimization"]["stage"] == stage
+
+
+def test_a_stale_build_lock_of_deepspeeds_cpu_op_is_one_message_instead_of_a_hang(tmp_path):
+    """A ZeRO process killed while DeepSpeed compiled its shared-memory op leaves torch's build lock: every later ZeRO
+    process waited on it forever (seen in this project's CI). An old lock is refused naming the file; a lock younger
+    than any build (a build in progress) is waited on as torch does."""
+    import os
+    import sys
+
+    from pretrain.distributed.accelerator import STALE_BUILD_LOCK_S, check_deepspeed_op_lock
+
+    environ = {"TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    check_deepspeed_op_lock(environ)  # nothing built yet
+    lock = tmp_path / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    check_deepspeed_op_lock(environ)  # a build in progress
+    os.utime(lock, (lock.stat().st_atime, lock.stat().st_mtime - STALE_BUILD_LOCK_S - 60))
+    with pytest.raises(ConfigError, match=r"DeepSpeed's CPU op build lock .*/deepspeed_shm_comm/lock is 16 minutes "
+                                          r"old: .* Delete it \(`rm .*lock`\) and launch again"):
+        check_deepspeed_op_lock(environ)
+    assert lock.exists()  # not pretrain's file to delete

@@ -248,6 +248,8 @@ def build_accelerator(recipe: Recipe, run_plan: RunPlan, output_dir: Path, track
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     plugin, ds_config, ds_optimizer = None, None, False
     if run_plan.deepspeed is not None:
+        if not torch.cuda.is_available():
+            check_deepspeed_op_lock()
         plugin, ds_config = deepspeed_plugin(run_plan.deepspeed[0], launch, load_universal)
         ds_optimizer = run_plan.deepspeed[1]
     handlers = []
@@ -305,6 +307,33 @@ def build_accelerator(recipe: Recipe, run_plan: RunPlan, output_dir: Path, track
             "processes; check the accelerate config's num_processes / distributed_type"
         )
     return AcceleratorSetup(accelerator, ds_config, ds_optimizer, mode, compile_reason)
+
+
+# DeepSpeed compiles its CPU shared-memory collectives op (deepspeed_shm_comm) the first time a ZeRO process starts
+# without a GPU, under torch's build lock. A build takes about a minute (four on busy cores); a process killed during
+# it leaves the lock behind, and every later ZeRO process on the machine waits on it forever, printing nothing.
+STALE_BUILD_LOCK_S = 15 * 60
+
+
+def check_deepspeed_op_lock(environ: Mapping[str, str] = os.environ, now: float | None = None) -> None:
+    """Refuse to start (one message) where the shared-memory op's build lock is older than any build: left by a killed
+    build, it would hang the run. pretrain does not delete it: another tool's file, and the user's to remove."""
+    import sys
+
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(environ["TORCH_EXTENSIONS_DIR"]) if environ.get("TORCH_EXTENSIONS_DIR") else Path(get_default_build_root())
+    # torch's per-interpreter directory for CPU builds (torch.utils.cpp_extension._get_build_directory)
+    lock = root / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / "deepspeed_shm_comm" / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > STALE_BUILD_LOCK_S:
+        raise ConfigError(
+            f"DeepSpeed's CPU op build lock {lock} is {age / 60:.0f} minutes old: a build of its shared-memory op was "
+            "killed mid-way, and every ZeRO process would wait on this lock forever. Delete it (`rm "
+            f"{lock}`) and launch again; the op is then rebuilt once (about a minute)")
 
 
 def check_fsdp_on_cpu(launch: Launch, environ: Mapping[str, str] = os.environ) -> None:
