@@ -32,15 +32,17 @@ DEMO_TASK = ROOT / "recipes" / "tasks" / "stdlib_lines.jsonl"
 
 
 class CharTokenizer:
-    """One token per character of VOCAB; eos is the last id."""
+    """One token per character of VOCAB; eos is the last id. No special tokens of its own (as pretrain's BPE)."""
 
     VOCAB = "abcd "
     bos_token_id = None
     eos_token_id = len(VOCAB)
 
-    def encode(self, text, add_special_tokens=False):
-        assert not add_special_tokens
+    def encode(self, text, add_special_tokens=True):
         return [self.VOCAB.index(ch) for ch in text]
+
+    def decode(self, ids):
+        return "".join(self.VOCAB[i] if i < len(self.VOCAB) else "<eos>" for i in ids)
 
 
 # P(next | previous) of a bigram model over a b c d space eos: the rows the examples below read are powers of 1/2.
@@ -116,9 +118,10 @@ def test_batches_pad_on_the_right_and_windows_keep_the_last_tokens():
         [math.log(1 / 4), math.log(1 / 4) + math.log(1 / 6)], abs=1e-6)
 
 
-def bpe_tokenizer():
-    """A byte-level BPE trained here on a little Python (what the tiny recipe's tokenizer is, smaller)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def bpe_tokenizer(bos: bool = False):
+    """A byte-level BPE trained here on a little Python (what the tiny recipe's tokenizer is, smaller); ``bos``:
+    its eos also starts every encoding, as a Llama tokenizer's bos does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -127,12 +130,16 @@ def bpe_tokenizer():
     corpus = ["def foo(self, bar):\n    return self.foobar(bar)\n", "foobar = foo + bar\n"] * 50
     tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<eos> $A", special_tokens=[("<eos>", 0)])
+        return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", bos_token="<eos>")
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
 def test_tokenization_follows_lm_evaluation_harness():
     """lm-evaluation-harness's _encode_pair: the context's trailing spaces move to the continuation; the
-    continuation's tokens are the whole string's after the context's own tokens; an empty context is eos."""
+    continuation's tokens are the whole string's after the context's own tokens; an empty context is eos; the
+    tokenizer's own bos starts the context (HFLM's default since lm-eval 0.4.9)."""
     tok = bpe_tokenizer()
     enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
     context = enc("def foo(self,")
@@ -149,6 +156,15 @@ def test_tokenization_follows_lm_evaluation_harness():
     assert ctx == enc("return self.foo") and cont == whole[len(ctx):]
     assert tok.decode(whole[len(ctx) - 1:len(ctx)]) == "foobar" and tok.decode(cont) == "(bar)"
     assert encode_pair(tok, "", " foo") == ([tok.eos_token_id], enc(" foo"))
+    assert encode_pair(tok, "", "<eos> foo") == ([tok.eos_token_id], enc(" foo"))  # its own first token is eos
+
+    with_bos = bpe_tokenizer(bos=True)
+    eos = with_bos.eos_token_id
+    assert eos == 0 and with_bos.encode("foo") == [eos, *enc("foo")]
+    ctx, cont = encode_pair(with_bos, "def foo(self,", " bar):")
+    assert (ctx, cont) == ([eos, *context], enc("def foo(self, bar):")[len(context):])
+    assert encode_pair(with_bos, "<eos>def foo(self,", " bar):") == (ctx, cont)  # one bos, not two
+    assert encode_pair(with_bos, "", " foo") == ([eos], enc(" foo"))
 
 
 def test_two_ranks_count_what_one_counts_with_the_same_number_of_calls():
@@ -337,3 +353,19 @@ def test_acc_and_acc_norm_are_lm_evaluation_harness_figures(tmp_path, monkeypatc
         ours_correct = count_correct(task, [r for r in requests if r.example == i], [ours[i, c] for c in range(4)])
         assert ours_correct == (sample["acc"], sample["acc_norm"], 1), i
     assert truncated > 0  # the left truncation was compared too
+
+    # A tokenizer that starts every encoding with its bos (as Llama's does): the harness keeps it (HFLM's default
+    # since 0.4.9), and so does pretrain.
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    bos = tokenizer.bos_token
+    backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, 0)])
+    with_bos = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=bos)
+    assert with_bos.encode("x")[0] == with_bos.bos_token_id == 0
+    harness = HFLM(pretrained=model, tokenizer=with_bos, batch_size=64, logits_cache=False)
+    for example in task.examples:
+        for choice in example.choices:
+            pair = encode_pair(with_bos, example.context, choice)
+            assert pair[0][0] == 0 and pair == harness._encode_pair(example.context, choice)
