@@ -1,5 +1,6 @@
 """Downstream multiple-choice evaluation (pretrain/train/downstream.py): the scoring on a hand-computed case,
-lm-evaluation-harness's context/continuation split, sharding, the task files and the recipe's eval.tasks.
+lm-evaluation-harness's context/continuation split and, where lm-eval is installed, its evaluator's own acc and
+acc_norm on the demo's task; sharding, the task files and the recipe's eval.tasks.
 The in-loop figures on every layout and pretrain-eval on a checkpoint: tests/test_distributed.py."""
 
 from __future__ import annotations
@@ -281,6 +282,8 @@ def test_acc_and_acc_norm_are_lm_evaluation_harness_figures(tmp_path, monkeypatc
     example: the same tokens, the same log-likelihoods to fp32 rounding, the same choices. The window is 64 tokens,
     so the longest of the 800 requests are left-truncated, on both sides alike. Skipped where lm-eval is not installed
     (docs/evaluation.md says how to install it beside the project's environment)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # before datasets is imported: the task is a local file
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     pytest.importorskip("lm_eval", reason="lm-evaluation-harness (pip package lm-eval) is not installed")
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
@@ -292,8 +295,6 @@ def test_acc_and_acc_norm_are_lm_evaluation_harness_figures(tmp_path, monkeypatc
     from pretrain.train.downstream import hf_logits, load_exported_model, prefix_token_id
     from tests.helpers import FAST_MODEL, TINY
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     task = read_task(DEMO_TASK)
     # init_std 0.2, not 0.02: near-uniform predictions make near-ties (a top-two margin of 7e-5 at 0.02), which
     # fp32 rounding (2.5e-5 between the two implementations here) could break either way on another machine.
