@@ -9,9 +9,9 @@ byte-length normalisation; for ASCII text the two are the same).
 Tokenization is lm-evaluation-harness's ``_encode_pair``: trailing spaces of the context move to the
 continuation, the whole string is encoded, and the continuation's tokens are the whole string's tokens after
 as many as the context alone encodes to (a merge across the boundary belongs to the continuation, as the
-model would read it). Strings are encoded with the tokenizer's own special tokens (a Llama tokenizer's bos; pretrain's
-BPE adds none), except a string that already starts with the bos text: HFLM's default since lm-evaluation-harness
-0.4.9 (``add_bos_token=None``; 0.4.8 and earlier added none). An empty context is the bos token (else eos),
+model would read it). Strings are encoded with the tokenizer's own special tokens (a Llama tokenizer's
+bos; pretrain's BPE adds none), except a string that already starts with the prefix token's text: HFLM's default
+since lm-evaluation-harness 0.4.9 (``add_bos_token=None``; 0.4.8 and earlier added none). An empty context is the bos token (else eos),
 lm-evaluation-harness's ``prefix_token_id``, unless the continuation starts with that token. A request longer
 than the window keeps its last max_len + 1 tokens (left truncation, as lm-evaluation-harness does).
 
