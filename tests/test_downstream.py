@@ -1,5 +1,6 @@
 """Downstream multiple-choice evaluation (pretrain/train/downstream.py): the scoring on a hand-computed case,
-lm-evaluation-harness's context/continuation split, sharding, the task files and the recipe's eval.tasks.
+lm-evaluation-harness's context/continuation split and, where lm-eval is installed, its evaluator's own acc and
+acc_norm on the demo's task; sharding, the task files and the recipe's eval.tasks.
 The in-loop figures on every layout and pretrain-eval on a checkpoint: tests/test_distributed.py."""
 
 from __future__ import annotations
@@ -32,15 +33,17 @@ DEMO_TASK = ROOT / "recipes" / "tasks" / "stdlib_lines.jsonl"
 
 
 class CharTokenizer:
-    """One token per character of VOCAB; eos is the last id."""
+    """One token per character of VOCAB; eos is the last id. No special tokens of its own (as pretrain's BPE)."""
 
     VOCAB = "abcd "
     bos_token_id = None
     eos_token_id = len(VOCAB)
 
-    def encode(self, text, add_special_tokens=False):
-        assert not add_special_tokens
+    def encode(self, text, add_special_tokens=True):
         return [self.VOCAB.index(ch) for ch in text]
+
+    def decode(self, ids):
+        return "".join(self.VOCAB[i] if i < len(self.VOCAB) else "<eos>" for i in ids)
 
 
 # P(next | previous) of a bigram model over a b c d space eos: the rows the examples below read are powers of 1/2.
@@ -116,9 +119,10 @@ def test_batches_pad_on_the_right_and_windows_keep_the_last_tokens():
         [math.log(1 / 4), math.log(1 / 4) + math.log(1 / 6)], abs=1e-6)
 
 
-def bpe_tokenizer():
-    """A byte-level BPE trained here on a little Python (what the tiny recipe's tokenizer is, smaller)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def bpe_tokenizer(bos: bool = False):
+    """A byte-level BPE trained here on a little Python (what the tiny recipe's tokenizer is, smaller); ``bos``:
+    its eos also starts every encoding, as a Llama tokenizer's bos does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -127,12 +131,16 @@ def bpe_tokenizer():
     corpus = ["def foo(self, bar):\n    return self.foobar(bar)\n", "foobar = foo + bar\n"] * 50
     tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<eos> $A", special_tokens=[("<eos>", 0)])
+        return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", bos_token="<eos>")
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
 def test_tokenization_follows_lm_evaluation_harness():
     """lm-evaluation-harness's _encode_pair: the context's trailing spaces move to the continuation; the
-    continuation's tokens are the whole string's after the context's own tokens; an empty context is eos."""
+    continuation's tokens are the whole string's after the context's own tokens; an empty context is eos; the
+    tokenizer's own bos starts the context (HFLM's default since lm-eval 0.4.9)."""
     tok = bpe_tokenizer()
     enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
     context = enc("def foo(self,")
@@ -149,6 +157,15 @@ def test_tokenization_follows_lm_evaluation_harness():
     assert ctx == enc("return self.foo") and cont == whole[len(ctx):]
     assert tok.decode(whole[len(ctx) - 1:len(ctx)]) == "foobar" and tok.decode(cont) == "(bar)"
     assert encode_pair(tok, "", " foo") == ([tok.eos_token_id], enc(" foo"))
+    assert encode_pair(tok, "", "<eos> foo") == ([tok.eos_token_id], enc(" foo"))  # its own first token is eos
+
+    with_bos = bpe_tokenizer(bos=True)
+    eos = with_bos.eos_token_id
+    assert eos == 0 and with_bos.encode("foo") == [eos, *enc("foo")]
+    ctx, cont = encode_pair(with_bos, "def foo(self,", " bar):")
+    assert (ctx, cont) == ([eos, *context], enc("def foo(self, bar):")[len(context):])
+    assert encode_pair(with_bos, "<eos>def foo(self,", " bar):") == (ctx, cont)  # one bos, not two
+    assert encode_pair(with_bos, "", " foo") == ([eos], enc(" foo"))
 
 
 def test_two_ranks_count_what_one_counts_with_the_same_number_of_calls():
@@ -256,3 +273,100 @@ def test_the_demo_task_is_shipped_and_valid():
 
     [cfg] = load_recipe(ROOT / "recipes" / "tiny.yaml").eval.tasks
     assert Path(cfg.path) == DEMO_TASK  # relative to the recipe file: found from any directory
+
+
+def test_acc_and_acc_norm_are_lm_evaluation_harness_figures(tmp_path, monkeypatch):
+    """The cross-check the docs' claim rests on: lm-evaluation-harness's own evaluator (HFLM, a multiple_choice
+    task on the same jsonl) and pretrain-eval's scoring give the same acc and acc_norm on a model pretrain wrote
+    (a seeded FAST-shaped Llama, random init, with the demo's BPE tokenizer, as a run's final_model), example by
+    example: the same tokens, the same log-likelihoods to fp32 rounding, the same choices. The window is 64 tokens,
+    so the longest of the 800 requests are left-truncated, on both sides alike. Skipped where lm-eval is not installed
+    (docs/evaluation.md says how to install it beside the project's environment)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # before datasets is imported: the task is a local file
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness (pip package lm-eval) is not installed")
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from pretrain.data import build_tokenizer
+    from pretrain.model.build import build_model, resolve_vocab_size, save_pretrained_model
+    from pretrain.recipe.config import load_recipe
+    from pretrain.train.downstream import hf_logits, load_exported_model, prefix_token_id
+    from tests.helpers import FAST_MODEL, TINY
+
+    task = read_task(DEMO_TASK)
+    # init_std 0.2, not 0.02: near-uniform predictions make near-ties (a top-two margin of 7e-5 at 0.02), which
+    # fp32 rounding (2.5e-5 between the two implementations here) could break either way on another machine.
+    recipe = load_recipe(TINY, [*FAST_MODEL, "model.init_std=0.2"])
+    tokenizer = build_tokenizer(recipe.data, log=lambda _: None)
+    model = build_model(recipe.model, resolve_vocab_size(recipe.model, len(tokenizer)), recipe.data.seq_len,
+                        seed=recipe.train.seed)
+    save_pretrained_model(model, model.state_dict(), tokenizer, tmp_path / "model", [e.context for e in task.examples])
+
+    # pretrain's side: pretrain-eval --model's pieces (evaluate_model), keeping every request's log-likelihood.
+    model, tokenizer, window = load_exported_model(tmp_path / "model")
+    assert window == 64
+    requests = build_requests(task, tokenizer, window, range(len(task.examples)))
+    scores = loglikelihoods(hf_logits(model), requests, plan_batches(requests, 8192), torch.device("cpu"),
+                            pad_id=prefix_token_id(tokenizer)).tolist()
+    acc, acc_norm, total = count_correct(task, requests, scores)
+    ours = {(r.example, r.choice): s for r, s in zip(requests, scores, strict=True)}
+    tolerance = 1e-4  # of a summed log-likelihood: fp32 rounding of two batchings
+    margins = []
+    for i, example in enumerate(task.examples):
+        lls = [ours[i, c] for c in range(len(example.choices))]
+        for values in (lls, [ll / len(choice) for ll, choice in zip(lls, example.choices, strict=True)]):
+            top, second = sorted(values)[-2:][::-1]
+            margins.append(top - second)
+    assert min(margins) > 2 * tolerance, "a near-tie: rounding alone could make the two disagree; change the seed"
+
+    # lm-evaluation-harness's side. The choices start with their space, so target_delimiter is "" (the harness's
+    # default " " would double it); acc_norm's lengths are then len(choice) on both sides. logits_cache=False:
+    # the harness's one-token-continuation cache (on by default) gives a request that shares all its tokens with a
+    # request split at another point (in this task: 3 of 800) the other one's logits at the wrong positions.
+    harness = HFLM(pretrained=str(tmp_path / "model"), dtype="float32", device="cpu", batch_size=64,
+                   logits_cache=False)
+    config = {"task": "stdlib_lines", "dataset_path": "json", "test_split": "test",
+              "dataset_kwargs": {"data_files": {"test": str(DEMO_TASK)}, "cache_dir": str(tmp_path / "datasets")},
+              "output_type": "multiple_choice", "doc_to_text": "context", "doc_to_choice": "choices",
+              "doc_to_target": "gold", "target_delimiter": "",
+              "metric_list": [{"metric": "acc"}, {"metric": "acc_norm"}]}
+    results = simple_evaluate(model=harness, tasks=[config], task_manager=TaskManager(include_defaults=False),
+                              bootstrap_iters=0, log_samples=True, random_seed=None, numpy_random_seed=None,
+                              torch_random_seed=None, fewshot_random_seed=None)
+    figures = results["results"]["stdlib_lines"]
+    samples = results["samples"]["stdlib_lines"]
+    assert len(samples) == total == 200
+    truncated = 0
+
+    assert (figures["acc,none"], figures["acc_norm,none"]) == (acc / total, acc_norm / total)
+    for sample in samples:
+        i = sample["doc_id"]
+        example = task.examples[i]
+        for c, (context, continuation) in enumerate(sample["arguments"]):
+            assert (context, continuation) == (example.context, example.choices[c])
+            pair = harness._encode_pair(context, continuation)
+            assert pair == encode_pair(tokenizer, context, continuation)
+            truncated += len(pair[0]) + len(pair[1]) > window + 1
+        theirs = [float(response[0][0]) for response in sample["resps"]]
+        assert theirs == pytest.approx([ours[i, c] for c in range(len(theirs))], abs=tolerance), i
+        ours_correct = count_correct(task, [r for r in requests if r.example == i], [ours[i, c] for c in range(4)])
+        assert ours_correct == (sample["acc"], sample["acc_norm"], 1), i
+    assert truncated > 0  # the left truncation was compared too
+
+    # A tokenizer that starts every encoding with its bos (as Llama's does): the harness keeps it (HFLM's default
+    # since 0.4.9), and so does pretrain.
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    bos = tokenizer.bos_token
+    backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, 0)])
+    with_bos = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=bos)
+    assert with_bos.encode("x")[0] == with_bos.bos_token_id == 0
+    harness = HFLM(pretrained=model, tokenizer=with_bos, batch_size=64, logits_cache=False)
+    for example in task.examples:
+        for choice in example.choices:
+            pair = encode_pair(with_bos, example.context, choice)
+            assert pair[0][0] == 0 and pair == harness._encode_pair(example.context, choice)

@@ -85,6 +85,10 @@ SKIPPED = {
     "scancel": "SLURM (tests/test_slurm.py preempts a job with USR1)",
     "tail -f runs/7b/slurm": "follows a job's log",
     "python -m pytest tests": "the test suite itself",
+    "python -m pip install --target ../lmeval-site": "installs lm-eval beside the environment (network); "
+                                                     "tests/test_downstream.py runs the cross-check where it is",
+    "PYTHONPATH=../lmeval-site python -m pytest tests/test_downstream.py": "the lm-eval cross-check (20-40 s), "
+                                                                           "skipped where lm-eval is not installed",
     "ruff check": "the linter (CI)",
     "python tools/recipe_reference.py --write": "rewrites docs/recipe-reference.md; tests/test_config.py checks it is current",
     "pretrain-prepare-data --workers": "an option named in the recipe reference, not a command",

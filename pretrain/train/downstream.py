@@ -9,9 +9,11 @@ byte-length normalisation; for ASCII text the two are the same).
 Tokenization is lm-evaluation-harness's ``_encode_pair``: trailing spaces of the context move to the
 continuation, the whole string is encoded, and the continuation's tokens are the whole string's tokens after
 as many as the context alone encodes to (a merge across the boundary belongs to the continuation, as the
-model would read it). An empty context is the bos token (else eos), lm-evaluation-harness's
-``prefix_token_id``. No special tokens are added (HFLM's default). A request longer than the window keeps its
-last max_len + 1 tokens (left truncation, as lm-evaluation-harness does).
+model would read it). Strings are encoded with the tokenizer's own special tokens (a Llama tokenizer's
+bos; pretrain's BPE adds none), except a string that already starts with the prefix token's text: HFLM's default
+since lm-evaluation-harness 0.4.9 (``add_bos_token=None``; 0.4.8 and earlier added none). An empty context is the bos token (else eos),
+lm-evaluation-harness's ``prefix_token_id``, unless the continuation starts with that token. A request longer
+than the window keeps its last max_len + 1 tokens (left truncation, as lm-evaluation-harness does).
 
 Batching: requests longest first, as many per forward call as fit a budget of padded tokens (the training
 micro-batch's MBS x seq_len in a run, so the logits are no larger than training's). Sharding: data-parallel
@@ -130,8 +132,12 @@ def read_tasks(eval_cfg) -> list[Task]:
 # ---- tokens ------------------------------------------------------------------------------------------------
 
 
-def encode(tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=False)
+def encode(tokenizer, text: str, add_special_tokens: bool | None = None) -> list[int]:
+    """HFLM's ``tok_encode``: the tokenizer's default special tokens (None), unless ``text`` already starts with
+    the prefix token's text."""
+    if add_special_tokens is None:
+        add_special_tokens = not text.startswith(tokenizer.decode([prefix_token_id(tokenizer)]))
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def prefix_token_id(tokenizer) -> int:
@@ -142,6 +148,14 @@ def prefix_token_id(tokenizer) -> int:
 
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """(context tokens, continuation tokens) as lm-evaluation-harness's ``_encode_pair`` splits them."""
+    if not context:
+        # lm-evaluation-harness's loglikelihood: the prefix token as the context, or the continuation's first
+        # token where it is that token already.
+        continuation_ids = encode(tokenizer, continuation, add_special_tokens=False)
+        prefix = prefix_token_id(tokenizer)
+        if continuation_ids[0] == prefix and len(continuation_ids) > 1:
+            return continuation_ids[:1], continuation_ids[1:]
+        return [prefix], continuation_ids
     n_spaces = len(context) - len(context.rstrip())
     if n_spaces:
         continuation = context[-n_spaces:] + continuation
