@@ -175,3 +175,16 @@ def test_compile_is_accepted_under_every_zero_stage(mode):
     for stage in (1, 2, 3):
         config, _ = build(make_recipe(model={"compile": mode}), launch(stage=stage))
         assert config["zero_optimization"]["stage"] == stage
+
+
+def test_deepspeeds_own_checkpoint_writers_that_would_bypass_pretrains_checkpoints_are_refused():
+    decoupled = {"checkpoint": {"writer": {"type": "fast", "decoupled": True}}}
+    with pytest.raises(ConfigError, match=r"checkpoint\.writer\.decoupled=true: .* remove checkpoint\.writer"):
+        build(make_recipe(), user=decoupled)
+    fast = {"checkpoint": {"writer": {"type": "fast"}}}
+    with pytest.raises(ConfigError, match=r"checkpoint\.writer .* checkpoint\.async=true: .* set checkpoint\.async=false"):
+        build(make_recipe("checkpoint.async=true"), user=fast)
+    config, _ = build(make_recipe(), user=fast)  # synchronous saves: DeepSpeed's writer finishes inside the save
+    assert config["checkpoint"] == fast["checkpoint"]
+    config, _ = build(make_recipe("checkpoint.async=true"), user={"checkpoint": {"tag_validation": "Warn"}})
+    assert config["checkpoint"] == {"tag_validation": "Warn"}
