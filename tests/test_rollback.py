@@ -8,6 +8,7 @@ import json
 import math
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -300,3 +301,47 @@ def test_a_zero2_resume_from_an_async_checkpoint_continues_the_curve_with_the_sa
     for name in checkpoint_files(ours):
         if name.startswith("pytorch_model/") or name == "scheduler.bin":
             _same_state(ours, theirs, name)
+
+
+class _DeepSpeedLike:
+    """The part of accelerate's Accelerator that Checkpointer.save and load use, with a DeepSpeed engine's config
+    (built, like a run's, for the checkpoint it started from: a universal one)."""
+
+    is_main_process = True
+    num_processes = 1
+    process_index = 0
+    gradient_accumulation_steps = 1
+
+    def __init__(self):
+        config = SimpleNamespace(load_universal_checkpoint=True)
+        self.deepspeed_engine_wrapped = SimpleNamespace(engine=SimpleNamespace(_config=config))
+        self.loads: list[tuple[str, bool]] = []  # (directory, the engine's load_universal when it was read)
+
+    def wait_for_everyone(self):
+        pass
+
+    def save_state(self, path, safe_serialization=True):
+        Path(path).mkdir(parents=True, exist_ok=True)
+        torch.save({"w": torch.ones(2)}, Path(path) / "optimizer.bin")
+
+    def load_state(self, path):
+        self.loads.append((path, self.deepspeed_engine_wrapped.engine._config.load_universal_checkpoint))
+
+
+def test_each_deepspeed_load_reads_its_own_checkpoints_kind(tmp_path):
+    """A run resumed on another world size loads a universal checkpoint; its rollback to a checkpoint it wrote itself
+    must load that one as a plain DeepSpeed checkpoint (DeepSpeed reads load_universal from its config at each
+    load), and the universal view of the checkpoint it resumed as universal again."""
+    from pretrain.checkpoint.checkpointer import Checkpointer, TrainerState
+    from pretrain.checkpoint.reshard import ResumeSource
+    from pretrain.recipe.config import CheckpointConfig
+
+    accelerator = _DeepSpeedLike()
+    checkpointer = Checkpointer(accelerator, tmp_path, CheckpointConfig(keep_last=0), num_steps=10,
+                                log=lambda _: None)
+    checkpointer.save(TrainerState(step=8, tokens_seen=0, num_steps=10, plan={}, recipe={}))
+    written = tmp_path / "checkpoints" / "step_00000008"
+    view = written.with_name(f"{written.name}.universal")  # stands for the universal view of a resumed checkpoint
+    checkpointer.load(written, {}, ResumeSource(written, written, saved=None))
+    checkpointer.load(written, {}, ResumeSource(written, view, saved=None, load_universal=True))
+    assert accelerator.loads == [(str(written), False), (str(view), True)]
