@@ -197,3 +197,16 @@ def test_a_stale_build_lock_of_deepspeeds_cpu_op_is_one_message_instead_of_a_han
                                           r"old: .* Delete it \(`rm .*lock`\) and launch again"):
         check_deepspeed_op_lock(environ)
     assert lock.exists()  # not pretrain's file to delete
+
+
+def test_deepspeeds_own_checkpoint_writers_that_would_bypass_pretrains_checkpoints_are_refused():
+    decoupled = {"checkpoint": {"writer": {"type": "fast", "decoupled": True}}}
+    with pytest.raises(ConfigError, match=r"checkpoint\.writer\.decoupled=true: .* remove checkpoint\.writer"):
+        build(make_recipe(), user=decoupled)
+    fast = {"checkpoint": {"writer": {"type": "fast"}}}
+    with pytest.raises(ConfigError, match=r"checkpoint\.writer .* checkpoint\.async=true: .* set checkpoint\.async=false"):
+        build(make_recipe("checkpoint.async=true"), user=fast)
+    config, _ = build(make_recipe(), user=fast)  # synchronous saves: DeepSpeed's writer finishes inside the save
+    assert config["checkpoint"] == fast["checkpoint"]
+    config, _ = build(make_recipe("checkpoint.async=true"), user={"checkpoint": {"tag_validation": "Warn"}})
+    assert config["checkpoint"] == {"tag_validation": "Warn"}

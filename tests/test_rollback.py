@@ -3,20 +3,36 @@ window of global batches that led to it, and goes on; a resume skips the same wi
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
+from pretrain.checkpoint.background import SLOW_WRITE_ENV
+from pretrain.checkpoint.integrity import checkpoint_files, verify_all
 from pretrain.checkpoint.rundir import read_state
 from pretrain.errors import ConfigError, TrainingDiverged
 from pretrain.recipe.config import RollbackConfig, load_recipe
 from pretrain.train.loader import GlobalSampleOrder, SkippingOrder
 from pretrain.train.stability import LOSS_FACTORS_ENV, Rollbacks
-from tests.helpers import FAST, TINY, OneThread, metrics, train_here, train_losses
+from pretrain.trust import allowed_globals
+from tests.helpers import (
+    FAST,
+    TINY,
+    OneThread,
+    accelerate_launch,
+    check_ok,
+    free_port,
+    metrics,
+    train_here,
+    train_losses,
+)
 from tests.test_optim import _lrs  # every optimizer step's lr of a schedule
 
 # ---- the pieces, alone ------------------------------------------------------------------------------------
@@ -82,6 +98,11 @@ def rolled_back(tmp_path_factory):
     return out, console
 
 
+# What a rollback record says, less when it happened (time, checkpoint_saved_at) and the reason's rounded numbers.
+RECORD_KEYS = ("rollback", "stopped_at_step", "first_skipped_step", "to_step", "checkpoint", "skipped_steps", "batches",
+               "lr_factor", "lr_schedule_steps", "rule")
+
+
 def _rollbacks(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "rollbacks.jsonl").read_text().splitlines()]
 
@@ -94,8 +115,7 @@ def test_a_persistent_spike_rolls_back_skips_its_window_and_ends_finite(rolled_b
             "skipped in a row (stability.spike_sigma: loss") in console
     assert "the global batches of steps 5-9 (batches 4-8) are skipped, recorded in rollbacks.jsonl" in console
     [record] = _rollbacks(out)
-    assert {k: record[k] for k in ("rollback", "stopped_at_step", "first_skipped_step", "to_step", "checkpoint",
-                                   "skipped_steps", "batches", "lr_factor", "lr_schedule_steps", "rule")} == {
+    assert {k: record[k] for k in RECORD_KEYS} == {
         "rollback": 1, "stopped_at_step": 9, "first_skipped_step": 7, "to_step": 4, "checkpoint": "step_00000004",
         "skipped_steps": [5, 9], "batches": [4, 8], "lr_factor": 0.5, "lr_schedule_steps": [4, 6],
         "rule": "stability.spike_sigma"}
@@ -157,3 +177,171 @@ def test_a_spike_that_outlasts_max_attempts_stops_the_run_as_without_rollback(tm
                                                r"1 rollback\(s\) to .*step_00000004 \(step 4\) already"):
         _train(out, ",".join(f"{k}:1e3" for k in range(7, 13)), "stability.rollback.max_attempts=1")
     assert [r["to_step"] for r in _rollbacks(out)] == [4]
+
+
+# ---- end to end, on 2 processes: DDP, FSDP2, ZeRO-2 ---------------------------------------------------------
+
+# The run above, launched once per layout. ZeRO-2's writes its checkpoints with checkpoint.async=true, the write of
+# step 8 (saved mid-streak) slowed by 2 s: step 9 runs while it is in flight, and the rollback after step 9 waits for
+# it before it picks the checkpoint and sets the abandoned one aside.
+LAYOUTS = {"DDP": ("cpu_ddp.yaml", []), "FSDP2": ("fsdp.yaml", []),
+           "ZeRO-2, checkpoint.async": ("zero2.yaml", ["checkpoint.async=true"])}
+SLOW_STEP_8 = "8:2"
+ZERO2_ASYNC = "ZeRO-2, checkpoint.async"
+# The cross-layout tolerance of tests/test_distributed.py (reductions in another order on 2 processes).
+REL = 1e-4
+
+
+def _launch(config: str, out: Path, *extra: str) -> str:
+    # OMP_NUM_THREADS as pretrain-launch sets it (cores / processes); SLOW_WRITE_ENV is read by background writes
+    # only (checkpoint.async).
+    proc = accelerate_launch(config, [*ARGS, *extra, f"output_dir={out}"],
+                             extra=["--main_process_port", str(free_port()), "--num_processes", "2"],
+                             extra_env={"OMP_NUM_THREADS": "1", LOSS_FACTORS_ENV: SPIKE, SLOW_WRITE_ENV: SLOW_STEP_8})
+    check_ok(proc)
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """layout -> (run directory, console): each layout launched once, when a test first asks for it."""
+    runs: dict[str, tuple[Path, str]] = {}
+
+    def get(layout: str) -> tuple[Path, str]:
+        if layout not in runs:
+            config, extra = LAYOUTS[layout]
+            out = tmp_path_factory.mktemp("rollback_2") / "run"
+            runs[layout] = out, _launch(config, out, *extra)
+        return runs[layout]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_rollback_on_two_processes_is_the_one_process_rollback(rolled_back, launched, layout):
+    """Every rank reloads through its engine's loader (DeepSpeed's for ZeRO), the same window is skipped and
+    recorded, the lr factor acts on each engine's schedule, and the losses follow the one-process curve."""
+    (single, _), (out, console) = rolled_back, launched(layout)
+    assert "world size 2" in console
+    assert (f"stability: rollback 1/3 to {out / 'checkpoints' / 'step_00000004'} (step 4) after steps 7-9 were "
+            "skipped in a row") in console
+    [record], [reference] = _rollbacks(out), _rollbacks(single)
+    assert {k: record[k] for k in RECORD_KEYS} == {k: reference[k] for k in RECORD_KEYS}
+    # The abandoned attempt's checkpoint of step 8 set aside once (rank 0 moves it; every rank saves the new one)
+    # and complete; the new checkpoints carry the rollback.
+    checkpoints = out / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith(("step_", ".rolled", ".tmp"))) == [
+        ".rolled-back-step_00000008", "step_00000004", "step_00000008", "step_00000012"]
+    assert verify_all(checkpoints / ".rolled-back-step_00000008") is None
+    assert read_state(checkpoints / ".rolled-back-step_00000008")["rollbacks"] == []
+    assert [r["to_step"] for r in read_state(checkpoints / "step_00000012")["rollbacks"]] == [4]
+    # Each step once, the redone ones replacing the abandoned ones; the one-process losses and lrs.
+    steps = {r["step"]: r for r in metrics(out) if "train/loss" in r}
+    expected = {r["step"]: r for r in metrics(single) if "train/loss" in r}
+    assert sorted(steps) == list(range(1, 13))
+    for step, ours in steps.items():
+        assert ours["train/loss"] == pytest.approx(expected[step]["train/loss"], rel=REL), (step, ours, expected[step])
+        assert ours["train/lr"] == pytest.approx(expected[step]["train/lr"], rel=1e-6), step
+        assert ours["stability/rollbacks"] == expected[step]["stability/rollbacks"], step
+    assert math.isfinite(steps[12]["train/loss"]) and steps[12]["stability/skipped_steps"] == 0
+
+
+@pytest.mark.slow
+def test_a_zero2_rollback_waits_for_the_background_write_in_flight(launched):
+    out, console = launched(ZERO2_ASYNC)
+    lines = console.splitlines()
+
+    def first(prefix: str) -> int:
+        return next(i for i, line in enumerate(lines) if line.startswith(prefix))
+
+    # Step 8's write (slowed) finished while step 9 was judged and before the rollback chose its checkpoint.
+    assert first("step 9: update skipped") < first("checkpoint: saved step 8") < first("stability: rollback 1/3")
+    assert "in the background: the loop waited" in console
+
+
+def _tensors(obj, prefix: str = "") -> dict[str, object]:
+    """A saved state, flattened: every leaf by its path (an object's attributes, e.g. DeepSpeed's loss scaler)."""
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (torch.Tensor, enum.Enum)):
+        items = vars(obj).items()
+    else:
+        return {prefix: obj}
+    return {k: v for key, value in items for k, v in _tensors(value, f"{prefix}/{key}").items()}
+
+
+def _same_state(ours: Path, theirs: Path, name: str) -> None:
+    with torch.serialization.safe_globals(list(allowed_globals())):  # as every load of a run is: weights only
+        a, b = (_tensors(torch.load(p / name, weights_only=True)) for p in (ours, theirs))
+    assert a.keys() == b.keys(), name
+    for key, value in a.items():
+        same = torch.equal(value, b[key]) if isinstance(value, torch.Tensor) else value == b[key]
+        assert same, (name, key)
+
+
+@pytest.mark.slow
+def test_a_zero2_resume_from_an_async_checkpoint_continues_the_curve_with_the_same_files(launched, tmp_path):
+    """The async checkpoint of step 8 (after the rollback) resumed by a new ZeRO-2 launch, writing synchronously:
+    the rollback it carries is applied (no new rollback), the losses are the async run's exactly, and its
+    checkpoint of step 12 holds what the async run's does, file for file."""
+    source, _ = launched(ZERO2_ASYNC)
+    out = tmp_path / "resumed"
+    console = _launch("zero2.yaml", out, f"checkpoint.resume={source / 'checkpoints' / 'step_00000008'}")
+    assert "step_00000008 at step 8" in console and "stability: rollback" not in console
+    resumed = train_losses(out)
+    assert sorted(resumed) == [9, 10, 11, 12]
+    assert resumed == {s: loss for s, loss in train_losses(source).items() if s > 8}
+    ours, theirs = (run / "checkpoints" / "step_00000012" for run in (source, out))
+    assert verify_all(ours) is None and verify_all(theirs) is None
+    assert checkpoint_files(ours) == checkpoint_files(theirs)
+    # The model and each rank's ZeRO partition of the optimizer (DeepSpeed's files), and the schedule.
+    for name in checkpoint_files(ours):
+        if name.startswith("pytorch_model/") or name == "scheduler.bin":
+            _same_state(ours, theirs, name)
+
+
+class _DeepSpeedLike:
+    """The part of accelerate's Accelerator that Checkpointer.save and load use, with a DeepSpeed engine's config
+    (built, like a run's, for the checkpoint it started from: a universal one)."""
+
+    is_main_process = True
+    num_processes = 1
+    process_index = 0
+    gradient_accumulation_steps = 1
+
+    def __init__(self):
+        config = SimpleNamespace(load_universal_checkpoint=True)
+        self.deepspeed_engine_wrapped = SimpleNamespace(engine=SimpleNamespace(_config=config))
+        self.loads: list[tuple[str, bool]] = []  # (directory, the engine's load_universal when it was read)
+
+    def wait_for_everyone(self):
+        pass
+
+    def save_state(self, path, safe_serialization=True):
+        Path(path).mkdir(parents=True, exist_ok=True)
+        torch.save({"w": torch.ones(2)}, Path(path) / "optimizer.bin")
+
+    def load_state(self, path):
+        self.loads.append((path, self.deepspeed_engine_wrapped.engine._config.load_universal_checkpoint))
+
+
+def test_each_deepspeed_load_reads_its_own_checkpoints_kind(tmp_path):
+    """A run resumed on another world size loads a universal checkpoint; its rollback to a checkpoint it wrote itself
+    must load that one as a plain DeepSpeed checkpoint (DeepSpeed reads load_universal from its config at each
+    load), and the universal view of the checkpoint it resumed as universal again."""
+    from pretrain.checkpoint.checkpointer import Checkpointer, TrainerState
+    from pretrain.checkpoint.reshard import ResumeSource
+    from pretrain.recipe.config import CheckpointConfig
+
+    accelerator = _DeepSpeedLike()
+    checkpointer = Checkpointer(accelerator, tmp_path, CheckpointConfig(keep_last=0), num_steps=10,
+                                log=lambda _: None)
+    checkpointer.save(TrainerState(step=8, tokens_seen=0, num_steps=10, plan={}, recipe={}))
+    written = tmp_path / "checkpoints" / "step_00000008"
+    view = written.with_name(f"{written.name}.universal")  # stands for the universal view of a resumed checkpoint
+    checkpointer.load(written, {}, ResumeSource(written, written, saved=None))
+    checkpointer.load(written, {}, ResumeSource(written, view, saved=None, load_universal=True))
+    assert accelerator.loads == [(str(written), False), (str(view), True)]

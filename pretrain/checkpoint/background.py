@@ -24,9 +24,11 @@ save, and the end of the run, wait for it. Host memory: one copy of the rank's c
 
 DeepSpeed 0.19.8 has asynchronous engines of its own behind ``checkpoint.writer`` (``FastCheckpointEngine``:
 DeepNVMe's ``async_io`` op, GPU and libaio; with ``decoupled: true`` a writer process that commits at the next
-save) and DataStates (an external package). pretrain does not use them: they complete on their own schedule,
-outside the manifest and the rename that make a checkpoint trusted, and need an op not built on CPU. The copy
-above goes through DeepSpeed's default engine, so the files are the ones DeepSpeed's loader and converters read.
+optimizer step) and DataStates (an external package). pretrain does not use them: they complete on their own
+schedule, outside the manifest and the rename that make a checkpoint trusted, and need an op not built on CPU
+(a user's JSON asking for the decoupled writer, or for its writer with checkpoint.async, is refused:
+``pretrain/distributed/deepspeed.py``). The copy above goes through DeepSpeed's default engine, so the files are
+the ones DeepSpeed's loader and converters read.
 """
 
 from __future__ import annotations

@@ -630,6 +630,12 @@ class Checkpointer:
             self.log(f"resume: applying the recipe's {'; '.join(applied)}")
         if other:
             self.log(f"resume: recipe differs from the checkpoint's in: {'; '.join(other)}")
+        engine = getattr(getattr(self.accelerator, "deepspeed_engine_wrapped", None), "engine", None)
+        if engine is not None:
+            # DeepSpeed reads checkpoint.load_universal from its config at every load_checkpoint; the config was
+            # built for the checkpoint the run started from, and a rollback may load the other kind (a checkpoint
+            # this run wrote after a resume on another world size, or the universal view of one it resumed).
+            engine._config.load_universal_checkpoint = source.load_universal
         with weights_only(source.load_dir):
             self.accelerator.load_state(str(source.load_dir))
         # load_state restores accelerate's micro-step counter (which decides the micro-step that synchronises)

@@ -176,6 +176,7 @@ def build_deepspeed_config(
         conflicts.append(
             f"{source} has a `scheduler` block; the recipe owns the LR schedule (lr_schedule), remove the block"
         )
+    conflicts += _checkpoint_writer_conflicts(recipe, user.get("checkpoint"), source)
     gas, clip_given = (launch.deepspeed_fields.get(k) for k in ("gradient_accumulation_steps", "gradient_clipping"))
     if gas not in (None, "auto") and int(gas) != plan.grad_accum_steps:
         conflicts.append(
@@ -205,6 +206,27 @@ def build_deepspeed_config(
     config["wall_clock_breakdown"] = ds.wall_clock_breakdown
     config["dump_state"] = ds.dump_state
     return config, ds_optimizer
+
+
+def _checkpoint_writer_conflicts(recipe: Recipe, checkpoint: Any, source: str) -> list[str]:
+    """DeepSpeed's own checkpoint writers (``checkpoint.writer`` of its JSON) against pretrain's checkpoints, whose
+    manifest (checksums of every file) is written and the directory renamed into place once save_state returns."""
+    writer = checkpoint.get("writer") if isinstance(checkpoint, dict) else None
+    if not writer:
+        return []
+    if isinstance(writer, dict) and writer.get("decoupled"):
+        # DeepSpeed commits a decoupled write at the next optimizer step, after save_checkpoint has returned.
+        return [f"{source} has checkpoint.writer.decoupled=true: DeepSpeed's decoupled writer finishes a checkpoint's "
+                "files at the next optimizer step, after pretrain has checksummed them and made the checkpoint "
+                "`latest`, so a resume could meet it half written; remove checkpoint.writer (checkpoint.async=true in "
+                "the recipe writes in the background and lists a checkpoint only once it is complete)"]
+    if recipe.checkpoint.async_:
+        # FastCheckpointEngine hands torch.save a DeepNVMe file writer, not a path: nothing for the staging to take.
+        return [f"{source} has checkpoint.writer (DeepSpeed's FastCheckpointEngine) and the recipe has "
+                "checkpoint.async=true: that engine writes through DeepNVMe's file writer, which checkpoint.async "
+                "cannot stage, so every save would block the loop; remove checkpoint.writer, or set "
+                "checkpoint.async=false to keep DeepSpeed's writer"]
+    return []
 
 
 def _nested_conflicts(key: str, theirs: Any, ours: dict[str, Any], source: str) -> list[str]:
