@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.slurm_cluster import SlurmCluster, SlurmUnavailable, ensure_installed
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (README's test command: two workers on a 2-core machine) each worker and the processes it
+    starts use one thread, so that two workers share the cores instead of oversubscribing them (torch's idle threads
+    spin). Set before torch is imported."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        # xdist's workers ignore SIGINT (the controller handles Ctrl-C), and an ignored signal is inherited: the runs
+        # they start would ignore Ctrl-C as a background job does. The tests of Ctrl-C need a foreground's.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):

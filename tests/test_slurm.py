@@ -190,7 +190,9 @@ def test_each_node_evaluates_its_own_rank_and_the_first_nodes_address(tmp_path, 
     job = slurm.check_job(args)
     script = tmp_path / "job.sbatch"
     script.write_text(slurm.render_script(job, python=str(python)))
-    run_env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "ARGS_DIR": str(tmp_path),
+    # A job's environment without OMP_NUM_THREADS (the test runner may set it): the script derives it from the CPUs.
+    job_env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    run_env = {**job_env, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "ARGS_DIR": str(tmp_path),
                "SLURM_JOB_ID": "1234", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu-a[17-18]",
                "SLURM_CPUS_ON_NODE": "4"}
     proc = subprocess.run(["bash", str(script)], env=run_env, capture_output=True, text=True, timeout=60)
