@@ -206,6 +206,35 @@ def test_cadence_of_each_task():
     assert due == {0: [0, 1], 3: [1], 4: [0], 6: [1], 8: [0], 9: [1], 10: [0, 1]}
 
 
+def test_an_early_end_evaluates_what_was_not_due_at_its_step():
+    """data.on_exhausted=stop ends the run at a step where the loop may have run only some evaluations: the rest run
+    then, so that the last step has the validation loss and every task (and nothing twice)."""
+    from pretrain.train.evaluation import Evaluator
+
+    tasks = [Task("x", Path("x"), HAND.examples), Task("y", Path("y"), HAND.examples, every_steps=3)]
+    downstream = DownstreamEvaluator(None, tasks, CharTokenizer(), 16, 4, 0, 1, every_steps=4, num_steps=10,
+                                     at_start=True, console=None)
+    scored = []
+    downstream.evaluate = lambda model, step, every_task=False, tasks=None: scored.append((step, tasks)) or {}
+    evaluator = Evaluator(None, {}, every_steps=5, num_steps=10, at_start=True, console=None, downstream=downstream)
+    validated = []
+    evaluator.validate = lambda model, step: validated.append(step) or {}
+    evaluator.evaluate_rest(None, 6)  # task y was due at 6 (the loop scored it); val and x were not
+    assert validated == [6] and scored == [(6, [0])]
+    scored.clear()
+    evaluator.evaluate_rest(None, 5)  # val was due; neither task
+    assert validated == [6] and scored == [(5, [0, 1])]
+
+
+def test_a_model_directory_that_does_not_load_is_one_message(tmp_path):
+    from pretrain.train.downstream import load_exported_model
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    with pytest.raises(ConfigError, match=r"does not load as a transformers causal LM with its tokenizer: .*"
+                                          r"give <output_dir>/final_model"):
+        load_exported_model(tmp_path)
+
+
 def write(path: Path, lines: list) -> Path:
     path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
     return path

@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
                             "run directory and the token stores it names; nothing is trained or loaded on a GPU.")
     w.add_argument("--run", required=True, help="the run's output_dir (holds run_config.json, recipe.resolved.yaml)")
     w.add_argument("--step", type=count(), help="optimizer step, numbered as in metrics.jsonl (1 = the first)")
-    w.add_argument("--rank", type=count(0), help="only this process's micro-batches")
+    w.add_argument("--rank", type=count(0), help="only this data-parallel rank's micro-batches (under tensor or context parallelism: the global rank "
+                                         "// (tp x cp); the ranks of one group read the same)")
     w.add_argument("--micro", type=count(0), help="only this micro-step (0 .. GAS - 1)")
     w.add_argument("--document", metavar="SOURCE:FILE:INDEX",
                    help="list the steps that read any token of this document (a single source is named 'data')")

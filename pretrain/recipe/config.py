@@ -655,7 +655,8 @@ class RollbackConfig(Section):
         1.0,
         gt=0,
         le=1,
-        description="Multiplies the scheduled lr of the first lr_factor_steps updates after a rollback (1 = unchanged).",
+        description="Multiplies the scheduled lr of the first lr_factor_steps updates after a rollback (1 = unchanged); "
+        "overlapping windows multiply (a second rollback to one checkpoint: lr_factor squared).",
     )
     lr_factor_steps: int = Field(
         0, ge=0, description="Updates after a rollback whose lr is multiplied by lr_factor; 0 = none."

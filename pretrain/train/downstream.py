@@ -305,7 +305,7 @@ class DownstreamEvaluator:
     tasks: list[Task]
     tokenizer: Any
     max_len: int  # tokens per request (the training seq_len)
-    batch_tokens: int  # padded tokens per forward (MBS x seq_len: logits no larger than a training micro-batch's)
+    batch_tokens: int  # padded tokens per forward (MBS x seq_len / CP: logits no larger than a training micro-batch's)
     data_rank: int
     data_world: int
     every_steps: int
@@ -342,8 +342,9 @@ class DownstreamEvaluator:
         return bool(self.due_tasks(step))
 
     @torch.no_grad()
-    def evaluate(self, model, step: int, every_task: bool = False) -> dict[str, float]:
-        due = range(len(self.tasks)) if every_task else self.due_tasks(step)
+    def evaluate(self, model, step: int, every_task: bool = False, tasks: list[int] | None = None) -> dict[str, float]:
+        """The tasks due at ``step`` (``every_task``: all of them; ``tasks``: these, by index)."""
+        due = tasks if tasks is not None else range(len(self.tasks)) if every_task else self.due_tasks(step)
         if not due:
             return {}
         calls = self.forward_calls()
@@ -413,8 +414,13 @@ def load_exported_model(directory: Path, device: torch.device | str = "cpu"):
     if not (directory / "config.json").is_file():
         raise ConfigError(f"{directory} is not a transformers model directory (no config.json); give "
                           "<output_dir>/final_model, a pretrain-export output, or --checkpoint DIR")
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).to(device)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError, KeyError) as exc:  # an unknown model_type, missing weights or tokenizer files
+        raise ConfigError(f"{directory} does not load as a transformers causal LM with its tokenizer: "
+                          f"{str(exc).splitlines()[0]}; give <output_dir>/final_model, a pretrain-export output, or "
+                          "--checkpoint DIR") from None
     window = getattr(model.config, "max_position_embeddings", None) or 2048  # lm-evaluation-harness's default
     return model.eval(), tokenizer, window
 

@@ -50,6 +50,16 @@ class Evaluator:
             metrics.update(self.downstream.evaluate(model, step, every_task=everything))
         return metrics
 
+    def evaluate_rest(self, model, step: int) -> dict[str, float]:
+        """At an early end (data exhausted): what the loop did not evaluate at ``step``, so that the run's last step
+        has the validation loss and every task, as a finished run's has."""
+        metrics = {} if self.val_due(step) else self.validate(model, step)
+        if self.downstream is not None:
+            due = set(self.downstream.due_tasks(step))
+            metrics.update(self.downstream.evaluate(
+                model, step, tasks=[i for i in range(len(self.downstream.tasks)) if i not in due]))
+        return metrics
+
     @torch.no_grad()
     def validate(self, model, step: int) -> dict[str, float]:
         device = self.accelerator.device

@@ -260,7 +260,8 @@ class Rollbacks:
         return sum(1 for r in self.records if r["to_step"] == to_step)
 
     def lr_factor(self, schedule_step: int) -> float:
-        """What the schedule's lr is multiplied by at ``schedule_step`` (1.0 outside every rollback's window)."""
+        """What the schedule's lr is multiplied by at ``schedule_step`` (1.0 outside every rollback's window). Windows
+        that overlap multiply: a second rollback to the same checkpoint runs at lr_factor squared."""
         factor = 1.0
         for record in self.records:
             start, stop = record["lr_schedule_steps"]

@@ -317,7 +317,9 @@ class Trainer:
         recipe = self.recipe
         return DownstreamEvaluator(
             self.accelerator, tasks, self.tokenizer, max_len=recipe.data.seq_len,
-            batch_tokens=self.plan.micro_batch_size * recipe.data.seq_len, data_rank=self.launch.data_rank,
+            # under CP every rank scores whole requests: the rows a CP rank's share of a micro-batch holds
+            batch_tokens=self.plan.micro_batch_size * recipe.data.seq_len // self.launch.cp_size,
+            data_rank=self.launch.data_rank,
             data_world=self.launch.data_parallel_size, every_steps=recipe.eval.every_steps,
             num_steps=self.num_steps, at_start=recipe.eval.at_start, console=self.console,
         )
@@ -618,8 +620,7 @@ class Trainer:
         and end like a finished run; the same command would stop here again."""
         if self.step > first_step and not self.checkpointer.should_save(self.step):
             self.save_checkpoint()
-        if not self.evaluator.due(self.step):
-            self.evaluator.evaluate(self.model, self.step, everything=True)
+        self.evaluator.evaluate_rest(self.model, self.step)
         _, source = self.sample_order.steps_available()
         what = f"source {source!r}" if source else "the training split"
         self.log(f"data: stopped after step {self.step}/{self.num_steps}: {what} has been read once and "
