@@ -134,15 +134,24 @@ class Resume:
         return self._restore(resume_from, checkpointer, data=data, scheduler=scheduler, policy=policy, lr=lr,
                              num_steps=num_steps, before_lr=restore)
 
-    def roll_back(self, accelerator, choice, checkpointer, *, data: dict[str, Any], scheduler, policy, lr: float,
-                  num_steps: int) -> Resumed:
+    def roll_back(self, accelerator, choice, checkpointer, *, data: dict[str, Any], scheduler, policy, rollbacks,
+                  lr: float, num_steps: int) -> Resumed:
         """stability.rollback, in the running process (collective): agree on rank 0's ``choice`` (a
         ``ResumeChoice.before``: None on the other ranks) and restore it as ``load`` does, by the same
-        machinery (checksums, fallbacks, ``Checkpointer.load``); the run's rollbacks stay the caller's."""
+        machinery (checksums, fallbacks, ``Checkpointer.load``), ``rollbacks`` included: the timeline of the
+        checkpoint loaded (where a damaged checkpoint sent the load to an older one, the rollbacks made since that
+        one belong to the timeline given up). The caller adds this rollback's record."""
         resume_from = agree_on_resume(accelerator, choice, self.recipe.output_dir, log=self.log)
         assert resume_from is not None, "a rollback has a checkpoint to go back to"
+        # The run's records, not rollbacks.jsonl: rank 0 appends this rollback's record to the file once it has
+        # reloaded, maybe before another rank reads it.
+        live = list(rollbacks.records)
+
+        def restore(state: TrainerState) -> None:
+            rollbacks.restore(state.rollbacks, live, resume_from.name, state.saved_at)
+
         return self._restore(resume_from, checkpointer, data=data, scheduler=scheduler, policy=policy, lr=lr,
-                             num_steps=num_steps)
+                             num_steps=num_steps, before_lr=restore)
 
     def _restore(self, resume_from: Path, checkpointer, *, data, scheduler, policy, lr: float, num_steps: int,
                  before_lr=None) -> Resumed:

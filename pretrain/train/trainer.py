@@ -491,7 +491,7 @@ class Trainer:
                                    ) from None
         resumed = self.resume.roll_back(self.accelerator, choice if self.is_main else None, self.checkpointer,
                                         data=data_identity(self.data), scheduler=self.scheduler,
-                                        policy=self.policy, lr=self.lr, num_steps=self.num_steps)
+                                        policy=self.policy, rollbacks=self.rollbacks, lr=self.lr, num_steps=self.num_steps)
         back_to = resumed.step
         skipped_first_step = back_to + 1
         # The window in the order's global batches: those steps back_to + 1 .. stop.step read in the attempt given
