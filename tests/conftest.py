@@ -24,7 +24,17 @@ def pytest_configure(config):
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# The files whose shared runs take longest (CI's durations: minutes each), in that order. Under xdist's --dist loadfile
+# a worker takes the next file when it is free, in collection order: these go first, so that the suite does not end
+# with one worker alone on a long file while the other idles (longest-first scheduling). Other files keep their order.
+LONGEST_FIRST = ("test_run.py", "test_distributed.py", "test_reduce_dtype.py", "test_reshard.py",
+                 "test_memory_validation.py", "test_slurm.py", "test_install.py", "test_architectures.py",
+                 "test_tensor_parallel.py", "test_moe.py", "test_rollback.py", "test_tools.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
     import torch
 
     if torch.cuda.is_available():
