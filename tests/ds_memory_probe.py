@@ -18,6 +18,7 @@ import gc
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 _ROOT = str(Path(__file__).resolve().parents[1])
@@ -103,6 +104,25 @@ def live_tensors(module=None, extra=()) -> dict[int, tuple[int, object]]:
     return seen
 
 
+def settled(take, pause_s: float = 0.1) -> tuple[dict[int, tuple[int, object]], list[list]]:
+    """What ``take()`` (a live_tensors call) finds twice, ``pause_s`` apart, at one point of the training code:
+    the storages of the same size in both takes, and, apart, [nbytes, shape, dtype] of each storage found in
+    only one. Nothing of the training runs between the takes, so whatever it holds at that point is in both;
+    a storage in one take only is held by something else for a moment, not a model state. One CI run (a loaded
+    machine) counted one storage of exactly the embedding's size (1 MiB) too many after the FSDP2 no_sync
+    backward: the size of the embedding unit's all-gather buffer, the last collective before that point, which
+    gloo's worker thread owns until it drops its work object, after the collective has already returned."""
+    # The first take keeps no tensor: a reference from here would hold what was about to be dropped.
+    first = {ptr: [nbytes, list(tensor.shape), str(tensor.dtype)] for ptr, (nbytes, tensor) in take().items()}
+    time.sleep(pause_s)
+    second = take()
+    held = {ptr: v for ptr, v in second.items() if ptr in first and first[ptr][0] == v[0]}
+    passing = [first[ptr] for ptr in first if ptr not in held]
+    passing += [[nbytes, list(tensor.shape), str(tensor.dtype)] for ptr, (nbytes, tensor) in second.items()
+                if ptr not in held]
+    return held, sorted(passing, key=lambda row: -row[0])
+
+
 def labels(engine) -> dict[int, str]:
     """Names for the storages the engine holds (for the breakdown printed beside the total)."""
     import torch
@@ -156,13 +176,14 @@ def measure(zero_stage: int, dtype: str, world_size: int) -> dict:
     snapshots: dict[str, dict] = {}
 
     def snapshot(name):
-        held = {ptr: v for ptr, v in live_tensors(engine.module).items() if ptr not in baseline}
+        live, passing = settled(lambda: live_tensors(engine.module))
+        held = {ptr: v for ptr, v in live.items() if ptr not in baseline}
         names = labels(engine)
         by_label: dict[str, int] = {}
         for ptr, (nbytes, _) in held.items():
             label = names.get(ptr, "other")
             by_label[label] = by_label.get(label, 0) + nbytes
-        snapshots[name] = {"bytes": sum(n for n, _ in held.values()), "by_label": by_label}
+        snapshots[name] = {"bytes": sum(n for n, _ in held.values()), "by_label": by_label, "passing": passing}
 
     inner = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
     real_step = inner.step

@@ -104,6 +104,7 @@ def fsdp_params(model) -> list:
 
 def main() -> None:
     import torch
+    from ds_memory_probe import settled
 
     from pretrain.distributed.accelerator import build_accelerator, model_placement
     from pretrain.distributed.layout import Launch
@@ -131,13 +132,14 @@ def main() -> None:
     snapshots: dict[str, dict] = {}
 
     def snapshot(name: str) -> None:
-        held = {ptr: v for ptr, v in live(model).items() if ptr not in baseline}
+        live_now, passing = settled(lambda: live(model))
+        held = {ptr: v for ptr, v in live_now.items() if ptr not in baseline}
         names = labels(model, optimizer)
         by_label: dict[str, int] = {}
         for ptr, (nbytes, _) in held.items():
             label = names.get(ptr, "other")
             by_label[label] = by_label.get(label, 0) + nbytes
-        snapshots[name] = {"bytes": sum(n for n, _ in held.values()), "by_label": by_label,
+        snapshots[name] = {"bytes": sum(n for n, _ in held.values()), "by_label": by_label, "passing": passing,
                            "unsharded_grads": unsharded_grads(model)}
 
     generator = torch.Generator().manual_seed(acc.process_index)
