@@ -179,6 +179,59 @@ def test_a_spike_that_outlasts_max_attempts_stops_the_run_as_without_rollback(tm
     assert [r["to_step"] for r in _rollbacks(out)] == [4]
 
 
+def test_a_rollback_whose_checkpoints_are_damaged_goes_further_back_and_leaves_their_timeline(tmp_path, monkeypatch):
+    """A rollback verifies its target as a resume does: a damaged one is set aside and an older one loaded. Here
+    the first rollback (spike on the batches of steps 5-7) goes back to step 4. The second (spike on what steps
+    9-11 read) finds step 8, step 6 and step 4 damaged and goes back to step 2: the first rollback, to step 4,
+    belongs to the timeline given up, as for a resume from step 2, and is in none of the new checkpoints."""
+    import pretrain.train.trainer as trainer_module
+
+    real_before = trainer_module.ResumeChoice.before
+    calls = []
+
+    def before(output_dir, step):
+        calls.append(step)
+        if len(calls) == 2:  # the second rollback: flip one byte of every checkpoint from step 4 on, sizes kept
+            for path in sorted((Path(output_dir) / "checkpoints").glob("step_*")):
+                if read_state(path)["step"] >= 4:
+                    target = next(path / rel for rel in checkpoint_files(path) if rel.endswith(".safetensors"))
+                    data = bytearray(target.read_bytes())
+                    data[-1] ^= 0xFF
+                    target.write_bytes(bytes(data))
+        return real_before(output_dir, step)
+
+    monkeypatch.setattr(trainer_module.ResumeChoice, "before", before)
+    out = tmp_path / "run"
+    spikes = ",".join(f"{batch}:1e3" for batch in (5, 6, 7, 12, 13, 14))  # after the first rollback step s reads batch s+3
+    _, _, console = _train(out, spikes, "checkpoint.every_steps=2", "train.max_steps=14")
+    assert calls == [5, 9]
+    checkpoints = out / "checkpoints"
+    assert f"stability: rollback 1/3 to {checkpoints / 'step_00000004'} (step 4) after steps 5-7" in console
+    for step in (8, 6, 4):
+        assert f"warning: checkpoint {checkpoints / f'step_{step:08d}'} is damaged" in console
+    assert f"stability: rollback 1/3 to {checkpoints / 'step_00000002'} (step 2) after steps 9-11" in console
+    first, second = _rollbacks(out)  # both stay in rollbacks.jsonl, the run's log
+    assert (first["checkpoint"], first["batches"]) == ("step_00000004", [4, 6])
+    # The window read in the attempt given up: steps 3-11, i.e. batches 2-3 and, after the first window, 7-13.
+    assert {k: second[k] for k in ("rollback", "checkpoint", "to_step", "skipped_steps", "batches")} == {
+        "rollback": 1, "checkpoint": "step_00000002", "to_step": 2, "skipped_steps": [3, 11], "batches": [2, 13]}
+    assert read_state(checkpoints / "step_00000014")["rollbacks"] == [second]
+    from pretrain.train.stability import run_rollbacks
+
+    assert run_rollbacks(out) == [second]
+    by_step = {r["step"]: r for r in metrics(out) if "train/loss" in r}
+    assert sorted(by_step) == list(range(1, 15))
+    assert by_step[14]["stability/rollbacks"] == 1 and math.isfinite(by_step[14]["train/loss"])
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith(".damaged")) == [
+        ".damaged-step_00000004", ".damaged-step_00000006", ".damaged-step_00000008"]
+    # A resume from the new timeline's step 8 skips the same window: the same losses.
+    monkeypatch.setattr(trainer_module.ResumeChoice, "before", real_before)
+    resumed = _resumed_copy(out, tmp_path / "resumed", 8, keep_records=True)
+    _, _, console = _train(resumed, spikes, "checkpoint.every_steps=2", "train.max_steps=14")
+    assert "stability: rollback" not in console
+    assert train_losses(resumed) == train_losses(out)
+
+
 # ---- end to end, on 2 processes: DDP, FSDP2, ZeRO-2 ---------------------------------------------------------
 
 # The run above, launched once per layout. ZeRO-2's writes its checkpoints with checkpoint.async=true, the write of
