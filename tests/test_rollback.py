@@ -234,11 +234,13 @@ def test_a_rollback_whose_checkpoints_are_damaged_goes_further_back_and_leaves_t
 
 # ---- end to end, on 2 processes: DDP, FSDP2, ZeRO-2 ---------------------------------------------------------
 
-# The run above, launched once per layout. ZeRO-2's writes its checkpoints with checkpoint.async=true, the write of
+# The run above, launched once per layout. ZeRO's write their checkpoints with checkpoint.async=true, the write of
 # step 8 (saved mid-streak) slowed by 2 s: step 9 runs while it is in flight, and the rollback after step 9 waits for
 # it before it picks the checkpoint and sets the abandoned one aside.
 LAYOUTS = {"DDP": ("cpu_ddp.yaml", []), "FSDP2": ("fsdp.yaml", []),
-           "ZeRO-2, checkpoint.async": ("zero2.yaml", ["checkpoint.async=true"])}
+           "ZeRO-1, checkpoint.async": ("zero1.yaml", ["checkpoint.async=true"]),
+           "ZeRO-2, checkpoint.async": ("zero2.yaml", ["checkpoint.async=true"]),
+           "ZeRO-3, checkpoint.async": ("zero3.yaml", ["checkpoint.async=true"])}
 SLOW_STEP_8 = "8:2"
 ZERO2_ASYNC = "ZeRO-2, checkpoint.async"
 # The cross-layout tolerance of tests/test_distributed.py (reductions in another order on 2 processes).
