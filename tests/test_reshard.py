@@ -11,6 +11,7 @@ checkpoints, FSDP's among them)."""
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import sys
 import time
@@ -26,6 +27,7 @@ from pretrain.checkpoint.reshard import UNIVERSAL, Layout, conversion, prepare_r
 from pretrain.cli import export
 from pretrain.distributed.layout import Launch
 from pretrain.errors import ConfigError
+from pretrain.train.stability import LOSS_FACTORS_ENV
 from tests.helpers import (
     FAST,
     ROOT,
@@ -38,6 +40,7 @@ from tests.helpers import (
     run_cmd,
     train,
     train_here,
+    train_losses,
 )
 
 DS2_W2 = Layout("deepspeed", 2, 2)
@@ -402,6 +405,37 @@ def test_export_of_a_zero2_checkpoint_matches_the_step_reached_by_a_resumed_run(
     with torch.no_grad():
         a, b = (m(ids).logits for m in models)
     assert (a - b).abs().max().item() < 1e-3 * a.abs().max().item()
+
+
+@pytest.mark.slow
+def test_a_rollback_after_a_resume_on_another_process_count_reloads_the_runs_own_checkpoint(resharded, tmp_path):
+    """Step 3 of the 2-process ZeRO-2 run resumed on 1 process (through its DeepSpeed universal view), then a
+    persistent spike on the batches of steps 7-9: the rollback goes back to step 6, which this run wrote itself and
+    DeepSpeed must read as a plain checkpoint, not as a universal one like the checkpoint it resumed (DeepSpeed
+    reads load_universal from its config at each load). Killed after the rollback, the run resumes from step 6
+    and gives the same losses."""
+    from tests.test_rollback import _resumed_copy
+
+    runs, _ = resharded
+    source = runs["2 processes ZeRO-2"] / "checkpoints" / "step_00000003"
+    out = tmp_path / "run"
+    args = [*ARGS, "train.max_steps=10", "stability.window_steps=3", "stability.spike_sigma=100",
+            "stability.max_consecutive_skips=3", "stability.rollback.enabled=true"]
+    spike = {LOSS_FACTORS_ENV: "7:1e3,8:1e3,9:1e3"}
+    proc = accelerate_launch("zero2.yaml", [*args, f"output_dir={out}", f"checkpoint.resume={source}"],
+                             extra=["--num_processes", "1"], extra_env=spike)
+    check_ok(proc)
+    assert "DeepSpeed ZeRO-2 on 2 processes -> DeepSpeed ZeRO-2 on 1 process: reusing the converted" in proc.stdout
+    assert (f"stability: rollback 1/3 to {out / 'checkpoints' / 'step_00000006'} (step 6) after steps 7-9 were "
+            "skipped in a row") in proc.stdout
+    losses = train_losses(out)
+    assert sorted(losses) == list(range(4, 11)) and all(math.isfinite(v) for v in losses.values())
+    resumed = _resumed_copy(out, tmp_path / "resumed", 6, keep_records=True)
+    proc = accelerate_launch("zero2.yaml", [*args, f"output_dir={resumed}"], extra=["--num_processes", "1"],
+                             extra_env=spike)
+    check_ok(proc)
+    assert "stability: rollback" not in proc.stdout
+    assert train_losses(resumed) == losses
 
 
 @pytest.mark.slow
