@@ -20,9 +20,9 @@ planner's step-time work, ``pretrain.plan.planner``), the first row that does no
 ``budget`` rows, and a row in flight is killed at the deadline (``timeout``). Under ``--budget`` the default
 is 10 + 50 steps per row.
 
-Each row is written the moment it finishes: a line of ``bench_gpu.jsonl`` (flushed and fsynced), and
-``bench_gpu.md``, ``bench_gpu.json`` and ``calibration.json`` rewritten atomically, so a benchmark killed at any
-point keeps every finished row. SIGTERM (``timeout``, a scheduler) ends the row in flight and exits 130; after a
+Each row is written the moment it finishes: ``bench_gpu.md``, ``bench_gpu.json`` and ``calibration.json``
+rewritten atomically, then a line of ``bench_gpu.jsonl`` (flushed and fsynced), so a benchmark killed at any
+point keeps every finished row, and a row in the jsonl is in the others too. SIGTERM (``timeout``, a scheduler) ends the row in flight and exits 130; after a
 SIGKILL the row in flight is still running: ``running.json`` names its process group (``kill -- -PGID``).
 
 Each (model, setting) is a fresh ``accelerate launch --config_file accelerate_configs/single_gpu.yaml
@@ -406,13 +406,15 @@ class Report:
 
     def add(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
+        write_atomic(self.out / "bench_gpu.md", table(self.rows))
+        write_atomic(self.out / "bench_gpu.json", json.dumps({**self.header, "rows": self.rows}, indent=2))
+        write_atomic(self.out / "calibration.json", json.dumps(calibration(self.rows, self.gpu), indent=2) + "\n")
+        # The jsonl line last: once a row is there, every other output holds it too (a kill between the two leaves
+        # the row in the others only, still a finished row).
         with self.jsonl.open("a") as f:
             f.write(json.dumps(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        write_atomic(self.out / "bench_gpu.md", table(self.rows))
-        write_atomic(self.out / "bench_gpu.json", json.dumps({**self.header, "rows": self.rows}, indent=2))
-        write_atomic(self.out / "calibration.json", json.dumps(calibration(self.rows, self.gpu), indent=2) + "\n")
         figures = ", ".join(f"{k} {fmt(row.get(k), spec)}" for k, spec in (
             ("tokens_per_s_per_gpu", ",.0f"), ("mfu", ".1%"), ("cold_compile_s", ".1f"), ("wall_s", ".0f")))
         print(f"bench_gpu: {row['model']} / {row['setting']}: {row['status']}"
