@@ -29,8 +29,8 @@ Step time = compute + exposed communication + offload traffic, per optimizer ste
   parameters at every micro-step (FULL_SHARD twice, SHARD_GRAD_OP once) and reduce-scatters once per
   optimizer step (accelerate's no_sync): 2 x GAS + 1 or GAS + 1; with batch.sync_each_micro_batch at every
   micro-step (2 x GAS + GAS or GAS + GAS), holding fp32 gradient shards instead of unsharded gradients
-  through accumulation: the planner weighs both for every FSDP layout with GAS > 1. Hybrid sharding keeps gathers inside a
-  node: ZeRO-3 hpZ gathers for backward from its node-local secondary partition (the forward gather and the
+  through accumulation: the planner weighs both for every sharded FSDP layout with GAS > 1. Hybrid
+  sharding keeps gathers inside a node: ZeRO-3 hpZ gathers for backward from its node-local secondary partition (the forward gather and the
   reduce-scatter still span every GPU); HSDP gathers and reduce-scatters within the node, and only
   all-reduces each gradient shard across the nodes' replicas once per reduce-scatter (2 x Ψ / GPUs per
   node). Bandwidth: NVLink for a collective inside a node, the network per GPU for one across nodes. DDP overlaps half of it with backward, ZeRO-3 and FSDP half (prefetch),
@@ -469,7 +469,8 @@ def _estimates(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: me
                 gas = gbs // (mbs * dp)
                 # FSDP with accumulation: no_sync (unsharded gradients, one reduce-scatter) or a reduce-scatter
                 # after every micro-batch (batch.sync_each_micro_batch: sharded gradients, GAS of them)
-                for sync_each in ((False, True) if layout.engine == "fsdp" and gas > 1 else (False,)):
+                sharded = layout.engine == "fsdp" and layout.fsdp_sharding != "NO_SHARD"
+                for sync_each in ((False, True) if sharded and gas > 1 else (False,)):
                     workload = memory.Workload(**{**base.__dict__, "micro_batch_size": mbs,
                                                   "activation_checkpointing": ckpt, "grad_accum_steps": gas,
                                                   "global_batch_size": gbs, "sync_each_micro_batch": sync_each})
