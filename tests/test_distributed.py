@@ -27,6 +27,10 @@ COMPILED = ("ZeRO-2 resumed at 3", "ZeRO-3 resumed at 3", "cpu_ddp, GAS 2 resume
 # Runs with an activation checkpointing policy (the others: none, as the curve's recipe says).
 SELECTIVE = {"FSDP": "selective"}
 
+# The run that reduce-scatters after every micro-batch (batch.sync_each_micro_batch, no no_sync): FSDP2's gradient
+# shards accumulate instead of its unsharded gradients, and the curve must not move.
+SYNC_EACH = ("FSDP resumed at 3",)
+
 # The fresh runs score the demo's downstream task at steps 0 and 6 (15 examples: ranks hold 8 and 7, so one rank
 # pads its forward calls); every layout must count what one process counts (test_downstream_counts_on_every_layout).
 TASK = ["eval.tasks=[{name: lines, path: recipes/tasks/stdlib_lines.jsonl, limit: 15}]"]
@@ -65,6 +69,7 @@ def curves(tmp_path_factory):
         source = runs[name.split(" resumed")[0]] / "checkpoints" / "step_00000003"
         out = root / f"{config.removesuffix('.yaml')}_resumed"
         compiled = ["model.compile=regional"] if name in COMPILED else []
+        compiled += ["batch.sync_each_micro_batch=true"] if name in SYNC_EACH else []
         extra = ["--main_process_port", str(free_port())] + ([] if config == "cpu_ddp.yaml" else ["--num_processes", "2"])
         proc = accelerate_launch(config, [*CURVE, f"output_dir={out}", f"checkpoint.resume={source}", *compiled],
                                  extra=extra, extra_env=threads)
@@ -110,6 +115,7 @@ def test_layouts_report_their_real_world_size(curves):
         if "FSDP" in name:  # FSDP2 over gloo (runtime.fsdp_on_cpu), not accelerate's silent fallback to DDP
             assert config["dist/distributed_type"] == "FSDP"
         assert config["recipe/model/activation_checkpointing"] == SELECTIVE.get(name, "none"), name
+        assert config["recipe/batch/sync_each_micro_batch"] == (name in SYNC_EACH), name
         # DeepSpeed steps the torch client optimizer (deepspeed.optimizer=auto, no optimizer in its JSON)
         assert config["optim/class"] == "AdamW" and not config["optim/fused"], name
 

@@ -184,7 +184,8 @@ def test_7b_ddp_on_h100_is_refused_naming_the_estimate_and_a_layout_that_fits(ca
     assert code == 2 and execv == []
     assert "7b on PyTorch DDP on 8 GPUs (MBS 1, GAS 128, no recompute): estimated 170.8 GiB per GPU" in err, err
     assert "does not fit: needs 91.1 GiB more than the H100-80GB's 79.6 GiB" in err
-    assert "pretrain-plan's best layout on 1 x 8 H100-80GB: FSDP FULL_SHARD x TP 2, MBS 4, GAS 64, recompute selective: 61.9 GiB" in err
+    assert ("pretrain-plan's best layout on 1 x 8 H100-80GB: FSDP FULL_SHARD, reduce-scatter each micro-batch, MBS 4, "
+            "GAS 32, recompute selective: 73.3 GiB") in err
     assert f"pretrain-plan --recipe {R7B} --nodes 1 --gpus-per-node 8 --gpu H100-80GB\n" in err
     assert "--force" in err
 

@@ -252,7 +252,8 @@ def test_deepspeed_model_states_match_estimate(tmp_path):
 
 
 FSDP_PROBE = ROOT / "tests" / "fsdp_memory_probe.py"
-FSDP_CASES = {"fp32": [], "bf16": [], "bf16, reduce bf16": ["precision.reduce_dtype=bf16"]}
+FSDP_CASES = {"fp32": [], "bf16": [], "bf16, reduce bf16": ["precision.reduce_dtype=bf16"],
+              "bf16, sync each micro-batch": ["batch.sync_each_micro_batch=true"]}
 
 
 @pytest.mark.slow
@@ -260,7 +261,8 @@ def test_fsdp_model_states_match_estimate(tmp_path):
     """Two FSDP2 ranks on CPU (gloo; tests/fsdp_memory_probe.py): pretrain's own set-up and two optimizer steps
     of GAS 2. What a rank holds is compared with the estimate's parameter, optimizer and gradient terms at the
     two points the gradients change size: after the no_sync micro-step's backward (the unsharded gradients,
-    accumulated in precision.reduce_dtype: 4 B x Ψ in fp32, 2 B x Ψ in bf16) and before the optimizer step (the
+    accumulated in precision.reduce_dtype: 4 B x Ψ in fp32, 2 B x Ψ in bf16; with batch.sync_each_micro_batch
+    the first micro-step's reduce-scattered fp32 shards instead, 4 B x Ψ/N) and before the optimizer step (the
     reduce-scattered fp32 shards, 4 B x Ψ/N). Within 1%: measured to the byte but for the optimizer's step
     counters and a few hundred bytes of other state. Not measured: the comm term (the gathered units and a
     unit's unsharded gradient on its way to the reduce-scatter), which lives only inside forward and
@@ -286,7 +288,8 @@ def test_fsdp_model_states_match_estimate(tmp_path):
         assert results[0]["num_params"] == shape.num_params
         workload = memory.Workload(precision=dtype, optimizer="AdamW", micro_batch_size=probe.MICRO_BATCH_SIZE,
                                    seq_len=ds_memory_probe.SEQ_LEN, grad_accum_steps=probe.GRAD_ACCUM_STEPS,
-                                   reduce_dtype=results[0]["reduce_dtype"])
+                                   reduce_dtype=results[0]["reduce_dtype"],
+                                   sync_each_micro_batch="batch.sync_each_micro_batch=true" in extra)
         est = memory.estimate_shape(shape, workload, Launch("fsdp", gpus_per_node=2, fsdp_sharding="FULL_SHARD"),
                                     device="cpu")
         held = est.terms["params"].bytes + est.terms["optimizer"].bytes
@@ -300,7 +303,7 @@ def test_fsdp_model_states_match_estimate(tmp_path):
                 bad.append([*row, _breakdown(results, point)])
     table = _print_table("FSDP2 model states per rank (2 ranks, GAS 2): measured vs estimated (params + optimizer "
                          "+ grads)", ["case", "at", "measured B", "estimated B", "error"], rows)
-    assert len(rows) == 6
+    assert len(rows) == 8
     assert not bad, f"more than 1% off:\n{table}\n" + "\n".join(map(str, bad))
 
 

@@ -135,7 +135,15 @@ def test_dry_run_of_a_tp_config_prints_the_tp_terms(capsys):
     assert "Traceback" not in err
     assert "layout           FSDP FULL_SHARD x TP 2 (4-way data parallel) on 8 GPUs" in out
     assert "batch plan       world 4: GBS 1024 = MBS 1 x GAS 256 x world 4" in out
-    assert "verdict    fits:" in out and re.search(r"of it TP [\d.]+ s", out)
+    assert "verdict    fits:" in out
+    # the speed is the planner's for this very layout, batch and recompute: TP's all-reduces included
+    speed = re.search(r"^speed +~([\d,]+) tokens/s per GPU", out, re.MULTILINE).group(1)
+    recipe = load_recipe(R7B)
+    ranked, _ = planner.plan(recipe, 1, 8, memory.find_gpu("H100-80GB"))
+    [same] = [c for c in ranked if (c.layout.tp_size, c.layout.cp_size, c.layout.hybrid_shard_size) == (2, 1, None)
+              and c.layout.fsdp_sharding == "FULL_SHARD" and c.micro_batch_size == 1 and not c.sync_each_micro_batch
+              and c.checkpointing == recipe.model.activation_checkpointing]
+    assert f"{same.tokens_per_s:,.0f}" == speed and same.tp_comm_s > 0
     assert estimate_cli.main(["--recipe", R7B, "--accelerate-config", TP2, "--gpu", "H100-80GB"]) == 0
     total = re.search(r"total \(peak\)\s+([\d.]+)", capsys.readouterr().out).group(1)
     assert re.search(rf"total \(peak\)\s+{re.escape(total)}\b", out)
@@ -179,12 +187,15 @@ def test_tp_plan_is_read_from_a_model_once_then_from_the_cache(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("seq_len, chosen, families", [
-    # 8192: ZeRO-3 fits MBS 2 with full recompute; FSDP x TP 8 fits only MBS 1 (the no_sync gradients) and pays its
-    # all-reduces; TP x CP likewise
-    (8192, "ZeRO-3", ["ZeRO", "FSDP x TP", "FSDP x TP x CP"]),
-    # 32768: only FSDP x TP 8 x CP 4 and ZeRO-3 with its optimizer offloaded fit; offload ranks after every layout
-    # without it, and the explanation says so where the model's tokens/s would say otherwise
-    (32768, "FSDP FULL_SHARD x TP 8 x CP 4", ["FSDP x TP x CP", "ZeRO"]),
+    # 8192: ZeRO-3 fits MBS 2 with full recompute; so does FSDP reduce-scattering after every micro-batch (with
+    # no_sync's unsharded gradients it would not), with the same collectives (two gathers and a reduce-scatter per
+    # micro-step): a tie, kept in the planner's order. CP pays its K/V exchange, TP its all-reduces.
+    (8192, "ZeRO-3", ["ZeRO", "FSDP / HSDP", "FSDP x CP", "FSDP x TP", "FSDP x TP x CP"]),
+    # 32768: FSDP x CP 2 reduce-scattering each micro-batch fits MBS 1 without offload and without TP's all-reduces;
+    # ZeRO-3 and FSDP fit only with CPU offload, which ranks after every layout without it, and the explanation says
+    # so where the model's tokens/s would say otherwise
+    (32768, "FSDP FULL_SHARD x CP 2, reduce-scatter each micro-batch",
+     ["FSDP x CP", "FSDP x TP x CP", "ZeRO", "FSDP / HSDP"]),
 ])
 def test_planner_ranks_tp_and_cp_layouts_for_70b_on_4x8_h100_and_says_why(seq_len, chosen, families):
     skipped: dict[str, list[str]] = {}
@@ -201,4 +212,37 @@ def test_planner_ranks_tp_and_cp_layouts_for_70b_on_4x8_h100_and_says_why(seq_le
             assert re.search(r"TP all-reduces \d+ s", best[family]) and "sharding collectives" in best[family]
     assert re.search(r"CP K/V exchange \d+ s", best["FSDP x TP x CP"])
     if seq_len == 32768:
-        assert "offload 34 s" in best["ZeRO"] and "not chosen: CPU offload ranks after every layout" in best["ZeRO"]
+        for family in ("ZeRO", "FSDP / HSDP"):
+            assert "offload" in best[family] and "not chosen: CPU offload ranks after every layout" in best[family]
+        assert "offload 34 s" in best["ZeRO"]
+
+
+def test_fsdp_reduce_scatter_each_micro_batch_trades_reduce_scatters_for_the_unsharded_gradients():
+    """batch.sync_each_micro_batch under FSDP (7B, 8 H100, MBS 4, GAS 32): through accumulation the GPU holds the fp32
+    gradient shards (4 B x Ψ/8) instead of no_sync's unsharded fp32 gradients (4 B x Ψ), which is what lets MBS 4
+    fit, for 31 more reduce-scatters per step (4 B x Ψ each). The planner weighs both, chooses it here, and says
+    the override."""
+    recipe = load_recipe(R7B)
+    gpu = memory.find_gpu("H100-80GB")
+    shape = ModelShape.from_recipe(recipe)
+    layout = Launch("fsdp", gpus_per_node=8, fsdp_sharding="FULL_SHARD")
+
+    def estimate(sync_each: bool):
+        workload = memory.Workload(precision="bf16", micro_batch_size=4, seq_len=recipe.data.seq_len,
+                                   activation_checkpointing="selective", grad_accum_steps=32,
+                                   sync_each_micro_batch=sync_each)
+        return memory.estimate_shape(shape, workload, layout, gpu=gpu)
+
+    no_sync, each = estimate(False), estimate(True)
+    assert no_sync.terms["grads"].at("backward") == 4 * shape.num_params
+    assert each.terms["grads"].at("backward") == each.terms["grads"].at("step") == no_sync.terms["grads"].at("step")
+    assert each.terms["grads"].at("step") <= 4 * shape.num_params / 8 + 4
+    assert not no_sync.fits and each.fits
+    volume = {name: planner.throughput(est, gpu)[2] for name, est in (("no_sync", no_sync), ("each", each))}
+    assert volume["each"] - volume["no_sync"] == 31 * 4
+    ranked, _ = planner.plan(recipe, 1, 8, gpu)
+    best = ranked[0]
+    assert best.name == "FSDP FULL_SHARD, reduce-scatter each micro-batch" and best.micro_batch_size == 4
+    assert planner.recipe_overrides(recipe, best)[-1] == "batch.sync_each_micro_batch=true"
+    # the same layout with no_sync is ranked too, at the largest MBS its unsharded gradients leave room for
+    assert any(c.name == "FSDP FULL_SHARD" and c.micro_batch_size == 2 for c in ranked)

@@ -29,6 +29,7 @@ from accelerate.utils import (
     DistributedType,
     DynamoBackend,
     FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
     TorchDynamoPlugin,
@@ -284,7 +285,10 @@ def build_accelerator(recipe: Recipe, run_plan: RunPlan, output_dir: Path, track
             # torchrun on a CPU box would each become an unrelated single-process run.
             cpu=not torch.cuda.is_available() and plugin is None,
             mixed_precision=run_plan.mixed_precision,
-            gradient_accumulation_steps=plan.grad_accum_steps,
+            # batch.sync_each_micro_batch: accelerate's accumulate() then leaves out no_sync (FSDP reduce-scatters
+            # every micro-batch into its fp32 shards).
+            gradient_accumulation_plugin=GradientAccumulationPlugin(
+                num_steps=plan.grad_accum_steps, sync_each_batch=recipe.batch.sync_each_micro_batch),
             # The trainer steps the LR scheduler once per optimizer step itself. By default accelerate's
             # AcceleratedScheduler would step it num_processes times per optimizer step.
             step_scheduler_with_optimizer=False,

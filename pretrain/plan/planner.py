@@ -27,10 +27,12 @@ Step time = compute + exposed communication + offload traffic, per optimizer ste
   reduce-scatters at every micro-step and all-gathers the parameters once (GAS + 1); ZeRO-3 all-gathers
   the parameters twice and reduce-scatters once per micro-step (2 x GAS + GAS); FSDP all-gathers the
   parameters at every micro-step (FULL_SHARD twice, SHARD_GRAD_OP once) and reduce-scatters once per
-  optimizer step (accelerate's no_sync): 2 x GAS + 1 or GAS + 1. Hybrid sharding keeps gathers inside a
-  node: ZeRO-3 hpZ gathers for backward from its node-local secondary partition (the forward gather and the
+  optimizer step (accelerate's no_sync): 2 x GAS + 1 or GAS + 1; with batch.sync_each_micro_batch at every
+  micro-step (2 x GAS + GAS or GAS + GAS), holding fp32 gradient shards instead of unsharded gradients
+  through accumulation: the planner weighs both for every sharded FSDP layout with GAS > 1. Hybrid
+  sharding keeps gathers inside a node: ZeRO-3 hpZ gathers for backward from its node-local secondary partition (the forward gather and the
   reduce-scatter still span every GPU); HSDP gathers and reduce-scatters within the node, and only
-  all-reduces each gradient shard across the nodes' replicas once per optimizer step (2 x Ψ / GPUs per
+  all-reduces each gradient shard across the nodes' replicas once per reduce-scatter (2 x Ψ / GPUs per
   node). Bandwidth: NVLink for a collective inside a node, the network per GPU for one across nodes. DDP overlaps half of it with backward, ZeRO-3 and FSDP half (prefetch),
   ZeRO-0/1/2 none (DeepSpeed's defaults).
 - offload: the optimizer step on the CPU, 1e9 parameters/s per node shared by its GPUs' partitions
@@ -133,8 +135,12 @@ class Candidate:
         return self.estimate.headroom_gib < TIGHT_FRACTION * self.estimate.gpu.memory_gib
 
     @property
+    def sync_each_micro_batch(self) -> bool:
+        return self.estimate.workload.sync_each_micro_batch
+
+    @property
     def name(self) -> str:
-        return layout_name(self.layout)
+        return layout_name(self.layout) + (", reduce-scatter each micro-batch" if self.sync_each_micro_batch else "")
 
     def describe(self) -> str:
         est = self.estimate
@@ -288,10 +294,12 @@ def throughput(est: memory.MemoryEstimate, gpu: hardware.GpuSpec, base_mfu: floa
     elif lay.engine == "fsdp":
         key = "fsdp"
         gathers = 2.0 * gas if lay.fsdp_sharding == "FULL_SHARD" else float(gas)
+        reduces = float(gas) if w.sync_each_micro_batch else 1.0  # no_sync: once per optimizer step
         if G:  # HSDP: gathers and the reduce-scatter inside the group, then the shard all-reduced across replicas
-            collectives = [(gathers * b, G, in_node), (float(r), G, in_node), (2.0 * r / G, lay.num_replicas, False)]
+            collectives = [(gathers * b, G, in_node), (reduces * r, G, in_node),
+                           (reduces * 2.0 * r / G, lay.num_replicas, False)]
         else:
-            collectives = [(gathers * b + r, N, single)]
+            collectives = [(gathers * b + reduces * r, N, single)]
     else:
         key = lay.zero_stage
         reduces, gathers = {0: (2.0, 0.0), 1: (1.0, 1.0), 2: (float(gas), 1.0), 3: (float(gas), 2.0 * gas)}[key]
@@ -459,10 +467,15 @@ def _estimates(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: me
                 continue  # the launch refuses it (deepspeed_config)
             for mbs in _mbs_values(recipe, dp):
                 gas = gbs // (mbs * dp)
-                workload = memory.Workload(**{**base.__dict__, "micro_batch_size": mbs, "activation_checkpointing": ckpt,
-                                              "grad_accum_steps": gas, "global_batch_size": gbs})
-                yield layout, ckpt, mbs, gas, memory.estimate_shape(shape, workload, layout, buffers=buffers, gpu=gpu,
-                                                                    async_checkpoint=recipe.checkpoint.async_)
+                # FSDP with accumulation: no_sync (unsharded gradients, one reduce-scatter) or a reduce-scatter
+                # after every micro-batch (batch.sync_each_micro_batch: sharded gradients, GAS of them)
+                sharded = layout.engine == "fsdp" and layout.fsdp_sharding != "NO_SHARD"
+                for sync_each in ((False, True) if sharded and gas > 1 else (False,)):
+                    workload = memory.Workload(**{**base.__dict__, "micro_batch_size": mbs,
+                                                  "activation_checkpointing": ckpt, "grad_accum_steps": gas,
+                                                  "global_batch_size": gbs, "sync_each_micro_batch": sync_each})
+                    yield layout, ckpt, mbs, gas, memory.estimate_shape(
+                        shape, workload, layout, buffers=buffers, gpu=gpu, async_checkpoint=recipe.checkpoint.async_)
 
 
 def plan(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: memory.DeepSpeedBuffers | None = None,
@@ -574,7 +587,8 @@ def nothing_fits(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, considere
     host memory, a larger GPU."""
     smallest = min(_estimates(recipe, nodes, gpus, gpu), key=lambda e: (e[4].total_bytes, e[4].host_bytes_per_node))
     layout, ckpt, mbs, gas, est = smallest
-    lowest = (f"{layout_name(layout)}, MBS {mbs}, GAS {gas}, {recompute_label(ckpt)}: "
+    sync_each = ", reduce-scatter each micro-batch" if est.workload.sync_each_micro_batch else ""
+    lowest = (f"{layout_name(layout)}{sync_each}, MBS {mbs}, GAS {gas}, {recompute_label(ckpt)}: "
               f"{est.total_gib:,.1f} GiB per GPU")
     if est.host:
         lowest += f" and {est.host_bytes_per_node / memory.GIB:,.0f} GiB of CPU memory per node"
@@ -690,6 +704,8 @@ def recipe_overrides(recipe, c: Candidate) -> list[str]:
         out.append(f"batch.gradient_accumulation_steps={c.grad_accum_steps}")
     if c.checkpointing != recipe.model.activation_checkpointing:
         out.append(f"model.activation_checkpointing={c.checkpointing}")
+    if not c.layout.uses_deepspeed and c.sync_each_micro_batch != batch.sync_each_micro_batch:
+        out.append(f"batch.sync_each_micro_batch={str(c.sync_each_micro_batch).lower()}")
     return out
 
 

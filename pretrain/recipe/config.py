@@ -414,6 +414,15 @@ class BatchConfig(Section):
         "Sequences per process per optimizer step with GAS = 1; GBS = world x local (at most 2**24).",
         le=MAX_SEQUENCES
     )
+    sync_each_micro_batch: bool = Field(
+        False,
+        description="Reduce the gradients after every micro-batch instead of once per optimizer step (accelerate's "
+        "GradientAccumulationPlugin(sync_each_batch=True): no no_sync). FSDP: the fp32 gradient shards accumulate "
+        "(4 B x Ψ/N per GPU) instead of the unsharded gradients held through the GAS - 1 micro-steps before the last "
+        "(4 B x Ψ under precision.reduce_dtype=fp32), for GAS reduce-scatters per step instead of one; pretrain-plan "
+        "weighs both. DDP: GAS all-reduces instead of one, no memory saved. DeepSpeed reduces as its ZeRO stage "
+        "does either way. Same training: the gradients are summed in another order only.",
+    )
 
     @model_validator(mode="after")
     def _one_way_to_say_it(self) -> BatchConfig:

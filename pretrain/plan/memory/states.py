@@ -381,12 +381,20 @@ def fsdp_states(run: _Run) -> ModelStates:
     # Under TP each unsharded gradient is its parameter's TP shard, the vocab-parallel embedding's too (pretrain looks
     # its rows up locally: pretrain.distributed.tensor_parallel.local_vocab_lookup); measured by
     # tests/test_memory_validation.py::test_tp_model_states_match_estimate.
-    backward, reduced = r * P if gas > 1 else 0, 0 if offload else 4 * part
-    grads = _term("grads", Phases(backward, reduced, reduced),
-                  f"backward: {r} B x {psi} unsharded{' (fp32 accumulation)' if r != b else ''} (accelerate skips the "
-                  f"{reduce} on the {gas - 1} micro-steps before the last: no_sync keeps every gradient full size "
-                  "until then)" if gas > 1 else
-                  f"backward: none yet (each unit's gradient goes to the {reduce} when its backward ends)",
+    reduced = 0 if offload else 4 * part
+    if gas > 1 and w.sync_each_micro_batch:
+        backward = reduced
+        backward_text = (f"backward: the fp32 {shards} of the micro-steps so far (batch.sync_each_micro_batch: a "
+                         f"{reduce} after every micro-batch, no unsharded gradient kept between them)")
+    elif gas > 1:
+        backward = r * P
+        backward_text = (f"backward: {r} B x {psi} unsharded{' (fp32 accumulation)' if r != b else ''} (accelerate "
+                         f"skips the {reduce} on the {gas - 1} micro-steps before the last: no_sync keeps every "
+                         "gradient full size until then; batch.sync_each_micro_batch=true shards them)")
+    else:
+        backward = 0
+        backward_text = f"backward: none yet (each unit's gradient goes to the {reduce} when its backward ends)"
+    grads = _term("grads", Phases(backward, reduced, reduced), backward_text,
                   f"after the {reduce}: on the host" if offload else
                   f"after the {reduce}: fp32 {shards} 4 B x {frac} = {gib(reduced)}")
 

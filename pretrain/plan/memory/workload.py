@@ -53,6 +53,8 @@ class Workload:
     """The checkpointing policy (model.activation_checkpointing): none, full, selective or every_N."""
     document_masking: bool = False  # data.document_masking: sdpa then gets a MBS x s x s mask
     grad_accum_steps: int | None = None
+    sync_each_micro_batch: bool = False
+    """batch.sync_each_micro_batch: FSDP reduce-scatters after every micro-batch (no no_sync)."""
     global_batch_size: int | None = None
     reduce_dtype: str = "fp32"
     """bf16 only (precision.reduce_dtype): the dtype DeepSpeed and FSDP accumulate and reduce gradients in."""
@@ -104,6 +106,7 @@ class Workload:
             activation_checkpointing=recipe.model.activation_checkpointing,
             document_masking=recipe.data.document_masking,
             grad_accum_steps=plan.grad_accum_steps,
+            sync_each_micro_batch=recipe.batch.sync_each_micro_batch,
             global_batch_size=plan.global_batch_size,
             reduce_dtype=recipe.precision.reduce_dtype,
             float8=recipe.precision.float8,
