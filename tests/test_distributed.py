@@ -116,6 +116,8 @@ def test_layouts_report_their_real_world_size(curves):
             assert config["dist/distributed_type"] == "FSDP"
         assert config["recipe/model/activation_checkpointing"] == SELECTIVE.get(name, "none"), name
         assert config["recipe/batch/sync_each_micro_batch"] == (name in SYNC_EACH), name
+        said = "reduced in fp32 after every micro-batch)" in (run_dir / "console.txt").read_text()
+        assert said == (name in SYNC_EACH), name
         # DeepSpeed steps the torch client optimizer (deepspeed.optimizer=auto, no optimizer in its JSON)
         assert config["optim/class"] == "AdamW" and not config["optim/fused"], name
 

@@ -238,6 +238,7 @@ def test_fsdp_reduce_scatter_each_micro_batch_trades_reduce_scatters_for_the_uns
     assert each.terms["grads"].at("backward") == each.terms["grads"].at("step") == no_sync.terms["grads"].at("step")
     assert each.terms["grads"].at("step") <= 4 * shape.num_params / 8 + 4
     assert not no_sync.fits and each.fits
+    assert "GAS 32, reduced after every micro-batch," in each.summary() and "reduced after" not in no_sync.summary()
     volume = {name: planner.throughput(est, gpu)[2] for name, est in (("no_sync", no_sync), ("each", each))}
     assert volume["each"] - volume["no_sync"] == 31 * 4
     ranked, _ = planner.plan(recipe, 1, 8, gpu)

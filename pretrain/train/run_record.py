@@ -106,10 +106,14 @@ def start_run_record(trainer: Trainer) -> None:
         (trainer.output_dir / "recipe.resolved.yaml").write_text(recipe.to_yaml())
     trainer.accelerator.init_trackers(recipe.logging.project, config=flatten(config))
     dist = config["dist"]
+    # batch.sync_each_micro_batch acts where accelerate would enter no_sync: DDP and FSDP, several ranks, GAS > 1
+    each = (recipe.batch.sync_each_micro_batch and p.grad_accum_steps > 1 and p.world_size > 1
+            and dist["distributed_type"] != "DEEPSPEED")
     trainer.log(
         f"pretrain: {recipe.name} | world size {dist['world_size']} "
         f"({dist['distributed_type']}, {dist['device']}, {recipe.precision.dtype}, grads accumulated in "
-        f"{config['dtypes']['grad_accum']}, reduced in {config['dtypes']['reduce']}) | "
+        f"{config['dtypes']['grad_accum']}, reduced in {config['dtypes']['reduce']}"
+        f"{' after every micro-batch' if each else ''}) | "
         f"{trainer.num_params:,} params{active_text(trainer)} | GBS {p.global_batch_size} = MBS {p.micro_batch_size} x GAS "
         f"{p.grad_accum_steps} x world {p.world_size} | {p.tokens_per_step:,} tokens/step | "
         f"{trainer.num_steps} steps | lr {trainer.lr:.3g} | output {trainer.output_dir}"

@@ -157,6 +157,8 @@ class MemoryEstimate:
             f"layout     {self.layout.describe()}",
             f"workload   {w.precision}, {w.optimizer}, MBS {w.micro_batch_size} x seq {w.seq_len:,}"
             + (f", GAS {w.grad_accum_steps}" if w.grad_accum_steps else "")
+            + (", reduced after every micro-batch" if w.sync_each_micro_batch and (w.grad_accum_steps or 1) > 1
+               and not self.layout.uses_deepspeed else "")
             + f", attention {w.attention}, activation checkpointing {w.activation_checkpointing}"
             + (f", float8 {w.float8}" if w.float8 != "off" else "")
             + (f" (each rank: seq / CP {self.layout.cp_size} = {w.seq_len // self.layout.cp_size:,} tokens per sequence)"
