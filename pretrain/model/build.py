@@ -74,6 +74,8 @@ def hf_config(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> PreTrain
     llama's 11008, ignores hidden_size). ``model.config_overrides`` must name existing attributes and is
     applied last. ``use_cache`` is off: training never decodes.
     """
+    if model_cfg.init_from is not None:
+        return _pretrained_config(model_cfg, vocab_size)
     arch = model_cfg.arch
     if arch not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         near = difflib.get_close_matches(arch, list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), n=3, cutoff=0.6)
@@ -104,6 +106,36 @@ def hf_config(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> PreTrain
         return AutoConfig.for_model(arch, **{**kwargs, "use_cache": False, **model_cfg.config_overrides})
     except (StrictDataclassError, ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"model (arch {arch}): transformers rejects the config: {exc}") from None
+
+
+def _pretrained_config(model_cfg: ModelConfig, vocab_size: int) -> PreTrainedConfig:
+    """``model.init_from``'s own config, with what a recipe may still set: every dropout (``model.dropout``) and
+    ``model.config_overrides`` (each an existing attribute; the shape's keys are the checkpoint's)."""
+    from pretrain.model.pretrained import pretrained_config
+    from pretrain.recipe.pretrained import SHAPE_FIELDS
+
+    config = pretrained_config(model_cfg.init_from)
+    problems = []
+    if config.vocab_size != vocab_size:
+        problems.append(f"model.vocab_size = {vocab_size}, but {model_cfg.init_from} has {config.vocab_size} embedding "
+                        "rows; leave model.vocab_size out")
+    shape_keys = {name for names in SHAPE_FIELDS.values() for name in names} - {"max_position_embeddings", "rope_theta"}
+    for key in model_cfg.config_overrides:
+        if key in shape_keys:
+            problems.append(f"model.config_overrides.{key}: the shape of a pretrained model is its checkpoint's; remove it")
+        elif not hasattr(config, key):
+            problems.append(f"model.config_overrides.{key} is not an attribute of {model_cfg.init_from}'s config "
+                            f"({type(config).__name__})")
+    dropouts = dropout_attributes(config)
+    if model_cfg.dropout and not dropouts:
+        problems.append(f"model.dropout = {model_cfg.dropout}, but the {config.model_type} config has no dropout; set "
+                        "model.dropout to 0")
+    if problems:
+        raise ConfigError(problems)
+    for key, value in {**dict.fromkeys(dropouts, model_cfg.dropout), "use_cache": False,
+                       **model_cfg.config_overrides}.items():
+        setattr(config, key, value)
+    return config
 
 
 def _foreign_token_ids(default: PreTrainedConfig, vocab_size: int) -> dict[str, None]:
@@ -201,8 +233,11 @@ def build_model(
     device: torch.device | str = "cpu",
     shard: Callable[[PreTrainedModel], PreTrainedModel] | None = None,
     convert: Callable[[PreTrainedModel], object] | None = None,
+    pretrained: bool = True,
+    log: Callable[[str], None] = print,
 ) -> PreTrainedModel:
-    """The causal LM in fp32 (mixed precision casts at run time), initialised by ``init_weights(seed)``.
+    """The causal LM in fp32 (mixed precision casts at run time), initialised by ``init_weights(seed)``, or with
+    ``model.init_from``'s weights (``pretrained``: False when a resume will overwrite them anyway).
 
     No rank ever holds more than its share of the parameters plus the module being drawn:
 
@@ -223,7 +258,12 @@ def build_model(
     partitioned = not meta and is_deepspeed_zero3_enabled()
     with _freed_host_memory_returned():
         model = _build(model_cfg, config, partitioned, meta, device, shard, convert)
-        if not meta:
+        if not meta and model_cfg.init_from is not None and pretrained:
+            from pretrain.model.pretrained import load_pretrained
+
+            # every parameter from the checkpoint, this rank's share only: no seeded draw to overwrite
+            log(load_pretrained(model, model_cfg.init_from).line(model_cfg.init_from))
+        elif not meta:
             init_weights(model, seed)
             if not partitioned:
                 _require_drawn(model)

@@ -89,6 +89,15 @@ class MoEConfig(Section):
 
 
 class ModelConfig(Section):
+    init_from: str | None = Field(
+        None,
+        description="Start from a pretrained transformers causal LM instead of random weights: a local directory "
+        "written by save_pretrained (config.json + *.safetensors; a run's final_model/ is one) or a Hugging Face hub "
+        "id (e.g. Qwen/Qwen3-1.7B). Its config.json fixes the architecture and shape (the shape keys may be left out; "
+        "one that differs is an error) and data.tokenizer defaults to its tokenizer. The optimizer, schedule and step "
+        "start fresh; each rank reads only its share of the weights. A resumable output_dir wins (the run continues). "
+        "docs/recipes.md: Continued pretraining.",
+    )
     arch: str = Field(
         "llama",
         description="Architecture: a transformers `model_type` with a causal-LM head (`llama`, `gpt2`, "
@@ -1110,6 +1119,11 @@ def build_recipe(data: dict[str, Any], source: str = "recipe", default_name: str
     data = dict(data)
     if data.get("name") is None and default_name:
         data["name"] = default_name
+    model = data.get("model")
+    if isinstance(model, dict) and isinstance(model.get("init_from"), str) and model["init_from"]:
+        from pretrain.recipe.pretrained import resolve_recipe_dict
+
+        data = resolve_recipe_dict(data)  # the checkpoint's shape and tokenizer, before the schema reads them
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:

@@ -76,6 +76,12 @@ def resolve_vocab_size(model_cfg: ModelConfig, tokenizer_vocab_size: int | None)
     """Embedding rows: ``model.vocab_size`` if set, else the tokenizer's vocabulary rounded up to a
     multiple of 64 (GPT-2's 50257 -> 50304); the padding rows are never targets."""
     if model_cfg.vocab_size is not None:
+        if tokenizer_vocab_size is not None and model_cfg.vocab_size < tokenizer_vocab_size and model_cfg.init_from:
+            raise ConfigError(
+                f"model.init_from = {model_cfg.init_from}: its embedding has {model_cfg.vocab_size} rows, fewer than the "
+                f"tokenizer's vocabulary ({tokenizer_vocab_size}): token ids past the embedding would crash; use the "
+                "checkpoint's own tokenizer (leave data.tokenizer out) or one whose vocabulary fits"
+            )
         if tokenizer_vocab_size is not None and model_cfg.vocab_size < tokenizer_vocab_size:
             raise ConfigError(
                 f"model.vocab_size ({model_cfg.vocab_size}) is smaller than the tokenizer's vocabulary "
@@ -151,6 +157,12 @@ def model_attributes(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> d
     test suite checks the two give the same parameter count on every shipped recipe.
     """
     arch = model_cfg.arch
+    if model_cfg.init_from is not None and arch in COUNTED_ARCHS:
+        from pretrain.recipe.pretrained import model_attributes as pretrained_attributes
+
+        dropouts = _DROPOUT_NAMES.get(arch, ("attention_dropout",))
+        return pretrained_attributes(model_cfg.init_from, vocab_size, list(dropouts), model_cfg.dropout,
+                                     model_cfg.config_overrides)
     if arch not in COUNTED_ARCHS:
         raise ConfigError(
             f"model.arch = {arch!r}: the memory estimator and the planner have formulas for {', '.join(COUNTED_ARCHS)} "
