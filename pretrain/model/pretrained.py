@@ -166,11 +166,20 @@ class LoadReport:
     """Checkpoint keys no parameter takes (buffers saved by older versions, …)."""
 
     def line(self, source: str) -> str:
-        mib = 2**20
         ignored = f"; ignored {len(self.ignored)} keys ({', '.join(self.ignored[:3])})" if self.ignored else ""
         return (f"init_from: {self.num_tensors} tensors from {source} in {self.seconds:.1f}s; this rank read "
-                f"{self.read_bytes / mib:,.1f} MiB of {self.checkpoint_bytes / mib:,.1f} MiB, at most "
-                f"{self.largest_read_bytes / mib:,.1f} MiB at once{ignored}")
+                f"{size_text(self.read_bytes)} of {size_text(self.checkpoint_bytes)}, at most "
+                f"{size_text(self.largest_read_bytes)} at once{ignored}")
+
+
+def size_text(num_bytes: int) -> str:
+    """``num_bytes`` in the largest binary unit that keeps it at 1 or more (2 decimals): 305.00 KiB, 65.20 GiB."""
+    value, unit = float(num_bytes), "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.2f} {unit}"
 
 
 @dataclass

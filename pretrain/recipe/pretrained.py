@@ -101,7 +101,8 @@ def hub_error(init_from: str, exc: Exception, what: str) -> ConfigError:
     if isinstance(exc, errors.RepositoryNotFoundError):
         return ConfigError(f"model.init_from = {init_from!r}: no such model on the Hugging Face hub (or it is private: "
                            "log in with `hf auth login`); check the id, or give a local directory")
-    if isinstance(exc, errors.EntryNotFoundError):
+    offline = (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled)
+    if isinstance(exc, errors.EntryNotFoundError) and not isinstance(exc, offline):
         return ConfigError(f"model.init_from = {init_from!r} has no {what} on the hub; is it a transformers model?")
     return ConfigError(f"model.init_from = {init_from!r} is not in this machine's Hugging Face cache and the hub cannot "
                        f"be reached ({name}); download it where there is a network (`hf download {init_from}`, into "

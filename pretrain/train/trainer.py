@@ -219,7 +219,8 @@ class Trainer:
 
         model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed,
                             device=placement.device, shard=placement.shard,
-                            convert=to_float8 if recipe.precision.float8 != "off" else None)
+                            convert=to_float8 if recipe.precision.float8 != "off" else None,
+                            pretrained=self.pretrained_weights(), log=self.log_every_rank)
         if self.float8 is not None:
             self.log(self.float8.line())
         self.num_params = count_parameters(model)
@@ -327,6 +328,24 @@ class Trainer:
     def log(self, message: str) -> None:
         if self.is_main:
             self.console.print(message)
+
+    def log_every_rank(self, message: str) -> None:
+        """A line each rank prints (what the rank itself did: its share of model.init_from's weights)."""
+        if self.launch.world_size == 1:
+            self.log(message)
+        else:
+            print(f"[rank {self.launch.rank}] {message}", flush=True)
+
+    def pretrained_weights(self) -> bool:
+        """Whether model.init_from's weights are read: not when a resume will load the run's own checkpoint."""
+        init_from = self.recipe.model.init_from
+        if init_from is None:
+            return False
+        if self.resume.source is not None:  # every rank sees the checkpoint (the output_dir is shared)
+            self.log(f"init_from: {init_from} not read: this run resumes its own checkpoint at step "
+                     f"{self.resume.choice.step} (checkpoint.resume wins; model.init_from only starts a run)")
+            return False
+        return True
 
     def peak_raised(self, peak_tflops: float, achieved_tflops: float) -> None:
         """This run beat the peak it was given; MFU now uses the achieved rate (ThroughputMonitor). A CPU peak
