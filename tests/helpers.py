@@ -279,3 +279,21 @@ class OneThread:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = self.omp
+
+
+# ---- shipped recipes that start from a pretrained model ---------------------------------------------------------
+# model.init_from of a shipped recipe -> a directory of tests/assets holding its config.json (tests/assets/README.md):
+# the shape and the meta build need nothing else; nothing is downloaded and the checkout's runs/ is never read.
+INIT_FROM_ASSETS = {
+    "Qwen/Qwen3-1.7B": ROOT / "tests" / "assets" / "qwen3-1.7b",
+    "runs/tiny/final_model": ROOT / "tests" / "assets" / "tiny-final-model",
+}
+
+
+def shipped_recipe(path, overrides: list[str] | tuple[str, ...] = ()):
+    """``load_recipe`` of a shipped recipe, its model.init_from (if any) read from tests/assets."""
+    from pretrain.recipe.config import load_recipe, load_recipe_dict
+
+    init_from = (load_recipe_dict(path).get("model") or {}).get("init_from")
+    extra = [f"model.init_from={INIT_FROM_ASSETS[init_from]}"] if init_from else []
+    return load_recipe(path, [*extra, *overrides])

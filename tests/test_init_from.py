@@ -9,6 +9,7 @@ validation loader), to 1e-5 relative; then the run trains on.
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import sys
@@ -21,6 +22,7 @@ from tests.helpers import (
     ROOT,
     accelerate_launch,
     check_ok,
+    env,
     free_port,
     make_recipe,
     run_cmd,
@@ -74,8 +76,9 @@ def sources(tmp_path_factory):
     return {arch: save_source(root / arch, arch, tokenizer) for arch in ARCHS}
 
 
-def reference_val_loss(source: Path, out: Path) -> float:
-    """``from_pretrained``'s loss on the run's validation sequences (pretrain's loader, one process)."""
+def reference_val_loss(source: Path, out: Path, cache: dict[str, str] | None = None) -> float:
+    """``from_pretrained``'s loss on the run's validation sequences (pretrain's loader, one process; ``cache``: the
+    data cache of a run started by ``tests.helpers.env``)."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
@@ -85,7 +88,8 @@ def reference_val_loss(source: Path, out: Path) -> float:
     from pretrain.recipe.config import load_recipe
     from pretrain.train.loader import build_val_loaders
 
-    recipe = load_recipe(RECIPE, [f"model.init_from={source}", *ARGS, f"output_dir={out}"])
+    cache_dir = [f"data.cache_dir={cache['PRETRAIN_CACHE_DIR']}"] if cache else []
+    recipe = load_recipe(RECIPE, [f"model.init_from={source}", *ARGS, f"output_dir={out}", *cache_dir])
     data = open_data(recipe.data, log=lambda _: None)
     plan = plan_batches(recipe.batch, 1, recipe.data.seq_len)
     (batches,) = build_val_loaders(data, recipe.data, plan, 0, recipe.eval.batches, False).values()
@@ -125,7 +129,7 @@ LAYOUTS = {  # name: (accelerate config, launch options, source arch)
     "FSDP2 2": ("fsdp.yaml", ["--num_processes", "2"], "qwen3_moe"),
     "ZeRO-2 2": ("zero2.yaml", ["--num_processes", "2"], "qwen3"),
     "ZeRO-3 2": ("zero3.yaml", ["--num_processes", "2"], "llama"),
-    "TP 2 x FSDP 2": ("fsdp2_tp2.yaml", ["--num_processes", "4", "--parallelism_config_dp_shard_size", "2"], "qwen3"),
+    "TP 2 x FSDP 2": ("fsdp2_tp2.yaml", ["--num_processes", "4", "--parallelism_config_dp_shard_size", "2"], "llama"),
 }
 
 
@@ -147,7 +151,7 @@ def layout_runs(sources, tmp_path_factory):
 def test_every_layout_starts_from_the_checkpoints_model(name, sources, layout_runs):
     out, _ = layout_runs[name]
     arch = LAYOUTS[name][2]
-    assert val_losses(out)[0] == pytest.approx(reference_val_loss(sources[arch], out), rel=1e-5)
+    assert val_losses(out)[0] == pytest.approx(reference_val_loss(sources[arch], out, env()), rel=1e-5)
     assert sorted(train_losses(out)) == [1, 2]
 
 
@@ -163,15 +167,15 @@ def size_bytes(text: str) -> float:
 
 @pytest.mark.parametrize("name", ["FSDP2 2", "ZeRO-3 2"])
 def test_sharded_ranks_read_their_share_plus_at_most_one_tensor(name, sources, layout_runs):
-    """Each rank copies out of the files its shard of every tensor: about half of the checkpoint, never the whole,
-    and at most one tensor at a time (an MoE layer's fused experts, assembled whole, is the largest)."""
+    """Each rank copies out of the files its shard of every tensor (an MoE's experts: only those in its rows):
+    about half of the checkpoint, never the whole, and at most one tensor at a time."""
     from safetensors import safe_open
 
     _, stdout = layout_runs[name]
     arch = LAYOUTS[name][2]
     with safe_open(sources[arch] / "model.safetensors", framework="pt") as f:
         sizes = [f.get_slice(k).get_shape() for k in f.keys()]
-    largest = max(4 * __import__("math").prod(s) for s in sizes)
+    largest = max(4 * math.prod(s) for s in sizes)
     if arch == "qwen3_moe":  # the fused experts (num_experts x 2 x width x hidden), in the files' fp32
         largest = max(largest, 4 * 4 * 2 * 32 * 64)
     found = {int(m[1]): [size_bytes(x) for x in m.groups()[2:]] for m in READ.finditer(stdout)}

@@ -23,6 +23,7 @@ from pretrain.plan import memory, planner
 from pretrain.recipe.batching import plan_batches
 from pretrain.recipe.config import ModelConfig, load_recipe
 from pretrain.recipe.shape import ModelShape, recipe_vocab_size
+from tests.helpers import shipped_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -33,7 +34,7 @@ LLAMA2_7B = 6_738_415_616
 
 
 def shape_of(path) -> ModelShape:
-    return ModelShape.from_recipe(load_recipe(path))
+    return ModelShape.from_recipe(shipped_recipe(path))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -45,7 +46,7 @@ def test_parameter_count_exact_for_every_recipe(path):
     """The estimator's closed form (no transformers) equals the meta-built transformers model."""
     from pretrain.model.build import build_model, count_parameters
 
-    recipe = load_recipe(path)
+    recipe = shipped_recipe(path)
     vocab = recipe_vocab_size(recipe.model, recipe.data)
     model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=0, meta=True)
     assert shape_of(path).num_params == count_parameters(model)

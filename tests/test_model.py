@@ -339,10 +339,10 @@ def test_closed_form_matches_the_built_model(model_cfg):
 def test_recipe_shape_without_transformers_equals_the_built_configs(path):
     """The estimator's and planner's shape (the recipe section, no transformers) is the shape of the config
     transformers builds: one constructor, two inputs."""
-    from pretrain.recipe.config import load_recipe
     from pretrain.recipe.shape import ModelShape, recipe_vocab_size
+    from tests.helpers import shipped_recipe
 
-    recipe = load_recipe(path)
+    recipe = shipped_recipe(path)
     vocab = recipe_vocab_size(recipe.model, recipe.data)
     built = ModelShape.from_hf_config(hf_config(recipe.model, vocab, recipe.data.seq_len), source="model")
     assert ModelShape.from_recipe(recipe) == built

@@ -9,6 +9,7 @@ import pytest
 
 from pretrain.model.build import build_model, closed_form_num_params, count_parameters, resolve_vocab_size
 from pretrain.recipe.config import load_recipe
+from tests.helpers import shipped_recipe
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
 
@@ -19,6 +20,7 @@ EXPECTED_NUM_PARAMS = {
     "70b": 68_976_648_192,
     "llama-1b": 1_235_814_400,  # = Llama-3.2-1B
     "gpt2-124m": 124_475_904,  # GPT-2 small with the vocabulary padded to 50,304
+    "continue-qwen3-1.7b": 1_720_574_976,  # Qwen3-1.7B from its config.json (tests/assets), tied embedding once
 }
 
 
@@ -37,7 +39,7 @@ def test_recipes_exist():
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
 def test_recipe_builds_with_its_closed_form_parameter_count(path):
-    recipe = load_recipe(path)
+    recipe = shipped_recipe(path)
     model, vocab_size, seconds = build(recipe)
     assert {p.device.type for p in model.parameters()} == {"meta"}
     assert seconds < 10, f"meta build of {path.name} took {seconds:.1f} s"

@@ -125,6 +125,22 @@ def resume_report(recipe, args: argparse.Namespace, launch: Launch, gpu) -> tupl
     return f"from {shown} (step {TrainerState.read(plan.checkpoint).step}; {plan.describe()})", False
 
 
+def init_from_lines(recipe, launch: Launch, resume: str) -> list[str]:
+    """model.init_from: the checkpoint, and its load's memory per rank (pretrain/plan/memory/loading.py)."""
+    from pretrain.plan.memory.loading import load_memory
+
+    if recipe.model.init_from is None:
+        return []
+    lines = [f"init_from        {recipe.model.init_from} (its config.json; tokenizer {recipe.data.tokenizer})"]
+    if resume.startswith("from "):
+        return [*lines, "                 not read: the run resumes its own checkpoint (checkpoint.resume wins)"]
+    try:
+        loading = load_memory(recipe, launch)
+    except ConfigError as exc:
+        return [*lines, f"                 no load estimate: {exc}"]
+    return [*lines, f"load             {loading.line()}"]
+
+
 def report(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu, config_file: str | None,
            detected: bool = False, resume: str = "") -> list[str]:
     """The dry run's lines. ``gpu``: the GPU to check against (None: a CPU process); ``detected``: it is this
@@ -143,6 +159,7 @@ def report(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu, 
     lines = [
         f"recipe           {recipe.name}",
         f"model            {recipe.model.arch}, {num_params:,} parameters{active} (vocab {vocab:,})",
+        *init_from_lines(recipe, launch, resume),
         f"layout           {launch.describe()}{where}",
         f"batch plan       world {batch.world_size}: GBS {batch.global_batch_size} = MBS {batch.micro_batch_size} "
         f"x GAS {batch.grad_accum_steps} x world {batch.world_size}",

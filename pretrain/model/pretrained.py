@@ -217,15 +217,26 @@ def _sources(model: PreTrainedModel, keys: list[str]) -> tuple[dict[str, _Source
     return sources, ignored
 
 
-def _full(files: WeightFiles, source: _Source) -> torch.Tensor:
-    """A converted parameter whole: its sources read and put through the converter's operations (transformers')."""
-    collected: dict[str, object] = {pattern: [files.read(k) for k in keys] for pattern, keys in source.keys.items()}
+def _full(files: WeightFiles, source: _Source, experts: slice | None = None) -> torch.Tensor:
+    """A converted parameter put together from its sources by the converter's operations (transformers'):
+    whole, or only ``experts`` (a range of dim 0) when the first operation stacks one tensor per expert along it."""
+    keys = {pattern: keys[experts] if experts else keys for pattern, keys in source.keys.items()}
+    collected: dict[str, object] = {pattern: [files.read(k) for k in ks] for pattern, ks in keys.items()}
     converter = source.converter
     for op in converter.operations:
         collected = op.convert(collected, source_patterns=converter.source_patterns,
                                target_patterns=converter.target_patterns)
     (tensor,) = collected.values()
     return tensor
+
+
+def _stacks_experts(source: _Source) -> bool:
+    """The converter stacks one checkpoint tensor per expert along dim 0 first (MoE experts: transformers'
+    MergeModulelist(dim=0)): a range of dim 0 then needs only those experts' tensors."""
+    from transformers.core_model_loading import MergeModulelist
+
+    first = source.converter.operations[0]
+    return isinstance(first, MergeModulelist) and first.dim == 0
 
 
 def _region(param: torch.Tensor) -> tuple[slice, ...] | None:
@@ -288,25 +299,34 @@ def _nbytes(files: WeightFiles, key: str) -> int:
 
 def _load_one(param: torch.Tensor, files: WeightFiles, source: _Source, full_shape: list[int]) -> int:
     """Copy this rank's share of one parameter; the bytes read for it."""
-    full = _full(files, source) if source.converter is not None else None
-    key = next(iter(source.keys)) if full is None else None
-    if full is not None and list(full.shape) != full_shape:
-        raise ConfigError(f"model.init_from: the converted {'/'.join(source.keys)} has shape {list(full.shape)}, the "
-                          f"model's parameter {full_shape}; its config.json does not match its weights")
+    converted = source.converter is not None
+    key = None if converted else next(iter(source.keys))
+    row = math.prod(full_shape[1:]) if len(full_shape) > 1 else 1
+
+    def read(region: tuple[slice, ...] | None) -> torch.Tensor:
+        if not converted:
+            return files.read(key, region)
+        if region and _stacks_experts(source):  # only the experts in the region's rows
+            experts = region[0]
+            return _full(files, source, experts)[(slice(None), *region[1:])]
+        full = _full(files, source)
+        if list(full.shape) != full_shape:
+            raise ConfigError(f"model.init_from: the converted {'/'.join(source.keys)} has shape {list(full.shape)}, "
+                              f"the model's parameter {full_shape}; its config.json does not match its weights")
+        return full[region] if region else full
+
     if hasattr(param, "ds_id"):  # ZeRO-3: the rows that hold this partition's flat range
         begin, end = _zero3_range(param)
         if end <= begin:
             return 0
-        row = math.prod(full_shape[1:]) if len(full_shape) > 1 else 1
         first, last = begin // row, -(-end // row)
-        rows = full[first:last] if full is not None else files.read(key, (slice(first, last),))
-        flat = rows.reshape(-1)[begin - first * row:end - first * row]
-        param.ds_tensor.data.reshape(-1)[:end - begin].copy_(flat)
-        return (full.numel() * full.element_size()) if full is not None else rows.numel() * rows.element_size()
+        rows = read((slice(first, last),))
+        param.ds_tensor.data.reshape(-1)[:end - begin].copy_(rows.reshape(-1)[begin - first * row:end - first * row])
+        return rows.numel() * rows.element_size()
     region = _region(param)
     if region is not None and any(s.stop <= s.start for s in region):
         return 0  # an empty shard (more ranks than rows)
-    value = (full[region] if region else full) if full is not None else files.read(key, region)
+    value = read(region)
     local = param.to_local() if isinstance(param, DTensor) else param.data
     local.copy_(value.reshape(local.shape))
-    return (full.numel() * full.element_size()) if full is not None else value.numel() * value.element_size()
+    return value.numel() * value.element_size()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -334,7 +335,8 @@ class Trainer:
         if self.launch.world_size == 1:
             self.log(message)
         else:
-            print(f"[rank {self.launch.rank}] {message}", flush=True)
+            sys.stdout.write(f"[rank {self.launch.rank}] {message}\n")  # one write: ranks' lines do not interleave
+            sys.stdout.flush()
 
     def pretrained_weights(self) -> bool:
         """Whether model.init_from's weights are read: not when a resume will load the run's own checkpoint."""
