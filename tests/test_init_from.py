@@ -281,3 +281,17 @@ def test_a_missing_directory_and_an_unreachable_hub_id_are_refused_before_anythi
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
     with pytest.raises(ConfigError, match="not in this machine's Hugging Face cache and the hub cannot be reached"):
         make_recipe("model.init_from=some-org/some-model")
+
+
+@pytest.mark.parametrize("name", ["FSDP2 2", "ZeRO-3 2"])
+def test_a_pretrain_checkpoint_of_any_layout_starts_a_new_run_from_its_weights(name, layout_runs, tmp_path):
+    """A 2-process FSDP2 (DCP shards, an MoE) or ZeRO-3 checkpoint as model.init_from of a one-process run: written
+    once as a transformers view beside it (weights and tokenizer), the new run's step-0 loss is the source's at
+    that step, and a second run reuses the view."""
+    out, _ = layout_runs[name]
+    checkpoint = out / "checkpoints" / "step_00000002"
+    _, _, console = train_here([f"model.init_from={checkpoint}", *ARGS, f"output_dir={tmp_path / 'a'}"], RECIPE)
+    assert f"writing {checkpoint}'s weights and tokenizer as a transformers model in {checkpoint}.hf" in console
+    assert val_losses(tmp_path / "a")[0] == pytest.approx(val_losses(out)[2], rel=1e-5)
+    _, _, console = train_here([f"model.init_from={checkpoint}", *ARGS, f"output_dir={tmp_path / 'b'}"], RECIPE)
+    assert "writing" not in console and val_losses(tmp_path / "b")[0] == val_losses(tmp_path / "a")[0]

@@ -49,6 +49,7 @@ from pretrain.checkpoint.integrity import MANIFEST_FILE, checkpoint_files
 from pretrain.checkpoint.rundir import STATE_FILE, read_state
 from pretrain.distributed.layout import Launch
 from pretrain.errors import ConfigError
+from pretrain.recipe.pretrained import HF_VIEW
 from pretrain.trust import check_files, weights_only
 
 DEEPSPEED_DIR = "pytorch_model"  # accelerate save_state: DeepSpeed's save_checkpoint(output_dir, tag=this)
@@ -58,7 +59,7 @@ FSDP_FULL_FILE = "pytorch_model_fsdp.bin"  # accelerate save_state: FSDP FULL_ST
 STAMP_FILE = "converted_from.json"
 UNIVERSAL, SINGLE_KEYS = "universal", "single"  # the sibling's suffix: what it holds
 # ".ddp" siblings (keys given the "module." prefix) were written by earlier versions: still deleted with their checkpoint
-VIEW_SUFFIXES = (UNIVERSAL, "ddp", SINGLE_KEYS)
+VIEW_SUFFIXES = (UNIVERSAL, "ddp", SINGLE_KEYS, HF_VIEW)  # HF_VIEW: model.init_from's (checkpoint/export.py)
 WAIT_TIMEOUT_S = 4 * 3600.0  # the other processes wait this long for rank 0's conversion
 DEEPSPEED_CONFIGS = "accelerate_configs/zero1.yaml, zero2.yaml or zero3.yaml"
 

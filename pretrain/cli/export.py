@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
-from pretrain.checkpoint.rundir import STATE_FILE, read_state
+from pretrain.checkpoint.export import export
 from pretrain.errors import EXIT_USAGE, ConfigError
+
+__all__ = ["export", "main"]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -33,68 +34,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("checkpoint", help="a checkpoint directory, e.g. runs/tiny/checkpoints/step_00000200")
     parser.add_argument("out", help="the model directory to write (must not exist, or be empty)")
     return parser.parse_args(argv)
-
-
-def check_paths(checkpoint: Path, out: Path) -> None:
-    if read_state(checkpoint) is None:
-        raise ConfigError(
-            f"{checkpoint} is not a complete checkpoint (no readable {STATE_FILE}); give a directory like "
-            "<output_dir>/checkpoints/step_00000200"
-        )
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"{out} already exists and is not an empty directory; choose a new OUT (nothing is "
-                          "overwritten)")
-    from pretrain.checkpoint.integrity import verify_all
-
-    damage = verify_all(checkpoint)  # reads the checkpoint once more, in this one process
-    if damage:
-        raise ConfigError(f"{checkpoint} is damaged ({damage}); export an older checkpoint, or restore this one "
-                          "from a copy")
-
-
-def export(checkpoint: Path, out: Path, log=print) -> None:
-    check_paths(checkpoint, out)
-    from pydantic import ValidationError
-
-    from pretrain.checkpoint.checkpointer import TrainerState
-    from pretrain.checkpoint.reshard import full_state_dict
-    from pretrain.data import build_tokenizer, sample_val_texts
-    from pretrain.model.build import build_model, resolve_vocab_size, save_pretrained_model
-    from pretrain.model.export import check_tokenizer_round_trip
-    from pretrain.recipe.config import Recipe, renamed_keys
-
-    start = time.perf_counter()
-    state = TrainerState.read(checkpoint)
-    try:
-        recipe = Recipe.model_validate(renamed_keys(state.recipe))  # an older pretrain's keys
-    except ValidationError as exc:
-        raise ConfigError(f"the recipe recorded in {checkpoint / STATE_FILE} does not validate with this version "
-                          f"of pretrain ({exc.error_count()} problems, first: {exc.errors()[0]['msg']} at "
-                          f"{'.'.join(map(str, exc.errors()[0]['loc']))}); export with the version that wrote it") from None
-    tokenizer = build_tokenizer(recipe.data, log=log)
-    vocab = resolve_vocab_size(recipe.model, len(tokenizer))
-    model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed, meta=True)
-    texts = sample_val_texts(recipe.data)
-    check_tokenizer_round_trip(model.config, tokenizer, texts)  # before any file of OUT is written
-    weights = full_state_dict(checkpoint, log=log)
-    expected = set(model.state_dict())
-    missing = expected - set(weights) - _tied(model)
-    if missing:
-        raise ConfigError(f"{checkpoint} lacks {len(missing)} of the recipe's model tensors "
-                          f"(e.g. {sorted(missing)[:3]}); is it a checkpoint of this recipe?")
-    if out.exists():
-        out.rmdir()  # empty (checked): save_pretrained_model renames its temporary directory onto it
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_pretrained_model(model, {k: v for k, v in weights.items() if k in expected}, tokenizer, out,
-                          texts)
-    log(f"export: step {state.step} of {checkpoint} -> {out} (transformers model, fp32, and tokenizer; "
-        f"{time.perf_counter() - start:.1f}s)")
-
-
-def _tied(model) -> set[str]:
-    """Parameter names that save_pretrained drops because they are tied to another (the LM head)."""
-    tied = getattr(model, "_tied_weights_keys", None) or {}
-    return set(tied) if model.config.tie_word_embeddings else set()
 
 
 def main(argv: list[str] | None = None) -> int:

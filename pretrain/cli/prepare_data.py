@@ -116,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
                 "--slurm (and its --task / --finish steps) prepares the store of one data.source; a data.mixture "
                 "is prepared on one machine: pretrain-prepare-data --recipe R --workers N (one store per source)"
             )
+        if recipe.model.init_from is not None:  # its tokenizer (and a hub model's weights) before tokenizing
+            from pretrain.checkpoint.export import prepare_init_from
+            from pretrain.distributed.layout import Launch
+            from pretrain.trust import enforce
+
+            enforce()  # a pretrain checkpoint's view reads it weights-only (pretrain/trust.py)
+            prepare_init_from(recipe, Launch.from_env())
         if args.slurm:
             return slurm.prepare_on_slurm(args, recipe)
         # heavy imports only once the recipe is valid

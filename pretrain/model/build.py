@@ -37,6 +37,7 @@ from pretrain.errors import ConfigError, disk_full_error, is_disk_full
 from pretrain.model.loss import chunked_causal_lm_loss
 from pretrain.recipe import recompute
 from pretrain.recipe.config import ModelConfig, is_dropout_attribute
+from pretrain.recipe.pretrained import checkpoint_config
 from pretrain.recipe.shape import ModelShape, moe_attributes, require_counted, resolve_vocab_size
 from pretrain.system.quiet import no_progress_bars
 
@@ -74,8 +75,8 @@ def hf_config(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> PreTrain
     llama's 11008, ignores hidden_size). ``model.config_overrides`` must name existing attributes and is
     applied last. ``use_cache`` is off: training never decodes.
     """
-    if model_cfg.init_from is not None:
-        return _pretrained_config(model_cfg, vocab_size)
+    if model_cfg.init_from is not None and checkpoint_config(model_cfg.init_from) is not None:
+        return _pretrained_config(model_cfg, vocab_size)  # else a pretrain checkpoint not viewed yet: its recipe's fields
     arch = model_cfg.arch
     if arch not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         near = difflib.get_close_matches(arch, list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), n=3, cutoff=0.6)

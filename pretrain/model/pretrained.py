@@ -38,9 +38,11 @@ from pretrain.recipe.pretrained import (
     PICKLE_WEIGHTS,
     WEIGHTS_FILE,
     fetch_config,
+    hf_view,
     hub_error,
     is_local,
     local_dir,
+    pretrain_checkpoint,
 )
 from pretrain.trust import is_inside
 
@@ -55,6 +57,10 @@ def model_dir(init_from: str) -> Path:
     found = local_dir(init_from)
     if found is not None and (is_local(init_from) or _has_weights(found)):
         return found
+    checkpoint = pretrain_checkpoint(init_from)
+    if checkpoint is not None:
+        raise ConfigError(f"model.init_from = {init_from}: its transformers view {hf_view(checkpoint)} is not written "
+                          "yet (the run's first process writes it before training: pretrain.checkpoint.export)")
     from huggingface_hub import snapshot_download
 
     try:

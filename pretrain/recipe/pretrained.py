@@ -1,8 +1,10 @@
 """``model.init_from``: where a pretrained model's files are, and what its ``config.json`` says of the recipe.
 
 Read without torch or transformers (the estimator, the planner and ``--dry-run`` use it): a local directory
-written by ``save_pretrained`` (a run's ``final_model/`` is one), or a Hugging Face hub id, whose
-``config.json`` comes from the local cache or, where the hub is reachable, is downloaded alone (no weights).
+written by ``save_pretrained`` (a run's ``final_model/`` is one), a pretrain checkpoint (its weights are read through
+a transformers view written beside it, ``step_N.hf``, by the run's first process: ``pretrain.checkpoint.export``; its
+shape comes from the recipe it recorded), or a Hugging Face hub id, whose ``config.json`` comes from the local cache
+or, where the hub is reachable, is downloaded alone (no weights).
 
 The recipe is resolved once, while it is validated (``resolve_recipe_dict``): the checkpoint's shape fills the
 ``model`` section's shape keys, a shape key the recipe does give must agree with the checkpoint (one error
@@ -30,6 +32,8 @@ CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "consolidated.00.pth")
+STATE_FILE = "trainer_state.json"  # a pretrain checkpoint's (pretrain.checkpoint.rundir)
+HF_VIEW = "hf"  # a pretrain checkpoint's transformers view: step_N.hf beside step_N (reshard's view naming)
 
 # model.<field> -> the config.json attributes that hold it (first present wins; GPT-2's own names too).
 SHAPE_FIELDS: dict[str, tuple[str, ...]] = {
@@ -63,6 +67,17 @@ def is_local(init_from: str) -> bool:
             or (os.sep != "/" and os.sep in init_from))
 
 
+def pretrain_checkpoint(init_from: str) -> Path | None:
+    """``init_from`` as a pretrain checkpoint directory (``runs/x/checkpoints/step_N``), or None."""
+    path = Path(init_from).expanduser()
+    return path if is_local(init_from) and (path / STATE_FILE).is_file() else None
+
+
+def hf_view(checkpoint: Path) -> Path:
+    """Where a pretrain checkpoint's weights are written as a transformers model directory for model.init_from."""
+    return checkpoint.with_name(f"{checkpoint.name}.{HF_VIEW}")
+
+
 def local_dir(init_from: str) -> Path | None:
     """The directory ``init_from`` names on this machine: itself, or a hub id's snapshot in the local Hugging Face
     cache (None: not downloaded yet). A local path that is not a model directory is one ConfigError."""
@@ -72,11 +87,13 @@ def local_dir(init_from: str) -> Path | None:
             raise ConfigError(f"model.init_from = {init_from!r}: no such directory; give a model directory written by "
                               "save_pretrained (config.json and *.safetensors; a run's final_model/ is one) or a "
                               "Hugging Face hub id such as Qwen/Qwen3-1.7B")
+        if (path / STATE_FILE).is_file():  # a pretrain checkpoint: its view, once written
+            view = hf_view(path)
+            return view if (view / CONFIG_FILE).is_file() else None
         if not (path / CONFIG_FILE).is_file():
-            hint = (" (it looks like a pretrain checkpoint: export it first with `pretrain-export "
-                    f"{init_from} <dir>` and start from <dir>)") if (path / "trainer_state.json").is_file() else ""
-            raise ConfigError(f"model.init_from = {init_from!r} has no {CONFIG_FILE}{hint}; give a directory written "
-                              "by save_pretrained (config.json and *.safetensors)")
+            raise ConfigError(f"model.init_from = {init_from!r} has no {CONFIG_FILE}; give a directory written by "
+                              "save_pretrained (config.json and *.safetensors), a pretrain checkpoint "
+                              "(runs/x/checkpoints/step_N) or a hub id")
         return path
     try:
         from huggingface_hub import try_to_load_from_cache
@@ -135,9 +152,36 @@ def _read_config(directory: str) -> dict[str, Any]:
     return config
 
 
-def checkpoint_config(init_from: str) -> dict[str, Any]:
-    """``init_from``'s config.json as a dict (read once per process)."""
+def checkpoint_config(init_from: str) -> dict[str, Any] | None:
+    """``init_from``'s config.json as a dict (read once per process); None for a pretrain checkpoint whose
+    transformers view is not written yet (its recorded recipe gives the shape: ``recorded_shape``)."""
+    if pretrain_checkpoint(init_from) is not None and local_dir(init_from) is None:
+        return None
     return dict(_read_config(str(fetch_config(init_from))))
+
+
+def recorded_shape(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
+    """A pretrain checkpoint's model fields, its model.moe and its model.config_overrides, from the recipe it
+    recorded (the model it built), the vocabulary from its tokenizer where the recipe left it null."""
+    from pretrain.recipe.shape import round_vocab
+
+    try:
+        state = json.loads((checkpoint / STATE_FILE).read_text(encoding="utf-8"))
+        model = dict(state["recipe"]["model"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"model.init_from = {checkpoint}: its {STATE_FILE} does not read as a pretrain checkpoint's "
+                          f"({exc})") from None
+    fields = {field: model.get(field) for field in SHAPE_FIELDS}
+    if fields["vocab_size"] is None:
+        sizes = [d.get("tokenizer", {}).get("vocab_size") for d in (state.get("data") or {}).values()
+                 if isinstance(d, dict)]
+        if not sizes or sizes[0] is None:
+            raise ConfigError(f"model.init_from = {checkpoint}: its {STATE_FILE} records no vocabulary size (a "
+                              "checkpoint of an older pretrain); export it with pretrain-export and start from that")
+        fields["vocab_size"] = round_vocab(sizes[0])
+    if model.get("init_from") is not None and fields["arch"] is None:
+        raise ConfigError(f"model.init_from = {checkpoint}: its recorded recipe has no model.arch")
+    return fields, model.get("moe"), dict(model.get("config_overrides") or {})
 
 
 def _value(config: dict[str, Any], names: tuple[str, ...]) -> Any:
@@ -172,21 +216,35 @@ def resolve_recipe_dict(data: dict[str, Any]) -> dict[str, Any]:
     from the checkpoint is a ConfigError naming each (the recipe cannot reshape a trained model)."""
     model = dict(data["model"])
     init_from = str(model["init_from"])
+    checkpoint = pretrain_checkpoint(init_from)
+    if checkpoint is not None:
+        fields, moe, overrides = recorded_shape(checkpoint)
+        tokenizer = str(hf_view(checkpoint))  # written with the weights (pretrain.checkpoint.export)
+        return _filled(data, model, init_from, fields, moe, tokenizer, overrides)
     config = checkpoint_config(init_from)
     if config.get("auto_map"):
         raise ConfigError(f"model.init_from = {init_from!r} is a model with custom code (auto_map in its config.json); "
                           "pretrain builds transformers' own architectures only and never runs a checkpoint's code")
     fields, moe = shape_of(config)
+    return _filled(data, model, init_from, fields, moe, init_from, {})
+
+
+def _filled(data: dict[str, Any], model: dict[str, Any], init_from: str, fields: dict[str, Any],
+            moe: dict[str, Any] | None, tokenizer: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The recipe dict with the checkpoint's ``fields`` and ``moe`` filled in, each one the recipe gives checked
+    against it; ``overrides``: the source's own config_overrides (a pretrain checkpoint's), under the recipe's."""
     problems = []
     seq_len = (data.get("data") or {}).get("seq_len")
-    positions = (model.get("config_overrides") or {}).get("max_position_embeddings", fields.get("max_position_embeddings"))
+    positions = {**overrides, **(model.get("config_overrides") or {})}.get("max_position_embeddings",
+                                                                            fields.get("max_position_embeddings"))
     if isinstance(seq_len, int) and isinstance(positions, int) and seq_len > positions:
         problems.append(f"data.seq_len = {seq_len} is longer than {init_from}'s max_position_embeddings ({positions}); "
                         "shorten it, or extend the context with model.config_overrides (max_position_embeddings, "
                         "and rope_parameters for RoPE scaling)")
     for field, value in fields.items():
         given = model.get(field)
-        if field in model and given is not None and given != value and not _same_number(given, value):
+        if field in model and given is not None and value is not None and given != value \
+                and not _same_number(given, value):
             problems.append(f"model.{field} = {given!r}, but {init_from} has {value!r}")
     given_moe = model.get("moe")
     if isinstance(given_moe, dict) and moe is not None:
@@ -201,13 +259,15 @@ def resolve_recipe_dict(data: dict[str, Any]) -> dict[str, Any]:
                            "recipe (model.init_from fills them in)"] if len(problems) > 1 else
                           f"{problems[0]}; a pretrained model's shape is its checkpoint's: remove the key from the "
                           "recipe (model.init_from fills it in)")
-    model.update(fields)
+    model.update({k: v for k, v in fields.items() if v is not None or k not in model})
     if moe is not None:
         model["moe"] = {**moe, **(given_moe if isinstance(given_moe, dict) else {})}
+    if overrides:
+        model["config_overrides"] = {**overrides, **(model.get("config_overrides") or {})}
     out = {**data, "model": model}
     data_section = dict(out.get("data") or {})
     if "tokenizer" not in data_section:
-        data_section["tokenizer"] = init_from  # the checkpoint's own tokenizer: its ids are what the embedding learned
+        data_section["tokenizer"] = tokenizer  # the checkpoint's own tokenizer: its ids are what the embedding learned
         out["data"] = data_section
     return out
 
@@ -217,8 +277,11 @@ def _same_number(a: Any, b: Any) -> bool:
 
 
 def model_attributes(init_from: str, vocab_size: int, dropout_names: list[str], dropout: float,
-                     overrides: dict[str, Any]) -> dict[str, Any]:
+                     overrides: dict[str, Any]) -> dict[str, Any] | None:
     """The checkpoint's config.json as the attributes the shape reads, with the recipe's dropout and
-    ``config_overrides`` applied as ``pretrain.model.build.hf_config`` applies them."""
+    ``config_overrides`` applied as ``pretrain.model.build.hf_config`` applies them (None: a pretrain checkpoint
+    not yet viewed, whose recorded fields in the recipe say it all)."""
     config = checkpoint_config(init_from)
+    if config is None:
+        return None
     return {**config, "vocab_size": vocab_size, **dict.fromkeys(dropout_names, dropout), **overrides}

@@ -161,8 +161,10 @@ def model_attributes(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> d
         from pretrain.recipe.pretrained import model_attributes as pretrained_attributes
 
         dropouts = _DROPOUT_NAMES.get(arch, ("attention_dropout",))
-        return pretrained_attributes(model_cfg.init_from, vocab_size, list(dropouts), model_cfg.dropout,
-                                     model_cfg.config_overrides)
+        attributes = pretrained_attributes(model_cfg.init_from, vocab_size, list(dropouts), model_cfg.dropout,
+                                           model_cfg.config_overrides)
+        if attributes is not None:
+            return attributes
     if arch not in COUNTED_ARCHS:
         raise ConfigError(
             f"model.arch = {arch!r}: the memory estimator and the planner have formulas for {', '.join(COUNTED_ARCHS)} "

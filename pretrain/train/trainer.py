@@ -30,6 +30,7 @@ import torch
 from accelerate.utils import broadcast_object_list, set_seed
 
 from pretrain.checkpoint.checkpointer import Checkpointer, ResumeChoice, TrainerState
+from pretrain.checkpoint.export import prepare_init_from
 from pretrain.checkpoint.rundir import ROLLBACKS_FILE, latest_checkpoint
 from pretrain.data import cache_root, data_identity, ensure_data, open_data, sample_val_texts
 from pretrain.distributed import context_parallel
@@ -189,6 +190,10 @@ class Trainer:
         # before any process group exists; loaded once the model and optimizer are prepared (below).
         self.resume = Resume.prepare(recipe, self.launch, log=self.log)
 
+        # model.init_from's files (a hub model downloaded, a pretrain checkpoint written as a transformers model),
+        # before the process group exists and before the data (whose tokenizer is the checkpoint's).
+        if recipe.model.init_from is not None and self.resume.source is None:
+            prepare_init_from(recipe, self.launch, log=self.log)
         # The token store exists before the process group does: no rank ever waits for data in a collective.
         prepare_command = prepare_command or f"pretrain-prepare-data --recipe <the recipe of {recipe.name!r}>"
         ensure_data(recipe.data, self.launch, prepare_command, log=self.log)
