@@ -297,3 +297,19 @@ def shipped_recipe(path, overrides: list[str] | tuple[str, ...] = ()):
     init_from = (load_recipe_dict(path).get("model") or {}).get("init_from")
     extra = [f"model.init_from={INIT_FROM_ASSETS[init_from]}"] if init_from else []
     return load_recipe(path, [*extra, *overrides])
+
+
+def hub_cache_with_assets(root: Path) -> Path:
+    """A Hugging Face hub cache (HF_HUB_CACHE) under ``root`` holding the hub models of INIT_FROM_ASSETS as their
+    config.json alone, as a cache holds a model whose config was read and nothing else downloaded."""
+    for repo, asset in INIT_FROM_ASSETS.items():
+        if repo.count("/") != 1 or repo.startswith("runs/"):
+            continue
+        folder = root / f"models--{repo.replace('/', '--')}"
+        revision = "0" * 40
+        (folder / "refs").mkdir(parents=True, exist_ok=True)
+        (folder / "refs" / "main").write_text(revision)
+        snapshot = folder / "snapshots" / revision
+        snapshot.mkdir(parents=True, exist_ok=True)
+        (snapshot / "config.json").write_bytes((asset / "config.json").read_bytes())
+    return root

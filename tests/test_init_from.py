@@ -24,6 +24,7 @@ from tests.helpers import (
     check_ok,
     env,
     free_port,
+    hub_cache_with_assets,
     make_recipe,
     run_cmd,
     train_here,
@@ -295,3 +296,20 @@ def test_a_pretrain_checkpoint_of_any_layout_starts_a_new_run_from_its_weights(n
     assert val_losses(tmp_path / "a")[0] == pytest.approx(val_losses(out)[2], rel=1e-5)
     _, _, console = train_here([f"model.init_from={checkpoint}", *ARGS, f"output_dir={tmp_path / 'b'}"], RECIPE)
     assert "writing" not in console and val_losses(tmp_path / "b")[0] == val_losses(tmp_path / "a")[0]
+
+
+def test_the_shipped_recipes_dry_run_reads_the_config_alone_offline(tmp_path):
+    """recipes/continue-qwen3-1.7b.yaml on 8 H100 under FSDP: the parameter count, the memory plan and the load's
+    figures from Qwen3-1.7B's config.json in the hub cache (no weights there, the hub offline)."""
+    hub = hub_cache_with_assets(tmp_path / "hub")
+    proc = run_cmd([sys.executable, "pretrain/run.py", "--recipe", "recipes/continue-qwen3-1.7b.yaml", "--dry-run",
+                    "--config_file", "accelerate_configs/fsdp.yaml", "--num-processes", "8", "--gpu", "H100-80GB",
+                    f"output_dir={tmp_path / 'run'}"], extra_env={"HF_HUB_CACHE": str(hub)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "model            qwen3, 1,720,574,976 parameters (vocab 151,936)" in out
+    # bf16 in the files: 2 B x 1,720,574,976 = 3.20 GiB; FSDP over 8 ranks: 0.40 GiB each; the largest tensor, the
+    # tied 151,936 x 2,048 embedding, 1/8 of it at once
+    assert ("load             3.20 GiB of bfloat16 weights; each rank reads 1/8 of each tensor: 0.40 GiB per rank, at "
+            "most 0.072 GiB of host memory at once beside its parameters (the largest tensor's share)") in out
+    assert "total (peak)" in out and "verdict    fits: 6.2 GiB headroom on the H100-80GB" in out

@@ -92,8 +92,9 @@ class ModelConfig(Section):
     init_from: str | None = Field(
         None,
         description="Start from a pretrained transformers causal LM instead of random weights: a local directory "
-        "written by save_pretrained (config.json + *.safetensors; a run's final_model/ is one) or a Hugging Face hub "
-        "id (e.g. Qwen/Qwen3-1.7B). Its config.json fixes the architecture and shape (the shape keys may be left out; "
+        "written by save_pretrained (config.json + *.safetensors; a run's final_model/ is one), a pretrain checkpoint "
+        "of any layout (runs/x/checkpoints/step_N: written once as a transformers model beside it, step_N.hf), or a "
+        "Hugging Face hub id (e.g. Qwen/Qwen3-1.7B). Its config.json fixes the architecture and shape (the shape keys may be left out; "
         "one that differs is an error) and data.tokenizer defaults to its tokenizer. The optimizer, schedule and step "
         "start fresh; each rank reads only its share of the weights. A resumable output_dir wins (the run continues). "
         "docs/recipes.md: Continued pretraining.",

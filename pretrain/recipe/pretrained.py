@@ -163,7 +163,7 @@ def checkpoint_config(init_from: str) -> dict[str, Any] | None:
 def recorded_shape(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
     """A pretrain checkpoint's model fields, its model.moe and its model.config_overrides, from the recipe it
     recorded (the model it built), the vocabulary from its tokenizer where the recipe left it null."""
-    from pretrain.recipe.shape import round_vocab
+    from pretrain.recipe.vocab import round_vocab
 
     try:
         state = json.loads((checkpoint / STATE_FILE).read_text(encoding="utf-8"))

@@ -37,20 +37,12 @@ from typing import TYPE_CHECKING, Any
 from pretrain.errors import ConfigError
 from pretrain.recipe.recompute import checkpointed_blocks
 from pretrain.recipe.recompute import normalize as normalize_policy
+from pretrain.recipe.vocab import VOCAB_MULTIPLE, round_vocab  # noqa: F401 - read from here by the model and tests
 
 if TYPE_CHECKING:
     from pretrain.recipe.config import DataConfig, ModelConfig, Recipe
 
 # ---- Vocabulary -----------------------------------------------------------------------------------
-
-VOCAB_MULTIPLE = 64
-"""A tokenizer's vocabulary is padded to a multiple of this (tensor-core friendly matmul shapes)."""
-
-
-def round_vocab(num_tokens: int) -> int:
-    """``num_tokens`` rounded up to a multiple of ``VOCAB_MULTIPLE`` (GPT-2's 50257 -> 50304)."""
-    return -(-num_tokens // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-
 
 # The chunked loss (pretrain/model/loss.py) upcasts this many logits at a time: x 4 B = 256 MiB of fp32, large
 # enough that the per-chunk launches do not matter. Here, not in loss.py, because the estimator reads it

@@ -10,6 +10,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+VOCAB_MULTIPLE = 64
+"""A tokenizer's vocabulary is padded to a multiple of this (tensor-core friendly matmul shapes)."""
+
+
+def round_vocab(num_tokens: int) -> int:
+    """``num_tokens`` rounded up to a multiple of ``VOCAB_MULTIPLE`` (GPT-2's 50257 -> 50304)."""
+    return -(-num_tokens // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
 
 def local_tokenizer_file(name: str) -> Path | None:
     """The ``tokenizer.json`` that ``data.tokenizer = name`` loads, if it is on this machine."""
