@@ -313,3 +313,26 @@ def test_the_shipped_recipes_dry_run_reads_the_config_alone_offline(tmp_path):
     assert ("load             3.20 GiB of bfloat16 weights; each rank reads 1/8 of each tensor: 0.40 GiB per rank, at "
             "most 0.072 GiB of host memory at once beside its parameters (the largest tensor's share)") in out
     assert "total (peak)" in out and "verdict    fits: 6.2 GiB headroom on the H100-80GB" in out
+
+
+@pytest.mark.parametrize(("error", "status", "message"), [
+    ("GatedRepoError", 403, "is a gated model: accept its licence on its hub page"),
+    ("RepositoryNotFoundError", 404, "no such model on the Hugging Face hub"),
+])
+def test_a_gated_or_unknown_hub_model_is_one_message(error, status, message, tmp_path, monkeypatch):
+    """The hub's answer for a model whose licence is not accepted (or that does not exist), as hf_hub_download
+    raises it, is one message saying what to do (no network here: the download is replaced by its refusal)."""
+    import httpx
+    import huggingface_hub
+    import huggingface_hub.constants as constants
+    from huggingface_hub import errors
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+
+    def refuse(*_, **__):
+        response = httpx.Response(status, request=httpx.Request("GET", "https://huggingface.co/api"))
+        raise getattr(errors, error)(f"{status}", response=response)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", refuse)
+    with pytest.raises(ConfigError, match=message):
+        make_recipe("model.init_from=meta-llama/Llama-3.2-1B")

@@ -341,6 +341,11 @@ def main(argv: list[str] | None = None) -> int:
         print(est.explain())
     else:
         print(est.summary())
+        if problem.recipe is not None and problem.recipe.model.init_from is not None:
+            from pretrain.plan.memory.loading import load_memory
+
+            print(f"\nmodel.init_from {problem.recipe.model.init_from}: "
+                  f"{load_memory(problem.recipe, problem.layout).line()}")
     return 0
 
 

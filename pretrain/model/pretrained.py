@@ -46,7 +46,7 @@ from pretrain.recipe.pretrained import (
 )
 from pretrain.trust import is_inside
 
-__all__ = ["LoadReport", "load_pretrained", "model_dir", "pretrained_config"]
+__all__ = ["LoadReport", "check_weight_files", "load_pretrained", "model_dir", "pretrained_config"]
 
 _CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
@@ -67,6 +67,17 @@ def model_dir(init_from: str) -> Path:
         return Path(snapshot_download(init_from, allow_patterns=list(HUB_PATTERNS)))
     except Exception as exc:  # noqa: BLE001 - every failure is one message
         raise hub_error(init_from, exc, "safetensors weights") from None
+
+
+def check_weight_files(init_from: str) -> None:
+    """The weight files of ``init_from``, where they are on this machine already (a local directory, a hub snapshot
+    in the cache, a pretrain checkpoint's view): pickle-only weights and an index naming a file outside its
+    directory are refused before anything starts (``preflight.check_run``). Nothing is downloaded or read beyond
+    the index and the safetensors headers."""
+    found = local_dir(init_from)
+    if found is not None and (is_local(init_from) or _has_weights(found)):
+        with WeightFiles(found):
+            pass
 
 
 def _has_weights(directory: Path) -> bool:

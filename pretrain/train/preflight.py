@@ -53,6 +53,10 @@ def check_run(recipe: Recipe, launch: Launch) -> RunPlan:
     check_optimizer_args(recipe.optim, layout.lr)
     check_schedule(recipe.lr_schedule, num_steps)
     tasks = tuple(read_tasks(recipe.eval)) if recipe.eval.tasks else ()  # a missing or malformed file: exit 2 here
+    if recipe.model.init_from is not None:
+        from pretrain.model.pretrained import check_weight_files
+
+        check_weight_files(recipe.model.init_from)  # pickle weights, an index naming files outside: exit 2 here
     plan = RunPlan(launch, layout.batch, num_steps, layout.lr, layout.mixed_precision, layout.deepspeed, recipe,
                    tasks)
     if recipe.model.loss != "auto":  # auto always resolves; an explicit liger (or plain) may not run here
