@@ -1,7 +1,8 @@
 """model.init_from: a transformers causal LM saved with save_pretrained is the run's model at step 0, on every layout.
 
 The sources are small models made here (llama with biases, tied embeddings and llama3 RoPE scaling; qwen3 with a
-head_dim of its own; qwen3_moe), each with a BPE tokenizer trained here. The step-0 validation loss of each run must
+head_dim of its own; mistral with a sliding window shorter than the sequences; qwen3_moe), each with a BPE tokenizer
+trained here. The step-0 validation loss of each run must
 equal what ``AutoModelForCausalLM.from_pretrained`` computes on the same validation sequences (pretrain's own
 validation loader), to 1e-5 relative; then the run trains on.
 """
@@ -46,6 +47,7 @@ ARCHS = {
     "llama": {"intermediate_size": 96, "num_key_value_heads": 2, "tie_word_embeddings": True, "attention_bias": True,
               "rope_parameters": ROPE_SCALING},
     "qwen3": {"intermediate_size": 96, "num_key_value_heads": 2, "head_dim": 32},
+    "mistral": {"intermediate_size": 96, "num_key_value_heads": 2, "sliding_window": 16},  # < seq_len: a real window
     "qwen3_moe": {"num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                   "decoder_sparse_step": 1, "mlp_only_layers": []},
 }

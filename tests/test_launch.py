@@ -375,3 +375,13 @@ def test_a_multi_node_launch_of_a_mixture_without_its_stores_stops_before_accele
 
     assert prepare(["--recipe", mixture, "--slurm", "--array", "2", f"data.store={store}"]) == 2
     assert "a data.mixture is prepared on one machine" in capsys.readouterr().err
+
+
+def test_gemma2_with_eager_attention_passes_the_checks_and_trains(tmp_path):
+    """The pre-launch checks build the model as the run does (the recipe's attention): gemma2, which refuses sdpa
+    (logit soft-capping), launches and trains with model.attention=eager."""
+    out = tmp_path / "gemma2"
+    proc = launch("--config_file", str(CONFIGS / "cpu.yaml"), "--recipe", TINY, *FAST, "model.arch=gemma2",
+                  "model.attention=eager", "model.num_kv_heads=2", "train.max_steps=2", f"output_dir={out}")
+    check_ok(proc)
+    assert sorted(train_losses(out)) == [1, 2]

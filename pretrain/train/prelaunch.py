@@ -206,11 +206,11 @@ def preflight(accelerate_args: list[str], run_args: list[str], options: argparse
     # in ~2 s (before torch._dynamo, which the optimizer check imports, and transformers).
     check_resume(recipe, launch, LaunchSpelling(accelerate_args, run_args, options, cpu))
     run_plan = check_run(recipe, launch)
-    # A model config transformers cannot build is refused here, not in every process; the attention kernel is
-    # the nodes' to check (this machine may lack flash-attn).
+    # A model config transformers cannot build is refused here, not in every process, built as the run builds it
+    # (gemma2 refuses sdpa but trains with eager); flash-attn is the nodes' to check (this machine may lack it).
     from pretrain.model.build import meta_model
 
-    meta_model(recipe, attention="sdpa")
+    meta_model(recipe, attention="sdpa" if recipe.model.attention == "flash_attention_2" else None)
     check_memory(recipe, run_plan, options, accelerate_args, recipe_path, recipe_overrides)
     check_data(recipe, launch, recipe_path, recipe_overrides)
     return launch
