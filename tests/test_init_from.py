@@ -200,7 +200,7 @@ def test_export_then_init_from_gives_identical_logits_and_keeps_the_sources_file
 
     out, trainer, _ = one_process_runs["llama"]
     final = out / "final_model"
-    recipe = make_recipe(f"model.init_from={final}", "data.seq_len=64", "data.tokenizer=bpe")
+    recipe = make_recipe(f"model.init_from={final}", "data.seq_len=64")
     model = build_model(recipe.model, VOCAB, 64, seed=0, log=lambda _: None).eval()
     trained = trainer.accelerator.unwrap_model(trainer.model).eval()
     ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
@@ -338,3 +338,27 @@ def test_a_gated_or_unknown_hub_model_is_one_message(error, status, message, tmp
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", refuse)
     with pytest.raises(ConfigError, match=message):
         make_recipe("model.init_from=meta-llama/Llama-3.2-1B")
+
+
+def test_a_new_bpe_tokenizer_and_quantized_weights_are_refused(sources, tmp_path):
+    with pytest.raises(ConfigError, match="data.tokenizer = bpe with model.init_from"):
+        make_recipe(f"model.init_from={sources['qwen3']}", "data.seq_len=64", "data.tokenizer=bpe")
+    quantized = tmp_path / "fp8"
+    shutil.copytree(sources["qwen3"], quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(ConfigError, match="holds fp8 weights"):
+        make_recipe(f"model.init_from={quantized}", "data.seq_len=64")
+
+
+def test_an_interrupted_download_is_one_message(sources, tmp_path):
+    """An index naming a shard that is not there (a download or copy cut short) is refused before anything starts."""
+    from pretrain.model.pretrained import check_weight_files
+
+    cut = tmp_path / "cut"
+    shutil.copytree(sources["llama"], cut)
+    (cut / "model.safetensors").rename(cut / "model-00001-of-00002.safetensors")
+    (cut / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "model.embed_tokens.weight": "model-00001-of-00002.safetensors", "lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(ConfigError, match="names model-00002-of-00002.safetensors, which is not there"):
+        check_weight_files(str(cut))

@@ -133,7 +133,10 @@ def _pretrained_config(model_cfg: ModelConfig, vocab_size: int) -> PreTrainedCon
                         "model.dropout to 0")
     if problems:
         raise ConfigError(problems)
-    for key, value in {**dict.fromkeys(dropouts, model_cfg.dropout), "use_cache": False,
+    moe = {}
+    if model_cfg.moe is not None:  # the recipe's load-balancing weight; the router logits asked for in training only
+        moe = {"router_aux_loss_coef": model_cfg.moe.router_aux_loss_coef, "output_router_logits": False}
+    for key, value in {**dict.fromkeys(dropouts, model_cfg.dropout), "use_cache": False, **moe,
                        **model_cfg.config_overrides}.items():
         setattr(config, key, value)
     return config

@@ -10,8 +10,8 @@ so a rank never holds more than its share plus the region being copied.
 
 Names go through transformers' own conversion mapping (``get_model_conversion_mapping``: the renamings and the
 MoE experts' merge, per-expert ``gate_proj`` / ``up_proj`` tensors stacked into the fused ``gate_up_proj``), so a
-checkpoint loads exactly as ``from_pretrained`` would load it. A converted tensor is assembled whole before its
-slice is kept: an MoE layer's fused experts, one tensor, is the most a rank holds beyond its share.
+checkpoint loads exactly as ``from_pretrained`` would load it. Of a converted tensor a rank reads the experts in its
+region's rows (the whole tensor where its layout holds it whole) and assembles them before keeping its slice.
 
 Pickle weights (``pytorch_model.bin``) are refused: nothing of a checkpoint is unpickled.
 """
@@ -53,9 +53,10 @@ _CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 def model_dir(init_from: str) -> Path:
     """The local directory of ``init_from``'s config, weights and tokenizer: the directory itself, or a hub id's
-    snapshot (downloaded once into the Hugging Face cache, safetensors and tokenizer files only)."""
+    snapshot (downloaded once into the Hugging Face cache, safetensors and tokenizer files only; asked every time, so
+    that an interrupted download is completed: a complete snapshot costs the hub one request, offline none)."""
     found = local_dir(init_from)
-    if found is not None and (is_local(init_from) or _has_weights(found)):
+    if found is not None and is_local(init_from):
         return found
     checkpoint = pretrain_checkpoint(init_from)
     if checkpoint is not None:
@@ -107,6 +108,9 @@ def _weight_path(directory: Path, name: str, what: str) -> Path:
     """A weights file a directory (or its index) names, refused unless it lies inside: in the directory itself, or
     for a hub snapshot (whose files are links into the cache's blobs/) inside that model's cache folder."""
     root = directory.parents[1] if directory.parent.name == "snapshots" else directory
+    if isinstance(name, str) and (directory / name).is_symlink() and not is_inside(directory / name, root):
+        raise ConfigError(f"{directory / name} is a symbolic link to {(directory / name).resolve()}, outside {directory}; "
+                          "refused (pretrain reads nothing outside the model's directory): copy the file in instead")
     if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts or not is_inside(directory / name, root):
         raise ConfigError(f"{what} names {name!r}, which is not inside {directory}; refused (pretrain reads nothing a "
                           "file names outside its own directory). Correct or remove it")
@@ -131,7 +135,7 @@ class WeightFiles:
             from safetensors import safe_open
 
             path = _weight_path(directory, WEIGHTS_FILE, f"model.init_from = {directory}")
-            with safe_open(path, framework="pt") as handle:
+            with _readable(path), safe_open(path, framework="pt") as handle:
                 self.files = dict.fromkeys(handle.keys(), path)
         else:
             pickles = [name for name in PICKLE_WEIGHTS if (directory / name).exists()]
@@ -141,6 +145,10 @@ class WeightFiles:
                                   "(transformers: from_pretrained(dir).save_pretrained(new_dir)) and start from that")
             raise ConfigError(f"model.init_from = {directory} has no {WEIGHTS_FILE} nor {INDEX_FILE}; give a "
                               "directory written by save_pretrained")
+        missing = sorted({str(p.relative_to(directory)) for p in self.files.values() if not p.is_file()})
+        if missing:
+            raise ConfigError(f"model.init_from = {directory}: {INDEX_FILE} names {', '.join(missing[:3])}, which is not "
+                              "there (an interrupted download or copy?); download or copy the model again")
         self._stack = contextlib.ExitStack()
         self._handles: dict[Path, object] = {}
 
@@ -155,7 +163,8 @@ class WeightFiles:
         if path not in self._handles:
             from safetensors import safe_open
 
-            self._handles[path] = self._stack.enter_context(safe_open(path, framework="pt"))
+            with _readable(path):
+                self._handles[path] = self._stack.enter_context(safe_open(path, framework="pt"))
         return self._handles[path]
 
     def shape(self, key: str) -> list[int]:
@@ -165,6 +174,18 @@ class WeightFiles:
         """The tensor ``key``, or only ``region`` of it (the file's bytes of that region, nothing more)."""
         tensor_slice = self._handle(key).get_slice(key)
         return tensor_slice[region] if region else tensor_slice[:]
+
+
+@contextlib.contextmanager
+def _readable(path: Path):
+    """A safetensors file that does not open (truncated, not safetensors) as one ConfigError naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as exc:
+        raise ConfigError(f"model.init_from: {path} does not read as safetensors ({exc}); download or copy it "
+                          "again") from None
 
 
 @dataclass
@@ -320,12 +341,22 @@ def _load_one(param: torch.Tensor, files: WeightFiles, source: _Source, full_sha
     key = None if converted else next(iter(source.keys))
     row = math.prod(full_shape[1:]) if len(full_shape) > 1 else 1
 
+    if converted and _stacks_experts(source) and {len(keys) for keys in source.keys.values()} != {full_shape[0]}:
+        found = ", ".join(f"{len(keys)} {pattern}" for pattern, keys in source.keys.items())
+        raise ConfigError(f"model.init_from: the checkpoint has {found} tensors for a parameter of {full_shape[0]} "
+                          "experts; its config.json does not match its weights")
+
     def read(region: tuple[slice, ...] | None) -> torch.Tensor:
         if not converted:
             return files.read(key, region)
         if region and _stacks_experts(source):  # only the experts in the region's rows
             experts = region[0]
-            return _full(files, source, experts)[(slice(None), *region[1:])]
+            part = _full(files, source, experts)
+            if list(part.shape[1:]) != full_shape[1:]:
+                raise ConfigError(f"model.init_from: one expert of {'/'.join(source.keys)} has shape "
+                                  f"{list(part.shape[1:])}, the model's {full_shape[1:]}; its config.json does not "
+                                  "match its weights")
+            return part[(slice(None), *region[1:])]
         full = _full(files, source)
         if list(full.shape) != full_shape:
             raise ConfigError(f"model.init_from: the converted {'/'.join(source.keys)} has shape {list(full.shape)}, "

@@ -25,7 +25,7 @@ from pretrain.errors import ConfigError
 
 # What a model directory must hold to be loaded, and what a hub download fetches: the config, the weights
 # (safetensors only: pickle weights are never loaded), the generation config and every tokenizer file.
-HUB_PATTERNS = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+HUB_PATTERNS = ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                 "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 CONFIG_FILE = "config.json"
@@ -172,6 +172,8 @@ def recorded_shape(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any] | N
         raise ConfigError(f"model.init_from = {checkpoint}: its {STATE_FILE} does not read as a pretrain checkpoint's "
                           f"({exc})") from None
     fields = {field: model.get(field) for field in SHAPE_FIELDS}
+    if fields["max_position_embeddings"] is None:  # null built the source with data.seq_len positions
+        fields["max_position_embeddings"] = (state["recipe"].get("data") or {}).get("seq_len")
     if fields["vocab_size"] is None:
         sizes = [d.get("tokenizer", {}).get("vocab_size") for d in (state.get("data") or {}).values()
                  if isinstance(d, dict)]
@@ -199,8 +201,7 @@ def shape_of(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | N
     arch = fields["arch"]
     if arch == "gpt2" and fields["intermediate_size"] is None:
         fields["intermediate_size"] = None  # GPT-2's null n_inner: 4 x hidden, as the recipe says it
-    if fields["tie_embeddings"] is None:
-        fields["tie_embeddings"] = True  # transformers' PretrainedConfig default
+    # tie_word_embeddings absent: the architecture's default (gemma ties, llama does not), neither filled nor checked
     moe = None
     if arch in _EXPERT_WIDTH:
         moe = {field: _value(config, (_EXPERT_WIDTH[arch],) if field == "expert_intermediate_size" else names)
@@ -225,6 +226,11 @@ def resolve_recipe_dict(data: dict[str, Any]) -> dict[str, Any]:
     if config.get("auto_map"):
         raise ConfigError(f"model.init_from = {init_from!r} is a model with custom code (auto_map in its config.json); "
                           "pretrain builds transformers' own architectures only and never runs a checkpoint's code")
+    if config.get("quantization_config"):
+        method = (config["quantization_config"] or {}).get("quant_method", "quantized")
+        raise ConfigError(f"model.init_from = {init_from!r} holds {method} weights (quantization_config in its "
+                          "config.json); pretraining continues from full-precision weights: use the unquantized "
+                          "release of this model")
     fields, moe = shape_of(config)
     return _filled(data, model, init_from, fields, moe, init_from, {})
 
@@ -233,6 +239,8 @@ def _filled(data: dict[str, Any], model: dict[str, Any], init_from: str, fields:
             moe: dict[str, Any] | None, tokenizer: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """The recipe dict with the checkpoint's ``fields`` and ``moe`` filled in, each one the recipe gives checked
     against it; ``overrides``: the source's own config_overrides (a pretrain checkpoint's), under the recipe's."""
+    if not isinstance(data.get("data") or {}, dict) or not isinstance(model.get("config_overrides") or {}, dict):
+        return data  # the schema names what is malformed
     problems = []
     seq_len = (data.get("data") or {}).get("seq_len")
     positions = {**overrides, **(model.get("config_overrides") or {})}.get("max_position_embeddings",
@@ -251,6 +259,8 @@ def _filled(data: dict[str, Any], model: dict[str, Any], init_from: str, fields:
         for field, value in moe.items():
             if field in given_moe and field != "router_aux_loss_coef" and given_moe[field] != value:
                 problems.append(f"model.moe.{field} = {given_moe[field]!r}, but {init_from} has {value!r}")
+    elif given_moe is not None and moe is not None:
+        problems.append(f"model.moe = {given_moe!r} is not a mapping; leave it out ({init_from} gives it)")
     elif given_moe is not None and moe is None:
         problems.append(f"model.moe is set, but {init_from} ({fields['arch']}) is not a mixture of experts pretrain "
                         "builds; remove model.moe")
@@ -266,6 +276,10 @@ def _filled(data: dict[str, Any], model: dict[str, Any], init_from: str, fields:
         model["config_overrides"] = {**overrides, **(model.get("config_overrides") or {})}
     out = {**data, "model": model}
     data_section = dict(out.get("data") or {})
+    if data_section.get("tokenizer") == "bpe":
+        raise ConfigError(f"data.tokenizer = bpe with model.init_from = {init_from}: a tokenizer trained anew gives ids "
+                          "the checkpoint never learned; leave data.tokenizer out (the checkpoint's own) or give one "
+                          "that matches it (a recipe inheriting tokenizer: bpe through base: must drop it)")
     if "tokenizer" not in data_section:
         data_section["tokenizer"] = tokenizer  # the checkpoint's own tokenizer: its ids are what the embedding learned
         out["data"] = data_section

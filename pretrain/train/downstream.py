@@ -391,7 +391,9 @@ def load_checkpoint_model(checkpoint: Path, device: torch.device | str = "cpu", 
     vocab = resolve_vocab_size(recipe.model, len(tokenizer))
     weights = full_state_dict(checkpoint, log=log)
     # Built (and drawn) on the device, then overwritten: the buffers the state dict leaves out (RoPE's) are real.
-    model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed, device=device)
+    # the checkpoint's weights replace the model's: model.init_from's are not read
+    model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed, device=device,
+                        pretrained=False)
     expected = model.state_dict()
     missing = [k for k in expected if k not in weights and not _tied(model, k)]
     if missing:

@@ -1,6 +1,7 @@
 """model.init_from's load: what each rank reads of the checkpoint and the most it holds at once beside its
-parameters (``pretrain.model.pretrained`` reads exactly this: a rank's region of every tensor, an MoE layer's fused
-experts whole). Read from the recipe and the checkpoint's config.json alone: no weights are needed."""
+parameters (``pretrain.model.pretrained`` reads a rank's region of every tensor; of an MoE layer's experts, those in
+its rows, which this counts as all of them: an upper bound). Read from the recipe and the checkpoint's config.json
+alone: no weights are needed."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def load_memory(recipe, launch: Launch) -> LoadMemory | None:
     """The load of ``recipe``'s model.init_from on ``launch`` (None: the recipe starts from random weights)."""
     if recipe.model.init_from is None:
         return None
-    config = checkpoint_config(recipe.model.init_from)
+    config = checkpoint_config(recipe.model.init_from) or {}  # {}: a pretrain checkpoint, viewed in fp32
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
     size = _DTYPE_BYTES.get(dtype, 4)
     shape = ModelShape.from_recipe(recipe)
