@@ -14,9 +14,13 @@ from tests.slurm_cluster import SlurmCluster, SlurmUnavailable, ensure_installed
 
 
 def pytest_configure(config):
-    """Under pytest-xdist (README's test command: two workers on a 2-core machine) each worker and the processes it
+    """Runs go to a directory of this test process (PRETRAIN_RUNS_DIR, read by every process the tests start), never
+    to the checkout's runs/, which holds the user's demo (README's quick start runs the demo, then the tests).
+
+    Under pytest-xdist (README's test command: two workers on a 2-core machine) each worker and the processes it
     starts use one thread, so that two workers share the cores instead of oversubscribing them (torch's idle threads
     spin). Set before torch is imported."""
+    os.environ["PRETRAIN_RUNS_DIR"] = tempfile.mkdtemp(prefix="pretrain-test-runs-")
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
         # xdist's workers ignore SIGINT (the controller handles Ctrl-C), and an ignored signal is inherited: the runs
@@ -29,7 +33,13 @@ def pytest_configure(config):
 # with one worker alone on a long file while the other idles (longest-first scheduling). Other files keep their order.
 LONGEST_FIRST = ("test_run.py", "test_distributed.py", "test_reduce_dtype.py", "test_reshard.py",
                  "test_memory_validation.py", "test_slurm.py", "test_install.py", "test_architectures.py",
-                 "test_tensor_parallel.py", "test_moe.py", "test_rollback.py", "test_tools.py")
+                 "test_tensor_parallel.py", "test_moe.py", "test_init_from.py", "test_rollback.py", "test_tools.py")
+
+
+def pytest_unconfigure(config):
+    runs = os.environ.get("PRETRAIN_RUNS_DIR", "")
+    if "pretrain-test-runs-" in runs:  # the directory pytest_configure made, nothing else
+        shutil.rmtree(runs, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -21,10 +21,13 @@ def write(path: Path, text: str) -> Path:
     return path
 
 
-def test_minimal_recipe_gets_defaults_and_name_from_file(tmp_path):
+def test_minimal_recipe_gets_defaults_and_name_from_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("PRETRAIN_RUNS_DIR")  # the suite's own runs directory (tests/conftest.py)
     recipe = load_recipe(write(tmp_path / "mini.yaml", MINIMAL))
     assert recipe.name == "mini"
     assert recipe.output_dir == str(Path("runs") / "mini")
+    monkeypatch.setenv("PRETRAIN_RUNS_DIR", str(tmp_path / "scratch"))
+    assert load_recipe(write(tmp_path / "mini.yaml", MINIMAL)).output_dir == str(tmp_path / "scratch" / "mini")
     assert recipe.model.arch == "llama"
     assert recipe.optim.name == "AdamW"
 

@@ -328,6 +328,7 @@ def test_no_gpu_known_means_no_check(capsys, execv, monkeypatch):
 
 def test_the_planning_page_shows_the_real_refusal(capsys, execv, monkeypatch):
     monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("PRETRAIN_RUNS_DIR")  # the page shows the default runs/plan/ (tests/conftest.py sets the suite's)
     args = ["--config_file", "accelerate_configs/ddp.yaml", "--gpu", "H100-80GB", "--recipe", "recipes/7b.yaml"]
     code, _, err = launch_in_process(capsys, *args)
     assert code == 2

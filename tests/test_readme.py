@@ -207,6 +207,17 @@ def distinct(commands: list[Command]) -> list[Command]:
     return list(seen.values())
 
 
+def checkout_without_runs(tmp_path_factory) -> Path:
+    """A directory whose entries link to the checkout's, runs/ left out (made once per test process)."""
+    root = tmp_path_factory.getbasetemp() / "checkout"
+    if not root.is_dir():
+        root.mkdir()
+        for entry in ROOT.iterdir():
+            if entry.name != "runs":
+                (root / entry.name).symlink_to(entry)
+    return root
+
+
 COMMANDS, SCRIPTS = all_commands()
 RUN = distinct([c for c in COMMANDS if skip_reason(c) is None])
 
@@ -227,8 +238,11 @@ def test_readme_command_runs_as_written(command, tmp_path_factory):
     path = f"{VENV_BIN}:{env()['PATH']}"  # as `. .venv/bin/activate` leaves it
     # a hub model a page starts from (recipes/continue-qwen3-1.7b.yaml) is read from a cache holding its config.json
     hub = hub_cache_with_assets(tmp_path_factory.getbasetemp() / "hub")
-    proc = subprocess.run(["bash", "-c", command.text], cwd=ROOT, env=env(PATH=path, HF_HUB_CACHE=str(hub)),
-                          capture_output=True, text=True, timeout=300)
+    # Run where the repository's files are but runs/ is not the checkout's (the user's demo): a directory of links to
+    # every top-level entry but runs/, so that the pages' relative paths (and the runs/... they print) hold as written.
+    proc = subprocess.run(["bash", "-c", command.text], cwd=checkout_without_runs(tmp_path_factory),
+                          env=env(PATH=path, HF_HUB_CACHE=str(hub), PRETRAIN_RUNS_DIR=None), capture_output=True,
+                          text=True, timeout=300)
     shown = f"exit {proc.returncode}\n{proc.stdout}{proc.stderr}"[-3000:]
     assert proc.returncode == command.exit_code, shown
     assert "Traceback" not in proc.stderr, shown
@@ -241,6 +255,7 @@ def test_readme_command_runs_as_written(command, tmp_path_factory):
 def test_the_sample_slurm_script_is_what_the_tool_writes(monkeypatch):
     (page, line, shown), = SCRIPTS
     monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("PRETRAIN_RUNS_DIR")  # the page shows the default runs/ (tests/conftest.py sets the suite's)
     args = slurm.parse_args(["submit", "--recipe", "recipes/7b.yaml", "--accelerate-config",
                              "accelerate_configs/zero3.yaml", "--nodes", "4", "--processes-per-node", "8", "--dry-run"])
     job = slurm.check_job(args)

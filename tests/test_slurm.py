@@ -116,7 +116,8 @@ def fake_programs(bin_dir: Path, log_dir: Path) -> None:
 
 
 # ---- the generated script -------------------------------------------------------------------------
-def test_dry_run_4_nodes_x_8_gpus_zero3_7b(capsys):
+def test_dry_run_4_nodes_x_8_gpus_zero3_7b(capsys, monkeypatch):
+    monkeypatch.delenv("PRETRAIN_RUNS_DIR")  # the default output_dir, runs/7b (a dry run writes nothing there)
     run_dir = ROOT / "runs" / "7b" / "slurm"
     existed = run_dir.exists()
     script = dry_run(capsys, "--recipe", SEVEN_B, "--accelerate-config", str(CONFIGS / "zero3.yaml"),

@@ -174,7 +174,8 @@ def test_a_run_whose_latest_points_outside_stops_with_exit_2(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["../escape", "../../tmp/x", "/etc/x", ".."])
-def test_a_recipe_name_that_leaves_runs_is_refused(name):
+def test_a_recipe_name_that_leaves_runs_is_refused(name, monkeypatch):
+    monkeypatch.delenv("PRETRAIN_RUNS_DIR")  # the default runs/ (tests/conftest.py sets the suite's own)
     with pytest.raises(ConfigError, match="the recipe's name .* is not inside runs"):
         load_recipe(TINY, [f"name={name}"])
     assert load_recipe(TINY, ["name=ok.v2"]).output_dir == str(Path("runs") / "ok.v2")

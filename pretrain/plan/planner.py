@@ -60,6 +60,7 @@ from pathlib import Path
 from pretrain.distributed.layout import Launch, accelerate_command, shell_join
 from pretrain.errors import ConfigError
 from pretrain.plan import memory
+from pretrain.recipe.config import runs_root
 from pretrain.recipe.recompute import PLANNER_POLICIES, recompute_label, runs_under_zero3
 from pretrain.recipe.shape import ModelShape
 from pretrain.system import hardware
@@ -639,7 +640,7 @@ def nothing_fits(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, considere
 
 def default_output(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec) -> Path:
     """Where pretrain-plan writes the best layout's accelerate config unless given --output."""
-    return Path("runs") / "plan" / f"{recipe.name}-{nodes}x{gpus}-{gpu.name}.yaml"
+    return runs_root() / "plan" / f"{recipe.name}-{nodes}x{gpus}-{gpu.name}.yaml"
 
 
 def accelerate_config(c: Candidate, recipe_path: str) -> str:

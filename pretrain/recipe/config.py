@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import difflib
 import math
+import os
 import re
 import reprlib
 import typing
@@ -854,7 +855,8 @@ class Recipe(Section):
     profile: ProfileConfig = Field(default_factory=ProfileConfig, description="Trace some optimizer steps.")
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
-    output_dir: str | None = Field(None, description="Where the run writes; null = runs/<name>.")
+    output_dir: str | None = Field(None, description="Where the run writes; null = runs/<name> ($PRETRAIN_RUNS_DIR/<name> "
+                                   "when that is set).")
 
     @model_validator(mode="after")
     def _document_masking_arch(self) -> Recipe:
@@ -1113,6 +1115,15 @@ def format_validation_error(exc: ValidationError, source: str, model_cls: type[B
     return ConfigError([f"{source}: {p}" for p in problems] if len(problems) > 1 else f"{source}: {problems[0]}")
 
 
+RUNS_DIR_ENV = "PRETRAIN_RUNS_DIR"
+
+
+def runs_root() -> Path:
+    """Where runs go by default: ``runs/`` of the working directory, or ``$PRETRAIN_RUNS_DIR`` (a cluster's scratch
+    filesystem; the test suite's own directory, never the checkout's runs/)."""
+    return Path(os.environ.get(RUNS_DIR_ENV) or "runs")
+
+
 def build_recipe(data: dict[str, Any], source: str = "recipe", default_name: str | None = None) -> Recipe:
     moved = moved_keys(data, source)
     if moved:
@@ -1133,7 +1144,8 @@ def build_recipe(data: dict[str, Any], source: str = "recipe", default_name: str
         from pretrain.trust import contained
 
         # the name comes from the recipe: "../x" or "/x" would put the run outside runs/
-        default = contained(Path("runs"), recipe.name, f"{source}: the recipe's name (the default output_dir is runs/<name>)")
+        default = contained(runs_root(), recipe.name, f"{source}: the recipe's name (the default output_dir is "
+                            f"{runs_root()}/<name>)")
         recipe = recipe.model_copy(update={"output_dir": str(default)})
     from pretrain.trust import check_output_dir
 
