@@ -76,6 +76,7 @@ def test_without_a_gpu_the_estimate_is_for_a_cpu_process(capsys, monkeypatch):
     assert code == 0, err
     assert "world 1: GBS 32 = MBS 16 x GAS 2 x world 1" in out and "1,377,408 parameters" in out
     assert "memory per process (CPU" in out and "--gpu NAME" in out and "speed" not in out
+    assert "layout           one process (no data parallelism) on 1 CPU process\n" in out  # no GPU where there is none
 
 
 def test_nothing_fits_says_what_would(capsys):

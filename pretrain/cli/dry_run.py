@@ -160,7 +160,7 @@ def report(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu, 
         f"recipe           {recipe.name}",
         f"model            {recipe.model.arch}, {num_params:,} parameters{active} (vocab {vocab:,})",
         *init_from_lines(recipe, launch, resume),
-        f"layout           {launch.describe()}{where}",
+        f"layout           {launch.describe('GPU' if gpu else 'CPU process')}{where}",
         f"batch plan       world {batch.world_size}: GBS {batch.global_batch_size} = MBS {batch.micro_batch_size} "
         f"x GAS {batch.grad_accum_steps} x world {batch.world_size}",
         f"tokens per step  {batch.tokens_per_step:,} ({batch.global_batch_size} x {batch.seq_len} tokens)",

@@ -150,7 +150,8 @@ class Launch:
         what = "hpZ" if self.uses_deepspeed else "HSDP"
         return f"{what}: sharded within {self.hybrid_shard_size} GPUs, {self.num_replicas} replicas"
 
-    def describe(self) -> str:
+    def describe(self, unit: str = "GPU") -> str:
+        """The layout in a line, its processes counted as ``unit`` (a dry run on a CPU: "CPU process")."""
         if self.engine == "ddp":
             what = "PyTorch DDP" if self.world_size > 1 else "one process (no data parallelism)"
         elif self.engine == "fsdp":
@@ -171,7 +172,8 @@ class Launch:
             if offload:
                 what += f" (offload {', '.join(offload)})"
         gpus = f"{self.num_nodes} x {self.gpus_per_node}" if self.num_nodes > 1 else f"{self.gpus_per_node}"
-        return f"{what} on {gpus} GPU{'s' if self.world_size > 1 else ''}"
+        plural = ("es" if unit.endswith("s") else "s") if self.world_size > 1 else ""
+        return f"{what} on {gpus} {unit}{plural}"
 
     def to_dict(self) -> dict[str, Any]:
         """What the run config records about the launch."""
