@@ -38,7 +38,7 @@ def small(arch: str, **moe) -> ModelConfig:
     ({"arch": "olmoe"}, "model.arch = olmoe is a mixture of experts: add model.moe"),
     ({"arch": "llama", "intermediate_size": 128, "moe": {"num_experts": 4, "experts_per_token": 2,
                                                          "expert_intermediate_size": 64}},
-     "model.moe is set but model.arch = llama is dense"),
+     "model.moe is set but model.arch = llama is not one of the mixture-of-experts architectures pretrain builds"),
     ({"arch": "mixtral", "moe": {"num_experts": 4, "experts_per_token": 5, "expert_intermediate_size": 64}},
      r"experts_per_token \(5\) must be at most model.moe.num_experts \(4\)"),
     ({"arch": "olmoe", "intermediate_size": 128, "moe": {"num_experts": 4, "experts_per_token": 2,
@@ -184,3 +184,17 @@ def test_moe_run_logs_router_losses_expert_load_and_active_parameters(moe_runs):
         assert m["moe/load_cv_max"] >= 0
     config = json.loads((moe_runs["DDP"] / "run_config.json").read_text())
     assert config["model/num_active_params"] < config["model/num_params"]
+
+
+def test_an_moe_architecture_pretrain_does_not_build_is_refused_not_built_dense():
+    """qwen2_moe (not one of olmoe, qwen3_moe, mixtral) would otherwise be built with transformers' 60 default
+    experts, unasked; with model.moe it is refused without calling it dense."""
+    from pretrain.errors import ConfigError
+    from tests.helpers import make_recipe
+
+    with pytest.raises(ConfigError, match="qwen2_moe is a mixture of experts \\(num_experts = 60 by default\\) that "
+                                          "pretrain does not build"):
+        hf_config(make_recipe("model.arch=qwen2_moe").model, 256, 64)
+    with pytest.raises(ConfigError, match="qwen2_moe is not one of the mixture-of-experts architectures"):
+        make_recipe("model.arch=qwen2_moe", "model.intermediate_size=null",
+                    "model.moe={num_experts: 4, experts_per_token: 2, expert_intermediate_size: 64}")

@@ -38,7 +38,7 @@ from pretrain.model.loss import chunked_causal_lm_loss
 from pretrain.recipe import recompute
 from pretrain.recipe.config import ModelConfig, is_dropout_attribute
 from pretrain.recipe.pretrained import checkpoint_config
-from pretrain.recipe.shape import ModelShape, moe_attributes, require_counted, resolve_vocab_size
+from pretrain.recipe.shape import MOE_ARCHS, ModelShape, moe_attributes, require_counted, resolve_vocab_size
 from pretrain.system.quiet import no_progress_bars
 
 __all__ = ["build_model", "closed_form_num_params", "count_active_parameters", "count_parameters", "dropout_attributes", "hf_config",
@@ -65,6 +65,8 @@ _NULLABLE = {"num_kv_heads", "intermediate_size", "head_dim", "rope_theta", "nor
 _MEANING = {"num_kv_heads": "grouped-query attention", "rope_theta": "rotary position embeddings",
             "head_dim": "head size of its own (it is hidden_size / num_heads)"}
 _COMMON_ARCHS = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox")
+# A transformers config with one of these set builds routed experts (qwen2_moe's num_experts, deepseek's n_routed_experts)
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 def hf_config(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> PreTrainedConfig:
@@ -83,6 +85,10 @@ def hf_config(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> PreTrain
         hint = f"did you mean {' or '.join(near)}?" if near else "valid types include " + ", ".join(_COMMON_ARCHS)
         raise ConfigError(f"model.arch = {arch!r} is not a transformers model type with a causal-LM head; {hint}")
     default = AutoConfig.for_model(arch)
+    experts = [name for name in _EXPERT_COUNTS if getattr(default, name, None)]
+    if experts and model_cfg.moe is None:  # transformers would build its default experts, unasked
+        raise ConfigError(f"model.arch = {arch} is a mixture of experts ({experts[0]} = {getattr(default, experts[0])} "
+                          f"by default) that pretrain does not build; its MoE architectures: {', '.join(MOE_ARCHS)}")
     moe = {}
     if model_cfg.moe is not None:  # the experts' width is the config's intermediate_size (+ the MoE keys)
         moe = moe_attributes(model_cfg)

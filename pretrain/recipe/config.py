@@ -218,7 +218,8 @@ class ModelConfig(Section):
             return [f"model.arch = {self.arch} is a mixture of experts: add model.moe (num_experts, experts_per_token, "
                     "expert_intermediate_size)"]
         if self.arch not in MOE_ARCHS and self.moe is not None:
-            return [f"model.moe is set but model.arch = {self.arch} is dense; MoE archs: {', '.join(MOE_ARCHS)}"]
+            return [f"model.moe is set but model.arch = {self.arch} is not one of the mixture-of-experts architectures "
+                    f"pretrain builds ({', '.join(MOE_ARCHS)}); remove model.moe or choose one of those"]
         if self.moe is not None and self.intermediate_size is not None:
             return [f"model.intermediate_size = {self.intermediate_size} with model.arch = {self.arch}: an MoE's MLP "
                     "width is model.moe.expert_intermediate_size; set model.intermediate_size to null"]
