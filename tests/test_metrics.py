@@ -393,6 +393,8 @@ def test_trainer_falls_back_to_measured_flops_and_says_so():
     flops = measured_flops(recipe, cfg, lines.append)
     assert flops == measure(cfg, recipe.data.seq_len).flops_per_token("full")
     assert flops.hardware_flops > flops.model_flops
+    # the perf line and run_config.json name how these FLOPs were found, not the closed form's formula
+    assert flops.convention.startswith("model FLOPs/token = 3 x one forward's matmul FLOPs, counted by FlopCounterMode")
     assert lines == [f"FLOPs per token of bloom measured (no closed form): {flops.model_flops / 3:,.0f} per forward, "
                      "counted by FlopCounterMode on the meta device; training = 3 x forward"]
     assert measured_flops(recipe, AutoConfig.for_model("codegen", n_embd=64, n_head=4, **SMALL), lines.append) is None

@@ -50,7 +50,12 @@ class MeasuredShape:
         if policy != "selective" and self.num_layers:
             block_forward = (self.forward_flops_per_token - self.head_flops_per_token) / self.num_layers
             recomputed = checkpointed_blocks(policy, self.num_layers) * block_forward
-        return FlopsPerToken(model, model + recomputed, self.matmul_params)
+        return FlopsPerToken(model, model + recomputed, self.matmul_params, convention=MEASURED_CONVENTION)
+
+
+MEASURED_CONVENTION = (
+    "model FLOPs/token = 3 x one forward's matmul FLOPs, counted by FlopCounterMode on the meta device (no closed form "
+    "for this architecture; the same convention: every matmul, the LM head, attention over the full seq_len)")
 
 
 def _meta_model(config: PreTrainedConfig) -> PreTrainedModel:

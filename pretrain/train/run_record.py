@@ -85,7 +85,7 @@ def run_config(trainer: Trainer) -> dict[str, Any]:
             "peak_tflops": peak.tflops,
             "peak_source": peak.source,
             "peak_detail": peak.detail,
-            "mfu_convention": CONVENTION,
+            "mfu_convention": flops.convention if flops else CONVENTION,
         },
     }
 
@@ -119,5 +119,5 @@ def start_run_record(trainer: Trainer) -> None:
         f"{trainer.num_steps} steps | lr {trainer.lr:.3g} | output {trainer.output_dir}"
     )
     if trainer.flops is not None:
-        trainer.log(f"perf: {trainer.flops.model_flops / 1e9:.4g} GFLOP/token ({CONVENTION.split(';')[0]}); "
+        trainer.log(f"perf: {trainer.flops.model_flops / 1e9:.4g} GFLOP/token ({trainer.flops.convention.split(';')[0]}); "
                     f"peak {trainer.peak.detail}")
