@@ -31,7 +31,7 @@ saves that output, and then it is recomputed too.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pretrain.errors import ConfigError
@@ -251,7 +251,8 @@ class FlopsPerToken:
     """model_flops plus the forward that activation checkpointing recomputes (equal without it)."""
     num_params_non_embedding: int
     """N: weights of every matmul, LM head included (tied or not); no embeddings, biases or norms."""
-    convention: str = CONVENTION
+    convention: str = field(default=CONVENTION, compare=False)
+    """How the figures were found (the closed form's formula, or measured): the same FLOPs compare equal."""
 
 
 @dataclass(frozen=True)
