@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     if analysis["scaling_stops_at_mbs"] is not None:
         m = analysis["scaling_stops_at_mbs"]
         factor = next(r.scaling for r in results if r.mbs == 2 * m)
-        print(f"throughput stops scaling at MBS {m}: doubling to MBS {2 * m} gives {factor:.2f}x tokens/s "
-              f"(< {SCALING_THRESHOLD}x)")
+        print(f"diminishing returns from MBS {m}: doubling to MBS {2 * m} gives {factor:.2f}x tokens/s "
+              f"(< {SCALING_THRESHOLD}x); a larger MBS may still be somewhat faster (the recommendation below)")
     elif sum(r.measured for r in results) > 1:
         print(f"throughput still scales (>= {SCALING_THRESHOLD}x per doubling) up to the largest measured MBS")
     print(analysis["message"])

@@ -47,7 +47,7 @@ def analyse(results: list[MBSResult], global_batch_size: int, world: int) -> dic
         analysis["recommendation"] = _recommendation(pick, best, global_batch_size, gas)
         analysis["message"] = (
             f"recommended: MBS {pick.mbs} ({pick.tokens_per_s:,.0f} tokens/s, {pick.tokens_per_s / best:.0%} of the "
-            f"best) with GAS {gas} for the recipe's GBS {global_batch_size} = {pick.mbs} x {gas} x world {world}: "
+            f"best; the smallest MBS within {NEAR_BEST:.0%} of it) with GAS {gas} for the recipe's GBS {global_batch_size} = {pick.mbs} x {gas} x world {world}: "
             f"batch.global_batch_size={global_batch_size} batch.micro_batch_size={pick.mbs}"
         )
         return analysis
