@@ -142,3 +142,15 @@ def test_a_tie_whose_plan_entries_disagree_is_refused():
             tensor_parallel._retie(model, tied, {"head": "rowwise"}, mesh)  # Shard(1): cannot share
     finally:
         dist.destroy_process_group()
+
+
+def test_tp_leaving_fsdp_no_rank_to_shard_is_refused_before_any_process():
+    """TP 2 on 2 processes (the CP page's --parallelism_config_dp_shard_size 1, used for TP) passed pretrain-launch and
+    then failed in every rank with accelerate's FSDP message about expert parallelism; it is refused here, saying how."""
+    with pytest.raises(ConfigError, match=r"tp_size 2 on 2 processes leaves FSDP no rank to shard over .* "
+                                          r"--num_processes 4 --parallelism_config_dp_shard_size 2"):
+        Launch.from_accelerate_config(CONFIGS / "fsdp2_tp2.yaml",
+                                      ["--num_processes", "2", "--parallelism_config_dp_shard_size", "1"])
+    four = Launch.from_accelerate_config(CONFIGS / "fsdp2_tp2.yaml",
+                                         ["--num_processes", "4", "--parallelism_config_dp_shard_size", "2"])
+    assert (four.tp_size, four.data_parallel_size) == (2, 2)

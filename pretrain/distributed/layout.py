@@ -448,6 +448,12 @@ def check_launch(launch: Launch) -> None:
     if launch.cp_size < 1 or launch.world_size % (launch.tp_size * max(launch.cp_size, 1)):
         problems.append(f"tp_size {launch.tp_size} x cp_size {launch.cp_size} must divide the world size "
                         f"({launch.world_size})")
+    dp_shard = launch.hybrid_shard_size or launch.data_parallel_size
+    if not problems and launch.engine == "fsdp" and launch.tp_size > 1 and launch.cp_size == 1 and dp_shard == 1:
+        problems.append(f"tp_size {launch.tp_size} on {launch.world_size} processes leaves FSDP no rank to shard over "
+                        "(dp_shard_size 1, cp_size 1), which accelerate refuses in every process; give FSDP ranks too, "
+                        f"e.g. --num_processes {2 * launch.tp_size} --parallelism_config_dp_shard_size 2 "
+                        f"(TP {launch.tp_size} x FSDP 2)")
     if launch.hybrid_shard_size is not None and not problems:
         problems += _hybrid_problems(launch)
     if problems:
