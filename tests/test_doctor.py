@@ -159,3 +159,15 @@ def test_slurm_job_checks_first_and_resubmits_without_the_failing_node(cluster, 
         assert not (out / "checkpoints").exists()  # no training on an unhealthy node
     finally:
         cluster.run("scancel", second["job_id"])
+
+
+def test_the_disk_is_judged_per_host_by_its_best_write():
+    """Ranks of one host write to its one disk: a rank that queued behind another (0.5 of its host's best) does not
+    fail a healthy host; a host whose best write is slow does."""
+    ranks = [rank(0, "a", write_mb_s=100.0), rank(1, "a", write_mb_s=50.0), rank(2, "a", write_mb_s=95.0),
+             rank(3, "b", write_mb_s=110.0), rank(4, "c", write_mb_s=30.0)]
+    failures = judge(ranks, 0.8)
+    # hosts' best writes: a 100, b 110, c 30 -> median 100; only host c (30 < 80) fails, by its best rank
+    assert [(f.host, f.rank, f.figure) for f in failures] == [("c", 4, "write_mb_s")]
+    assert failures[0].median == 100.0
+    assert judge(ranks[:3], 0.8) == []  # one healthy host alone
