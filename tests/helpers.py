@@ -191,9 +191,10 @@ def train_in_process(args: list[str], before: str = "", between: str = "", after
     return run_cmd([sys.executable, "-c", script, recipe, *args], timeout=timeout)
 
 
-def train_here(args: list[str], recipe: str = TINY):
+def train_here(args: list[str], recipe: str = TINY, trainer_class=None):
     """The entry point's Trainer in this process (what pretrain/run.py runs on one process, without an interpreter
-    start and its imports: seconds per run): (the recipe, the trainer after train(), its console output)."""
+    start and its imports: seconds per run): (the recipe, the trainer after train(), its console output).
+    ``trainer_class``: a subclass of the Trainer a test adds a part to."""
     import contextlib
     import io
 
@@ -206,7 +207,7 @@ def train_here(args: list[str], recipe: str = TINY):
     console = io.StringIO()
     try:
         with contextlib.redirect_stdout(console), contextlib.redirect_stderr(console):
-            trainer = Trainer(loaded)
+            trainer = (trainer_class or Trainer)(loaded)
             trainer.train()
     finally:
         # accelerate's process-wide singletons: the next run (and any later test of this process) starts afresh

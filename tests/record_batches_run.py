@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-import pretrain.train.trainer as trainer_module
+import pretrain.train.loader as loader_module
 from pretrain.run import main
 
 
@@ -49,5 +49,5 @@ def recording(build, directory: Path):
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    trainer_module.build_train_loader = recording(trainer_module.build_train_loader, out)
+    loader_module.build_train_loader = recording(loader_module.build_train_loader, out)  # TrainData's
     sys.exit(main(sys.argv[2:]))

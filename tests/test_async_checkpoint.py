@@ -16,9 +16,10 @@ import torch
 from safetensors.torch import load_file
 
 from pretrain.checkpoint.background import SLOW_WRITE_ENV, StagedSave
-from pretrain.checkpoint.checkpointer import Checkpointer, TrainerState
+from pretrain.checkpoint.checkpointer import Checkpointer
 from pretrain.checkpoint.integrity import checkpoint_files, verify_all
 from pretrain.checkpoint.rundir import complete_checkpoints
+from pretrain.checkpoint.state import TrainerState
 from pretrain.distributed.layout import Launch
 from pretrain.errors import ConfigError
 from pretrain.plan import memory

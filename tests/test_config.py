@@ -204,7 +204,7 @@ def test_model_compile_unknown_mode_is_an_error(tmp_path):
 
 def test_moved_keys_name_new_keys_of_the_schema_and_old_keys_it_refuses():
     """The table is checked against the schema: every new key exists and no old key is valid any more."""
-    from pretrain.checkpoint.checkpointer import recipe_field
+    from pretrain.checkpoint.resume import recipe_field
     from pretrain.recipe.config import MOVED_KEYS
 
     for old, new in MOVED_KEYS.items():
@@ -258,7 +258,7 @@ def test_new_keys_load_and_unknown_keys_in_new_sections_are_still_refused(tmp_pa
 
 def test_a_recorded_recipe_of_an_older_pretrain_is_renamed_not_refused(tmp_path):
     """A checkpoint's recipe is nobody's to edit: resume compares it, and export validates it, after renaming."""
-    from pretrain.checkpoint.checkpointer import check_compatible
+    from pretrain.checkpoint.resume import check_compatible
     from pretrain.recipe.config import renamed_keys
 
     new = load_recipe(write(tmp_path / "r.yaml", MINIMAL), ["eval.batches=3", "profile.start_step=2"]).to_dict()

@@ -15,8 +15,8 @@ from pretrain.distributed import context_parallel
 from pretrain.distributed.layout import Launch
 from pretrain.errors import ConfigError
 from pretrain.model.loss import chunked_causal_lm_loss
+from pretrain.train.engine import Engine, Objective, loss_normaliser
 from pretrain.train.evaluation import Evaluator
-from pretrain.train.trainer import Trainer, loss_normaliser
 from tests.helpers import FAST, ROOT, TINY, accelerate_environment, make_recipe
 
 CONFIGS = ROOT / "accelerate_configs"
@@ -81,7 +81,10 @@ def started(monkeypatch):
 
 @pytest.fixture
 def gpus(monkeypatch):
-    """This CPU machine seen as an H100 node by pretrain-launch (its device checks ask torch.cuda)."""
+    """This CPU machine seen as an H100 node by pretrain-launch (its device checks ask torch.cuda). transformers'
+    models are imported first: their import (torchao's kernels) would believe it too and ask the device."""
+    import transformers.modeling_utils  # noqa: F401
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda index: types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=81559 * 2**20))
@@ -219,19 +222,29 @@ def batch_of(tokens: torch.Tensor):
     return Batch(tokens[:, :-1].clone(), tokens[:, 1:].clone())
 
 
+class RecordingEngine(Engine):
+    """The engine's micro-step with the update's parts left out: the backward alone."""
+
+    def backward(self, loss):
+        loss.backward()
+
+    def clip_grad_norm(self, max_norm):
+        return None
+
+    def judge(self, grad_norm):
+        return None
+
+    def update(self, verdict):
+        pass
+
+
 def micro_step(launch: Launch, accelerator, model) -> torch.Tensor:
-    """Trainer.micro_step on one micro-batch (GAS 1) with the loop's collaborators replaced by recorders; the
-    model's gradient after it."""
-    trainer = object.__new__(Trainer)
-    engine = types.SimpleNamespace(backward=lambda loss: loss.backward(), clip_grad_norm=lambda clip: None,
-                                   judge=lambda norm: None, update=lambda verdict: None)
-    trainer.__dict__.update(
-        accelerator=accelerator, model=model, engine=engine, launch=launch, router=None, gate=None, step=0,
-        loss_factors={}, diagnostics=types.SimpleNamespace(before_sync=lambda: None),
-        recipe=types.SimpleNamespace(optim=types.SimpleNamespace(grad_clip=1.0)),
-        loss_normaliser=loss_normaliser(BATCH * SEQ, launch, grad_accum_steps=1))
+    """Engine.micro_step on one micro-batch (GAS 1), the update left out; the model's gradient after it."""
+    objective = Objective(1, loss_normaliser(BATCH * SEQ, launch, grad_accum_steps=1), grad_clip=1.0,
+                          cp_size=launch.cp_size)
+    engine = RecordingEngine(accelerator, model, None, None, None, False, objective)
     model.zero_grad()
-    loss, _, _ = trainer.micro_step(batch_of(rows()), torch.zeros(()))
+    loss, _, _ = engine.micro_step(batch_of(rows()), torch.zeros(()))
     return loss, [p.grad.clone() for p in model.parameters()]
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain.checkpoint.checkpointer import check_compatible
+from pretrain.checkpoint.resume import check_compatible
 from pretrain.errors import ConfigError
 from pretrain.model.build import build_model
 from pretrain.recipe.config import DOCUMENT_MASKING_ARCHS, ModelConfig, load_recipe

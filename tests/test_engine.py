@@ -11,7 +11,7 @@ import torch
 from accelerate import Accelerator
 
 from pretrain.recipe.config import StabilityConfig
-from pretrain.train.engine import Engine
+from pretrain.train.engine import Engine, Objective
 from pretrain.train.stability import SkipPolicy, StepGate
 
 
@@ -23,7 +23,8 @@ def engine():
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     gate = StepGate(SkipPolicy(StabilityConfig()))
-    return Engine.build(accelerator, model, optimizer, scheduler, gate, fp16=False, deepspeed_config=None)
+    return Engine.build(accelerator, model, optimizer, scheduler, gate, Objective(1, 1.0, grad_clip=1.0), fp16=False,
+                        deepspeed_config=None)
 
 
 def _backward(engine: Engine, loss_value: float) -> torch.Tensor:

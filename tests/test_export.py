@@ -27,7 +27,7 @@ def qwen2_run(tmp_path_factory, qwen2_tokenizer):
     out = tmp_path_factory.mktemp("qwen2") / "run"
     _, trainer, console = train_here([*FAST, *QWEN2, f"data.tokenizer={qwen2_tokenizer}", "train.max_steps=2",
                                       "checkpoint.every_steps=2", "eval.every_steps=2", f"output_dir={out}"])
-    return out, (console, trainer.memory_estimate_gib)
+    return out, (console, trainer.parts.memory.total_gib)
 
 
 def training_tokenizer(path):

@@ -110,14 +110,14 @@ def test_launch_read_from_the_config_equals_the_launch_the_processes_read(config
 
 def test_an_fsdp_launch_logs_the_estimators_fsdp_figure(monkeypatch):
     """The environment accelerate exports for fsdp.yaml on 2 processes -> Launch -> the figure the trainer logs
-    as memory/estimated_gib (pretrain.train.trainer.memory_estimate) is the estimator's FSDP figure, not DDP's."""
+    as memory/estimated_gib (pretrain.train.metrics.memory_estimate) is the estimator's FSDP figure, not DDP's."""
     import torch
 
     from pretrain.distributed.layout import Launch
     from pretrain.plan.memory import estimate
     from pretrain.recipe.batching import plan_batches
     from pretrain.recipe.config import load_recipe
-    from pretrain.train.trainer import memory_estimate
+    from pretrain.train.metrics import memory_estimate
 
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     launch = Launch.from_env(accelerate_environment(CONFIGS / "fsdp.yaml", "--num_processes", "2"))

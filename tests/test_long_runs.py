@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pretrain.checkpoint.checkpointer import Checkpointer, ResumeChoice, TrainerState, agree_on_resume
+from pretrain.checkpoint.checkpointer import Checkpointer
 from pretrain.checkpoint.integrity import (
     MANIFEST_FILE,
     Unverified,
@@ -29,7 +29,9 @@ from pretrain.checkpoint.integrity import (
     verify_own,
     write_manifest,
 )
+from pretrain.checkpoint.resume import ResumeChoice, agree_on_resume
 from pretrain.checkpoint.rundir import STATE_FILE
+from pretrain.checkpoint.state import TrainerState
 from pretrain.data.store import TokenRows
 from pretrain.distributed.supervise import RunLock
 from pretrain.errors import ConfigError, DataError

@@ -384,7 +384,7 @@ def test_measured_flops_without_a_closed_form_match_a_training_step(arch):
 def test_trainer_falls_back_to_measured_flops_and_says_so():
     from pretrain.model.measure import measure
     from pretrain.recipe.config import load_recipe
-    from pretrain.train.trainer import measured_flops
+    from pretrain.train.metrics import measured_flops
     from tests.helpers import TINY
 
     recipe = load_recipe(TINY, ["model.activation_checkpointing=full"])

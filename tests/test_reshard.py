@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pretrain.checkpoint import reshard
-from pretrain.checkpoint.checkpointer import TrainerState
 from pretrain.checkpoint.reshard import UNIVERSAL, Layout, conversion, prepare_resume, saved_layout
+from pretrain.checkpoint.state import TrainerState
 from pretrain.cli import export
 from pretrain.distributed.layout import Launch
 from pretrain.errors import ConfigError

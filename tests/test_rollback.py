@@ -20,7 +20,8 @@ from pretrain.checkpoint.rundir import read_state
 from pretrain.errors import ConfigError, TrainingDiverged
 from pretrain.recipe.config import RollbackConfig, load_recipe
 from pretrain.train.loader import GlobalSampleOrder, SkippingOrder
-from pretrain.train.stability import LOSS_FACTORS_ENV, Rollbacks
+from pretrain.train.rollback import Rollback, run_rollbacks
+from pretrain.train.stability import LOSS_FACTORS_ENV
 from pretrain.trust import allowed_globals
 from tests.helpers import (
     FAST,
@@ -47,8 +48,7 @@ def test_skipped_batches_are_left_out_of_the_order_and_nothing_else_moves():
     assert skipping.epochs_read(3) == order.epochs_read(6)
 
 
-def test_a_resume_restores_the_rollbacks_of_its_own_timeline_only():
-    history = Rollbacks(RollbackConfig())
+def test_a_resume_restores_the_rollbacks_of_its_own_timeline_only(tmp_path):
     saved = [{"to_step": 4, "batches": [4, 8], "lr_factor": 0.5, "lr_schedule_steps": [4, 6]}]
     logged = [
         *saved,  # made before the checkpoint was saved: the checkpoint holds it
@@ -57,7 +57,9 @@ def test_a_resume_restores_the_rollbacks_of_its_own_timeline_only():
         {"checkpoint": "step_00000012", "checkpoint_saved_at": 2.0, "to_step": 12, "batches": [16, 19],
          "lr_factor": 0.25, "lr_schedule_steps": [12, 13]},  # to the checkpoint resumed, after it was saved
     ]
-    history.restore(saved, logged, "step_00000012", 2.0)
+    (tmp_path / "rollbacks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in logged))
+    history = Rollback(RollbackConfig(), tmp_path)
+    history.load_state_dict({"records": saved, "saved_at": 2.0})  # the save of step 12 resumed
     assert history.skipped == [(4, 8), (16, 19)]
     assert [history.lr_factor(s) for s in (3, 4, 5, 6, 12, 13)] == [1.0, 0.5, 0.5, 1.0, 0.25, 1.0]
     assert history.attempts(12) == 1 and history.attempts(4) == 1
@@ -135,8 +137,8 @@ def test_a_persistent_spike_rolls_back_skips_its_window_and_ends_finite(rolled_b
     assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith(("step_", ".rolled"))) == [
         ".rolled-back-step_00000008", "step_00000004", "step_00000008", "step_00000012"]
     assert (checkpoints / "latest").read_text().strip() == "step_00000012"
-    assert read_state(checkpoints / "step_00000008")["rollbacks"] == [record]
-    assert read_state(checkpoints / "step_00000004").get("rollbacks") == []
+    assert read_state(checkpoints / "step_00000008")["components"]["rollback"]["records"] == [record]
+    assert read_state(checkpoints / "step_00000004")["components"]["rollback"]["records"] == []
     # pretrain-data which reads the same order: step 5 read the global batch after the skipped ones
     from pretrain.train.data_lookup import RunData
 
@@ -215,9 +217,7 @@ def test_a_rollback_whose_checkpoints_are_damaged_goes_further_back_and_leaves_t
     # The window read in the attempt given up: steps 3-11, i.e. batches 2-3 and, after the first window, 7-13.
     assert {k: second[k] for k in ("rollback", "checkpoint", "to_step", "skipped_steps", "batches")} == {
         "rollback": 1, "checkpoint": "step_00000002", "to_step": 2, "skipped_steps": [3, 11], "batches": [2, 13]}
-    assert read_state(checkpoints / "step_00000014")["rollbacks"] == [second]
-    from pretrain.train.stability import run_rollbacks
-
+    assert read_state(checkpoints / "step_00000014")["components"]["rollback"]["records"] == [second]
     assert run_rollbacks(out) == [second]
     by_step = {r["step"]: r for r in metrics(out) if "train/loss" in r}
     assert sorted(by_step) == list(range(1, 15))
@@ -289,8 +289,8 @@ def test_a_rollback_on_two_processes_is_the_one_process_rollback(rolled_back, la
     assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith(("step_", ".rolled", ".tmp"))) == [
         ".rolled-back-step_00000008", "step_00000004", "step_00000008", "step_00000012"]
     assert verify_all(checkpoints / ".rolled-back-step_00000008") is None
-    assert read_state(checkpoints / ".rolled-back-step_00000008")["rollbacks"] == []
-    assert [r["to_step"] for r in read_state(checkpoints / "step_00000012")["rollbacks"]] == [4]
+    assert read_state(checkpoints / ".rolled-back-step_00000008")["components"]["rollback"]["records"] == []
+    assert [r["to_step"] for r in read_state(checkpoints / "step_00000012")["components"]["rollback"]["records"]] == [4]
     # Each step once, the redone ones replacing the abandoned ones; the one-process losses and lrs.
     steps = {r["step"]: r for r in metrics(out) if "train/loss" in r}
     expected = {r["step"]: r for r in metrics(single) if "train/loss" in r}
@@ -387,8 +387,9 @@ def test_each_deepspeed_load_reads_its_own_checkpoints_kind(tmp_path):
     """A run resumed on another world size loads a universal checkpoint; its rollback to a checkpoint it wrote itself
     must load that one as a plain DeepSpeed checkpoint (DeepSpeed reads load_universal from its config at each
     load), and the universal view of the checkpoint it resumed as universal again."""
-    from pretrain.checkpoint.checkpointer import Checkpointer, TrainerState
+    from pretrain.checkpoint.checkpointer import Checkpointer
     from pretrain.checkpoint.reshard import ResumeSource
+    from pretrain.checkpoint.state import TrainerState
     from pretrain.recipe.config import CheckpointConfig
 
     accelerator = _DeepSpeedLike()
@@ -397,6 +398,6 @@ def test_each_deepspeed_load_reads_its_own_checkpoints_kind(tmp_path):
     checkpointer.save(TrainerState(step=8, tokens_seen=0, num_steps=10, plan={}, recipe={}))
     written = tmp_path / "checkpoints" / "step_00000008"
     view = written.with_name(f"{written.name}.universal")  # stands for the universal view of a resumed checkpoint
-    checkpointer.load(written, {}, ResumeSource(written, written, saved=None))
-    checkpointer.load(written, {}, ResumeSource(written, view, saved=None, load_universal=True))
+    checkpointer.load(ResumeSource(written, written, saved=None), seed=0)
+    checkpointer.load(ResumeSource(written, view, saved=None, load_universal=True), seed=0)
     assert accelerator.loads == [(str(written), False), (str(view), True)]

@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from pretrain.checkpoint.checkpointer import TrainerState
 from pretrain.checkpoint.rundir import LATEST_FILE, STATE_FILE
+from pretrain.checkpoint.state import TrainerState
 from tests.helpers import FAST, ROOT, accelerate_launch
 
 pytestmark = pytest.mark.slow

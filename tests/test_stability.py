@@ -92,8 +92,9 @@ def test_metrics_jsonl_is_strict_json_with_null_for_non_finite(tmp_path):
 
 
 def test_a_non_finite_state_is_never_checkpointed_and_the_healthy_one_is_kept(tmp_path):
-    from pretrain.checkpoint.checkpointer import Checkpointer, TrainerState
+    from pretrain.checkpoint.checkpointer import Checkpointer
     from pretrain.checkpoint.rundir import latest_checkpoint
+    from pretrain.checkpoint.state import TrainerState
     from pretrain.recipe.config import CheckpointConfig
 
     class Accelerator:  # what Checkpointer.save uses, one process

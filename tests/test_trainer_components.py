@@ -14,19 +14,20 @@ from types import SimpleNamespace
 import pytest
 from pydantic import BaseModel
 
-import pretrain.checkpoint.checkpointer as checkpoint
+import pretrain.checkpoint.resume as checkpoint
 import pretrain.distributed.accelerator as runtime
-from pretrain.checkpoint.checkpointer import (
+from pretrain.checkpoint.checkpointer import Checkpointer
+from pretrain.checkpoint.reshard import ResumeSource
+from pretrain.checkpoint.resume import (
     MUST_MATCH,
-    Checkpointer,
     ResumeChoice,
-    TrainerState,
     agree_on_resume,
     check_compatible,
     recipe_field,
     resume_checkpoint,
 )
 from pretrain.checkpoint.rundir import STATE_FILE, read_state
+from pretrain.checkpoint.state import RunState, TrainerState, TrainProgress
 from pretrain.distributed.preemption import STOP_SIGNALS, StopSignals
 from pretrain.errors import ConfigError
 from pretrain.recipe.config import CheckpointConfig, Recipe, load_recipe
@@ -81,16 +82,22 @@ def test_trainer_state_round_trips_and_reads_old_checkpoints(tmp_path, recipe):
     state = TrainerState(step=7, tokens_seen=7 * 512, num_steps=20, plan={"global_batch_size": 8}, recipe=recipe)
     assert TrainerState.from_json(state.to_json()) == state
     written = json.loads(state.to_json())
-    assert {"step", "tokens_seen", "num_steps", "plan", "recipe", "layout", "data", "stability", "rollbacks",
+    assert {"step", "tokens_seen", "num_steps", "plan", "recipe", "layout", "data", "components",
             "saved_at", "python", "torch"} == set(written)
 
-    old = {k: v for k, v in written.items() if k != "layout"}  # written before the layout was recorded
+    old = {k: v for k, v in written.items() if k not in ("layout", "components")}  # written before both were
     old = {**old, "samples_seen": 56, "data_cursor": {"kind": "global_step", "step": 7, "seed": 1234},
-           "recipe_fingerprint": "0123456789abcdef", "saved_at": 1.5}
+           "recipe_fingerprint": "0123456789abcdef", "saved_at": 1.5,
+           "stability": {"losses": [2.0], "grad_norms": [1.0], "skipped": 1, "consecutive": 0},
+           "rollbacks": [{"to_step": 4, "batches": [4, 5]}]}
     (tmp_path / STATE_FILE).write_text(json.dumps(old))
     loaded = TrainerState.read(tmp_path)
     assert (loaded.step, loaded.tokens_seen, loaded.num_steps, loaded.saved_at, loaded.layout) == (7, 3584, 20, 1.5, None)
     assert loaded.recipe == recipe
+    # the parts that now hold what older checkpoints kept at the top (the rollbacks' timeline: that save's time)
+    assert loaded.states() == {"progress": {"step": 7, "tokens_seen": 3584, "num_steps": 20},
+                               "stability": old["stability"],
+                               "rollback": {"records": old["rollbacks"], "saved_at": 1.5}}
     assert TrainerState.read(tmp_path / "missing") is None
 
 
@@ -199,11 +206,45 @@ def test_checkpointer_saves_typed_state_and_loads_it_back(tmp_path, recipe):
         path = checkpointer.save(TrainerState(step=step, tokens_seen=step * 512, num_steps=10, plan={}, recipe=recipe))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_00000006"]
     assert read_state(path)["saved_at"] > 0 and "checkpoint: saved step 6" in logged[-1]
-    state, applied = checkpointer.load(path, recipe)
-    assert applied == []
-    assert (state.step, state.tokens_seen, acc.loaded) == (6, 3072, str(path))
+    checkpointer.load(ResumeSource(path, path, saved=None), seed=0)
+    assert acc.loaded == str(path)
     assert acc.step == 12  # accelerate's micro-step counter, in this launch's GAS
     assert f"resume: continuing from {path} at step 6" in logged[-1]
+
+
+class _Counter:
+    """A stateful part as a later feature adds one."""
+
+    def __init__(self):
+        self.seen = 0
+
+    def state_dict(self):
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state):
+        self.seen = 0 if state is None else state["seen"]
+
+
+def test_the_run_state_saves_and_loads_every_registered_part_in_order(tmp_path):
+    """What a checkpoint records of the run state is the registered parts' state dicts, and a load gives each its
+    own back, in registration order; a part the checkpoint predates keeps its fresh state and is named."""
+    progress, counter, logged = TrainProgress(num_steps=10), _Counter(), []
+    state = RunState(log=logged.append, progress=progress, counter=counter)
+    progress.advance(512)
+    counter.seen = 3
+    record = TrainerState.of(state.state_dict(), plan={}, recipe={})
+    assert (record.step, record.tokens_seen, record.num_steps, record.components) == (1, 512, 10, {"counter": {"seen": 3}})
+    (tmp_path / STATE_FILE).write_text(record.to_json())
+
+    fresh_progress, fresh_counter, other = TrainProgress(num_steps=20), _Counter(), _Counter()
+    fresh = RunState(log=logged.append, progress=fresh_progress, counter=fresh_counter, added_later=other)
+    fresh.load_state_dict(TrainerState.read(tmp_path).states())
+    assert (fresh_progress.step, fresh_progress.tokens_seen, fresh_progress.num_steps) == (1, 512, 20)  # the recipe's horizon
+    assert (fresh_counter.seen, other.seen) == (3, 0)
+    assert logged == ["resume: the checkpoint holds no 'added_later' state (saved by an older pretrain): it starts "
+                      "afresh"]
+    with pytest.raises(ValueError, match="'counter' is registered already"):
+        fresh.register("counter", _Counter())
 
 
 # ---- stop signals ---------------------------------------------------------------------------------------

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.checkpoint.checkpointer import ResumeChoice, TrainerState
 from pretrain.checkpoint.integrity import read_manifest, record_own, verify_all, write_manifest
+from pretrain.checkpoint.resume import ResumeChoice
+from pretrain.checkpoint.state import TrainerState
 from pretrain.errors import ConfigError
 from pretrain.recipe.config import CheckpointConfig, load_recipe
 from pretrain.trust import FORCE_ENV, check_output_dir, weights_only

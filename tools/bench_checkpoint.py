@@ -53,7 +53,7 @@ def child(mode: str, output_dir: str, steps: int, every: int, small: bool) -> No
     trainer.train()
     steps_s = [m["perf/step_time_s"] for m in map(json.loads, (Path(output_dir) / "metrics.jsonl").open())
                if m.get("perf/step_time_s") is not None]
-    print(MARKER + json.dumps({"mode": mode, "num_params": trainer.num_params, "stalls_s": trainer.checkpointer.stalls_s,
+    print(MARKER + json.dumps({"mode": mode, "num_params": trainer.parts.num_params, "stalls_s": trainer.checkpointer.stalls_s,
                                "writes_s": trainer.checkpointer.writes_s, "step_time_s": steps_s}), flush=True)
 
 

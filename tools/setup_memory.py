@@ -55,19 +55,20 @@ def report(figures: dict) -> None:
 
 
 def trainer_worker(overrides: list[str]) -> None:
+    import pretrain.train.model_parts as parts_module
     import pretrain.train.trainer as train_module
 
     figures = {"baseline": rss_bytes()}
-    build = train_module.build_model
+    build = parts_module.build_model
 
     def measured_build(*args, **kwargs):
         figures["pre_build"] = rss_bytes()
         model = build(*args, **kwargs)
         figures["build"] = peak_rss_bytes()
-        figures["num_params"] = train_module.count_parameters(model)
+        figures["num_params"] = parts_module.count_parameters(model)
         return model
 
-    train_module.build_model = measured_build
+    parts_module.build_model = measured_build  # where the trainer's model parts are built
     from pretrain.recipe.config import load_recipe
 
     train_module.Trainer(load_recipe(ROOT / "recipes" / "tiny.yaml", overrides))

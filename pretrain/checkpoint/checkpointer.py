@@ -1,302 +1,42 @@
-"""Checkpoints that survive a kill at any moment and resume exactly.
+"""Checkpoints that survive a kill at any moment: the save, its cadence, and the restore of what was saved.
 
 A checkpoint is ``accelerator.save_state`` (model, optimizer, scheduler, grad scaler, RNG of every
-process) plus ``trainer_state.json`` (a ``TrainerState``: step, tokens seen, horizon, plan, recipe),
-written into ``checkpoints/.tmp-step_XXXXXXXX`` and renamed to ``step_XXXXXXXX`` only when complete;
-then the ``latest`` pointer is replaced atomically. The data cursor is the optimizer step: the sample
-order is a pure function of (seed, step), see ``pretrain/train/loader.py``. Resume reads ``latest`` (or, if it
-is missing, the newest complete checkpoint by the step recorded inside it, never by folder name).
+process) plus ``trainer_state.json`` (a ``TrainerState``: the run state's registered parts, plan, recipe,
+layout; ``pretrain/checkpoint/state.py``), written into ``checkpoints/.tmp-step_XXXXXXXX`` and renamed to
+``step_XXXXXXXX`` only when complete; then the ``latest`` pointer is replaced atomically. The data cursor is
+the optimizer step: the sample order is a pure function of (seed, step), see ``pretrain/train/loader.py``.
 
-Every checkpoint carries ``manifest.json`` (``pretrain/checkpoint/integrity.py``): each file's size and CRC-32, every
-rank hashing the files it wrote, written after every other file and before the rename. Which checkpoint a
-run resumes from is decided once, by rank 0 (``ResumeChoice.decide``: plain file reads, before any process
-group exists, because the trackers need the resume step): the newest whose files have the sizes its
-manifest records, the older ones kept as fallbacks. Once the process group exists every rank takes
-that choice, checks that it sees the same checkpoint and verifies the checksums of its share of the files
-(``agree_on_resume``); damage found there moves every rank on to the next fallback together, so ranks never
-load different steps. A damaged checkpoint that was passed over is moved aside to ``.damaged-step_X`` (never
-deleted: inspect it, then delete it); when no checkpoint is intact the run stops with exit 2 and leaves them
-in place. The ``Checkpointer`` is built once the
+Every checkpoint carries ``manifest.json`` (``pretrain/checkpoint/integrity.py``): each file's size and CRC-32,
+every rank hashing the files it wrote, written after every other file and before the rename. Which checkpoint a
+run resumes from, and whether it may, is ``pretrain/checkpoint/resume.py``'s decision; this module writes
+checkpoints and restores the accelerator's state of the one decided. The ``Checkpointer`` is built once the
 accelerator is, and owns the save cadence (every N optimizer steps, and the last step).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, gather_object, set_seed
-from pydantic import BaseModel
+from accelerate.utils import gather_object, set_seed
 
 from pretrain.checkpoint.background import StagedSave, Writer, gather_over, injected_write_delay
-from pretrain.checkpoint.integrity import (
-    MANIFEST_FILE,
-    Unverified,
-    check_sizes,
-    own_files,
-    record_own,
-    verify_own,
-    write_manifest,
-)
+from pretrain.checkpoint.integrity import record_own, write_manifest
 from pretrain.checkpoint.reshard import ResumeSource, views
-from pretrain.checkpoint.rundir import (
-    CHECKPOINTS_DIR,
-    LATEST_FILE,
-    STATE_FILE,
-    complete_checkpoints,
-    latest_checkpoint,
-    read_state,
-)
-from pretrain.data import data_changes, planned_data_identity
-from pretrain.distributed.accelerator import SHARED_FS_HINT, merge_problems, rank_problems
+from pretrain.checkpoint.rundir import CHECKPOINTS_DIR, LATEST_FILE, STATE_FILE, complete_checkpoints, latest_checkpoint
+from pretrain.checkpoint.state import TrainerState
+from pretrain.distributed.accelerator import merge_problems, rank_problems
 from pretrain.errors import ConfigError, TrainingDiverged, disk_full_error, is_disk_full
-from pretrain.recipe.config import CheckpointConfig, DataConfig, Recipe, renamed_keys
-from pretrain.trust import check_files, is_inside, weights_only
-
-# Recipe keys whose change makes a checkpoint unusable: the weights' shapes or meaning, the sample stream, or
-# optimizer hyper-parameters the checkpoint's optimizer state would silently override (its param groups carry
-# weight decay, betas, eps) differ. The data behind the stream (the store, its sources' fingerprints, the
-# tokenizer) is checked apart (check_resume_data). APPLIED_ON_RESUME changes take effect, logged and recorded
-# (run_config.json's ``resume``); anything else (precision, kernels, data.document_masking, cadences, logging)
-# may change with a logged note: document masking changes what the model attends to, not the weights or stream.
-MUST_MATCH = (
-    *(f"model.{k}" for k in ("arch", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                             "intermediate_size", "vocab_size", "max_position_embeddings", "rope_theta",
-                             "norm_eps", "tie_embeddings", "config_overrides")),
-    *(f"data.{k}" for k in ("source", "format", "text_field", "hf_config", "hf_split", "tokenizer",
-                            "tokenizer_vocab_size", "seq_len", "train_subset", "val_fraction", "shuffle",
-                            "drop_last", "on_decode_error", "mixture", "normalize_weights")),
-    *(f"optim.{k}" for k in ("name", "weight_decay", "args", "decay_embeddings")),
-    "batch.global_batch_size",
-    "train.seed",
-)
-# Changes a resume applies: the peak lr replaces the checkpoint's (optim.set_peak_lr), the schedule is rebuilt
-# for the new horizon and shape, clipping and the stability rules are read every step.
-APPLIED_ON_RESUME = ("optim.lr", "optim.lr_scaling", "optim.reference_global_batch_size", "optim.grad_clip",
-                     "lr_schedule.", "train.max_steps", "train.max_tokens", "stability.")
-
-
-@dataclass(frozen=True)
-class TrainerState:
-    """What a checkpoint records besides ``save_state``: what resume reads back, and what status prints."""
-
-    step: int  # optimizer steps done; also the data cursor
-    tokens_seen: int
-    num_steps: int  # the horizon when saved (pretrain-slurm status prints step/num_steps)
-    plan: dict[str, Any]  # BatchPlan.to_dict() when saved
-    recipe: dict[str, Any]  # the resolved recipe when saved: the compatibility check reads it
-    layout: dict[str, Any] | None = None  # Launch.to_dict() when saved (None: saved before it was recorded)
-    data: dict[str, Any] | None = None  # the token store(s) trained on (pretrain.data.data_identity; None: older)
-    stability: dict[str, Any] | None = None  # SkipPolicy.state_dict(): the rolling window and skip counts
-    rollbacks: list[dict[str, Any]] | None = None  # stability.Rollbacks.records: the rollbacks before this save
-    python: str = field(default_factory=lambda: sys.version.split()[0])
-    torch: str = field(default_factory=lambda: torch.__version__)
-    saved_at: float | None = None  # time.time() of the save
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> TrainerState:
-        """Keys this class does not know (older checkpoints wrote more) are ignored."""
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in known})
-
-    @classmethod
-    def from_json(cls, text: str) -> TrainerState:
-        return cls.from_dict(json.loads(text))
-
-    @classmethod
-    def read(cls, checkpoint: str | Path) -> TrainerState | None:
-        """The state of a complete checkpoint, or None (incomplete, or not a checkpoint)."""
-        values = read_state(checkpoint)
-        return None if values is None else cls.from_dict(values)
-
-
-def recipe_field(dotted: str) -> Any:
-    """The pydantic field a dotted recipe key names, e.g. ``model.hidden_size``; KeyError if none does."""
-    model: Any = Recipe
-    info = None
-    for part in dotted.split("."):
-        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
-            raise KeyError(f"{dotted!r} names no field of the recipe schema (pretrain.recipe.config.Recipe)")
-        info = model.model_fields[part]
-        model = info.annotation
-    return info
-
-
-def _lookup(tree: dict, dotted: str):
-    node: Any = tree
-    for part in dotted.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return node
-
-
-def _diff(old: Any, new: Any, prefix: str = "") -> list[str]:
-    if isinstance(old, dict) and isinstance(new, dict):
-        out = []
-        for key in sorted(set(old) | set(new)):
-            out += _diff(old.get(key), new.get(key), f"{prefix}.{key}" if prefix else key)
-        return out
-    return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
-
-
-def check_compatible(path: Path, saved: dict[str, Any], recipe: dict[str, Any]) -> list[str]:
-    """Raise ConfigError if ``recipe`` changed a ``MUST_MATCH`` key since the checkpoint at ``path`` was
-    saved with ``saved``; else the other differences, for a warning. A key naming no recipe field is a bug
-    here, and raises KeyError rather than comparing None with None."""
-    saved = renamed_keys(saved)  # a checkpoint of an older pretrain: its moved keys are no change
-    for key in MUST_MATCH:
-        recipe_field(key)
-    changed = [key for key in MUST_MATCH if _lookup(saved, key) != _lookup(recipe, key)]
-    if changed:
-        details = "; ".join(d for key in changed for d in _diff(_lookup(saved, key), _lookup(recipe, key), key))
-        raise ConfigError(
-            f"cannot resume from {path}: the recipe changed where an exact continuation needs it unchanged "
-            f"({details}); restore those values, set checkpoint.resume=none with a new output_dir, "
-            "or delete the checkpoints"
-        )
-    return [d for d in _diff(saved, recipe) if not d.startswith(("checkpoint.", "logging."))]
-
-
-def _data_refusal(path: Path, changes: list[str]) -> ConfigError:
-    return ConfigError(
-        f"cannot resume from {path}: the data it was trained on differs from this run's ({'; '.join(changes)}); "
-        "its weights would continue on other token ids or another sample order. Restore that data (or point "
-        "data.store at the store it names), or train on the new data as a new run: a new output_dir"
-    )
-
-
-def check_resume_data(path: Path, data_cfg: DataConfig) -> None:
-    """Refuse to resume ``path`` when the data this run would read is not what it was trained on: the store's
-    sources (their files' fingerprints), tokenizer, split. Every rank, before any store is prepared (a changed
-    corpus would otherwise be tokenized, and a BPE retrained, first); every rank reads the same files, so every
-    rank raises together. A checkpoint that recorded no data (older) is not checked here."""
-    state = TrainerState.read(path)
-    if state is None or state.data is None:
-        return
-    changes = data_changes(state.data, planned_data_identity(data_cfg, log=lambda _: None))
-    if changes:
-        raise _data_refusal(path, changes)
-
-
-def resume_checkpoint(output_dir: str | Path, cfg: CheckpointConfig) -> Path | None:
-    """The checkpoint to resume from according to ``checkpoint.resume`` (not verified), or None to start fresh.
-
-    Plain file reads, needing no accelerator. ``ResumeChoice.decide`` verifies it and finds the fallbacks.
-    """
-    directory = Path(output_dir) / CHECKPOINTS_DIR
-    if cfg.resume == "none":
-        if complete_checkpoints(output_dir):
-            raise ConfigError(
-                f"checkpoint.resume=none but {directory} already holds checkpoints; resume them with "
-                "checkpoint.resume=auto, or choose a new output_dir (nothing is overwritten)"
-            )
-        return None
-    if cfg.resume == "auto":
-        return latest_checkpoint(output_dir)
-    path = Path(cfg.resume)
-    if read_state(path) is None:
-        raise ConfigError(
-            f"checkpoint.resume = {cfg.resume!r} is not a complete checkpoint directory (no {STATE_FILE}); "
-            f"give a path like {directory}/step_00000100, or use auto / none"
-        )
-    return path
-
-
-def _candidates(output_dir: str | Path, cfg: CheckpointConfig) -> list[Path]:
-    """The checkpoint ``checkpoint.resume`` names, then (auto) every older complete one, newest first."""
-    path = resume_checkpoint(output_dir, cfg)
-    if path is None or cfg.resume != "auto":
-        return [] if path is None else [path]
-    step = TrainerState.read(path).step
-    return [path, *(p for s, p in reversed(complete_checkpoints(output_dir)) if s < step)]
-
-
-def no_intact_checkpoint(damaged: list[tuple[str, str]], resume: str) -> str:
-    found = "; ".join(f"{path}: {problem}" for path, problem in damaged)
-    if resume == "auto":
-        return (f"cannot resume: no checkpoint in {Path(damaged[0][0]).parent} is intact ({found}). Restore the "
-                "damaged files from a copy, or move the damaged checkpoints out of checkpoints/ to start this "
-                "output_dir afresh (nothing was changed)")
-    return (f"cannot resume from checkpoint.resume = {resume!r}: it is damaged ({found}); restore it from a copy "
-            "or give another checkpoint")
-
-
-@dataclass(frozen=True)
-class ResumeChoice:
-    """Rank 0's answer to "which checkpoint does this run resume from?", as every rank receives it."""
-
-    resume: str  # checkpoint.resume, for messages
-    host: str  # rank 0's host, for messages
-    path: str | None = None  # None: start fresh
-    step: int | None = None  # the step recorded inside ``path``
-    error: str | None = None  # the ConfigError deciding raised, held until every rank can raise it
-    fallbacks: tuple[tuple[str, int], ...] = ()  # (path, step) of the older complete checkpoints, newest first
-    damaged: tuple[tuple[str, str], ...] = ()  # (path, problem) of newer checkpoints passed over
-
-    @classmethod
-    def decide(cls, output_dir: str | Path, cfg: CheckpointConfig) -> ResumeChoice:
-        """Rank 0's decision, before the process group exists (the trackers need its step): the newest
-        checkpoint whose files have the sizes its manifest records (one stat per file). Every rank decides
-        too (a conversion it waits for is the one of the checkpoint it sees) and takes rank 0's choice once
-        the process group exists. A ConfigError is kept, not raised: rank 0 leaving alone would leave the
-        other ranks waiting for it."""
-        choice = cls(resume=cfg.resume, host=socket.gethostname())
-        try:
-            candidates = _candidates(output_dir, cfg)
-        except ConfigError as exc:
-            return replace(choice, error=str(exc))
-        return choice.first_intact(candidates)
-
-    @classmethod
-    def before(cls, output_dir: str | Path, step: int) -> ResumeChoice:
-        """The newest complete checkpoint of ``output_dir`` saved before optimizer step ``step`` whose files have
-        their manifest's sizes, older ones as fallbacks (stability.rollback's target: rank 0 decides, and
-        ``agree_on_resume`` verifies it on every rank as for a resume). ``path`` None: there is none."""
-        choice = cls(resume="auto", host=socket.gethostname())
-        return choice.first_intact([p for s, p in reversed(complete_checkpoints(output_dir)) if s < step])
-
-    def first_intact(self, candidates: list[Path]) -> ResumeChoice:
-        """This choice of the first of ``candidates`` (newest first) whose files have their manifest's sizes."""
-        choice = self
-        if not candidates:
-            return choice
-        damaged = []
-        for index, path in enumerate(candidates):
-            try:
-                problem = check_sizes(path)
-            except Unverified:
-                problem = None  # written before manifests existed: agree_on_resume warns
-            if problem is None:
-                # The older ones are not stat-ed now (every rank decides, and a 512-rank ZeRO checkpoint has
-                # ~1000 files): agree_on_resume's checksums find a missing or cut file there too.
-                fallbacks = tuple((str(p), TrainerState.read(p).step) for p in candidates[index + 1:])
-                return replace(choice, path=str(path), step=TrainerState.read(path).step, fallbacks=fallbacks,
-                               damaged=tuple(damaged))
-            damaged.append((str(path), problem))
-        return replace(choice, error=no_intact_checkpoint(damaged, choice.resume))
-
-
-def _sees(path: Path, step: int, output_dir: str | Path) -> str | None:
-    state = TrainerState.read(path)
-    if state is not None and state.step == step:
-        return None
-    seen = "no complete checkpoint" if state is None else f"a checkpoint at step {state.step}"
-    newest = latest_checkpoint(output_dir)
-    own = (f"newest visible: {newest} at step {TrainerState.read(newest).step}" if newest is not None
-           else "no checkpoint visible in output_dir")
-    return f"found {seen} at {path.resolve()} ({own})"
+from pretrain.recipe.config import CheckpointConfig
+from pretrain.trust import weights_only
 
 
 def set_aside(path: Path, why: str = "damaged") -> Path:
@@ -310,60 +50,6 @@ def set_aside(path: Path, why: str = "damaged") -> Path:
     os.rename(path, aside)
     return aside
 
-
-def agree_on_resume(accelerator: Accelerator, choice: ResumeChoice | None, output_dir: str | Path,
-                    log: Callable[[str], None] = print) -> Path | None:
-    """Every rank takes rank 0's ``choice`` (None on the other ranks), checks that it sees that very
-    checkpoint, complete and at the same step, and verifies the checksums of its share of the files; damage
-    found by any rank moves every rank on to the next fallback. The checkpoint to load, or None to start
-    fresh. Any problem raises the same ConfigError on every rank. Collective: every rank calls it once the
-    process group exists. Rank 0 logs the damage and moves the damaged checkpoints passed over aside."""
-    [choice] = broadcast_object_list([choice])
-    if choice.error is not None:
-        raise ConfigError(choice.error)
-    if choice.path is None:
-        return None
-    damaged = list(choice.damaged)
-    chosen = None
-    for name, step in ((choice.path, choice.step), *choice.fallbacks):
-        path = Path(name)
-        problems = rank_problems(accelerator, _sees(path, step, output_dir))
-        if problems:
-            raise ConfigError(
-                f"the ranks do not see the same checkpoint to resume from: rank 0 (host {choice.host}) chose "
-                f"{path} at step {step} (checkpoint.resume={choice.resume}), and {'; '.join(problems)}. Every "
-                f"rank must load the checkpoint rank 0 chose: {SHARED_FS_HINT}"
-            )
-        damage = rank_problems(accelerator, verify_own(path, accelerator.process_index, accelerator.num_processes))
-        # A file whose checksum matches may still have been crafted (whoever replaces a file can update the
-        # manifest): each rank reads the pickles of its share without running them; one is refused, not passed
-        # over as damage.
-        refused = rank_problems(accelerator, check_files(path, own_files(path, accelerator.process_index,
-                                                                         accelerator.num_processes)))
-        if refused:
-            raise ConfigError(f"cannot resume from {path}: {'; '.join(refused)}")
-        if not damage:
-            chosen = (path, step)
-            break
-        damaged.append((name, "; ".join(damage)))
-    if chosen is None:
-        raise ConfigError(no_intact_checkpoint(damaged, choice.resume))
-    path, step = chosen
-    if accelerator.is_main_process:  # every rank has verified (and given up on) the damaged ones by now
-        for name, problem in damaged:
-            if not is_inside(Path(name), Path(output_dir) / CHECKPOINTS_DIR):
-                # not this run's (rank 0 decides among its own checkpoints only): pretrain moves nothing it
-                # does not own
-                log(f"warning: checkpoint {name} is damaged ({problem}); resuming from the previous intact "
-                    f"checkpoint {path} (step {step}) instead. {name} is outside {output_dir}: left in place")
-                continue
-            aside = set_aside(Path(name))
-            log(f"warning: checkpoint {name} is damaged ({problem}); resuming from the previous intact checkpoint "
-                f"{path} (step {step}) instead. The damaged one is moved to {aside}: inspect it, then delete it")
-        if not (path / MANIFEST_FILE).is_file():
-            log(f"warning: checkpoint {path} has no manifest (written before checkpoints were verified): resumed "
-                "without checking its files")
-    return path
 
 
 def nonfinite_state(optimizer) -> str | None:
@@ -610,26 +296,11 @@ class Checkpointer:
                     shutil.rmtree(view, ignore_errors=True)
                 shutil.rmtree(path, ignore_errors=True)
 
-    def load(self, path: Path, recipe: dict[str, Any], source: ResumeSource | None = None,
-             data: dict[str, Any] | None = None) -> tuple[TrainerState, list[str]]:
-        """Restore everything from ``path``; returns its trainer state and the APPLIED_ON_RESUME changes.
-        Refuses an incompatible recipe, and (``data``: the opened stores' ``data_identity``) a store holding
-        other tokens. ``source``: the checkpoint as ``reshard.prepare_resume`` prepared it for this launch
-        (where the state is read, whether the RNG is re-seeded); None: as saved."""
-        source = source or ResumeSource(path, path, saved=None)
-        state = TrainerState.read(path)
-        assert state is not None
-        other = check_compatible(path, state.recipe, recipe)
-        if state.data is not None and data is not None:
-            changes = data_changes(state.data, {name: (found, None) for name, found in data.items()}, opened=data)
-            if changes:
-                raise _data_refusal(path, changes)
-        applied = [d for d in other if d.startswith(APPLIED_ON_RESUME)]
-        other = [d for d in other if d not in applied]
-        if applied:
-            self.log(f"resume: applying the recipe's {'; '.join(applied)}")
-        if other:
-            self.log(f"resume: recipe differs from the checkpoint's in: {'; '.join(other)}")
+    def load(self, source: ResumeSource, seed: int) -> None:
+        """Restore the accelerator's state (model, optimizer, scheduler, loss scaler, RNG) of the checkpoint ``source``
+        prepared for this launch (``reshard.prepare_resume``: where the state is read, whether the RNG is re-seeded
+        from ``seed``). The checks that it may be loaded are the resume's (pretrain/checkpoint/resume.py)."""
+        state = TrainerState.read(source.checkpoint)
         engine = getattr(getattr(self.accelerator, "deepspeed_engine_wrapped", None), "engine", None)
         if engine is not None:
             # DeepSpeed reads checkpoint.load_universal from its config at every load_checkpoint; the config was
@@ -644,8 +315,7 @@ class Checkpointer:
         if source.world_changed:
             # random_states_{i}.pkl belong to the processes of the old world size (a new process finds none,
             # an old index means another process now): every process draws a fresh stream instead.
-            set_seed(int(recipe["train"]["seed"]) + state.step, device_specific=True)
+            set_seed(seed + state.step, device_specific=True)
             self.log(f"resume: world size {source.saved.world_size} -> {self.accelerator.num_processes}: "
                      "each process's random stream re-seeded from (train.seed, step, process index)")
-        self.log(f"resume: continuing from {path} at step {state.step}")
-        return state, applied
+        self.log(f"resume: continuing from {source.checkpoint} at step {state.step}")

@@ -41,8 +41,8 @@ def export(checkpoint: Path, out: Path, log=print) -> None:
     check_paths(checkpoint, out)
     from pydantic import ValidationError
 
-    from pretrain.checkpoint.checkpointer import TrainerState
     from pretrain.checkpoint.reshard import full_state_dict
+    from pretrain.checkpoint.state import TrainerState
     from pretrain.data import build_tokenizer, sample_val_texts
     from pretrain.model.build import build_model, resolve_vocab_size, save_pretrained_model
     from pretrain.model.export import check_tokenizer_round_trip

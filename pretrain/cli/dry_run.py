@@ -106,7 +106,7 @@ def resume_report(recipe, args: argparse.Namespace, launch: Launch, gpu) -> tupl
     """The resume line (pretrain-launch's check, ``train/prelaunch.py``'s ``check_resume``: the checkpoint the run
     would resume and what it does with it, a fresh start, or pretrain-launch's refusal with the pretrain-launch
     command that resumes it) and whether it is a refusal."""
-    from pretrain.checkpoint.checkpointer import TrainerState
+    from pretrain.checkpoint.state import TrainerState
     from pretrain.train.prelaunch import LaunchSpelling, check_resume
 
     spelling = LaunchSpelling(accelerate_options(args), ["--recipe", args.recipe, *args.overrides], args,

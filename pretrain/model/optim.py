@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -155,6 +156,56 @@ def set_peak_lr(scheduler, lr: float) -> float:
         group["initial_lr"], group["lr"] = lr, value
     inner._last_lr = values
     return values[0]
+
+
+class Schedule:
+    """The lr schedule's rule, a stateful part of the run (pretrain/checkpoint/state.py): this recipe's peak lr and
+    the rollbacks' lr factors, on top of the scheduler accelerate saves and restores. A load applies both again."""
+
+    def __init__(self, scheduler, peak_lr: float, factor: Callable[[int], float] | None = None, log=print):
+        self.scheduler = scheduler
+        self.inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's (and its DeepSpeed) wrapper
+        self.peak_lr = peak_lr
+        self.log = log
+        if factor is not None:
+            self._scale(factor)
+
+    def _scale(self, factor: Callable[[int], float]) -> None:
+        """Multiply the schedule by ``factor(schedule step)`` (``Rollback.lr_factor``), inside the LambdaLR's own
+        lambdas, so every engine's schedule (DeepSpeed steps it inside its step), ``set_peak_lr`` after a reload and
+        a resume compute the same lr. Plain functions: LambdaLR's state_dict saves none of them (a checkpoint holds
+        no callable), and a resume installs them again."""
+
+        def scaled(schedule):
+            def lr_lambda(step: int) -> float:
+                return schedule(step) * factor(step)
+            return lr_lambda
+
+        self.inner.lr_lambdas = [scaled(fn) for fn in self.inner.lr_lambdas]
+
+    @property
+    def step(self) -> int:
+        """The schedule's own step (updates applied: skipped ones do not count)."""
+        return int(self.inner.last_epoch)
+
+    @property
+    def lr(self) -> float:
+        return float(self.inner.get_last_lr()[0])
+
+    def apply(self) -> float:
+        """This recipe's peak lr over the loaded schedule state; the lr the next update uses."""
+        return set_peak_lr(self.scheduler, self.peak_lr)
+
+    def state_dict(self) -> dict[str, float]:
+        return {"peak_lr": self.peak_lr, "lr": self.lr}
+
+    def load_state_dict(self, state: dict[str, float] | None) -> None:
+        """The checkpoint's scheduler and optimizer state carry its peak lr: this recipe's is the one in force (the
+        lr logged when that changes the lr the checkpoint would have used next)."""
+        lr_now = self.apply()
+        if state is not None and not math.isclose(lr_now, state["lr"], rel_tol=1e-6):
+            self.log(f"resume: lr {lr_now:.4g} at schedule step {self.step} (the checkpoint's {state['lr']:.4g}; "
+                     f"peak {self.peak_lr:.4g})")
 
 
 def deepspeed_optimizer(model: nn.Module, recipe, lr: float, num_steps: int):

@@ -31,7 +31,7 @@ from pretrain.errors import ConfigError, DataError
 from pretrain.recipe.batching import BatchPlan
 from pretrain.recipe.config import Recipe, load_recipe
 from pretrain.train.loader import RankBatchSampler, build_train_loader, data_horizon
-from pretrain.train.stability import Rollbacks, run_rollbacks
+from pretrain.train.rollback import run_rollbacks
 
 RESOLVED_RECIPE = "recipe.resolved.yaml"
 PREVIEW_CHARS = 60
@@ -80,7 +80,7 @@ class RunData:
         self.early_plan, self.resume_step = early_plan, resume_step
         # The run's own construction of the loader: the dataset it reads and the order behind its batch sampler.
         # Global batches skipped by rollbacks (stability.rollback) are skipped here too.
-        skipped = Rollbacks.skipped_by(run_rollbacks(run_dir))
+        skipped = [(int(r["batches"][0]), int(r["batches"][1])) for r in run_rollbacks(run_dir)]
         loader, self.order = build_train_loader(data, recipe.data, plan, 0, recipe.train.seed, 0, pin_memory=False,
                                                 skipped=skipped)
         # data.on_exhausted=stop ends a run before its horizon, at the step training itself computes

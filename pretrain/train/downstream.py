@@ -320,6 +320,21 @@ class DownstreamEvaluator:
         self.pad_id = prefix_token_id(self.tokenizer)
         self.calls: list[int] | None = None  # every rank's most forward calls per task: at the first evaluation
 
+    @classmethod
+    def for_run(cls, accelerator, tasks, tokenizer, recipe, plan, launch, num_steps: int, console
+                ) -> DownstreamEvaluator | None:
+        """eval.tasks (read and checked by check_run) in a training run: each rank's share tokenized once, scored in
+        forward calls of at most MBS x seq_len padded tokens (logits no larger than a training micro-batch's)."""
+        if not tasks:
+            return None
+        return cls(
+            accelerator, list(tasks), tokenizer, max_len=recipe.data.seq_len,
+            # under CP every rank scores whole requests: the rows a CP rank's share of a micro-batch holds
+            batch_tokens=plan.micro_batch_size * recipe.data.seq_len // launch.cp_size,
+            data_rank=launch.data_rank, data_world=launch.data_parallel_size, every_steps=recipe.eval.every_steps,
+            num_steps=num_steps, at_start=recipe.eval.at_start, console=console,
+        )
+
     def forward_calls(self) -> list[int]:
         """Per task, the most forward calls any rank needs (every rank makes that many): one gather, once."""
         if self.calls is None:
@@ -371,9 +386,9 @@ def load_checkpoint_model(checkpoint: Path, device: torch.device | str = "cpu", 
     full fp32 weights merged by ``reshard.full_state_dict`` (weights-only loads)."""
     from pydantic import ValidationError
 
-    from pretrain.checkpoint.checkpointer import TrainerState
     from pretrain.checkpoint.reshard import full_state_dict
     from pretrain.checkpoint.rundir import STATE_FILE, read_state
+    from pretrain.checkpoint.state import TrainerState
     from pretrain.data import build_tokenizer
     from pretrain.model.build import build_model, resolve_vocab_size
     from pretrain.recipe.config import Recipe, renamed_keys

@@ -459,3 +459,42 @@ def build_val_loaders(data: PackedData | MixtureData, data_cfg: DataConfig, plan
             raise DataError(f"data.mixture source {name!r}: {exc}" if name else str(exc)) from None
         out[name] = _loader(PackedSequences(tokens), indices, data_cfg, pin_memory, masking)
     return out
+
+
+def document_masking(data_cfg: DataConfig, attention: str, tokenizer) -> DocumentMasking | None:
+    """``data.document_masking``: documents end at the tokenizer's eos (the token packing appends to each)."""
+    if not data_cfg.document_masking:
+        return None
+    return DocumentMasking(eos_id=tokenizer.eos_token_id, varlen=attention == "flash_attention_2")
+
+
+class TrainData:
+    """The training stream of this rank at an optimizer step: the loader, its sample order and the horizon of
+    ``data.on_exhausted``. Its position is no state of its own: a pure function of (seed, step, the global batches
+    rollbacks skipped), so every load (a resume, a rollback) puts it back with ``reposition``."""
+
+    def __init__(self, data: PackedData | MixtureData, data_cfg: DataConfig, plan: BatchPlan, rank: int, seed: int,
+                 num_steps: int, pin_memory: bool, masking: DocumentMasking | None):
+        self.data, self.data_cfg, self.plan, self.rank, self.seed = data, data_cfg, plan, rank, seed
+        self.num_steps, self.pin_memory, self.masking = num_steps, pin_memory, masking
+        self.loader: DataLoader | None = None
+        self.order: GlobalSampleOrder | MixtureSampleOrder | SkippingOrder | None = None
+        self.stop_step: int | None = None  # data.on_exhausted=stop: the step that ends the run (None: never)
+        self.batches: Iterator | None = None
+
+    def reposition(self, step: int, skipped: Sequence[tuple[int, int]] = ()) -> str:
+        """The stream from optimizer step ``step`` on, without the ``skipped`` global batches; the line that says
+        how many epochs of each source the run reads."""
+        self.loader, self.order = build_train_loader(self.data, self.data_cfg, self.plan, self.rank, self.seed, step,
+                                                     self.pin_memory, self.masking, skipped=skipped)
+        self.stop_step, message = data_horizon(self.order, self.num_steps, self.data_cfg.on_exhausted)
+        self.batches = iter(self.loader)
+        return message
+
+    def batch_index(self, step: int) -> int:
+        """The global batch of the order that optimizer step ``step`` (0-based) reads."""
+        return batch_index(self.order, step)
+
+    def val_loaders(self, eval_batches: int) -> dict[str, DataLoader]:
+        return build_val_loaders(self.data, self.data_cfg, self.plan, self.rank, eval_batches, self.pin_memory,
+                                 self.masking)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import resource
@@ -19,13 +20,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from pretrain.distributed.layout import usable_cores
+from pretrain.data import cache_root
+from pretrain.distributed.layout import Launch, usable_cores
+from pretrain.errors import ConfigError
+from pretrain.recipe.batching import BatchPlan
+from pretrain.recipe.config import Recipe
+
+if TYPE_CHECKING:
+    from pretrain.plan.memory import MemoryEstimate
+    from pretrain.train.engine import OptimizerStep
+    from pretrain.train.trainer import Trainer
 from pretrain.recipe.shape import CONVENTION, FlopsPerToken, flops_per_token
-from pretrain.system.hardware import PEAK_TFLOPS, match_device
+from pretrain.system.hardware import PEAK_TFLOPS, gpu_for_device, match_device
 
 __all__ = ["CONVENTION", "FlopsPerToken", "PEAK_TFLOPS", "Peak", "cpu_compute_threads", "flops_per_token",
            "match_device", "measure_cpu_core_tflops", "measure_cpu_peak_tflops", "memory_metrics", "mfu",
@@ -348,3 +358,105 @@ class ThroughputMonitor:
             if self.on_peak_raised is not None:
                 self.on_peak_raised(self.peak_tflops, achieved_tflops)
             self.peak_tflops = achieved_tflops
+
+
+def throughput_reference(recipe: Recipe, hf_config, device: torch.device, log):
+    """FLOPs per token of this model and the device's peak, for tokens/s -> TFLOP/s -> MFU.
+
+    The FLOPs keep the dense convention (``shape.CONVENTION``: attention over the whole seq_len) with
+    ``data.document_masking`` too, although attention within documents does less work (flash_attention_2
+    skips the blocks across documents; sdpa and eager compute them and mask them out), so MFU stays
+    comparable across runs and with other code bases.
+    """
+    try:
+        flops = flops_per_token(hf_config, recipe.data.seq_len,
+                                activation_checkpointing=recipe.model.activation_checkpointing)
+    except ConfigError:
+        flops = measured_flops(recipe, hf_config, log)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    peak = resolve_peak(device.type, name, recipe.precision.dtype, recipe.logging.peak_tflops,
+                        cache_dir=cache_root(recipe.data))
+    if peak.tflops is None:
+        log(f"warning: perf/mfu is not logged: {peak.detail} (logging.peak_tflops=<dense TFLOP/s>)")
+    return flops, peak
+
+
+def measured_flops(recipe: Recipe, hf_config, log) -> FlopsPerToken | None:
+    """No closed form for this architecture: its FLOPs per token counted on the meta device (model/measure.py),
+    the same convention, one line saying so; None (no MFU) when even that fails."""
+    from pretrain.model.measure import measure
+    try:
+        measured = measure(hf_config, recipe.data.seq_len)
+    except ConfigError as exc:
+        log(f"warning: no FLOPs count, so no TFLOP/s or MFU: {exc}")
+        return None
+    log(f"FLOPs per token of {hf_config.model_type} measured (no closed form): {measured.forward_flops_per_token:,.0f} "
+        "per forward, counted by FlopCounterMode on the meta device; training = 3 x forward")
+    return measured.flops_per_token(recipe.model.activation_checkpointing)
+
+
+def memory_estimate(recipe: Recipe, plan: BatchPlan, launch: Launch, device: torch.device, log,
+                    loss: str | None = None) -> MemoryEstimate | None:
+    """The estimator's figures for this very run (``loss``: model.loss as resolved), logged beside the measured
+    peak: its total (what the fit is judged on) and its tensors alone (what max_memory_allocated measures)."""
+    from pretrain.plan.memory import estimate  # the estimator's tables: only a training process needs them here
+    gpu = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        gpu = gpu_for_device(props.name, props.total_memory)
+    try:
+        return estimate(recipe, plan, launch, gpu=gpu, device=device.type, loss=loss)
+    except ConfigError as exc:
+        log(f"warning: no memory estimate for this layout: {exc}")
+        return None
+
+
+def peak_warning(peak: Peak, log) -> Callable[[float, float], None]:
+    """ThroughputMonitor's ``on_peak_raised``: this run beat the peak it was given and MFU now uses the achieved
+    rate. A CPU peak measured while other processes held the cores is expected to be beaten: nothing to act on. A
+    table or recipe peak that is beaten is wrong: said once."""
+
+    def raised(peak_tflops: float, achieved_tflops: float) -> None:
+        if peak.source != "measured" and peak_tflops == peak.tflops:
+            log(f"warning: this run computes {achieved_tflops:.4g} TFLOP/s per device, above the peak it was "
+                f"given ({peak.detail}); MFU uses the achieved rate as the peak from now on. Set "
+                "logging.peak_tflops to this device's dense peak for the training dtype")
+
+    return raised
+
+
+def train_metrics(run: Trainer, result: OptimizerStep) -> dict[str, float | None]:
+    """Everything a logged optimizer step reports (``run``: the trainer, ``result``: the engine's step)."""
+    z_loss = None
+    if result.z_loss_sum is not None:
+        # Expensive device-to-host synchronization: only on logging steps.
+        loss_sum, z_sum = run.accelerator.reduce(torch.stack([result.loss_sum, result.z_loss_sum]),
+                                                  reduction="mean").tolist()
+        z_loss = z_sum / run.plan.grad_accum_steps
+        loss = (loss_sum - z_sum) / run.plan.grad_accum_steps
+    elif result.loss is not None:
+        loss = result.loss  # the stability rules read it this step
+    else:
+        # Expensive device-to-host synchronization: only on logging steps.
+        loss = run.accelerator.reduce(result.loss_sum, reduction="mean").item() / run.plan.grad_accum_steps
+    memory = run.parts.memory
+    return {
+        "train/loss": loss,
+        "train/z_loss": z_loss,
+        "train/ppl": math.exp(min(loss, 50.0)),
+        "train/lr": result.lr,
+        "train/grad_norm": float(result.grad_norm) if result.grad_norm is not None else None,
+        "train/tokens_seen": run.progress.tokens_seen,
+        **(run.parts.router.metrics(run.accelerator) if run.parts.router else {}),  # collective
+        **run.throughput.metrics(run.step),
+        **memory_metrics(run.device),
+        "memory/estimated_gib": memory.total_gib if memory else None,
+        # no allowance: max_memory_allocated's basis
+        "memory/estimated_tensors_gib": memory.tensor_peak_gib if memory else None,
+        **run.plan.as_metrics(),
+        **run.engine.metrics(),  # fp16: train/loss_scale, train/skipped_steps
+        **run.train_data.order.metrics(run.step),  # a mixture: data/tokens/<name>, data/epochs/<name>
+        **run.diagnostics.step_time_metrics(),  # collective: perf/step_time_max_s, _min_s, _slowest_rank
+        **(run.policy.metrics(result.verdict) if run.gate is not None else {}),
+        **(run.rollback.metrics() if run.gate is not None else {}),  # stability/rollbacks
+    }

@@ -273,7 +273,7 @@ def check_resume(recipe, launch: Launch, spelling: Spelling) -> ResumePlan | Non
     resumes with): its plan, None for a fresh start, or a refusal before any process starts, with the command
     that resumes it in the entry point's spelling (checked by the same object before it is printed)."""
     from pretrain.checkpoint.reshard import LayoutRefused
-    from pretrain.train.resume import Resume
+    from pretrain.checkpoint.resume import Resume
 
     checkpoint = Resume.checkpoint(recipe)
     if checkpoint is None:
@@ -305,8 +305,8 @@ def resuming_command(refusal, checkpoint: Path, recipe, launch: Launch, spelling
     """The command (``spelling``'s) with the shipped accelerate config of the layout that wrote ``checkpoint``
     (this launch's number of processes unless only the saved one resumes), or None when no shipped config
     resumes it, the entry point cannot spell it, or the batch does not divide there."""
+    from pretrain.checkpoint.resume import Resume
     from pretrain.train.preflight import check_layout
-    from pretrain.train.resume import Resume
 
     name = resuming_config(refusal.saved, launch, spelling.on_cpu())
     if name is None:

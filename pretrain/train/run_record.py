@@ -45,13 +45,13 @@ class Trainer(Protocol):
 
 def active_text(trainer) -> str:
     """A mixture of experts' parameters used per token (shared + top-k experts), after its total."""
-    if trainer.num_active_params == trainer.num_params:
+    if trainer.parts.num_active_params == trainer.parts.num_params:
         return ""
-    return f" ({trainer.num_active_params:,} active per token)"
+    return f" ({trainer.parts.num_active_params:,} active per token)"
 
 def run_config(trainer: Trainer) -> dict[str, Any]:
     """The nested run config of a built trainer: recipe, plan, launch, model, data, perf reference."""
-    acc, flops, peak = trainer.accelerator, trainer.flops, trainer.peak
+    acc, flops, peak, memory = trainer.accelerator, trainer.parts.flops, trainer.parts.peak, trainer.parts.memory
     return {
         "recipe": trainer.recipe.to_dict(),
         "plan": trainer.plan.to_dict(),
@@ -64,15 +64,16 @@ def run_config(trainer: Trainer) -> dict[str, Any]:
         },
         # compute, gradient accumulation and gradient reduction dtypes in use (see accelerator.gradient_dtypes)
         "dtypes": gradient_dtypes(trainer.recipe, trainer.launch),
-        "model": {"num_params": trainer.num_params, "num_active_params": trainer.num_active_params,
+        "model": {"num_params": trainer.parts.num_params, "num_active_params": trainer.parts.num_active_params,
                   "vocab_size": len(trainer.tokenizer)},
         # model.compile resolved for this device and layout (accelerator.compile_choice)
         "compile": {"mode": trainer.setup.compile_mode},
         # precision.float8 as applied (pretrain/model/float8.py): the torchao recipe, the Linear layers converted and
         # left out; None when off
-        "float8": trainer.float8.record() if trainer.float8 else None,
-        "loss": {"implementation": trainer.loss_implementation},  # model.loss as resolved (auto: liger or chunked)
-        "memory": {"estimated_gib": trainer.memory_estimate_gib, "estimated_tensors_gib": trainer.memory_estimate_tensors_gib},
+        "float8": trainer.parts.float8.record() if trainer.parts.float8 else None,
+        "loss": {"implementation": trainer.parts.loss_implementation},  # model.loss as resolved (auto: liger or chunked)
+        "memory": {"estimated_gib": memory.total_gib if memory else None,
+                   "estimated_tensors_gib": memory.tensor_peak_gib if memory else None},
         "data": trainer.data.stats,
         "train": {"num_steps": trainer.num_steps, "lr": trainer.lr},
         # A resume: the checkpoint, its step, the recipe changes applied (checkpoint.APPLIED_ON_RESUME) and the
@@ -114,10 +115,10 @@ def start_run_record(trainer: Trainer) -> None:
         f"({dist['distributed_type']}, {dist['device']}, {recipe.precision.dtype}, grads accumulated in "
         f"{config['dtypes']['grad_accum']}, reduced in {config['dtypes']['reduce']}"
         f"{' after every micro-batch' if each else ''}) | "
-        f"{trainer.num_params:,} params{active_text(trainer)} | GBS {p.global_batch_size} = MBS {p.micro_batch_size} x GAS "
+        f"{trainer.parts.num_params:,} params{active_text(trainer)} | GBS {p.global_batch_size} = MBS {p.micro_batch_size} x GAS "
         f"{p.grad_accum_steps} x world {p.world_size} | {p.tokens_per_step:,} tokens/step | "
         f"{trainer.num_steps} steps | lr {trainer.lr:.3g} | output {trainer.output_dir}"
     )
-    if trainer.flops is not None:
-        trainer.log(f"perf: {trainer.flops.model_flops / 1e9:.4g} GFLOP/token ({trainer.flops.convention.split(';')[0]}); "
-                    f"peak {trainer.peak.detail}")
+    if trainer.parts.flops is not None:
+        trainer.log(f"perf: {trainer.parts.flops.model_flops / 1e9:.4g} GFLOP/token ({trainer.parts.flops.convention.split(';')[0]}); "
+                    f"peak {trainer.parts.peak.detail}")

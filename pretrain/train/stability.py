@@ -11,7 +11,7 @@ last backward) and gradient norm (the global norm, as the engine computes it) ar
 - ``max_consecutive_skips``: that many skipped updates in a row stop the run (``TrainingDiverged``, exit 3),
   like llm-foundry's kill-loss-spike callback, leaving the newest checkpoint (always healthy: see
   ``pretrain/checkpoint/checkpointer.py``) to resume from with other settings;
-- ``rollback`` (``Rollbacks``): instead of that stop, what a person does by hand (bigscience's and metaseq's
+- ``rollback`` (``pretrain/train/rollback.py``): instead of that stop, what a person does by hand (bigscience's and metaseq's
   restarts, PaLM's "restart ~100 steps before the spike and skip 200-500 batches"): reload the newest verified
   checkpoint saved before the streak's first skip, skip the global batches from its step to the stop, and go
   on, optionally at a lower lr for a while; at most ``max_attempts`` times to one checkpoint.
@@ -35,15 +35,13 @@ import functools
 import math
 import os
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from pretrain.checkpoint.rundir import latest_checkpoint, read_rollbacks, read_state
 from pretrain.errors import TrainingDiverged
-from pretrain.recipe.config import RollbackConfig, StabilityConfig
+from pretrain.recipe.config import StabilityConfig
 
 # A test hook: "STEP:FACTOR,..." (e.g. "7:nan" or "8:1000"): the loss of optimizer step STEP (1-based) is
 # multiplied by FACTOR before backward, on every rank.
@@ -229,81 +227,3 @@ class DeepSpeedGate:
             return None if skip else step(*args, **kwargs)
 
         base.step = gated_step
-
-
-class Rollbacks:
-    """The run's rollbacks (``stability.rollback``): the global batches they skip and the lr factors they set.
-
-    One record per rollback (``Trainer.roll_back`` writes it; docs/checkpoints.md lists its keys): ``batches``,
-    the first and last global batch index skipped (step N of a run without rollbacks reads batch N - 1), and
-    ``lr_schedule_steps``, the schedule steps [start, stop) whose lr is multiplied by ``lr_factor``. The records are
-    the run's own timeline: a checkpoint holds those before it (``TrainerState.rollbacks``) and
-    ``output_dir/rollbacks.jsonl`` gets each as it happens, so a run killed after a rollback and before its next
-    checkpoint resumes from the checkpoint the rollback reloaded with the rollback applied (``restore``)."""
-
-    def __init__(self, cfg: RollbackConfig):
-        self.cfg = cfg
-        self.records: list[dict[str, Any]] = []
-
-    @property
-    def skipped(self) -> list[tuple[int, int]]:
-        """The (first, last) global batches skipped, one range per rollback (the loader's ``SkippingOrder``)."""
-        return self.skipped_by(self.records)
-
-    @staticmethod
-    def skipped_by(records: list[dict[str, Any]]) -> list[tuple[int, int]]:
-        return [(int(r["batches"][0]), int(r["batches"][1])) for r in records]
-
-    def attempts(self, to_step: int) -> int:
-        """Rollbacks so far to the checkpoint of ``to_step`` (checkpoints of later steps are set aside at each
-        rollback, so one step names one checkpoint of this timeline)."""
-        return sum(1 for r in self.records if r["to_step"] == to_step)
-
-    def lr_factor(self, schedule_step: int) -> float:
-        """What the schedule's lr is multiplied by at ``schedule_step`` (1.0 outside every rollback's window). Windows
-        that overlap multiply: a second rollback to the same checkpoint runs at lr_factor squared."""
-        factor = 1.0
-        for record in self.records:
-            start, stop = record["lr_schedule_steps"]
-            if start <= schedule_step < stop:
-                factor *= record["lr_factor"]
-        return factor
-
-    def metrics(self) -> dict[str, int]:
-        return {"stability/rollbacks": len(self.records)}
-
-    def restore(self, saved: list[dict[str, Any]] | None, logged: list[dict[str, Any]], checkpoint: str,
-                saved_at: float | None) -> None:
-        """A resume from ``checkpoint`` (its directory name, saved at ``saved_at``): the rollbacks it holds
-        (``saved``), then those rollbacks.jsonl (``logged``) records as made to that very checkpoint after it was
-        saved. Rollbacks to other checkpoints, or to an earlier save of the same step, belong to another
-        timeline (a resume from an older checkpoint abandons them) and are left out."""
-        after = [r for r in logged if r.get("checkpoint") == checkpoint and r.get("checkpoint_saved_at") == saved_at]
-        self.records = [*(saved or []), *after]
-
-
-def run_rollbacks(run_dir) -> list[dict[str, Any]]:
-    """The rollbacks of a run directory's timeline, as a resume would restore them: its newest checkpoint's, and
-    those rollbacks.jsonl records to that checkpoint since it was saved (``pretrain-data which``'s order)."""
-    newest = latest_checkpoint(run_dir)
-    state = read_state(newest) if newest is not None else None
-    if state is None:
-        return []
-    history = Rollbacks(RollbackConfig())
-    history.restore(state.get("rollbacks"), read_rollbacks(run_dir), newest.name, state.get("saved_at"))
-    return history.records
-
-
-def scale_schedule(scheduler, factor: Callable[[int], float]) -> None:
-    """Multiply the lr schedule by ``factor(schedule step)`` (``Rollbacks.lr_factor``). Inside the LambdaLR's own
-    lambdas, so every engine's schedule (DeepSpeed steps it inside its step), ``optim.set_peak_lr`` after a reload
-    and a resume compute the same lr. Plain functions: LambdaLR's state_dict saves none of them (a checkpoint
-    holds no callable), and a resume installs them again."""
-    inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's (and its DeepSpeed) wrapper
-
-    def scaled(schedule):
-        def lr_lambda(step: int) -> float:
-            return schedule(step) * factor(step)
-        return lr_lambda
-
-    inner.lr_lambdas = [scaled(fn) for fn in inner.lr_lambdas]

@@ -1,0 +1,157 @@
+"""``stability.rollback``: the run's rollbacks as a stateful part, and the rollback itself as its hook.
+
+Instead of the stop of ``stability.max_consecutive_skips``, what a person does by hand (bigscience's and metaseq's
+restarts, PaLM's "restart ~100 steps before the spike and skip 200-500 batches"): reload the newest verified
+checkpoint saved before the streak's first skip, skip the global batches from its step to the stop, and go on,
+optionally at a lower lr for a while; at most ``max_attempts`` times to one checkpoint. Like OLMo-core's stability
+monitor and ``steps_to_skip``, what was skipped is data the loop consults: the sample order leaves out ``skipped``
+(``loader.SkippingOrder``) and the schedule multiplies its lr by ``lr_factor`` (``optim.Schedule``).
+
+One record per rollback (docs/checkpoints.md lists its keys): ``batches``, the first and last global batch index
+skipped (step N of a run without rollbacks reads batch N - 1), and ``lr_schedule_steps``, the schedule steps
+[start, stop) whose lr is multiplied by ``lr_factor``. The records are the run's own timeline: a checkpoint holds
+those before it (this part's state) and ``output_dir/rollbacks.jsonl`` gets each as it happens, so a run killed after
+a rollback and before its next checkpoint resumes from the checkpoint the rollback reloaded with the rollback applied.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from accelerate.utils import broadcast_object_list
+
+from pretrain.checkpoint.resume import ResumeChoice
+from pretrain.checkpoint.rundir import ROLLBACKS_FILE, latest_checkpoint, read_rollbacks
+from pretrain.checkpoint.state import TrainerState
+from pretrain.errors import TrainingDiverged
+from pretrain.recipe.config import RollbackConfig
+from pretrain.train.stability import TooManySkips
+from pretrain.train.tracking import rewind_trackers
+
+if TYPE_CHECKING:
+    from pretrain.train.trainer import Trainer
+
+
+class Rollback:
+    """The rollbacks of this run's timeline (``records``) and the rollback that adds one (``roll_back``)."""
+
+    def __init__(self, cfg: RollbackConfig, output_dir: str | Path | None = None):
+        self.cfg = cfg
+        self.output_dir = Path(output_dir) if output_dir is not None else None
+        self.records: list[dict[str, Any]] = []
+        # Every record of rollbacks.jsonl, of any timeline, and those this process adds: a load keeps those made to
+        # the very snapshot it loads (read once: rank 0 appends to the file while other ranks may still be loading).
+        self.logged = read_rollbacks(self.output_dir) if self.output_dir is not None else []
+        self.loaded_at: float | None = None  # the save time of the snapshot loaded last: a rollback's record names it
+
+    # ---- the part's state ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        # saved_at tells two saves of one step apart: rollbacks to the one given up belong to another timeline.
+        return {"records": list(self.records), "saved_at": time.time()}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """A snapshot's rollbacks, then those rollbacks.jsonl records as made to that very snapshot after it was
+        saved. Rollbacks to other checkpoints, or to an earlier save of the same step, belong to another timeline (a
+        resume from an older checkpoint abandons them) and are left out."""
+        state = state or {"records": [], "saved_at": None}
+        self.loaded_at = state["saved_at"]
+        after = [r for r in self.logged if r.get("checkpoint_saved_at") == self.loaded_at]
+        self.records = [*state["records"], *after]
+
+    # ---- what the loop and the schedule consult ---------------------------------------------------------------
+    @property
+    def skipped(self) -> list[tuple[int, int]]:
+        """The (first, last) global batches skipped, one range per rollback (the loader's ``SkippingOrder``)."""
+        return [(int(r["batches"][0]), int(r["batches"][1])) for r in self.records]
+
+    def attempts(self, to_step: int) -> int:
+        """Rollbacks so far to the checkpoint of ``to_step`` (checkpoints of later steps are set aside at each
+        rollback, so one step names one checkpoint of this timeline)."""
+        return sum(1 for r in self.records if r["to_step"] == to_step)
+
+    def lr_factor(self, schedule_step: int) -> float:
+        """What the schedule's lr is multiplied by at ``schedule_step`` (1.0 outside every rollback's window). Windows
+        that overlap multiply: a second rollback to the same checkpoint runs at lr_factor squared."""
+        factor = 1.0
+        for record in self.records:
+            start, stop = record["lr_schedule_steps"]
+            if start <= schedule_step < stop:
+                factor *= record["lr_factor"]
+        return factor
+
+    def metrics(self) -> dict[str, int]:
+        return {"stability/rollbacks": len(self.records)}
+
+    # ---- the hook: the loop's TooManySkips -----------------------------------------------------------------------
+    def roll_back(self, stop: TooManySkips, run: Trainer) -> None:
+        """Reload the newest verified checkpoint saved before the streak's first skipped step (the run's one
+        ``load``), skip the global batches from its step to ``stop.step``, and go on. Every rank gets here at the
+        same step (the verdicts are the same on every rank) and takes rank 0's choice of checkpoint. Raises ``stop``
+        (exit 3) when rollback is off, and TrainingDiverged when no checkpoint precedes the streak or after
+        max_attempts rollbacks to that checkpoint."""
+        cfg = self.cfg
+        if not cfg.enabled:
+            raise stop
+        first = stop.first_skipped_step
+        run.checkpointer.wait()  # checkpoint.async: a write in flight is finished (and listed) before the choice
+        choice = ResumeChoice.before(run.output_dir, first) if run.is_main else None
+        [choice] = broadcast_object_list([choice])
+        if choice.path is None and choice.error is None:
+            raise TrainingDiverged(f"{stop}. stability.rollback: no checkpoint was saved before step {first}, the "
+                                   "first skip of the streak (checkpoint.every_steps)") from None
+        if choice.step is not None and self.attempts(choice.step) >= cfg.max_attempts:
+            raise TrainingDiverged(f"{stop}. stability.rollback gave up: {cfg.max_attempts} rollback(s) to "
+                                   f"{choice.path} (step {choice.step}) already (stability.rollback.max_attempts)"
+                                   ) from None
+        # The window in the order's global batches: those steps back_to + 1 .. stop.step read in the attempt given
+        # up (consecutive batches: every earlier rollback's window lies before back_to's batch).
+        last_batch = run.train_data.batch_index(stop.step - 1)
+        resumed = run.load(choice if run.is_main else None)
+        back_to = resumed.step
+        batches = [run.train_data.batch_index(back_to), last_batch]
+        schedule_step = run.schedule.step
+        record = {
+            "rollback": len(self.records) + 1, "stopped_at_step": stop.step, "first_skipped_step": first,
+            "rule": stop.verdict.rule, "reason": stop.verdict.reason,
+            "checkpoint": resumed.checkpoint.name, "checkpoint_saved_at": self.loaded_at, "to_step": back_to,
+            "skipped_steps": [back_to + 1, stop.step], "batches": batches,
+            "lr_factor": cfg.lr_factor, "lr_schedule_steps": [schedule_step, schedule_step + cfg.lr_factor_steps],
+            "time": round(time.time(), 3),
+        }
+        self.records.append(record)
+        self.logged.append(record)
+        lr_now = run.schedule.apply()  # again: the new window's factor, from the next update
+        moved = []
+        if run.is_main:
+            # The record first, made durable: a run killed from here on resumes with this rollback applied.
+            with open(run.output_dir / ROLLBACKS_FILE, "a", encoding="utf-8") as records:
+                records.write(json.dumps(record) + "\n")
+                records.flush()
+                os.fsync(records.fileno())
+            moved = run.checkpointer.abandon_after(resumed.checkpoint)
+            rewind_trackers(run.trackers, back_to)
+        run.accelerator.wait_for_everyone()
+        run.train_data.reposition(back_to, self.skipped)
+        lr_text = (f"; lr x{cfg.lr_factor:g} for the next {cfg.lr_factor_steps} updates (now {lr_now:.4g})"
+                   if cfg.lr_factor != 1 and cfg.lr_factor_steps else "")
+        aside = f"; set aside: {', '.join(p.name for p in moved)}" if moved else ""
+        run.log(f"stability: rollback {self.attempts(back_to)}/{cfg.max_attempts} to {resumed.checkpoint} "
+                f"(step {back_to}) after steps {first}-{stop.step} were skipped in a row ({stop.verdict.rule}: "
+                f"{stop.verdict.reason}); the global batches of steps {back_to + 1}-{stop.step} "
+                f"(batches {batches[0]}-{batches[1]}) are skipped, recorded in {ROLLBACKS_FILE}{lr_text}{aside}")
+
+
+def run_rollbacks(run_dir) -> list[dict[str, Any]]:
+    """The rollbacks of a run directory's timeline, as a resume would restore them: its newest checkpoint's, and
+    those rollbacks.jsonl records to that checkpoint since it was saved (``pretrain-data which``'s order)."""
+    newest = latest_checkpoint(run_dir)
+    state = TrainerState.read(newest) if newest is not None else None
+    if state is None:
+        return []
+    history = Rollback(RollbackConfig(), run_dir)
+    history.load_state_dict(state.components.get("rollback"))
+    return history.records
