@@ -25,6 +25,7 @@ from pretrain.errors import ConfigError
 from pretrain.plan import memory
 from pretrain.recipe.config import CheckpointConfig, load_recipe
 from pretrain.recipe.shape import ModelShape
+from tests.fakes import FakeAccelerator
 from tests.helpers import FAST, RUN, TINY, env, metrics, train_here, train_losses
 
 pytestmark = pytest.mark.slow
@@ -109,25 +110,12 @@ def _metrics(out: Path) -> list[dict]:
         return []
 
 
-class _TorchSaving:
-    """The part of ``accelerate.Accelerator`` Checkpointer.save uses, in one process, writing with torch.save."""
-
-    is_main_process = True
-    num_processes = 1
-    process_index = 0
-
-    def wait_for_everyone(self):
-        pass
-
-    def __init__(self):
-        self.weights = torch.ones(4)
-        self.complete_at_save: list[list[int]] = []  # the complete checkpoints each save_state found
-
-    def save_state(self, path, safe_serialization=True):
-        self.complete_at_save.append([step for step, _ in complete_checkpoints(Path(path).parents[1])])
-        Path(path).mkdir(parents=True, exist_ok=True)
-        torch.save({"step": torch.zeros(1)}, Path(path) / "scheduler.bin")  # the test hook pauses after this one
-        torch.save({"w": self.weights}, Path(path) / "optimizer.bin")
+def _torch_saving(weights: torch.Tensor, found: list | None = None) -> FakeAccelerator:
+    """save_state writing with torch.save (the test hook pauses after scheduler.bin); ``found``: the complete
+    checkpoints each save_state found."""
+    return FakeAccelerator({"scheduler.bin": {"step": torch.zeros(1)}, "optimizer.bin": {"w": weights}},
+                           on_save=None if found is None else lambda path: found.append(
+                               [step for step, _ in complete_checkpoints(path.parents[1])]))
 
 
 def _state(step: int) -> TrainerState:
@@ -135,7 +123,7 @@ def _state(step: int) -> TrainerState:
 
 
 def test_a_full_disk_in_the_background_is_one_message_and_loses_nothing(tmp_path, monkeypatch):
-    checkpointer = Checkpointer(_TorchSaving(), tmp_path, CheckpointConfig(keep_last=1, **{"async": True}),
+    checkpointer = Checkpointer(_torch_saving(torch.ones(4)), tmp_path, CheckpointConfig(keep_last=1, **{"async": True}),
                                 num_steps=10, log=lambda _: None)
     checkpointer.save(_state(3))
     checkpointer.wait()
@@ -179,17 +167,18 @@ def test_the_key_is_async_in_recipes_and_in_what_checkpoints_record():
 def test_at_most_one_write_is_in_flight_and_the_copy_is_taken_at_the_save(tmp_path, monkeypatch):
     """A save waits for the write in flight before it copies anything (one copy in host memory at a time); what is
     written is the state at the save, not what the loop made of it meanwhile."""
-    accelerator = _TorchSaving()
+    weights, found = torch.ones(4), []
+    accelerator = _torch_saving(weights, found)
     checkpointer = Checkpointer(accelerator, tmp_path, CheckpointConfig(keep_last=0, **{"async": True}),
                                 num_steps=10, log=lambda _: None)
     monkeypatch.setenv(SLOW_WRITE_ENV, "3:1.5")
     checkpointer.save(_state(3))
-    accelerator.weights += 1  # the loop goes on while step 3 is written
+    weights += 1  # the loop goes on while step 3 is written
     started = time.perf_counter()
     checkpointer.save(_state(6))
     assert time.perf_counter() - started >= 1.0  # waited for step 3's slowed write
     checkpointer.wait()
-    assert accelerator.complete_at_save == [[], [3]]  # step 6 was copied once step 3 was complete
+    assert found == [[], [3]]  # step 6 was copied once step 3 was complete
     saved = [torch.load(tmp_path / "checkpoints" / f"step_{s:08d}" / "optimizer.bin", weights_only=True)["w"]
              for s in (3, 6)]
     assert saved[0].tolist() == [1.0] * 4 and saved[1].tolist() == [2.0] * 4

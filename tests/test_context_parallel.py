@@ -6,7 +6,7 @@ run itself is tests/test_gpu.py's (2+ GPUs)."""
 from __future__ import annotations
 
 import types
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -17,6 +17,7 @@ from pretrain.errors import ConfigError
 from pretrain.model.loss import chunked_causal_lm_loss
 from pretrain.train.engine import Engine, Objective, loss_normaliser
 from pretrain.train.evaluation import Evaluator
+from tests.fakes import FakeAccelerator
 from tests.helpers import FAST, ROOT, TINY, accelerate_environment, make_recipe
 
 CONFIGS = ROOT / "accelerate_configs"
@@ -155,15 +156,13 @@ def test_a_cp_launch_the_recipe_can_run_passes_every_check(capsys, started, gpus
 SEQ, BATCH, VOCAB = 16, 2, 11
 
 
-class FakeCPAccelerator:
+class FakeCPAccelerator(FakeAccelerator):
     """One CP rank of ``cp_size`` as the loop sees it: maybe_context_parallel records its arguments and splits the
     buffers in place as torch's context_parallel does (torch's own head-tail load balancer, then rank r's 1/cp);
     reduce returns this rank's value (the test adds the ranks up)."""
 
-    device = torch.device("cpu")
-    sync_gradients = True
-
     def __init__(self, rank: int, cp_size: int):
+        super().__init__()
         self.rank, self.cp_size, self.calls, self.reduced = rank, cp_size, [], []
 
     @contextmanager
@@ -177,9 +176,6 @@ class FakeCPAccelerator:
             buffer.resize_(shard.shape)
             buffer.copy_(shard)
         yield
-
-    def accumulate(self, model):
-        return nullcontext()
 
     def reduce(self, tensor, reduction):
         self.reduced.append(tensor.clone())

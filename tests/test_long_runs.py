@@ -37,6 +37,7 @@ from pretrain.distributed.supervise import RunLock
 from pretrain.errors import ConfigError, DataError
 from pretrain.recipe.config import CheckpointConfig
 from pretrain.train.diagnostics import profile_schedule
+from tests.fakes import FakeAccelerator
 from tests.helpers import FAST, ROOT, RUN, TINY, env, free_port, train, train_here
 
 # ---- the manifest -------------------------------------------------------------------------------------------
@@ -155,33 +156,13 @@ def test_a_checkpoint_without_manifest_resumes_with_a_warning(tmp_path):
     assert "has no manifest" in logged[-1]
 
 
-class _Accelerator:
-    """The part of ``accelerate.Accelerator`` Checkpointer.save uses, in one process."""
-
-    is_main_process = True
-    num_processes = 1
-    process_index = 0
-
-    def __init__(self, fail_with: BaseException | None = None):
-        self.fail_with = fail_with
-
-    def wait_for_everyone(self):
-        pass
-
-    def save_state(self, path, safe_serialization=True):
-        Path(path).mkdir(parents=True, exist_ok=True)
-        (Path(path) / "model.safetensors").write_bytes(b"w" * 1000)
-        if self.fail_with is not None:
-            raise self.fail_with
-
-
 def _state(step: int) -> TrainerState:
     return TrainerState(step=step, tokens_seen=0, num_steps=10, plan={}, recipe={})
 
 
 def test_a_full_disk_while_saving_is_one_message_and_loses_nothing(tmp_path):
-    Checkpointer(_Accelerator(), tmp_path, CheckpointConfig(keep_last=1), num_steps=10).save(_state(3))
-    full = Checkpointer(_Accelerator(OSError(errno.ENOSPC, "No space left on device")), tmp_path,
+    Checkpointer(FakeAccelerator({"model.safetensors": b"w" * 1000}), tmp_path, CheckpointConfig(keep_last=1), num_steps=10).save(_state(3))
+    full = Checkpointer(FakeAccelerator({"model.safetensors": b"w" * 1000}, fail_with=OSError(errno.ENOSPC, "No space left on device")), tmp_path,
                         CheckpointConfig(keep_last=1), num_steps=10)
     with pytest.raises(ConfigError) as exc:
         full.save(_state(6))
@@ -190,7 +171,7 @@ def test_a_full_disk_while_saving_is_one_message_and_loses_nothing(tmp_path):
     assert "the checkpoint of step 6" in message and "step_00000003 (step 3) is intact" in message
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_00000003"]
     assert verify_all(tmp_path / "checkpoints" / "step_00000003") is None
-    other = Checkpointer(_Accelerator(RuntimeError("something else")), tmp_path, CheckpointConfig(), num_steps=10)
+    other = Checkpointer(FakeAccelerator(fail_with=RuntimeError("something else")), tmp_path, CheckpointConfig(), num_steps=10)
     with pytest.raises(RuntimeError, match="something else"):  # not a full disk: not dressed up as one
         other.save(_state(9))
 

@@ -18,6 +18,7 @@ from pretrain.recipe.batching import plan_batches
 from pretrain.recipe.config import ModelConfig, load_recipe
 from pretrain.recipe.shape import ModelShape
 from pretrain.train.router import RouterStats
+from tests.fakes import FakeAccelerator
 from tests.helpers import FAST, ROOT, OneThread, accelerate_launch, check_ok, metrics, train_here, train_losses
 from tests.test_metrics import counted_flops_per_token
 
@@ -119,10 +120,6 @@ def test_load_balancing_loss_joins_the_objective_once(loss):
 
 
 def test_router_metrics_summarise_each_layer():
-    class Reduce:
-        def reduce(self, tensor, reduction):
-            return tensor
-
     router = RouterStats.for_model(hf_config(small("mixtral"), 128, 32))
     logits = torch.full((4, 8), -10.0)
     logits[:, :2] = 1.0  # every token to experts 0 and 1 in layer 0; layer 1 balanced over all 8
@@ -130,13 +127,13 @@ def test_router_metrics_summarise_each_layer():
     balanced[torch.arange(8), torch.arange(8)] = balanced[torch.arange(8), (torch.arange(8) + 1) % 8] = 5.0
     output = type("Out", (), {"aux_loss": torch.tensor(1.5), "router_logits": (logits.repeat(2, 1), balanced)})
     router.record(output)
-    got = router.metrics(Reduce())
+    got = router.metrics(FakeAccelerator())
     assert got["train/router_aux_loss"] == 1.5
     assert (got["moe/load_max_share/layer_0"], got["moe/load_min_share/layer_0"]) == (0.5, 0.0)
     assert got["moe/load_cv/layer_0"] == pytest.approx(3 ** 0.5)
     assert got["moe/load_cv/layer_1"] == pytest.approx(0.0)
     assert got["moe/load_cv_max"] == got["moe/load_cv/layer_0"]
-    assert router.metrics(Reduce()) == {}  # reset after a logging step
+    assert router.metrics(FakeAccelerator()) == {}  # reset after a logging step
 
 
 # ---- one curve on every layout ---------------------------------------------------------------------

@@ -186,9 +186,9 @@ def test_other_processes_wait_for_rank0s_conversion_and_report_its_failure(tmp_p
 def test_converted_siblings_go_with_their_checkpoint(tmp_path):
     from pretrain.checkpoint.checkpointer import Checkpointer
     from pretrain.recipe.config import CheckpointConfig
-    from tests.test_trainer_components import _FakeAccelerator
+    from tests.fakes import FakeAccelerator
 
-    checkpointer = Checkpointer(_FakeAccelerator(), tmp_path, CheckpointConfig(keep_last=1), num_steps=10,
+    checkpointer = Checkpointer(FakeAccelerator(), tmp_path, CheckpointConfig(keep_last=1), num_steps=10,
                                 log=lambda _: None)
     first = checkpointer.save(TrainerState(step=3, tokens_seen=3, num_steps=10, plan={}, recipe={}))
     (tmp_path / "checkpoints" / "step_00000003.universal").mkdir()

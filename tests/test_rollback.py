@@ -8,7 +8,6 @@ import json
 import math
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,6 +22,7 @@ from pretrain.train.loader import GlobalSampleOrder, SkippingOrder
 from pretrain.train.rollback import Rollback, run_rollbacks
 from pretrain.train.stability import LOSS_FACTORS_ENV
 from pretrain.trust import allowed_globals
+from tests.fakes import FakeAccelerator
 from tests.helpers import (
     FAST,
     TINY,
@@ -358,31 +358,6 @@ def test_a_zero2_resume_from_an_async_checkpoint_continues_the_curve_with_the_sa
             _same_state(ours, theirs, name)
 
 
-class _DeepSpeedLike:
-    """The part of accelerate's Accelerator that Checkpointer.save and load use, with a DeepSpeed engine's config
-    (built, like a run's, for the checkpoint it started from: a universal one)."""
-
-    is_main_process = True
-    num_processes = 1
-    process_index = 0
-    gradient_accumulation_steps = 1
-
-    def __init__(self):
-        config = SimpleNamespace(load_universal_checkpoint=True)
-        self.deepspeed_engine_wrapped = SimpleNamespace(engine=SimpleNamespace(_config=config))
-        self.loads: list[tuple[str, bool]] = []  # (directory, the engine's load_universal when it was read)
-
-    def wait_for_everyone(self):
-        pass
-
-    def save_state(self, path, safe_serialization=True):
-        Path(path).mkdir(parents=True, exist_ok=True)
-        torch.save({"w": torch.ones(2)}, Path(path) / "optimizer.bin")
-
-    def load_state(self, path):
-        self.loads.append((path, self.deepspeed_engine_wrapped.engine._config.load_universal_checkpoint))
-
-
 def test_each_deepspeed_load_reads_its_own_checkpoints_kind(tmp_path):
     """A run resumed on another world size loads a universal checkpoint; its rollback to a checkpoint it wrote itself
     must load that one as a plain DeepSpeed checkpoint (DeepSpeed reads load_universal from its config at each
@@ -392,7 +367,8 @@ def test_each_deepspeed_load_reads_its_own_checkpoints_kind(tmp_path):
     from pretrain.checkpoint.state import TrainerState
     from pretrain.recipe.config import CheckpointConfig
 
-    accelerator = _DeepSpeedLike()
+    # a DeepSpeed engine's config built, like a run's, for the checkpoint it started from: a universal one
+    accelerator = FakeAccelerator({"optimizer.bin": {"w": torch.ones(2)}}, load_universal=True)
     checkpointer = Checkpointer(accelerator, tmp_path, CheckpointConfig(keep_last=0), num_steps=10,
                                 log=lambda _: None)
     checkpointer.save(TrainerState(step=8, tokens_seen=0, num_steps=10, plan={}, recipe={}))

@@ -20,6 +20,7 @@ from pretrain.model.optim import build_scheduler, set_peak_lr
 from pretrain.recipe.config import StabilityConfig, load_recipe
 from pretrain.train.stability import LOSS_FACTORS_ENV, SkipPolicy
 from pretrain.train.tracking import JSONLTracker
+from tests.fakes import FakeAccelerator
 from tests.helpers import FAST, TINY, accelerate_launch, check_ok, metrics, train, train_here
 from tests.test_optim import _lrs  # every optimizer step's lr of a schedule
 
@@ -97,22 +98,11 @@ def test_a_non_finite_state_is_never_checkpointed_and_the_healthy_one_is_kept(tm
     from pretrain.checkpoint.state import TrainerState
     from pretrain.recipe.config import CheckpointConfig
 
-    class Accelerator:  # what Checkpointer.save uses, one process
-        is_main_process = True
-        num_processes = 1
-        process_index = 0
-
-        def wait_for_everyone(self):
-            pass
-
-        def save_state(self, path, safe_serialization=True):
-            Path(path).mkdir(parents=True)
-
     param = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.AdamW([param], lr=1e-3)
     param.grad = torch.ones(3)
     optimizer.step()
-    checkpointer = Checkpointer(Accelerator(), tmp_path, CheckpointConfig(keep_last=1), num_steps=10, log=print)
+    checkpointer = Checkpointer(FakeAccelerator({}), tmp_path, CheckpointConfig(keep_last=1), num_steps=10, log=print)
     healthy = checkpointer.save(TrainerState(step=5, tokens_seen=5, num_steps=10, plan={}, recipe={}), optimizer)
     optimizer.state[param]["exp_avg_sq"][1] = float("nan")
     with pytest.raises(TrainingDiverged, match=f"step 10: not saving a checkpoint: .*NaN or inf.*{healthy}"):

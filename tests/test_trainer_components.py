@@ -34,6 +34,7 @@ from pretrain.recipe.config import CheckpointConfig, Recipe, load_recipe
 from pretrain.train.evaluation import Evaluator
 from pretrain.train.metrics import ThroughputMonitor
 from pretrain.train.tracking import Console, StepLog, format_duration
+from tests.fakes import FakeAccelerator
 from tests.helpers import TINY, env, free_port
 
 
@@ -176,31 +177,9 @@ def test_checkpointer_owns_the_save_cadence(tmp_path, every, save_last, expected
     assert [step for step in range(1, 11) if checkpointer.should_save(step)] == expected
 
 
-class _FakeAccelerator:
-    """The part of ``accelerate.Accelerator`` that Checkpointer.save / load use, in one process."""
-
-    is_main_process = True
-    num_processes = 1
-    process_index = 0
-    gradient_accumulation_steps = 2
-
-    def __init__(self):
-        self.loaded = None
-
-    def wait_for_everyone(self):
-        pass
-
-    def save_state(self, path, safe_serialization=True):
-        Path(path).mkdir(parents=True, exist_ok=True)
-        (Path(path) / "model.safetensors").write_text("weights")
-
-    def load_state(self, path):
-        self.loaded = path
-
-
 def test_checkpointer_saves_typed_state_and_loads_it_back(tmp_path, recipe):
     logged = []
-    acc = _FakeAccelerator()
+    acc = FakeAccelerator(gradient_accumulation_steps=2)
     checkpointer = Checkpointer(acc, tmp_path, CheckpointConfig(keep_last=1), num_steps=10, log=logged.append)
     for step in (3, 6):
         path = checkpointer.save(TrainerState(step=step, tokens_seen=step * 512, num_steps=10, plan={}, recipe=recipe))
