@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pretrain.checkpoint import reshard
-from pretrain.checkpoint.reshard import UNIVERSAL, Layout, conversion, prepare_resume, saved_layout
+from pretrain.checkpoint.reshard import UNIVERSAL, CheckpointLayout, conversion, prepare_resume, saved_layout
 from pretrain.checkpoint.state import TrainerState
 from pretrain.cli import export
 from pretrain.distributed.layout import Launch
@@ -43,7 +43,7 @@ from tests.helpers import (
     train_losses,
 )
 
-DS2_W2 = Layout("deepspeed", 2, 2)
+DS2_W2 = CheckpointLayout("deepspeed", 2, 2)
 
 
 def make_checkpoint(path: Path, *, world: int, layout: dict | None = None, files=(), saved_at=1.0) -> Path:
@@ -61,17 +61,17 @@ def make_checkpoint(path: Path, *, world: int, layout: dict | None = None, files
 def test_recorded_layout_is_read_back(tmp_path):
     launch = Launch("deepspeed", zero_stage=3, gpus_per_node=4)
     ckpt = make_checkpoint(tmp_path / "c", world=4, layout=launch.to_dict())
-    assert saved_layout(ckpt, json.loads((ckpt / "trainer_state.json").read_text())) == Layout("deepspeed", 4, 3)
+    assert saved_layout(ckpt, json.loads((ckpt / "trainer_state.json").read_text())) == CheckpointLayout("deepspeed", 4, 3)
 
 
 @pytest.mark.parametrize("files, expected", [
     (["pytorch_model/mp_rank_00_model_states.pt", "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt"],
-     Layout("deepspeed", 2, None)),
+     CheckpointLayout("deepspeed", 2, None)),
     (["pytorch_model/zero_pp_rank_0_mp_rank_00_model_states.pt",
-      "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt"], Layout("deepspeed", 2, 3)),
-    (["pytorch_model/mp_rank_00_model_states.pt"], Layout("deepspeed", 2, 0)),
-    (["pytorch_model_fsdp_0/__0_0.distcp", "optimizer_0/__0_0.distcp"], Layout("fsdp", 2)),
-    (["model.safetensors", "optimizer.bin"], Layout("ddp", 2)),
+      "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt"], CheckpointLayout("deepspeed", 2, 3)),
+    (["pytorch_model/mp_rank_00_model_states.pt"], CheckpointLayout("deepspeed", 2, 0)),
+    (["pytorch_model_fsdp_0/__0_0.distcp", "optimizer_0/__0_0.distcp"], CheckpointLayout("fsdp", 2)),
+    (["model.safetensors", "optimizer.bin"], CheckpointLayout("ddp", 2)),
 ])
 def test_older_checkpoints_without_a_recorded_layout_are_read_from_their_files(tmp_path, files, expected):
     ckpt = make_checkpoint(tmp_path / "c", world=2, files=files)
@@ -81,32 +81,32 @@ def test_older_checkpoints_without_a_recorded_layout_are_read_from_their_files(t
 # ---- what a resume on another layout needs ----------------------------------------------------------------
 @pytest.mark.parametrize("saved, target, expected", [
     (DS2_W2, DS2_W2, None),
-    (Layout("deepspeed", 2, None), Layout("deepspeed", 2, 1), None),  # older ZeRO-1/2 files on ZeRO-1/2
-    (DS2_W2, Layout("deepspeed", 1, 2), UNIVERSAL),
-    (DS2_W2, Layout("deepspeed", 3, 2), UNIVERSAL),
-    (DS2_W2, Layout("deepspeed", 2, 1), UNIVERSAL),
-    (Layout("deepspeed", 4, 1), Layout("deepspeed", 2, 2), UNIVERSAL),
-    (Layout("deepspeed", 4, 3), Layout("deepspeed", 2, 3), UNIVERSAL),
-    (Layout("ddp", 2), Layout("ddp", 3), None),  # full state; model keys are checked in the file
-    (Layout("fsdp", 8), Layout("fsdp", 4), None),  # torch.distributed.checkpoint reshards on load
+    (CheckpointLayout("deepspeed", 2, None), CheckpointLayout("deepspeed", 2, 1), None),  # older ZeRO-1/2 files on ZeRO-1/2
+    (DS2_W2, CheckpointLayout("deepspeed", 1, 2), UNIVERSAL),
+    (DS2_W2, CheckpointLayout("deepspeed", 3, 2), UNIVERSAL),
+    (DS2_W2, CheckpointLayout("deepspeed", 2, 1), UNIVERSAL),
+    (CheckpointLayout("deepspeed", 4, 1), CheckpointLayout("deepspeed", 2, 2), UNIVERSAL),
+    (CheckpointLayout("deepspeed", 4, 3), CheckpointLayout("deepspeed", 2, 3), UNIVERSAL),
+    (CheckpointLayout("ddp", 2), CheckpointLayout("ddp", 3), None),  # full state; model keys are checked in the file
+    (CheckpointLayout("fsdp", 8), CheckpointLayout("fsdp", 4), None),  # torch.distributed.checkpoint reshards on load
 ])
 def test_conversion_needed(saved, target, expected):
     assert conversion(Path("ckpt"), saved, target) == expected
 
 
 @pytest.mark.parametrize("saved, target, words", [
-    (DS2_W2, Layout("ddp", 2), ["written by DeepSpeed ZeRO-2 on 2 processes", "DDP on 2 processes",
+    (DS2_W2, CheckpointLayout("ddp", 2), ["written by DeepSpeed ZeRO-2 on 2 processes", "DDP on 2 processes",
                                 "zero2.yaml", "pretrain-export ckpt"]),
-    (Layout("ddp", 2), Layout("deepspeed", 2, 2), ["written by DDP on 2 processes", "cpu_ddp.yaml",
+    (CheckpointLayout("ddp", 2), CheckpointLayout("deepspeed", 2, 2), ["written by DDP on 2 processes", "cpu_ddp.yaml",
                                                     "pretrain-export ckpt"]),
-    (Layout("fsdp", 2), Layout("ddp", 1), ["FSDP on 2 processes", "fsdp.yaml"]),
-    (Layout("deepspeed", 2, 0), Layout("deepspeed", 4, 0), ["ZeRO-0", "ZeRO optimizer (stage 1-3)",
+    (CheckpointLayout("fsdp", 2), CheckpointLayout("ddp", 1), ["FSDP on 2 processes", "fsdp.yaml"]),
+    (CheckpointLayout("deepspeed", 2, 0), CheckpointLayout("deepspeed", 4, 0), ["ZeRO-0", "ZeRO optimizer (stage 1-3)",
                                                               "ZeRO-0 on 2 processes as saved"]),
-    (DS2_W2, Layout("deepspeed", 2, 0), ["ZeRO-0"]),
-    (DS2_W2, Layout("deepspeed", 3, 3), ["ZeRO-3 and ZeRO-1/2 optimizer states in different formats",
+    (DS2_W2, CheckpointLayout("deepspeed", 2, 0), ["ZeRO-0"]),
+    (DS2_W2, CheckpointLayout("deepspeed", 3, 3), ["ZeRO-3 and ZeRO-1/2 optimizer states in different formats",
                                          "Resume it with ZeRO-1 or ZeRO-2", "zero2.yaml"]),
-    (Layout("deepspeed", 2, 3), Layout("deepspeed", 2, 2), ["Resume it with ZeRO-3", "zero3.yaml"]),
-    (Layout("deepspeed", 2, 2, "nvme"), Layout("deepspeed", 4, 2, "nvme"), ["NVMe"]),
+    (CheckpointLayout("deepspeed", 2, 3), CheckpointLayout("deepspeed", 2, 2), ["Resume it with ZeRO-3", "zero3.yaml"]),
+    (CheckpointLayout("deepspeed", 2, 2, "nvme"), CheckpointLayout("deepspeed", 4, 2, "nvme"), ["NVMe"]),
 ])
 def test_impossible_combinations_are_refused_with_what_to_do(saved, target, words):
     with pytest.raises(ConfigError) as info:
@@ -236,7 +236,7 @@ def test_pretrain_launch_refuses_a_checkpoint_of_another_kind_with_a_command_tha
     code, err, execs = preflight(capsys, monkeypatch, "--config_file", str(CONFIGS / config), "--num_processes",
                                  str(num), "--recipe", TINY, *SMALL, f"output_dir={out}")
     assert code == 2 and execs == [], err
-    assert Layout.of(saved).describe() in err and "pretrain-export" in err
+    assert CheckpointLayout.of(saved).describe() in err and "pretrain-export" in err
     command = shlex.split(err.splitlines()[-1])
     assert err.splitlines()[-2] == "This launch resumes it:" and command[0] == "pretrain-launch"
     assert shlex.join(command[1:5]) == f"--config_file accelerate_configs/{resumed_by}", command

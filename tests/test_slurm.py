@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.checkpoint.reshard import Layout
+from pretrain.checkpoint.reshard import CheckpointLayout
 from pretrain.cli import slurm
 from pretrain.distributed.layout import Launch
 from tests.helpers import (
@@ -386,7 +386,7 @@ def test_a_checkpoint_the_job_cannot_resume_is_not_submitted_and_gets_the_submis
         assert captured.out == "" and "Traceback" not in captured.err
     err = captured.err.splitlines()
     assert err[0].startswith(f"error: cannot resume {out / 'checkpoints' / 'step_00000003'}")
-    assert Layout.of(saved).describe() in err[0] and err[-2] == "This submission resumes it:"
+    assert CheckpointLayout.of(saved).describe() in err[0] and err[-2] == "This submission resumes it:"
     command = shlex.split(err[-1])
     assert command[:2] == ["pretrain-slurm", "submit"]
     assert command[command.index("--accelerate-config") + 1] == f"accelerate_configs/{resumed_by}"

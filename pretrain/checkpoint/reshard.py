@@ -67,7 +67,7 @@ Log = Callable[[str], None]
 
 
 @dataclass(frozen=True)
-class Layout:
+class CheckpointLayout:
     """How a checkpoint was (or will be) distributed: the parts of ``Launch.to_dict()`` its files depend on."""
 
     engine: str  # ddp (or one process), fsdp, deepspeed
@@ -77,11 +77,11 @@ class Layout:
     tp_size: int = 1  # FSDP2 x TP: the DCP files hold DTensors over a (dp_shard, tp) mesh
 
     @classmethod
-    def of(cls, launch: Launch) -> Layout:
+    def of(cls, launch: Launch) -> CheckpointLayout:
         return cls.from_dict(launch.to_dict())
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> Layout:
+    def from_dict(cls, values: dict[str, Any]) -> CheckpointLayout:
         return cls(engine=values["engine"], world_size=int(values["world_size"]),
                    zero_stage=values.get("zero_stage") if values["engine"] == "deepspeed" else None,
                    offload_optimizer=values.get("offload_optimizer") or "none",
@@ -97,11 +97,11 @@ class Layout:
         return f"DDP on {processes}" if self.world_size > 1 else "one process"
 
 
-def saved_layout(checkpoint: Path, state: dict[str, Any]) -> Layout:
+def saved_layout(checkpoint: Path, state: dict[str, Any]) -> CheckpointLayout:
     """The layout a checkpoint was written by: recorded in its trainer state, else read from its files
     (checkpoints written before the layout was recorded; their plan records the world size)."""
     if state.get("layout"):
-        return Layout.from_dict(state["layout"])
+        return CheckpointLayout.from_dict(state["layout"])
     world = int(state["plan"]["world_size"])
     ds = checkpoint / DEEPSPEED_DIR
     if ds.is_dir():
@@ -111,22 +111,22 @@ def saved_layout(checkpoint: Path, state: dict[str, Any]) -> Layout:
             stage = None  # ZeRO-1 and ZeRO-2 write the same files
         else:
             stage = 0
-        return Layout("deepspeed", world, stage)
+        return CheckpointLayout("deepspeed", world, stage)
     if (checkpoint / FSDP_SHARDED_DIR).is_dir() or (checkpoint / FSDP_FULL_FILE).is_file():
-        return Layout("fsdp", world)
-    return Layout("ddp", world)
+        return CheckpointLayout("fsdp", world)
+    return CheckpointLayout("ddp", world)
 
 
 class LayoutRefused(ConfigError):
     """A checkpoint this launch cannot resume. ``saved``: the layout that wrote it; ``same_world``: it resumes
     only on its own number of processes (ZeRO-0). pretrain-launch turns these into a command that resumes it."""
 
-    def __init__(self, message: str, saved: Layout, *, same_world: bool = False):
+    def __init__(self, message: str, saved: CheckpointLayout, *, same_world: bool = False):
         super().__init__(message)
         self.saved, self.same_world = saved, same_world
 
 
-def conversion(checkpoint: Path, saved: Layout, target: Layout) -> str | None:
+def conversion(checkpoint: Path, saved: CheckpointLayout, target: CheckpointLayout) -> str | None:
     """What resuming ``checkpoint`` (written by ``saved``) under ``target`` needs: None (load as it is),
     UNIVERSAL (DeepSpeed universal checkpoint), or LayoutRefused naming what to do instead.
     (DDP key renaming is decided from the weights file itself, see ``plan_resume``.)"""
@@ -166,7 +166,7 @@ def conversion(checkpoint: Path, saved: Layout, target: Layout) -> str | None:
     return UNIVERSAL
 
 
-def _same_kind(saved: Layout) -> str:
+def _same_kind(saved: CheckpointLayout) -> str:
     return "ZeRO-3 (accelerate_configs/zero3.yaml)" if saved.zero_stage == 3 else \
         "ZeRO-1 or ZeRO-2 (accelerate_configs/zero1.yaml, zero2.yaml)"
 
@@ -193,7 +193,7 @@ class ResumeSource:
 
     checkpoint: Path  # the checkpoint (its trainer_state.json)
     load_dir: Path  # what accelerator.load_state reads: the checkpoint, or its converted sibling
-    saved: Layout | None  # None: not read (loaded as saved)
+    saved: CheckpointLayout | None  # None: not read (loaded as saved)
     load_universal: bool = False  # DeepSpeed's checkpoint.load_universal
     world_changed: bool = False  # the per-process RNG files belong to other processes: re-seed instead
 
@@ -212,8 +212,8 @@ class ResumePlan:
     """The decision for one checkpoint under one launch: what the run does, and what pretrain-launch checks."""
 
     checkpoint: Path
-    saved: Layout
-    target: Layout
+    saved: CheckpointLayout
+    target: CheckpointLayout
     kind: str | None  # the sibling to convert into (UNIVERSAL, SINGLE_KEYS), or None: load the checkpoint itself
 
     @property
@@ -238,7 +238,7 @@ def plan_resume(checkpoint: Path, launch: Launch) -> ResumePlan:
     process starts both decide here, so they cannot disagree."""
     state = read_state(checkpoint)
     assert state is not None, f"{checkpoint} is not a complete checkpoint"
-    saved, target = saved_layout(checkpoint, state), Layout.of(launch)
+    saved, target = saved_layout(checkpoint, state), CheckpointLayout.of(launch)
     kind = conversion(checkpoint, saved, target)
     if saved.engine == "ddp":
         kind = _ddp_keys_kind(checkpoint)
@@ -293,7 +293,7 @@ def _failure_marker(view: Path) -> Path:
     return view.with_name(f".{view.name}.failed")
 
 
-def _convert(checkpoint: Path, view: Path, kind: str, stamp: dict, saved: Layout, target: Layout, log: Log) -> None:
+def _convert(checkpoint: Path, view: Path, kind: str, stamp: dict, saved: CheckpointLayout, target: CheckpointLayout, log: Log) -> None:
     tmp = view.with_name(f".tmp-{view.name}")
     failed = _failure_marker(view)
     failed.unlink(missing_ok=True)
@@ -397,7 +397,7 @@ def _refuse_crafted(checkpoint: Path) -> None:
         raise ConfigError(refused)
 
 
-def _read_weights(checkpoint: Path, layout: Layout) -> dict[str, Any]:
+def _read_weights(checkpoint: Path, layout: CheckpointLayout) -> dict[str, Any]:
     import torch
     from safetensors.torch import load_file
 

@@ -22,7 +22,7 @@ CONFIGS_DIR = Path(__file__).resolve().parents[2] / "accelerate_configs"
 """The shipped accelerate configs (a refusal names the one that resumes a checkpoint)."""
 
 if TYPE_CHECKING:
-    from pretrain.checkpoint.reshard import Layout, ResumePlan
+    from pretrain.checkpoint.reshard import CheckpointLayout, ResumePlan
     from pretrain.distributed.layout import Launch
     from pretrain.plan.memory import MemoryEstimate
     from pretrain.system.hardware import GpuSpec
@@ -287,7 +287,7 @@ def check_resume(recipe, launch: Launch, spelling: Spelling) -> ResumePlan | Non
         raise ConfigError(f"{exc}.\n{spelling.intro}\n  {shlex.join(command)}") from None
 
 
-def resuming_config(saved: Layout, launch: Launch, cpu: bool) -> str | None:
+def resuming_config(saved: CheckpointLayout, launch: Launch, cpu: bool) -> str | None:
     """The shipped accelerate config of the layout that wrote a checkpoint, or None when none resumes it."""
     if saved.engine == "ddp":
         return ("cpu_ddp.yaml" if cpu else "ddp.yaml") if launch.world_size > 1 else \
