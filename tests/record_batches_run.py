@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-import pretrain.train.loader as loader_module
+import pretrain.data.loader as loader_module
 from pretrain.run import main
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pretrain.data.loader import GlobalSampleOrder, RankBatchSampler, eval_indices
 from pretrain.errors import BatchConfigError, DataError
 from pretrain.recipe.batching import BatchPlan, num_training_steps, plan_batches
 from pretrain.recipe.config import BatchConfig
-from pretrain.train.loader import GlobalSampleOrder, RankBatchSampler, eval_indices
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
@@ -118,7 +118,7 @@ def test_epoch_order_is_numpys_permutation_held_in_half_the_memory():
     same rows), stored as uint32: at 1.2e8 rows (1 TB of text at 2048 tokens) 0.5 GB per rank, not 1 GB."""
     import numpy as np
 
-    from pretrain.train.loader import epoch_permutation
+    from pretrain.data.loader import epoch_permutation
 
     for n in (1, 5, 100_003):
         order = epoch_permutation(n, [11, 2], shuffle=True)

@@ -213,7 +213,7 @@ def rows() -> torch.Tensor:
 
 
 def batch_of(tokens: torch.Tensor):
-    from pretrain.train.loader import Batch
+    from pretrain.data.loader import Batch
 
     return Batch(tokens[:, :-1].clone(), tokens[:, 1:].clone())
 

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.checkpoint.resume import check_compatible
+from pretrain.data.loader import Collate, DocumentMasking
 from pretrain.errors import ConfigError
 from pretrain.model.build import build_model
 from pretrain.recipe.config import DOCUMENT_MASKING_ARCHS, ModelConfig, load_recipe
-from pretrain.train.loader import Collate, DocumentMasking
 from tests.helpers import FAST, TINY, check_ok, train, val_losses
 
 EOS, VOCAB, SEQ = 3, 128, 16

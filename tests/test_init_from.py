@@ -87,9 +87,9 @@ def reference_val_loss(source: Path, out: Path, cache: dict[str, str] | None = N
     from transformers import AutoModelForCausalLM
 
     from pretrain.data import open_data
+    from pretrain.data.loader import build_val_loaders
     from pretrain.recipe.batching import plan_batches
     from pretrain.recipe.config import load_recipe
-    from pretrain.train.loader import build_val_loaders
 
     cache_dir = [f"data.cache_dir={cache['PRETRAIN_CACHE_DIR']}"] if cache else []
     recipe = load_recipe(RECIPE, [f"model.init_from={source}", *ARGS, f"output_dir={out}", *cache_dir])

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from pretrain.data import MixtureData, prepare_data
+from pretrain.data.loader import MixtureSampleOrder, RankBatchSampler, data_horizon, stream_rows
 from pretrain.errors import ConfigError, DataError
 from pretrain.recipe.batching import plan_batches
 from pretrain.recipe.config import BatchConfig, DataConfig
-from pretrain.train.loader import MixtureSampleOrder, RankBatchSampler, data_horizon, stream_rows
 from tests.helpers import (
     FAST,
     RUN,

@@ -16,9 +16,9 @@ import torch
 from pretrain.checkpoint.background import SLOW_WRITE_ENV
 from pretrain.checkpoint.integrity import checkpoint_files, verify_all
 from pretrain.checkpoint.rundir import read_state
+from pretrain.data.loader import GlobalSampleOrder, SkippingOrder
 from pretrain.errors import ConfigError, TrainingDiverged
 from pretrain.recipe.config import RollbackConfig, load_recipe
-from pretrain.train.loader import GlobalSampleOrder, SkippingOrder
 from pretrain.train.rollback import Rollback, run_rollbacks
 from pretrain.train.stability import LOSS_FACTORS_ENV
 from pretrain.trust import allowed_globals

@@ -183,9 +183,9 @@ def _rank(rank: int, cfg, seconds: float, queue) -> None:
     import psutil
 
     from pretrain.data import open_store
+    from pretrain.data.loader import build_train_loader
     from pretrain.recipe.batching import plan_batches
     from pretrain.recipe.config import BatchConfig
-    from pretrain.train.loader import build_train_loader
 
     data = open_store(cfg, log=lambda _: None)
     plan = plan_batches(BatchConfig(global_batch_size=16, micro_batch_size=8), 2, cfg.seq_len)

@@ -4,7 +4,7 @@ A checkpoint is ``accelerator.save_state`` (model, optimizer, scheduler, grad sc
 process) plus ``trainer_state.json`` (a ``TrainerState``: the run state's registered parts, plan, recipe,
 layout; ``pretrain/checkpoint/state.py``), written into ``checkpoints/.tmp-step_XXXXXXXX`` and renamed to
 ``step_XXXXXXXX`` only when complete; then the ``latest`` pointer is replaced atomically. The data cursor is
-the optimizer step: the sample order is a pure function of (seed, step), see ``pretrain/train/loader.py``.
+the optimizer step: the sample order is a pure function of (seed, step), see ``pretrain/data/loader.py``.
 
 Every checkpoint carries ``manifest.json`` (``pretrain/checkpoint/integrity.py``): each file's size and CRC-32,
 every rank hashing the files it wrote, written after every other file and before the rename. Which checkpoint a

@@ -1,7 +1,7 @@
 """A checkpoint on another layout: resume on another number of processes or ZeRO stage, or read its weights.
 
 What a resume needs besides the model and optimizer does not depend on the layout: the data cursor is the
-optimizer step (``pretrain/train/loader.py``), the LR schedule counts optimizer steps and ``tokens_seen`` is a
+optimizer step (``pretrain/data/loader.py``), the LR schedule counts optimizer steps and ``tokens_seen`` is a
 number in ``trainer_state.json``. What does depend on it is how the state was written:
 
 - DeepSpeed ZeRO-1/2/3 partitions optimizer states (ZeRO-3 also parameters) per data-parallel rank, and

@@ -25,12 +25,12 @@ import numpy as np
 
 from pretrain.checkpoint import rundir
 from pretrain.data import MixtureData, PackedData, open_store
+from pretrain.data.loader import RankBatchSampler, build_train_loader, data_horizon
 from pretrain.data.mixture import SINGLE, MixtureRows, data_changes, data_identity
 from pretrain.data.provenance import document_rows, row_spans
 from pretrain.errors import ConfigError, DataError
 from pretrain.recipe.batching import BatchPlan
 from pretrain.recipe.config import Recipe, load_recipe
-from pretrain.train.loader import RankBatchSampler, build_train_loader, data_horizon
 from pretrain.train.rollback import run_rollbacks
 
 RESOLVED_RECIPE = "recipe.resolved.yaml"

@@ -1,6 +1,6 @@
 """Validation: the loss over the evaluation set, at its own cadence.
 
-The evaluation set is the same on any world size (``pretrain/train/loader.py``): every rank sums token losses
+The evaluation set is the same on any world size (``pretrain/data/loader.py``): every rank sums token losses
 over its share and one reduction gives the exact mean. A mixture is evaluated per source (each on its own
 validation split); its ``val/loss`` is the mean of the sources' losses weighted by the mixture's weights,
 the loss expected on the mixture whatever the sizes of the validation splits. Under context parallelism a batch is

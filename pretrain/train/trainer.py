@@ -30,6 +30,7 @@ from pretrain.checkpoint.resume import Resume, ResumeChoice, Resumed
 from pretrain.checkpoint.rundir import latest_checkpoint
 from pretrain.checkpoint.state import RunState, Stateful, TrainerState, TrainProgress
 from pretrain.data import data_identity, ensure_data, open_data
+from pretrain.data.loader import TrainData, document_masking
 from pretrain.distributed.accelerator import build_accelerator, check_shared_output_dir
 from pretrain.distributed.layout import Launch
 from pretrain.distributed.preemption import StopSignals
@@ -42,7 +43,6 @@ from pretrain.train.downstream import DownstreamEvaluator
 from pretrain.train.engine import Engine, Objective, OptimizerStep, loss_normaliser
 from pretrain.train.evaluation import Evaluator
 from pretrain.train.final_model import FinalModel
-from pretrain.train.loader import TrainData, document_masking
 from pretrain.train.metrics import ThroughputMonitor, peak_warning, train_metrics
 from pretrain.train.model_parts import build_model_parts
 from pretrain.train.preflight import check_run
