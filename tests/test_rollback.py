@@ -15,11 +15,11 @@ import torch
 
 from pretrain.checkpoint.background import SLOW_WRITE_ENV
 from pretrain.checkpoint.integrity import checkpoint_files, verify_all
-from pretrain.checkpoint.rundir import read_state
+from pretrain.checkpoint.rundir import read_state, run_rollbacks
 from pretrain.data.loader import GlobalSampleOrder, SkippingOrder
 from pretrain.errors import ConfigError, TrainingDiverged
 from pretrain.recipe.config import RollbackConfig, load_recipe
-from pretrain.train.rollback import Rollback, run_rollbacks
+from pretrain.train.rollback import Rollback
 from pretrain.train.stability import LOSS_FACTORS_ENV
 from pretrain.trust import allowed_globals
 from tests.fakes import FakeAccelerator
@@ -140,9 +140,10 @@ def test_a_persistent_spike_rolls_back_skips_its_window_and_ends_finite(rolled_b
     assert read_state(checkpoints / "step_00000008")["components"]["rollback"]["records"] == [record]
     assert read_state(checkpoints / "step_00000004")["components"]["rollback"]["records"] == []
     # pretrain-data which reads the same order: step 5 read the global batch after the skipped ones
-    from pretrain.train.data_lookup import RunData
+    from pretrain.checkpoint.rundir import read_run
+    from pretrain.data.lookup import RunData
 
-    assert [RunData.open(out).order.batch_index(s - 1) for s in (4, 5, 12)] == [3, 9, 16]
+    assert [RunData.open(read_run(out)).order.batch_index(s - 1) for s in (4, 5, 12)] == [3, 9, 16]
 
 
 def _resumed_copy(out: Path, where: Path, resume_step: int, keep_records: bool) -> Path:

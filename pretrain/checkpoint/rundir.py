@@ -1,4 +1,4 @@
-"""The run directory, read: the one reader of what a run writes, for the trainer, slurm, sweep and plot.
+"""The run directory, read: the one reader of what a run writes, for the trainer, slurm, sweep, plot and the lookup.
 
 What a run directory holds is described once, in docs/checkpoints.md ("The run directory"); the names
 this module reads are the constants below.
@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pretrain.errors import ConfigError
 from pretrain.trust import contained
 
+if TYPE_CHECKING:
+    from pretrain.data.lookup import RunRecord
+
 METRICS_FILE = "metrics.jsonl"
 RUN_CONFIG_FILE = "run_config.json"
+RESOLVED_RECIPE_FILE = "recipe.resolved.yaml"
 CHECKPOINTS_DIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
 LATEST_FILE = "latest"
@@ -105,3 +109,52 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
             return path
     complete = complete_checkpoints(run_dir)
     return complete[-1][1] if complete else None
+
+
+def saved_rollbacks(state: dict[str, Any]) -> dict[str, Any]:
+    """A trainer state's rollback part: ``components.rollback``, or what a checkpoint of an earlier version kept at its
+    top (``rollbacks``, its ``saved_at`` naming that save)."""
+    components = state.get("components")
+    if components is not None:
+        return components.get("rollback") or {"records": [], "saved_at": None}
+    return {"records": state.get("rollbacks") or [], "saved_at": state.get("saved_at")}
+
+
+def timeline_rollbacks(saved: dict[str, Any] | None, logged: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rollbacks of the timeline a checkpoint continues: those it holds (``saved``, its rollback part), then those
+    of ``logged`` (rollbacks.jsonl's) made to that very save after it was written. Rollbacks to other checkpoints, or
+    to an earlier save of the same step, belong to another timeline (a resume from an older checkpoint abandons
+    them)."""
+    saved = saved or {"records": [], "saved_at": None}
+    after = [r for r in logged if r.get("checkpoint_saved_at") == saved["saved_at"]]
+    return [*saved["records"], *after]
+
+
+def run_rollbacks(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The rollbacks of a run directory's timeline, as a resume would restore them (``pretrain-data which``'s)."""
+    newest = latest_checkpoint(run_dir)
+    state = read_state(newest) if newest is not None else None
+    return [] if state is None else timeline_rollbacks(saved_rollbacks(state), read_rollbacks(run_dir))
+
+
+def read_run(run_dir: str | Path) -> RunRecord:
+    """What a run directory records of the data its steps read (``pretrain-data which``): the resolved recipe,
+    run_config.json, the plan of every checkpoint left, the newest checkpoint's data identity and the rollbacks of
+    its timeline. One ConfigError when it is not a run directory."""
+    from pretrain.data.lookup import RunRecord
+    from pretrain.recipe.config import load_recipe
+
+    run_dir = Path(run_dir)
+    fix = ("pass --run the output_dir of a run (it holds run_config.json and recipe.resolved.yaml, written when "
+           "the run starts)")
+    if not run_dir.is_dir():
+        raise ConfigError(f"no run directory at {run_dir}; {fix}")
+    config = read_run_config(run_dir)
+    if config is None or not (run_dir / RESOLVED_RECIPE_FILE).is_file():
+        missing = RUN_CONFIG_FILE if config is None else RESOLVED_RECIPE_FILE
+        raise ConfigError(f"{run_dir} is not a run directory: no readable {missing}; {fix}")
+    plans = [(read_state(path) or {}).get("plan") or {} for _, path in complete_checkpoints(run_dir)]
+    newest = latest_checkpoint(run_dir)
+    trained_on = (read_state(newest) or {}).get("data") if newest is not None else None
+    return RunRecord(run_dir, run_dir / RUN_CONFIG_FILE, load_recipe(run_dir / RESOLVED_RECIPE_FILE), config, plans,
+                     (newest.name, trained_on) if trained_on else None, run_rollbacks(run_dir))

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
 
-from pretrain.checkpoint.rundir import read_state
+from pretrain.checkpoint.rundir import read_state, saved_rollbacks
 
 PROGRESS = "progress"  # the part whose state is the record's step, tokens_seen and num_steps
 
@@ -121,7 +121,7 @@ class TrainerState:
             legacy = {}
             if values.get("stability") is not None:
                 legacy["stability"] = values["stability"]
-            legacy["rollback"] = {"records": values.get("rollbacks") or [], "saved_at": values.get("saved_at")}
+            legacy["rollback"] = saved_rollbacks(values)
             values["components"] = legacy
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in known})

@@ -30,13 +30,14 @@ def _where(sequence) -> str:
 
 
 def which(args: argparse.Namespace) -> int:
-    from pretrain.train.data_lookup import RunData  # torch and transformers: after the arguments are read
+    from pretrain.checkpoint.rundir import read_run
+    from pretrain.data.lookup import RunData  # torch and transformers: after the arguments are read
 
     if (args.step is None) == (args.document is None):
         raise ConfigError("pretrain-data which takes one of --step N or --document SOURCE:FILE:INDEX")
     if args.document is not None and (args.rank is not None or args.micro is not None):
         raise ConfigError("--rank and --micro narrow --step; --document lists every rank and micro-step")
-    run = RunData.open(args.run)
+    run = RunData.open(read_run(args.run))
     if args.step is not None:
         sequences = run.sequences(args.step, args.rank, args.micro)
         if args.json:

@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING, Any
 from accelerate.utils import broadcast_object_list
 
 from pretrain.checkpoint.resume import ResumeChoice
-from pretrain.checkpoint.rundir import ROLLBACKS_FILE, latest_checkpoint, read_rollbacks
-from pretrain.checkpoint.state import TrainerState
+from pretrain.checkpoint.rundir import ROLLBACKS_FILE, read_rollbacks, timeline_rollbacks
 from pretrain.errors import TrainingDiverged
 from pretrain.recipe.config import RollbackConfig
 from pretrain.train.stability import TooManySkips
@@ -55,12 +54,9 @@ class Rollback:
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """A snapshot's rollbacks, then those rollbacks.jsonl records as made to that very snapshot after it was
-        saved. Rollbacks to other checkpoints, or to an earlier save of the same step, belong to another timeline (a
-        resume from an older checkpoint abandons them) and are left out."""
-        state = state or {"records": [], "saved_at": None}
-        self.loaded_at = state["saved_at"]
-        after = [r for r in self.logged if r.get("checkpoint_saved_at") == self.loaded_at]
-        self.records = [*state["records"], *after]
+        saved (``rundir.timeline_rollbacks``)."""
+        self.loaded_at = state["saved_at"] if state else None
+        self.records = timeline_rollbacks(state, self.logged)
 
     # ---- what the loop and the schedule consult ---------------------------------------------------------------
     @property
@@ -144,14 +140,3 @@ class Rollback:
                 f"{stop.verdict.reason}); the global batches of steps {back_to + 1}-{stop.step} "
                 f"(batches {batches[0]}-{batches[1]}) are skipped, recorded in {ROLLBACKS_FILE}{lr_text}{aside}")
 
-
-def run_rollbacks(run_dir) -> list[dict[str, Any]]:
-    """The rollbacks of a run directory's timeline, as a resume would restore them: its newest checkpoint's, and
-    those rollbacks.jsonl records to that checkpoint since it was saved (``pretrain-data which``'s order)."""
-    newest = latest_checkpoint(run_dir)
-    state = TrainerState.read(newest) if newest is not None else None
-    if state is None:
-        return []
-    history = Rollback(RollbackConfig(), run_dir)
-    history.load_state_dict(state.components.get("rollback"))
-    return history.records

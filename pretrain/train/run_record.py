@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
+from pretrain.checkpoint.rundir import RESOLVED_RECIPE_FILE
 from pretrain.distributed.accelerator import gradient_dtypes
 from pretrain.distributed.layout import Launch
 from pretrain.recipe.batching import BatchPlan
@@ -104,7 +105,7 @@ def start_run_record(trainer: Trainer) -> None:
     """Write the resolved recipe, start the trackers with the run config and print the banner."""
     recipe, p, config = trainer.recipe, trainer.plan, run_config(trainer)
     if trainer.is_main:
-        (trainer.output_dir / "recipe.resolved.yaml").write_text(recipe.to_yaml())
+        (trainer.output_dir / RESOLVED_RECIPE_FILE).write_text(recipe.to_yaml())
     trainer.accelerator.init_trackers(recipe.logging.project, config=flatten(config))
     dist = config["dist"]
     # batch.sync_each_micro_batch acts where accelerate would enter no_sync: DDP and FSDP, several ranks, GAS > 1

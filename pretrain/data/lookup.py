@@ -1,8 +1,8 @@
 """Which data a run read at an optimizer step, and at which steps it read a document (``pretrain-data which``).
 
-The answer comes from the run directory alone: ``recipe.resolved.yaml`` (seed, data section, mixture),
-``run_config.json`` (the batch plan, the horizon, each store's path, the latest resume) and the token stores
-those paths name. The order is not recomputed here: ``build_train_loader`` builds the same sample order and
+The answer comes from the run directory alone (``checkpoint/rundir.read_run`` reads it into a ``RunRecord``):
+``recipe.resolved.yaml`` (seed, data section, mixture), ``run_config.json`` (the batch plan, the horizon, each
+store's path, the latest resume), the rollbacks of the run's timeline, and the token stores those paths name. The order is not recomputed here: ``build_train_loader`` builds the same sample order and
 rank slices (``RankBatchSampler``) and the same dataset the run's loader read, so the lookup cannot drift from
 training. Steps are numbered as in metrics.jsonl: step N is the N-th optimizer step, which reads global batch
 N - 1 of the order.
@@ -23,17 +23,14 @@ from typing import Any
 
 import numpy as np
 
-from pretrain.checkpoint import rundir
 from pretrain.data import MixtureData, PackedData, open_store
 from pretrain.data.loader import RankBatchSampler, build_train_loader, data_horizon
 from pretrain.data.mixture import SINGLE, MixtureRows, data_changes, data_identity
 from pretrain.data.provenance import document_rows, row_spans
 from pretrain.errors import ConfigError, DataError
 from pretrain.recipe.batching import BatchPlan
-from pretrain.recipe.config import Recipe, load_recipe
-from pretrain.train.rollback import run_rollbacks
+from pretrain.recipe.config import Recipe
 
-RESOLVED_RECIPE = "recipe.resolved.yaml"
 PREVIEW_CHARS = 60
 PREVIEW_TOKENS = 64  # decoded for the preview: ~60 characters of text need far fewer tokens
 PLAN_KEYS = ("global_batch_size", "micro_batch_size", "grad_accum_steps", "world_size", "seq_len")
@@ -71,16 +68,29 @@ def _layout(plan: BatchPlan) -> tuple[int, int, int]:
     return plan.world_size, plan.micro_batch_size, plan.grad_accum_steps
 
 
+@dataclass(frozen=True)
+class RunRecord:
+    """What the lookup reads of a run directory (``checkpoint/rundir.read_run`` gathers it)."""
+
+    run_dir: Path
+    config_file: Path  # run_config.json, for messages
+    recipe: Recipe  # recipe.resolved.yaml
+    config: dict[str, Any]  # run_config.json
+    checkpoint_plans: list[dict[str, Any]]  # the batch plan each checkpoint left in the run directory recorded
+    trained_on: tuple[str, dict[str, Any]] | None  # the newest checkpoint's name and data identity (None: none yet)
+    rollbacks: list[dict[str, Any]]  # the rollbacks of the run's timeline (their skipped global batches)
+
+
 class RunData:
     """A run's training data as its loader reads it: opened from the run directory (``RunData.open``)."""
 
     def __init__(self, run_dir: Path, recipe: Recipe, plan: BatchPlan, num_steps: int, data: PackedData | MixtureData,
-                 early_plan: BatchPlan | None, resume_step: int):
+                 early_plan: BatchPlan | None, resume_step: int, rollbacks: list[dict[str, Any]]):
         self.run_dir, self.recipe, self.plan, self.num_steps, self.data = run_dir, recipe, plan, num_steps, data
         self.early_plan, self.resume_step = early_plan, resume_step
         # The run's own construction of the loader: the dataset it reads and the order behind its batch sampler.
         # Global batches skipped by rollbacks (stability.rollback) are skipped here too.
-        skipped = [(int(r["batches"][0]), int(r["batches"][1])) for r in run_rollbacks(run_dir)]
+        skipped = [(int(r["batches"][0]), int(r["batches"][1])) for r in rollbacks]
         loader, self.order = build_train_loader(data, recipe.data, plan, 0, recipe.train.seed, 0, pin_memory=False,
                                                 skipped=skipped)
         # data.on_exhausted=stop ends a run before its horizon, at the step training itself computes
@@ -94,23 +104,14 @@ class RunData:
         self.tokenizer = data.tokenizer
 
     @classmethod
-    def open(cls, run_dir: str | Path) -> RunData:
-        run_dir = Path(run_dir)
-        fix = ("pass --run the output_dir of a run (it holds run_config.json and recipe.resolved.yaml, written when "
-               "the run starts)")
-        if not run_dir.is_dir():
-            raise ConfigError(f"no run directory at {run_dir}; {fix}")
-        config = rundir.read_run_config(run_dir)
-        if config is None or not (run_dir / RESOLVED_RECIPE).is_file():
-            missing = rundir.RUN_CONFIG_FILE if config is None else RESOLVED_RECIPE
-            raise ConfigError(f"{run_dir} is not a run directory: no readable {missing}; {fix}")
-        recipe = load_recipe(run_dir / RESOLVED_RECIPE)
-        plan = _plan(config, str(run_dir / rundir.RUN_CONFIG_FILE))
+    def open(cls, record: RunRecord) -> RunData:
+        config = record.config
+        plan = _plan(config, str(record.config_file))
         num_steps = int(config.get("train/num_steps") or 0)
-        early_plan, resume_step = _early_plan(run_dir, config, plan)
-        data = _open_stores(recipe, config)
-        _check_trained_on(run_dir, data)
-        return cls(run_dir, recipe, plan, num_steps, data, early_plan, resume_step)
+        early_plan, resume_step = _early_plan(config, plan, record.checkpoint_plans)
+        data = _open_stores(record.recipe, config)
+        _check_trained_on(record, data)
+        return cls(record.run_dir, record.recipe, plan, num_steps, data, early_plan, resume_step, record.rollbacks)
 
     # ---- step -> sequences --------------------------------------------------------------------------------
 
@@ -186,31 +187,29 @@ def parse_document(text: str, names: list[str]) -> tuple[str, str, int]:
     return parts[0], parts[1], int(parts[2])
 
 
-def _early_plan(run_dir: Path, config: dict[str, Any], plan: BatchPlan) -> tuple[BatchPlan | None, int]:
+def _early_plan(config: dict[str, Any], plan: BatchPlan, checkpoint_plans: list[dict[str, Any]]
+                ) -> tuple[BatchPlan | None, int]:
     """(The plan of steps up to the latest resume, None where unknown; that resume's step, 0 if none)."""
     resume_step = config.get("resume/step")
     if not isinstance(resume_step, int) or resume_step <= 0:
         return plan, 0
-    layouts = set()
-    for _, checkpoint in rundir.complete_checkpoints(run_dir):
-        saved = (rundir.read_state(checkpoint) or {}).get("plan") or {}
-        layouts.add(tuple(saved.get(k) for k in ("world_size", "micro_batch_size", "grad_accum_steps")))
+    layouts = {tuple(saved.get(k) for k in ("world_size", "micro_batch_size", "grad_accum_steps"))
+               for saved in checkpoint_plans}
     return (plan if layouts <= {_layout(plan)} else None), resume_step
 
 
-def _check_trained_on(run_dir: Path, data: PackedData | MixtureData) -> None:
+def _check_trained_on(record: RunRecord, data: PackedData | MixtureData) -> None:
     """The stores opened hold the tokens the run trained on (its newest checkpoint's data identity: shard
     checksums), else the answer would name other documents: one ConfigError. A run without a checkpoint yet
     has nothing to compare with."""
-    checkpoint = rundir.latest_checkpoint(run_dir)
-    saved = (rundir.read_state(checkpoint) or {}).get("data") if checkpoint else None
-    if not saved:
+    if record.trained_on is None:
         return
+    checkpoint, saved = record.trained_on
     opened = data_identity(data)
     changes = data_changes(saved, {name: (identity, None) for name, identity in opened.items()}, opened)
     if changes:
-        raise ConfigError(f"the token store(s) {run_dir / rundir.RUN_CONFIG_FILE} names are not the data the run "
-                          f"trained on ({checkpoint.name}): {'; '.join(changes)}. The lookup reads the stores the run "
+        raise ConfigError(f"the token store(s) {record.config_file} names are not the data the run "
+                          f"trained on ({checkpoint}): {'; '.join(changes)}. The lookup reads the stores the run "
                           "read: restore them at those paths")
 
 
