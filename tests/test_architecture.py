@@ -1,8 +1,8 @@
 """The import rule of docs/architecture.md, read from its layer table: no import cycle between modules, each module
 imports only from its own layer or a lower one, and a cli module imports no other cli module but the shared plumbing.
 
-Imports under ``if TYPE_CHECKING:`` are annotations, not dependencies, and are left out. Imports inside functions
-count: a lazy import is still a dependency, only a later one."""
+Every import counts: one inside a function is still a dependency, only a later one, and one under ``if
+TYPE_CHECKING:`` is a dependency of the design (a lower layer typed against a higher one is shaped by it)."""
 
 from __future__ import annotations
 
@@ -43,12 +43,6 @@ def module_files() -> dict[str, Path]:
     return out
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def imports_of(module: str, path: Path, modules: set[str]) -> set[str]:
     """The package modules ``module`` imports (``from pretrain.x import y`` counts as pretrain.x.y when that is a
     module, else pretrain.x)."""
@@ -62,10 +56,6 @@ def imports_of(module: str, path: Path, modules: set[str]) -> set[str]:
         return name or None
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -168,3 +158,10 @@ def test_the_rule_catches_a_violation():
         "pretrain.recipe.config (layer 1) imports pretrain.cli.plan (layer 9)"]
     assert cli_cross_imports({"pretrain.cli.slurm": {"pretrain.cli.launch", "pretrain.cli.options"}},
                              {"pretrain.cli.options"}) == ["pretrain.cli.slurm imports pretrain.cli.launch"]
+
+
+def test_an_import_for_annotations_only_counts(tmp_path):
+    """A lower layer typed against a higher one under ``if TYPE_CHECKING:`` is found as an upward import."""
+    module = tmp_path / "layout.py"
+    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pretrain.train.trainer import Trainer\n")
+    assert imports_of("pretrain.distributed.layout", module, {"pretrain.train.trainer"}) == {"pretrain.train.trainer"}

@@ -11,7 +11,14 @@ import time
 
 import pytest
 
-from pretrain.train.doctor import append_excluded, bus_bandwidth, failing_hosts, host_tables, judge, tracker_values
+from pretrain.distributed.doctor import (
+    append_excluded,
+    bus_bandwidth,
+    failing_hosts,
+    host_tables,
+    judge,
+    tracker_values,
+)
 from tests.helpers import ROOT, TINY, env, free_port, run_cmd
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from pretrain.cli.prelaunch import preflight
 from pretrain.errors import ConfigError
-from pretrain.train.prelaunch import preflight
 from tests.helpers import ROOT, TINY
 
 CASES = [

@@ -8,7 +8,7 @@ name the hosts below the threshold. Run it under the launcher that will train:
 
 Without a recipe: ``--output-dir DIR --dtype bf16``. Exit 0: every host healthy; 1: the hosts below the
 threshold are named with the figure, its value and the median (also in output_dir/doctor.json); 2: bad input.
-What each figure is and how the verdict is made: pretrain/train/doctor.py.
+What each figure is and how the verdict is made: pretrain/distributed/doctor.py.
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from pretrain.distributed.supervise import run_worker
-from pretrain.errors import EXIT_USAGE, ConfigError
-from pretrain.train.doctor import (
+from pretrain.distributed.doctor import (
     DEFAULT_THRESHOLD,
     EXIT_UNHEALTHY,
     HOSTNAME_ENV,
@@ -35,6 +33,8 @@ from pretrain.train.doctor import (
     verdict_text,
     write_report,
 )
+from pretrain.distributed.supervise import run_worker
+from pretrain.errors import EXIT_USAGE, ConfigError
 
 EPILOG = (f"Test hooks (environment): {SLOW_RANK_ENV}=R[,R...] makes those ranks' timed regions "
           f"{SLOW_FACTOR_ENV} (default 4) times as long, so their hosts are named; {HOSTNAME_ENV}=NAME or "
@@ -110,6 +110,17 @@ def start(recipe, settings: Settings):
     return accelerator
 
 
+def matmul(settings: Settings, device):
+    """The torch dtype the checks multiply in, and this device's peak in it (the run's own resolution)."""
+    import torch
+
+    from pretrain.train.metrics import _CPU_DTYPES, resolve_peak
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    peak = resolve_peak(device.type, name, settings.dtype, settings.peak_tflops, cache_dir=settings.cache_dir)
+    return _CPU_DTYPES[settings.dtype], peak  # the torch dtype of a recipe dtype (not CPU-specific)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     return run_worker(lambda: check(args))  # a worker's exit code is its own (pretrain/distributed/supervise.py)
@@ -119,7 +130,7 @@ def check(args: argparse.Namespace) -> int:
     try:
         settings, recipe = settings_from_args(args)
         accelerator = start(recipe, settings)
-        report, failures = run_checks(settings, accelerator)
+        report, failures = run_checks(settings, accelerator, *matmul(settings, accelerator.device))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -8,7 +8,7 @@ One answer from the pieces every launcher uses, before any process exists: the r
 plan on the launch (``preflight.check_run``), the parameter count (transformers' model on the meta device, as
 pretrain-launch builds it), the memory estimate of this very layout (``pretrain/memory``, as
 ``pretrain-estimate`` prints it), the fit against the GPU with pretrain-launch's verdict and pretrain-plan's
-best layout for the same GPUs (``train/prelaunch.py``'s ``best_layout``: the same text pretrain-launch refuses a
+best layout for the same GPUs (``cli/prelaunch.py``'s ``best_layout``: the same text pretrain-launch refuses a
 launch with), and the planner's step-time model for this layout (``plan/planner.py``'s ``throughput``). When no
 layout fits, pretrain-plan's advice says what would: the fewest GPUs, CPU offload and the memory it needs, a
 larger GPU.
@@ -103,11 +103,11 @@ def measured_flops_line(recipe, model_config) -> list[str]:
 
 
 def resume_report(recipe, args: argparse.Namespace, launch: Launch, gpu) -> tuple[str, bool]:
-    """The resume line (pretrain-launch's check, ``train/prelaunch.py``'s ``check_resume``: the checkpoint the run
+    """The resume line (pretrain-launch's check, ``cli/prelaunch.py``'s ``check_resume``: the checkpoint the run
     would resume and what it does with it, a fresh start, or pretrain-launch's refusal with the pretrain-launch
     command that resumes it) and whether it is a refusal."""
     from pretrain.checkpoint.state import TrainerState
-    from pretrain.train.prelaunch import LaunchSpelling, check_resume
+    from pretrain.cli.prelaunch import LaunchSpelling, check_resume
 
     spelling = LaunchSpelling(accelerate_options(args), ["--recipe", args.recipe, *args.overrides], args,
                               cpu=gpu is None, detect=False)
@@ -145,11 +145,11 @@ def report(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu, 
            detected: bool = False, resume: str = "") -> list[str]:
     """The dry run's lines. ``gpu``: the GPU to check against (None: a CPU process); ``detected``: it is this
     machine's, not one named on the command line; ``resume``: the resume line (``resume_report``)."""
+    from pretrain.cli.prelaunch import best_layout, does_not_fit, planner_gpu
     from pretrain.distributed.accelerator import compile_choice
     from pretrain.plan.memory import estimate
     from pretrain.plan.planner import calibration, plan, throughput
     from pretrain.train.preflight import check_run
-    from pretrain.train.prelaunch import best_layout, does_not_fit, planner_gpu
 
     run_plan = check_run(recipe, launch)
     batch, steps = run_plan.batch, run_plan.num_steps
@@ -205,8 +205,8 @@ def report(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu, 
 def dry_run(recipe, args: argparse.Namespace, started_by: Launch) -> int:
     """Print the report; the exit status: 2 when pretrain-launch would refuse the resume (the run would not start,
     so "will it run" is no), else 0."""
+    from pretrain.cli.prelaunch import launch_gpu
     from pretrain.system.environment import check_environment
-    from pretrain.train.prelaunch import launch_gpu
 
     launch = planned_launch(args, started_by)
     check_environment(recipe, launch)  # the packages this launch would need here (the device is the run's check)

@@ -37,10 +37,10 @@ import shlex
 import subprocess
 import sys
 
+from pretrain.cli.prelaunch import own_options, preflight, split_args
 from pretrain.distributed.layout import DOCTOR_ENTRY, accelerate_command, threads_per_process
 from pretrain.distributed.supervise import run_launcher
 from pretrain.errors import EXIT_INTERRUPTED, EXIT_USAGE, ConfigError
-from pretrain.train.prelaunch import own_options, preflight, split_args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -182,7 +182,7 @@ def check_job(args: argparse.Namespace) -> Job:
     # The checkpoint the job would resume, read where the nodes read it (output_dir is on a filesystem this
     # machine shares with them: the script and the log are written there): a job whose nodes could not load it
     # is not queued, and the refusal gives the submission that resumes it.
-    from pretrain.train.prelaunch import check_resume
+    from pretrain.cli.prelaunch import check_resume
 
     check_resume(recipe, launch, SubmitSpelling(args, cpu=requested_gpus(args, config) == 0))
     check_run(recipe, launch)  # on the job's world size, before anything is written
@@ -212,7 +212,7 @@ def check_job(args: argparse.Namespace) -> Job:
 
 
 class SubmitSpelling:
-    """How pretrain-slurm spells the submission that resumes a checkpoint (``train/prelaunch.py``'s ``check_resume``):
+    """How pretrain-slurm spells the submission that resumes a checkpoint (``cli/prelaunch.py``'s ``check_resume``):
     this submission's options, with another accelerate config and, when only the saved number of processes
     resumes it, the nodes that make that number at this many processes per node."""
 
@@ -225,7 +225,7 @@ class SubmitSpelling:
         return self.cpu  # the job's nodes, not this login node, run it
 
     def __call__(self, config: Path, world: int) -> tuple[Launch, list[str]] | None:
-        from pretrain.train.prelaunch import shown_config
+        from pretrain.cli.prelaunch import shown_config
 
         per_node = self.args.processes_per_node
         if world % per_node:

@@ -52,7 +52,7 @@ from pretrain.recipe.config import Recipe
 from pretrain.system import quiet
 
 if TYPE_CHECKING:
-    from pretrain.train.preflight import RunPlan
+    from pretrain.distributed.run_plan import RunPlan
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 

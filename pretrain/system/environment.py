@@ -33,13 +33,20 @@ from dataclasses import dataclass
 from functools import cache
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from pretrain.errors import ConfigError
 
 if TYPE_CHECKING:
-    from pretrain.distributed.layout import Launch
     from pretrain.recipe.config import Recipe
+
+
+class Launch(Protocol):
+    """What these checks read of a launch (distributed.layout.Launch, one layer up, has it)."""
+
+    uses_deepspeed: bool
+    zero_stage: int | None
+    world_size: int
 
 DISTRIBUTION = "pretrain"
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"

@@ -29,13 +29,12 @@ from pretrain.distributed.layout import Launch, usable_cores
 from pretrain.errors import ConfigError
 from pretrain.recipe.batching import BatchPlan
 from pretrain.recipe.config import Recipe
+from pretrain.recipe.shape import CONVENTION, FlopsPerToken, flops_per_token
+from pretrain.system.hardware import PEAK_TFLOPS, gpu_for_device, match_device
 
 if TYPE_CHECKING:
     from pretrain.plan.memory import MemoryEstimate
     from pretrain.train.engine import OptimizerStep
-    from pretrain.train.trainer import Trainer
-from pretrain.recipe.shape import CONVENTION, FlopsPerToken, flops_per_token
-from pretrain.system.hardware import PEAK_TFLOPS, gpu_for_device, match_device
 
 __all__ = ["CONVENTION", "FlopsPerToken", "PEAK_TFLOPS", "Peak", "cpu_compute_threads", "flops_per_token",
            "match_device", "measure_cpu_core_tflops", "measure_cpu_peak_tflops", "memory_metrics", "mfu",
@@ -425,8 +424,9 @@ def peak_warning(peak: Peak, log) -> Callable[[float, float], None]:
     return raised
 
 
-def train_metrics(run: Trainer, result: OptimizerStep) -> dict[str, float | None]:
-    """Everything a logged optimizer step reports (``run``: the trainer, ``result``: the engine's step)."""
+def train_metrics(run, result: OptimizerStep) -> dict[str, float | None]:
+    """Everything a logged optimizer step reports (``run``: the Trainer, which imports this module; ``result``: the
+    engine's step)."""
     z_loss = None
     if result.z_loss_sum is not None:
         # Expensive device-to-host synchronization: only on logging steps.

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pretrain.distributed.accelerator import AcceleratorSetup, compile_in_place, model_placement
+from pretrain.distributed.run_plan import RunPlan
 from pretrain.model import float8
 from pretrain.model.build import build_model, count_active_parameters, count_parameters, resolve_vocab_size
-from pretrain.model.loss import LossTerms, install_loss
+from pretrain.model.loss import LossTerms, install_loss, loss_choice
 from pretrain.model.optim import build_optimizer, build_scheduler, deepspeed_optimizer
 from pretrain.plan.memory import MemoryEstimate
 from pretrain.recipe.config import Recipe
@@ -19,9 +20,6 @@ from pretrain.recipe.shape import FlopsPerToken
 from pretrain.system.quiet import TiedWeightsSaved
 from pretrain.train.metrics import Peak, memory_estimate, throughput_reference
 from pretrain.train.router import RouterStats
-
-if TYPE_CHECKING:
-    from pretrain.train.preflight import RunPlan
 
 Log = Callable[[str], None]
 
@@ -63,7 +61,7 @@ def build_model_parts(recipe: Recipe, run_plan: RunPlan, accelerator, setup: Acc
     f8 = converted[0] if converted else None
     if f8 is not None:
         log(f8.line())
-    loss_implementation, why = run_plan.loss
+    loss_implementation, why = loss_choice(recipe, launch)  # auto: liger on CUDA, if it can
     log(f"loss: {loss_implementation} ({why})")
     loss_terms = install_loss(model, loss_implementation, recipe.stability.z_loss)
     router = RouterStats.for_model(model.config)

@@ -7,40 +7,11 @@ its environment), so a run started by plain ``accelerate launch`` is held to the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from functools import cached_property
-from typing import Any
-
 from pretrain.distributed.layout import Launch
+from pretrain.distributed.run_plan import RunPlan
 from pretrain.errors import ConfigError
-from pretrain.recipe.batching import BatchPlan, num_training_steps, plan_batches
+from pretrain.recipe.batching import num_training_steps, plan_batches
 from pretrain.recipe.config import Recipe
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    """What a recipe means on a launch: the batch plan, the number of optimizer steps, the peak lr, and the
-    decisions the checks took, passed on to the run rather than taken again: accelerate's mixed_precision, the
-    DeepSpeed config, the loss implementation."""
-
-    launch: Launch
-    batch: BatchPlan
-    num_steps: int
-    lr: float
-    mixed_precision: str = "no"  # accelerate's name for precision.dtype (checked against the launch's)
-    # The DeepSpeed config (recipe + launch + the user's JSON) and whether DeepSpeed builds the optimizer;
-    # None unless the launch uses DeepSpeed. The run's plugin is built from a copy.
-    deepspeed: tuple[dict[str, Any], bool] | None = field(default=None, repr=False)
-    recipe: Recipe | None = field(default=None, repr=False, compare=False)
-    tasks: tuple = field(default=(), repr=False, compare=False)  # eval.tasks, read and checked (train/downstream.py)
-
-    @cached_property
-    def loss(self) -> tuple[str, str]:
-        """model.loss resolved for this launch, and why (``loss.loss_choice``); decided on first use: ``auto``
-        on CUDA imports Liger-Kernel and Triton (seconds), which only the run needs."""
-        from pretrain.model.loss import loss_choice
-
-        return loss_choice(self.recipe, self.launch)
 
 
 def check_run(recipe: Recipe, launch: Launch) -> RunPlan:
@@ -59,8 +30,10 @@ def check_run(recipe: Recipe, launch: Launch) -> RunPlan:
         check_weight_files(recipe.model.init_from)  # pickle weights, an index naming files outside: exit 2 here
     plan = RunPlan(launch, layout.batch, num_steps, layout.lr, layout.mixed_precision, layout.deepspeed, recipe,
                    tasks)
-    if recipe.model.loss != "auto":  # auto always resolves; an explicit liger (or plain) may not run here
-        _ = plan.loss
+    if recipe.model.loss != "auto":  # auto always resolves (on first use: Liger's import takes seconds)
+        from pretrain.model.loss import loss_choice
+
+        loss_choice(recipe, launch)  # an explicit liger (or plain) may not run here
     return plan
 
 

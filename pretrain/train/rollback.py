@@ -20,7 +20,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from accelerate.utils import broadcast_object_list
 
@@ -30,9 +30,6 @@ from pretrain.errors import TrainingDiverged
 from pretrain.recipe.config import RollbackConfig
 from pretrain.train.stability import TooManySkips
 from pretrain.train.tracking import rewind_trackers
-
-if TYPE_CHECKING:
-    from pretrain.train.trainer import Trainer
 
 
 class Rollback:
@@ -83,9 +80,9 @@ class Rollback:
         return {"stability/rollbacks": len(self.records)}
 
     # ---- the hook: the loop's TooManySkips -----------------------------------------------------------------------
-    def roll_back(self, stop: TooManySkips, run: Trainer) -> None:
-        """Reload the newest verified checkpoint saved before the streak's first skipped step (the run's one
-        ``load``), skip the global batches from its step to ``stop.step``, and go on. Every rank gets here at the
+    def roll_back(self, stop: TooManySkips, run) -> None:
+        """Reload the newest verified checkpoint saved before the streak's first skipped step (``run``: the Trainer,
+        whose one ``load`` it calls), skip the global batches from its step to ``stop.step``, and go on. Every rank gets here at the
         same step (the verdicts are the same on every rank) and takes rank 0's choice of checkpoint. Raises ``stop``
         (exit 3) when rollback is off, and TrainingDiverged when no checkpoint precedes the streak or after
         max_attempts rollbacks to that checkpoint."""

@@ -28,16 +28,11 @@ class Trainer(Protocol):
     device: Any
     output_dir: Path
     is_main: bool
-    num_params: int
-    num_active_params: int
+    parts: Any  # train/model_parts.ModelParts: parameters, float8, loss, FLOPs, peak, memory estimate
     num_steps: int
     lr: float
     tokenizer: Any
     data: Any
-    flops: Any
-    peak: Any
-    memory_estimate_gib: float | None
-    memory_estimate_tensors_gib: float | None
     optimizer: Any
     resumed: dict[str, Any] | None
 

@@ -3,7 +3,8 @@
 Each rank measures, under the same launcher as training:
 
 - ``matmul_tflops``: a square matmul in the run's dtype (2 n^3 FLOPs), against the device's dense peak
-  (``metrics.resolve_peak``: the hardware table on GPUs, the measured per-core peak on CPUs);
+  (``train/metrics.resolve_peak``, which the command resolves: the hardware table on GPUs, the measured per-core peak
+  on CPUs);
 - ``memory_gb_s``: a device-to-device tensor copy (bytes read + bytes written);
 - ``h2d_gb_s``: a pinned host-to-device copy (GPUs only; a CPU has no device to copy to);
 - ``allreduce_busbw_gb_s`` / ``allgather_busbw_gb_s``: over every rank; ``node_allreduce_busbw_gb_s``:
@@ -301,15 +302,15 @@ class Settings:
     exclude_file: Path | None = None  # failing hosts are appended here (pretrain-slurm's job)
 
 
-def run_checks(settings: Settings, accelerator) -> tuple[dict[str, Any], list[Failure]]:
-    """Measure on every rank, gather onto every rank, judge. Collective: every rank calls it."""
+def run_checks(settings: Settings, accelerator, matmul_dtype, peak) -> tuple[dict[str, Any], list[Failure]]:
+    """Measure on every rank, gather onto every rank, judge. Collective: every rank calls it. ``matmul_dtype``: the
+    torch dtype of ``settings.dtype``; ``peak``: this rank's device peak (``train/metrics.Peak``), by the command."""
     import torch
     import torch.distributed as dist
     from accelerate.utils import gather_object
 
     from pretrain.distributed.accelerator import check_shared_output_dir
     from pretrain.errors import ConfigError
-    from pretrain.train.metrics import _CPU_DTYPES, resolve_peak
 
     rank, world = accelerator.process_index, accelerator.num_processes
     device = accelerator.device
@@ -332,7 +333,7 @@ def run_checks(settings: Settings, accelerator) -> tuple[dict[str, Any], list[Fa
             if name == host:
                 node_group, node_size = group, len(members)
 
-    dtype = _CPU_DTYPES[settings.dtype]  # the torch dtype of a recipe dtype (not CPU-specific)
+    dtype = matmul_dtype
     if device.type == "cuda":
         figures = measure_local(device, dtype, sizes, timer, settings.output_dir, rank)
     else:  # CPU ranks of one host share its cores: one at a time
@@ -344,7 +345,6 @@ def run_checks(settings: Settings, accelerator) -> tuple[dict[str, Any], list[Fa
                 dist.barrier()
     figures.update(measure_collectives(device, sizes, timer, node_group, node_size))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    peak = resolve_peak(device.type, name, settings.dtype, settings.peak_tflops, cache_dir=settings.cache_dir)
     mine = {"rank": rank, "host": host, "device": name or "cpu", "figures": figures, "peak_tflops": peak.tflops,
             "peak_source": peak.source}
     ranks = gather_object([mine]) if world > 1 else [mine]
