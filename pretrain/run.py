@@ -12,7 +12,7 @@ import os
 import sys
 
 from pretrain.cli import add_recipe_arguments
-from pretrain.cli.dry_run import add_dry_run_arguments, check_options, dry_run
+from pretrain.cli.options import add_dry_run_arguments, check_options
 from pretrain.distributed.layout import Launch
 from pretrain.errors import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_USAGE, ConfigError, TrainingDiverged
 from pretrain.system.environment import check_environment
@@ -64,7 +64,9 @@ def _main(args: argparse.Namespace) -> int:
         if args.print_config:
             print(recipe.to_yaml(), end="")
             return 0
-        if args.dry_run:
+        if args.dry_run:  # the planner, imported only here: the training entry never loads it
+            from pretrain.cli.dry_run import dry_run
+
             return dry_run(recipe, args, launch) if is_main else 0
         # The recipe's packages, and GPUs that torch cannot see (unless accelerate launch --cpu / use_cpu).
         check_environment(recipe, launch, gpu_launch=os.environ.get("ACCELERATE_USE_CPU", "").lower() != "true")

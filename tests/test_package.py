@@ -96,3 +96,15 @@ def test_each_command_names_itself_in_its_usage(name, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert code == 0 and f"pretrain-{name}" in out.split("\n\n")[0] and "some_module" not in out, out[:300]
     assert f'pretrain-{name} = "{COMMANDS[name][0]}:main"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_the_training_entry_does_not_load_the_planner():
+    """pretrain/run.py parses and checks a training launch without importing the dry run, the planner or the
+    estimator (imported when --dry-run asks); ``--help`` still lists the dry run's options."""
+    code = ("import sys; from pretrain import run; args = run.parse_args(['--recipe', 'recipes/tiny.yaml']); "
+            "run.check_options(args); "
+            "print(sorted(m for m in sys.modules if m.startswith(('pretrain.plan', 'pretrain.cli.dry_run'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    helped = subprocess.run([sys.executable, "-m", "pretrain.run", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert "--num-processes" in helped.stdout and "--gpu-memory-gib" in helped.stdout

@@ -24,31 +24,8 @@ from __future__ import annotations
 
 import argparse
 
-from pretrain.cli.options import count, positive_gib
 from pretrain.distributed.layout import Launch
 from pretrain.errors import EXIT_USAGE, ConfigError
-
-DRY_RUN_OPTIONS = ("num_processes", "nodes", "config_file", "gpu", "gpu_memory_gib")
-
-
-def add_dry_run_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("--dry-run: the launch and the GPU to plan for")
-    group.add_argument("--num-processes", "--num_processes", type=count(), dest="num_processes",
-                       help="processes (GPUs) in all, as accelerate launch's --num_processes")
-    group.add_argument("--nodes", "--num_machines", type=count(), dest="nodes", help="machines (default 1)")
-    group.add_argument("--config_file", "--accelerate-config", dest="config_file",
-                       help="an accelerate config (DDP, FSDP, DeepSpeed ZeRO): the layout; default DDP")
-    group.add_argument("--gpu", help="GPU model, a name from pretrain-estimate --list-gpus (default: this machine's)")
-    group.add_argument("--gpu-memory-gib", type=positive_gib, help="a device capacity the GPU table lacks (GiB)")
-
-
-def check_options(args: argparse.Namespace) -> None:
-    given = [name for name in DRY_RUN_OPTIONS if getattr(args, name) is not None]
-    if given and not args.dry_run:
-        names = ", ".join("--" + name.replace("_", "-") for name in given)
-        raise ConfigError(f"{names} describe the launch a --dry-run plans for; add --dry-run (a training launch takes "
-                          "them from accelerate launch: accelerate launch --config_file F --num_processes N "
-                          "pretrain/run.py ...)")
 
 
 def accelerate_options(args: argparse.Namespace) -> list[str]:

@@ -13,6 +13,7 @@ import math
 import re
 
 from pretrain.distributed.layout import MAX_COUNT  # the bound of every count; the layout checks it too
+from pretrain.errors import ConfigError
 
 # The longest duration any option takes (seconds): a year, far beyond any job, well inside timedelta and
 # threading's limits.
@@ -110,3 +111,28 @@ def add_sbatch_options(parser: argparse.ArgumentParser, time_help: str = "") -> 
     parser.add_argument("--job-name", help="#SBATCH --job-name; default: the recipe name")
     parser.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
                         help="extra #SBATCH line, e.g. --sbatch-arg=--mem=0 (repeatable)")
+
+
+# ---- --dry-run's options: declared with the entry point's, read by the dry run (cli/dry_run.py) ----------------
+
+DRY_RUN_OPTIONS = ("num_processes", "nodes", "config_file", "gpu", "gpu_memory_gib")
+
+
+def add_dry_run_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("--dry-run: the launch and the GPU to plan for")
+    group.add_argument("--num-processes", "--num_processes", type=count(), dest="num_processes",
+                       help="processes (GPUs) in all, as accelerate launch's --num_processes")
+    group.add_argument("--nodes", "--num_machines", type=count(), dest="nodes", help="machines (default 1)")
+    group.add_argument("--config_file", "--accelerate-config", dest="config_file",
+                       help="an accelerate config (DDP, FSDP, DeepSpeed ZeRO): the layout; default DDP")
+    group.add_argument("--gpu", help="GPU model, a name from pretrain-estimate --list-gpus (default: this machine's)")
+    group.add_argument("--gpu-memory-gib", type=positive_gib, help="a device capacity the GPU table lacks (GiB)")
+
+
+def check_options(args: argparse.Namespace) -> None:
+    given = [name for name in DRY_RUN_OPTIONS if getattr(args, name) is not None]
+    if given and not args.dry_run:
+        names = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise ConfigError(f"{names} describe the launch a --dry-run plans for; add --dry-run (a training launch takes "
+                          "them from accelerate launch: accelerate launch --config_file F --num_processes N "
+                          "pretrain/run.py ...)")
