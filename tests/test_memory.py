@@ -593,7 +593,7 @@ def test_plan_nothing_fits(capsys):
     err = capsys.readouterr().err
     assert code == EXIT_USAGE and "no layout of 70b fits" in err
     code = plan.main(["--recipe", R7B, "--gpus-per-node", "3"])
-    assert code == EXIT_USAGE and "not divisible by 3 GPUs" in capsys.readouterr().err
+    assert code == EXIT_USAGE and "is not divisible by the world size (3 processes); use global_batch_size=1023 or 1026" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma", "olmo", "olmo2", "phi3", "gpt2", "gpt_neox"])

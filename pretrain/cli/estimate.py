@@ -175,17 +175,11 @@ def recipe_overrides(args) -> list[str]:
 
 def plan_for(recipe, world_size: int, micro_batch_size: int | None):
     """The recipe's batch plan on this world size, with MBS replaced when given (GBS kept)."""
-    from pretrain.recipe.batching import plan_batches
-    from pretrain.recipe.config import BatchConfig
+    from pretrain.recipe.batching import plan_batches, with_micro_batch_size
 
     batch = recipe.batch
     if micro_batch_size is not None:
-        if micro_batch_size < 1:
-            raise ConfigError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
-        gbs = batch.global_batch_size
-        if gbs is None:  # local_batch_size: GBS = world x local
-            gbs = batch.local_batch_size * world_size
-        batch = BatchConfig(global_batch_size=gbs, micro_batch_size=micro_batch_size)
+        batch = with_micro_batch_size(batch, world_size, micro_batch_size)
     return plan_batches(batch, world_size, recipe.data.seq_len)
 
 
@@ -258,14 +252,9 @@ def _read_hf_config(path: str) -> tuple[dict, str]:
 def sweep_mbs_values(problem: Problem) -> list[int]:
     if problem.recipe is None:
         return [2**i for i in range(8)]
-    batch = problem.recipe.batch
-    world = problem.layout.world_size
-    local = batch.local_batch_size or (batch.global_batch_size // world if batch.global_batch_size % world == 0 else 0)
-    if not local:
-        raise ConfigError(
-            f"batch.global_batch_size ({batch.global_batch_size}) is not divisible by {world} GPUs: nothing to sweep"
-        )
-    return [m for m in (2**i for i in range(SWEEP_MAX_MBS.bit_length())) if local % m == 0]
+    from pretrain.recipe.batching import micro_batch_sizes
+
+    return micro_batch_sizes(problem.recipe.batch, problem.layout.world_size, largest=SWEEP_MAX_MBS)
 
 
 def sweep(problem: Problem) -> tuple[list[dict], str]:

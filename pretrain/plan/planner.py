@@ -54,12 +54,13 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pretrain.distributed.layout import Launch, accelerate_command, shell_join
 from pretrain.errors import ConfigError
 from pretrain.plan import memory
+from pretrain.recipe.batching import BatchPlan, local_batch_size, micro_batch_sizes
 from pretrain.recipe.config import runs_root
 from pretrain.recipe.recompute import PLANNER_POLICIES, recompute_label, runs_under_zero3
 from pretrain.recipe.shape import ModelShape
@@ -160,20 +161,6 @@ class Candidate:
             + (f"; CP {self.cp_comm_s:.2f} s" if self.cp_comm_s else "") + f"){offload}"
             + ("" if self.runs else " [not chosen: pretrain's launch refuses parallelism_config_cp_size today]")
         )
-
-
-def _mbs_values(recipe, world: int) -> list[int]:
-    batch = recipe.batch
-    if batch.local_batch_size is not None:
-        local = batch.local_batch_size
-    else:
-        if batch.global_batch_size % world:
-            raise ConfigError(
-                f"batch.global_batch_size ({batch.global_batch_size}) is not divisible by {world} GPUs; "
-                "change the GBS or the number of GPUs"
-            )
-        local = batch.global_batch_size // world
-    return [m for m in range(1, local + 1) if local % m == 0 and (m & (m - 1)) == 0]
 
 
 def layouts(nodes: int, gpus: int) -> list[Launch]:
@@ -444,13 +431,9 @@ def _estimates(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: me
     shape = ModelShape.from_recipe(recipe)
     buffers = buffers or memory.DeepSpeedBuffers.from_recipe(recipe)
     world = nodes * gpus
-    base = memory.Workload(
-        precision=recipe.precision.dtype, optimizer=recipe.optim.name, optimizer_args=dict(recipe.optim.args),
-        seq_len=recipe.data.seq_len, attention=recipe.model.attention, reduce_dtype=recipe.precision.reduce_dtype,
-    )
-    gbs = recipe.batch.global_batch_size or recipe.batch.local_batch_size * world
-    base = memory.Workload(**{**base.__dict__, "document_masking": recipe.data.document_masking,
-                              "float8": getattr(recipe.precision, "float8", "off")})
+    gbs = local_batch_size(recipe.batch, world) * world
+    # The recipe's workload (one home: Workload.from_recipe); each candidate below varies its batch split and policy.
+    base = memory.Workload.from_recipe(recipe, BatchPlan(gbs, gbs // world, 1, world, recipe.data.seq_len))
     for layout in layouts(nodes, gpus):
         if layout.uses_deepspeed and layout.zero_stage == 0 and base.fp32_grads:
             continue  # ZeRO-0 cannot accumulate bf16 gradients in fp32 (the launch refuses it)
@@ -466,15 +449,14 @@ def _estimates(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: me
         for ckpt in PLANNER_POLICIES:
             if layout.uses_deepspeed and layout.zero_stage == 3 and not runs_under_zero3(ckpt):
                 continue  # the launch refuses it (deepspeed_config)
-            for mbs in _mbs_values(recipe, dp):
+            for mbs in micro_batch_sizes(recipe.batch, dp):
                 gas = gbs // (mbs * dp)
                 # FSDP with accumulation: no_sync (unsharded gradients, one reduce-scatter) or a reduce-scatter
                 # after every micro-batch (batch.sync_each_micro_batch: sharded gradients, GAS of them)
                 sharded = layout.engine == "fsdp" and layout.fsdp_sharding != "NO_SHARD"
                 for sync_each in ((False, True) if sharded and gas > 1 else (False,)):
-                    workload = memory.Workload(**{**base.__dict__, "micro_batch_size": mbs,
-                                                  "activation_checkpointing": ckpt, "grad_accum_steps": gas,
-                                                  "global_batch_size": gbs, "sync_each_micro_batch": sync_each})
+                    workload = replace(base, micro_batch_size=mbs, activation_checkpointing=ckpt, grad_accum_steps=gas,
+                                       sync_each_micro_batch=sync_each)
                     yield layout, ckpt, mbs, gas, memory.estimate_shape(
                         shape, workload, layout, buffers=buffers, gpu=gpu, async_checkpoint=recipe.checkpoint.async_)
 

@@ -70,6 +70,35 @@ def _nearest_multiples(value: int, unit: int) -> str:
     return " or ".join(str(v) for v in neighbouring_multiples(value, unit))
 
 
+def local_batch_size(batch: BatchConfig, world_size: int) -> int:
+    """Sequences per process per optimizer step (MBS x GAS): GBS / world, or the recipe's local_batch_size. Raises
+    BatchConfigError when the GBS does not divide over the world."""
+    if batch.local_batch_size is not None:
+        return batch.local_batch_size
+    gbs = batch.global_batch_size
+    if gbs % world_size:
+        raise BatchConfigError(
+            f"batch.global_batch_size ({gbs}) is not divisible by the world size ({world_size} processes); "
+            f"use global_batch_size={_nearest_multiples(gbs, world_size)} or a world size that divides {gbs}"
+        )
+    return gbs // world_size
+
+
+def micro_batch_sizes(batch: BatchConfig, world_size: int, largest: int | None = None) -> list[int]:
+    """The MBS a planner or a sweep tries on ``world_size`` processes: the powers of two that divide the local batch
+    (GAS = local / MBS, GBS kept), up to ``largest``."""
+    local = local_batch_size(batch, world_size)
+    return [m for m in (2**i for i in range(local.bit_length())) if local % m == 0 and m <= (largest or local)]
+
+
+def with_micro_batch_size(batch: BatchConfig, world_size: int, micro_batch_size: int) -> BatchConfig:
+    """The batch section with MBS ``micro_batch_size`` and the same global batch on ``world_size`` processes."""
+    if micro_batch_size < 1:
+        raise BatchConfigError(f"the micro-batch size must be >= 1, got {micro_batch_size}")
+    gbs = batch.global_batch_size or batch.local_batch_size * world_size
+    return BatchConfig(global_batch_size=gbs, micro_batch_size=micro_batch_size)
+
+
 def plan_batches(batch: BatchConfig, world_size: int, seq_len: int) -> BatchPlan:
     """Resolve the recipe's batch section for ``world_size`` processes. Raises BatchConfigError."""
     if world_size < 1:
@@ -81,11 +110,7 @@ def plan_batches(batch: BatchConfig, world_size: int, seq_len: int) -> BatchPlan
 
     gbs = batch.global_batch_size
     assert gbs is not None
-    if gbs % world:
-        raise BatchConfigError(
-            f"batch.global_batch_size ({gbs}) is not divisible by the world size ({world} processes); "
-            f"use global_batch_size={_nearest_multiples(gbs, world)} or a world size that divides {gbs}"
-        )
+    local_batch_size(batch, world)  # GBS divides over the world
     if batch.micro_batch_size is not None:
         mbs = batch.micro_batch_size
         if gbs % (mbs * world):
