@@ -13,8 +13,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from pretrain.errors import ConfigError
 from pretrain.model.build import build_model, hf_config
+from pretrain.model.recompute import apply as apply_checkpointing
 from pretrain.recipe.config import ModelConfig
-from pretrain.recipe.recompute import apply as apply_checkpointing
 from pretrain.train.metrics import (
     CONVENTION,
     PEAK_TFLOPS,

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from pretrain.cli import slurm
-from pretrain.distributed.slurm import PASSTHROUGH_ENV
+from pretrain.distributed.sbatch import PASSTHROUGH_ENV
 from tests.helpers import ROOT, env, hub_cache_with_assets
 
 README = ROOT / "README.md"

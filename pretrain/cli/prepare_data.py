@@ -1,7 +1,7 @@
 """Tokenize a recipe's data into its token store ahead of training, and show what it holds.
 
     pretrain-prepare-data --recipe recipes/tiny.yaml [--workers N] [key.path=value ...]
-    pretrain-prepare-data --recipe R --slurm --array N [sbatch options]   (pretrain/data/slurm.py)
+    pretrain-prepare-data --recipe R --slurm --array N [sbatch options]   (pretrain/data/array_build.py)
 
 The store is written exactly where training looks for it (data.store, or the cache; see
 pretrain/data/__init__.py; a data.mixture: one store per source, the tokenizer first) by N processes on
@@ -102,14 +102,14 @@ def check_steps(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pretrain.data import slurm  # the data package only when the command runs (module level it was not)
+    from pretrain.data import array_build  # the data package only when the command runs (module level it was not)
 
     args = build_parser().parse_intermixed_args(argv)
     # SIGTERM (a scheduler, kill) stops the build as Ctrl-C does: the pool ended, one line on what was kept.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         check_steps(args)
-        slurm.check_arguments(args)
+        array_build.check_arguments(args)
         recipe = load_recipe(args.recipe, args.overrides)
         if recipe.data.mixture and (args.slurm or args.task is not None or args.finish):
             raise ConfigError(
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             enforce()  # a pretrain checkpoint's view reads it weights-only (pretrain/trust.py)
             prepare_init_from(recipe, Launch.from_env())
         if args.slurm:
-            return slurm.prepare_on_slurm(args, recipe)
+            return array_build.prepare_on_slurm(args, recipe)
         # heavy imports only once the recipe is valid
         from pretrain.data import open_store, prepare_data
         from pretrain.data.prepare import finish_store, prepare_store_part

@@ -42,7 +42,7 @@ from pretrain.distributed.layout import (
     read_accelerate_config,
     shell_join,
 )
-from pretrain.distributed.slurm import (
+from pretrain.distributed.sbatch import (
     environment_lines,
     require_sbatch,
     sbatch,

@@ -34,8 +34,8 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from pretrain.errors import ConfigError, disk_full_error, is_disk_full
+from pretrain.model import recompute
 from pretrain.model.loss import chunked_causal_lm_loss
-from pretrain.recipe import recompute
 from pretrain.recipe.config import ModelConfig, is_dropout_attribute
 from pretrain.recipe.pretrained import checkpoint_config
 from pretrain.recipe.shape import MOE_ARCHS, ModelShape, moe_attributes, require_counted, resolve_vocab_size

@@ -4,7 +4,7 @@
         [--partition P --account A --qos Q --time 04:00:00 ...] [--dry-run] [key.path=value ...]
 
 The submitting process checks the recipe and sets the store up (build.json and the tokenizer: a BPE is
-trained here, once), then submits two jobs with pretrain's own sbatch support (pretrain/distributed/slurm.py):
+trained here, once), then submits two jobs with pretrain's own sbatch support (pretrain/distributed/sbatch.py):
 
     prepare.sbatch  an array of N tasks, one node each: shard i is tokenized by task i mod N with
                     --workers processes (default: the CPUs SLURM gives the task); complete shards are kept,
@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretrain.distributed.slurm import (
+from pretrain.distributed.sbatch import (
     environment_lines,
     require_sbatch,
     sbatch,
@@ -97,7 +97,7 @@ def _command(job: ArrayJob, *extra: str) -> str:
 
 
 def _header(job: ArrayJob, name: str, output: str) -> list[str]:
-    lines = ["#!/bin/bash", "# Written by pretrain-prepare-data --slurm (pretrain/data/slurm.py).",
+    lines = ["#!/bin/bash", "# Written by pretrain-prepare-data --slurm (pretrain/data/array_build.py).",
              f"#SBATCH --job-name={name}", "#SBATCH --nodes=1", "#SBATCH --ntasks=1"]
     if job.cpus_per_task:
         lines.append(f"#SBATCH --cpus-per-task={job.cpus_per_task}")
