@@ -121,7 +121,7 @@ def test_a_tokenizer_autotokenizer_would_change_is_refused_naming_the_first_diff
     from pretrain.data import sample_val_texts
     from pretrain.errors import ConfigError
     from pretrain.model.build import hf_config
-    from pretrain.model.export import check_tokenizer_round_trip
+    from pretrain.model.export_checks import check_tokenizer_round_trip
 
     gpt2_style = write_tokenizer_json(tmp_path / "tokenizer.json", "gpt2")
     recipe = make_recipe(*FAST, *QWEN2, f"data.tokenizer={gpt2_style}")

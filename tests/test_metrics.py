@@ -12,8 +12,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pretrain.errors import ConfigError
+from pretrain.model.activation_checkpointing import apply as apply_checkpointing
 from pretrain.model.build import build_model, hf_config
-from pretrain.model.recompute import apply as apply_checkpointing
 from pretrain.recipe.config import ModelConfig
 from pretrain.train.metrics import (
     CONVENTION,

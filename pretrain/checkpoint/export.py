@@ -45,7 +45,7 @@ def export(checkpoint: Path, out: Path, log=print) -> None:
     from pretrain.checkpoint.state import TrainerState
     from pretrain.data import build_tokenizer, sample_val_texts
     from pretrain.model.build import build_model, resolve_vocab_size, save_pretrained_model
-    from pretrain.model.export import check_tokenizer_round_trip
+    from pretrain.model.export_checks import check_tokenizer_round_trip
     from pretrain.recipe.config import Recipe, renamed_keys
 
     start = time.perf_counter()
@@ -87,7 +87,7 @@ def prepare_init_from(recipe, launch: Launch, log=print, poll_s: float = 1.0, ti
     downloaded into the Hugging Face cache (every process; the hub's own file locks share one download), a pretrain
     checkpoint's transformers view written by global rank 0 while the others wait for it on the shared filesystem.
     Nothing to do for a local model directory, or when the run resumes its own checkpoint (``resuming``)."""
-    from pretrain.recipe.pretrained import CONFIG_FILE, hf_view, is_local, pretrain_checkpoint
+    from pretrain.recipe.init_from import CONFIG_FILE, hf_view, is_local, pretrain_checkpoint
 
     init_from = recipe.model.init_from
     if init_from is None:

@@ -49,7 +49,7 @@ from pretrain.checkpoint.integrity import MANIFEST_FILE, checkpoint_files
 from pretrain.checkpoint.rundir import STATE_FILE, read_state
 from pretrain.distributed.layout import Launch
 from pretrain.errors import ConfigError
-from pretrain.recipe.pretrained import HF_VIEW
+from pretrain.recipe.init_from import HF_VIEW
 from pretrain.trust import check_files, weights_only
 
 DEEPSPEED_DIR = "pytorch_model"  # accelerate save_state: DeepSpeed's save_checkpoint(output_dir, tag=this)

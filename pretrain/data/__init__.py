@@ -44,7 +44,7 @@ The modules, in the order of the flow (each imports only those listed before it)
 - ``documents``: the corpus's documents: as a ``datasets.Dataset`` (``load_documents``), per shard, sampled.
 - ``tokenizer``: pretrained tokenizers and the cached byte-level BPE (``build_tokenizer``).
 - ``store``: the store's on-disk format: shard writers, the manifest, rows read from memory maps.
-- ``build``: shards planned, tokenized in parallel and resumed; the split's tie rules; the manifest.
+- ``store_build``: shards planned, tokenized in parallel and resumed; the split's tie rules; the manifest.
 - ``prepare``: one store: ``locate_store``, ``prepare_store``, ``open_store``, ``ensure_store``.
 - ``mixture``: ``data.mixture``, one store per source and a shared tokenizer; ``prepare_data``, ``open_data``,
   ``ensure_data`` take a mixture or a single source.

@@ -286,7 +286,7 @@ def _sample_train_texts(data_cfg: DataConfig, corpus: _Corpus, budget_bytes: int
 
 
 VAL_SAMPLE_DOCUMENTS = 30
-"""Documents an export's tokenizer round-trip check encodes (pretrain.model.export)."""
+"""Documents an export's tokenizer round-trip check encodes (pretrain.model.export_checks)."""
 
 
 def sample_val_texts(data_cfg: DataConfig, num_docs: int = VAL_SAMPLE_DOCUMENTS,

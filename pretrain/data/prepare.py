@@ -15,14 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from pretrain.data.build import (
-    BuildSpec,
-    apply_split_rules,
-    build_shards,
-    complete_shards,
-    plan_shards,
-    write_manifest,
-)
 from pretrain.data.cache import STORE_FIX, _hash, cache_root
 from pretrain.data.documents import Log, _default_num_proc
 from pretrain.data.sources import _Corpus, _resolve_corpus
@@ -40,6 +32,14 @@ from pretrain.data.store import (
     split_rows,
     store_identity,
     token_dtype,
+)
+from pretrain.data.store_build import (
+    BuildSpec,
+    apply_split_rules,
+    build_shards,
+    complete_shards,
+    plan_shards,
+    write_manifest,
 )
 from pretrain.data.tokenizer import _bpe_key, _get_tokenizer, _load_saved_tokenizer
 from pretrain.errors import DataError, writable_dir

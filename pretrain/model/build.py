@@ -34,10 +34,10 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from pretrain.errors import ConfigError, disk_full_error, is_disk_full
-from pretrain.model import recompute
+from pretrain.model import activation_checkpointing
 from pretrain.model.loss import chunked_causal_lm_loss
 from pretrain.recipe.config import ModelConfig, is_dropout_attribute
-from pretrain.recipe.pretrained import checkpoint_config
+from pretrain.recipe.init_from import checkpoint_config
 from pretrain.recipe.shape import MOE_ARCHS, ModelShape, moe_attributes, require_counted, resolve_vocab_size
 from pretrain.system.quiet import no_progress_bars
 
@@ -119,7 +119,7 @@ def _pretrained_config(model_cfg: ModelConfig, vocab_size: int) -> PreTrainedCon
     """``model.init_from``'s own config, with what a recipe may still set: every dropout (``model.dropout``) and
     ``model.config_overrides`` (each an existing attribute; the shape's keys are the checkpoint's)."""
     from pretrain.model.pretrained import pretrained_config
-    from pretrain.recipe.pretrained import SHAPE_FIELDS
+    from pretrain.recipe.init_from import SHAPE_FIELDS
 
     config = pretrained_config(model_cfg.init_from)
     problems = []
@@ -311,7 +311,7 @@ def _build(model_cfg: ModelConfig, config: PreTrainedConfig, partitioned: bool, 
     model.tie_weights()  # init_empty_weights re-creates every parameter it registers, which unties them
     model.loss_function = chunked_causal_lm_loss  # transformers' loss without the fp32 logits (pretrain/model/loss.py)
     # a flag and a checkpoint function on the layers: module names (the init seeds) do not change
-    recompute.apply(model, model_cfg.activation_checkpointing)
+    activation_checkpointing.apply(model, model_cfg.activation_checkpointing)
     if convert is not None:
         convert(model)
     if not meta and not partitioned:
@@ -590,9 +590,9 @@ def save_pretrained_model(model: PreTrainedModel, state_dict: dict[str, torch.Te
     ``state_dict``'s weights, safetensors) plus the tokenizer, written under ``.tmp-<name>`` and renamed:
     the run's final_model and pretrain-export both write it here. ``model`` may live on the meta device.
     The config carries the tokenizer's special ids and the KV cache on, and the tokenizer is verified on
-    ``texts`` (a validation sample) to load back with the training ids (``pretrain.model.export``); a
+    ``texts`` (a validation sample) to load back with the training ids (``pretrain.model.export_checks``); a
     tokenizer that cannot is a ConfigError and nothing is written to ``final``."""
-    from pretrain.model.export import ready_for_generation, save_verified_tokenizer
+    from pretrain.model.export_checks import ready_for_generation, save_verified_tokenizer
 
     tmp = final.with_name(f".tmp-{final.name}")
     if tmp.exists():

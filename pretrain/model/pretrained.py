@@ -32,7 +32,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from transformers import AutoConfig, PreTrainedConfig, PreTrainedModel
 
 from pretrain.errors import ConfigError
-from pretrain.recipe.pretrained import (
+from pretrain.recipe.init_from import (
     HUB_PATTERNS,
     INDEX_FILE,
     PICKLE_WEIGHTS,

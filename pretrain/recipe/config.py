@@ -1134,7 +1134,7 @@ def build_recipe(data: dict[str, Any], source: str = "recipe", default_name: str
         data["name"] = default_name
     model = data.get("model")
     if isinstance(model, dict) and isinstance(model.get("init_from"), str) and model["init_from"]:
-        from pretrain.recipe.pretrained import resolve_recipe_dict
+        from pretrain.recipe.init_from import resolve_recipe_dict
 
         data = resolve_recipe_dict(data)  # the checkpoint's shape and tokenizer, before the schema reads them
     try:

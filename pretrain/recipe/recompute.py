@@ -18,7 +18,7 @@
 Blocks are transformers' ``GradientCheckpointingLayer``s: transformers' own ``activation_checkpointing_enable``
 (``gradient_checkpointing_enable`` before transformers 5.23) sets the flag and the checkpoint function on them (``every_n_layers`` for every_N, a ``context_fn`` in the
 checkpoint's keyword arguments for selective), so no module is wrapped or renamed (the per-module init
-seeds are drawn from module names) and FSDP2's per-block hooks stay outside the checkpoint: pretrain/model/recompute.py
+seeds are drawn from module names) and FSDP2's per-block hooks stay outside the checkpoint: pretrain/model/activation_checkpointing.py
 turns a policy on for a built model.
 
 No torch here: the estimator and the planner read the policy names from here.

@@ -150,7 +150,7 @@ def model_attributes(model_cfg: ModelConfig, vocab_size: int, seq_len: int) -> d
     """
     arch = model_cfg.arch
     if model_cfg.init_from is not None and arch in COUNTED_ARCHS:
-        from pretrain.recipe.pretrained import model_attributes as pretrained_attributes
+        from pretrain.recipe.init_from import model_attributes as pretrained_attributes
 
         dropouts = _DROPOUT_NAMES.get(arch, ("attention_dropout",))
         attributes = pretrained_attributes(model_cfg.init_from, vocab_size, list(dropouts), model_cfg.dropout,

@@ -11,7 +11,7 @@ from accelerate.utils import broadcast_object_list
 from pretrain.data import sample_val_texts
 from pretrain.errors import ConfigError
 from pretrain.model.build import save_pretrained_model
-from pretrain.model.export import check_tokenizer_round_trip
+from pretrain.model.export_checks import check_tokenizer_round_trip
 from pretrain.recipe.config import Recipe
 
 
@@ -26,7 +26,7 @@ class FinalModel:
         self.val_texts = self.check(recipe, config)
 
     def check(self, recipe: Recipe, config) -> list[str]:
-        """The final model's tokenizer check (pretrain.model.export), now rather than after training: rank 0
+        """The final model's tokenizer check (pretrain.model.export_checks), now rather than after training: rank 0
         encodes a validation sample both ways; a tokenizer that will not load back with the training ids is
         one ConfigError on every rank. Returns the sample (rank 0's; [] elsewhere) for the export to check again."""
         texts, problem = [], None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from pretrain.distributed.layout import Launch
 from pretrain.plan.memory.states import _fsdp_ranks
-from pretrain.recipe.pretrained import checkpoint_config
+from pretrain.recipe.init_from import checkpoint_config
 from pretrain.recipe.shape import ModelShape
 
 GIB = 2**30

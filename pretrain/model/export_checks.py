@@ -46,7 +46,7 @@ def first_difference(tokenizer, directory: Path, texts: list[str]) -> str | None
     from transformers import AutoTokenizer
 
     loaded = AutoTokenizer.from_pretrained(str(directory))  # a local directory: nothing is downloaded
-    # The ids the token store holds: the backend's encoding without special tokens (pretrain.data.build).
+    # The ids the token store holds: the backend's encoding without special tokens (pretrain.data.store_build).
     expected = [e.ids for e in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
     got = loaded(texts, add_special_tokens=False)["input_ids"] if texts else []
     differing = [i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if a != b]
