@@ -1,4 +1,4 @@
-"""One rank of the DeepSpeed model-state measurement (launched twice by tests/test_memory_validation.py).
+"""One rank of the DeepSpeed model-state measurement (launched twice by tests/plan/test_memory_validation.py).
 
 For each (ZeRO stage, dtype) it builds a small Llama, wraps it with ``deepspeed.initialize`` (gloo, CPU,
 a torch AdamW client optimizer so no op is JIT-built), runs two training steps and, during the second,

@@ -1,4 +1,4 @@
-"""FSDP ranks (launched by tests/test_reduce_dtype.py under accelerate_configs/fsdp.yaml, on CPU or GPUs): builds
+"""FSDP ranks (launched by tests/multiprocess/test_reduce_dtype.py under accelerate_configs/fsdp.yaml, on CPU or GPUs): builds
 pretrain's accelerator for a bf16 recipe, prepares a tiny model, runs one optimizer step of GAS micro-steps and
 prints, on a line starting with ``DTYPES``, the dtypes FSDP2 really used: each FSDPParam's reduce dtype (None
 when it equals the bf16 compute dtype), the dtype of the unsharded gradients accumulated over the no_sync

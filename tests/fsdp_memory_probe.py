@@ -1,4 +1,4 @@
-"""One rank of the FSDP2 model-state measurement (launched by tests/test_memory_validation.py under
+"""One rank of the FSDP2 model-state measurement (launched by tests/plan/test_memory_validation.py under
 accelerate_configs/fsdp.yaml, 2 processes; on CPU FSDP2 runs over gloo: pretrain.distributed.accelerator.fsdp_on_cpu).
 
 pretrain's own set-up (build_accelerator, the model sharded on the meta device by model_placement,

@@ -8,7 +8,7 @@ Each curve is the per-step `train/loss` from `metrics.jsonl` of a real run of th
 - ``tiny_1proc_fp32``: the first 20 optimizer steps of ``recipes/tiny.yaml`` in 1 process, fp32.
   ``train.max_steps=21`` keeps the recipe's 20-step linear warm-up: during warm-up transformers'
   cosine schedule does not depend on the horizon, so steps 1-20 are those of the 300-step demo.
-- ``cpu_ddp`` and ``zero2``: the 2-process curves of ``tests/test_distributed.py`` (GBS 8, MBS 2).
+- ``cpu_ddp`` and ``zero2``: the 2-process curves of ``tests/multiprocess/test_distributed.py`` (GBS 8, MBS 2).
 """
 
 from __future__ import annotations

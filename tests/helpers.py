@@ -32,7 +32,7 @@ FAST = [
     "batch.micro_batch_size=4",
     "lr_schedule.warmup_steps=1",
     "eval.batches=2",
-    "eval.tasks=[]",  # the demo's downstream task: its own tests (tests/test_downstream.py)
+    "eval.tasks=[]",  # the demo's downstream task: its own tests (tests/train/test_downstream.py)
     "logging.every_steps=1",
     "logging.progress=plain",
 ]

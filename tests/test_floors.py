@@ -4,7 +4,7 @@
 versions pyproject.toml names as their minimums) and runs ``pytest -m floors`` in it: this module, plus the
 in-process tests marked ``floors`` elsewhere (every activation-checkpointing policy, the compile decision and
 in-place compile, the environment check). Here the module is skipped unless PRETRAIN_FLOORS=1 (the main
-suite trains the same layouts at length in tests/test_distributed.py).
+suite trains the same layouts at length in tests/multiprocess/test_distributed.py).
 """
 
 from __future__ import annotations

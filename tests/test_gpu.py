@@ -77,12 +77,12 @@ def test_export_of_a_real_fsdp_checkpoint_gives_the_final_models_logits(tmp_path
 
 def test_float8_trains_a_few_steps_close_to_bf16(tmp_path):
     """Real float8 matmuls (torchao's Float8Linear, tensorwise) on a GPU of capability 8.9+: finite losses within
-    the CPU-measured tolerance of the same bf16 run (tests/test_float8.py)."""
+    the CPU-measured tolerance of the same bf16 run (tests/model/test_float8.py)."""
     import torch
 
     if torch.cuda.get_device_capability(0) < (8, 9):
         pytest.skip("float8 needs compute capability 8.9 (the refusal is tested on CPU)")
-    from tests.test_float8 import RELATIVE_TOLERANCE
+    from tests.model.test_float8 import RELATIVE_TOLERANCE
 
     runs = {}
     for mode in ("off", "tensorwise"):
@@ -107,7 +107,7 @@ def test_cp2_trains_the_one_process_curve(tmp_path):
 
     if torch.cuda.device_count() < 2:
         pytest.skip(f"context parallelism needs 2+ GPUs (CP 2), this machine has {torch.cuda.device_count()}; its "
-                    "configuration, refusals and loop wiring are tested on CPU (tests/test_context_parallel.py)")
+                    "configuration, refusals and loop wiring are tested on CPU (tests/distributed/test_context_parallel.py)")
     args = [*FAST, "train.max_steps=5", "eval.every_steps=5", "model.compile=none", "precision.dtype=fp32"]
     one, cp = tmp_path / "one", tmp_path / "cp"
     check_ok(accelerate_launch("single_gpu.yaml", [*args, f"output_dir={one}"]))

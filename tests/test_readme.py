@@ -36,29 +36,29 @@ SAMPLE_ROOT = "/home/me/pretrain"
 # Commands the test does not run, by the start of their text, and why.
 SKIPPED = {
     "pretrain-launch --config_file accelerate_configs/fsdp2_tp2.yaml --recipe R":
-        "a TP 2 x FSDP 4 launch on 8 GPUs (R: any recipe); tests/test_tensor_parallel.py runs TP 2 x FSDP 2 on 4 CPU "
+        "a TP 2 x FSDP 4 launch on 8 GPUs (R: any recipe); tests/multiprocess/test_tensor_parallel.py runs TP 2 x FSDP 2 on 4 CPU "
         "processes",
     "pretrain-launch --config_file accelerate_configs/fsdp2_cp2.yaml --recipe R":
-        "a CP 2 x FSDP 4 launch on 8 GPUs (R: any recipe; CUDA only); tests/test_context_parallel.py checks it up to "
+        "a CP 2 x FSDP 4 launch on 8 GPUs (R: any recipe; CUDA only); tests/distributed/test_context_parallel.py checks it up to "
         "the launch, tests/test_gpu.py runs CP 2 on 2 GPUs",
     "python -m cProfile pretrain/run.py": "a profiled training run on a GPU (tools/gpu_visit.sh STARTUP_PROFILE=1)",
     "bash tools/install.sh": "installs packages (network, minutes); CI's fresh-clone job runs it, tests/test_install.py "
                              "its --wheelhouse and --offline",
     "accelerate launch --config_file accelerate_configs/cpu.yaml pretrain/run.py --recipe recipes/tiny.yaml":
-        "the demo: a 300-step training (minutes); tests/test_golden.py runs its first steps",
+        "the demo: a 300-step training (minutes); tests/train/test_golden.py runs its first steps",
     "python pretrain/run.py --recipe recipes/tiny.yaml train.max_steps=40":
-        "a training run (a minute); tests/test_run.py runs the entry point",
+        "a training run (a minute); tests/train/test_run.py runs the entry point",
     "accelerate launch --config_file accelerate_configs/cpu_ddp.yaml pretrain/run.py":
-        "a 2-process training (minutes); tests/test_distributed.py runs one",
+        "a 2-process training (minutes); tests/multiprocess/test_distributed.py runs one",
     "accelerate launch --config_file accelerate_configs/zero2.yaml":
-        "a ZeRO-2 training (minutes); tests/test_distributed.py and tests/test_reshard.py run them",
+        "a ZeRO-2 training (minutes); tests/multiprocess/test_distributed.py and tests/checkpoint/test_reshard.py run them",
     "accelerate launch --config_file accelerate_configs/zero1.yaml":
-        "a ZeRO-1 resume on 3 processes (minutes); tests/test_reshard.py runs it",
+        "a ZeRO-1 resume on 3 processes (minutes); tests/checkpoint/test_reshard.py runs it",
     "accelerate launch --config_file accelerate_configs/cpu_ddp.yaml --num_processes 3 -m pretrain doctor":
-        "3 processes measuring (10 s); tests/test_doctor.py runs it, healthy and with a slowed rank",
+        "3 processes measuring (10 s); tests/distributed/test_doctor.py runs it, healthy and with a slowed rank",
     "pretrain-launch --config_file accelerate_configs/zero2.yaml --recipe recipes/tiny.yaml":
-        "needs an environment without deepspeed: tests/test_environment.py runs it in one and checks this message",
-    "pretrain-launch --doctor": "the doctor, then a training (minutes); tests/test_doctor.py runs the doctor",
+        "needs an environment without deepspeed: tests/system/test_environment.py runs it in one and checks this message",
+    "pretrain-launch --doctor": "the doctor, then a training (minutes); tests/distributed/test_doctor.py runs the doctor",
     "pretrain-launch --config_file accelerate_configs/zero3.yaml --num_processes 2 --recipe recipes/tiny.yaml":
         "a 2-process ZeRO-3 training (minutes)",
     "pretrain-launch --config_file accelerate_configs/zero3.yaml --recipe recipes/7b.yaml":
@@ -66,51 +66,51 @@ SKIPPED = {
     "pretrain-prepare-data --recipe recipes/7b.yaml": "tokenizes FineWeb from the hub (network, hours)",
     "pretrain-export runs/tiny/checkpoints/step_00000200": "needs the demo's checkpoint at step 200",
     "python pretrain/run.py --recipe recipes/tiny-continue.yaml": "needs the demo's final model (runs/tiny/final_model); "
-                                                                   "tests/test_init_from.py runs the recipe from other models",
+                                                                   "tests/model/test_init_from.py runs the recipe from other models",
     "pretrain-plot runs/tiny": "needs the demo's metrics.jsonl",
     "pretrain-eval --checkpoint runs/tiny/checkpoints/step_00000300": "needs the demo's last checkpoint; "
-                                                                      "tests/test_distributed.py runs pretrain-eval",
-    "pretrain-eval --model runs/tiny/final_model": "needs the demo's final model; tests/test_distributed.py scores one",
+                                                                      "tests/multiprocess/test_distributed.py runs pretrain-eval",
+    "pretrain-eval --model runs/tiny/final_model": "needs the demo's final model; tests/multiprocess/test_distributed.py scores one",
     "pretrain-launch --config_file accelerate_configs/cpu_ddp.yaml --recipe recipes/mixture-tiny.yaml":
-        "a 2-process training (a minute); tests/test_mixture.py runs a 2-process mixture",
-    "pretrain-data which --run runs/mixture-tiny": "needs that run; tests/test_mixture.py runs pretrain-data which on "
+        "a 2-process training (a minute); tests/data/test_mixture.py runs a 2-process mixture",
+    "pretrain-data which --run runs/mixture-tiny": "needs that run; tests/data/test_mixture.py runs pretrain-data which on "
                                                    "a 2-process mixture run",
     "pretrain-sweep --recipe recipes/tiny.yaml": "measures real runs per MBS (minutes; machine-dependent numbers)",
     "pretrain-bench --recipe recipes/tiny.yaml": "times training steps (a minute)",
     "pretrain-slurm submit --recipe recipes/7b.yaml --accelerate-config accelerate_configs/zero3.yaml "
-    "--nodes 4 --processes-per-node 8 --partition": "submits to SLURM (tests/test_slurm.py runs a real one)",
+    "--nodes 4 --processes-per-node 8 --partition": "submits to SLURM (tests/cli/test_slurm.py runs a real one)",
     "pretrain-slurm submit ... --dry-run": "the sample script below is that command's output, compared below",
     "pretrain-slurm status runs/7b": "needs a submitted job",
     "rsync -a ./ gpu-node:pretrain/": "copies the checkout to another machine (tests/test_install.py installs from a "
                                       "wheelhouse into a fresh environment)",
-    "squeue": "SLURM (tests/test_slurm.py runs jobs on a real SLURM)",
-    "scancel": "SLURM (tests/test_slurm.py preempts a job with USR1)",
+    "squeue": "SLURM (tests/cli/test_slurm.py runs jobs on a real SLURM)",
+    "scancel": "SLURM (tests/cli/test_slurm.py preempts a job with USR1)",
     "tail -f runs/7b/slurm": "follows a job's log",
     "python -m pytest tests": "the test suite itself",
     "python -m pip install --target ../lmeval-site": "installs lm-eval beside the environment (network); "
-                                                     "tests/test_downstream.py runs the cross-check where it is",
-    "PYTHONPATH=../lmeval-site python -m pytest tests/test_downstream.py": "the lm-eval cross-check (20-40 s), "
+                                                     "tests/train/test_downstream.py runs the cross-check where it is",
+    "PYTHONPATH=../lmeval-site python -m pytest tests/train/test_downstream.py": "the lm-eval cross-check (20-40 s), "
                                                                            "skipped where lm-eval is not installed",
     "ruff check": "the linter (CI)",
-    "python tools/recipe_reference.py --write": "rewrites docs/recipe-reference.md; tests/test_config.py checks it is current",
+    "python tools/recipe_reference.py --write": "rewrites docs/recipe-reference.md; tests/recipe/test_config.py checks it is current",
     "pretrain-prepare-data --workers": "an option named in the recipe reference, not a command",
-    "pretrain-prepare-data --verify": "an option named in the text; tests/test_store.py runs it on a damaged store",
+    "pretrain-prepare-data --verify": "an option named in the text; tests/data/test_store.py runs it on a damaged store",
     "python -m tests.golden_losses --write": "rewrites the golden losses",
-    "pretrain-plan --calibration FILE": "an option named in the text (FILE is a placeholder); tests/test_hybrid.py "
+    "pretrain-plan --calibration FILE": "an option named in the text (FILE is a placeholder); tests/multiprocess/test_hybrid.py "
                                         "plans with calibration files",
     "python -m pretrain\n": "names the entry point in the map of the code (docs/architecture.md), not a command to run",
     "python tools/setup_memory.py": "measures each layout's set-up memory in real launches (minutes); "
                                     "docs/performance.md shows its output",
     "python tools/bench_startup.py": "times repeated training starts (minutes); docs/performance.md shows its output",
     "python tools/bench_data.py": "the data benchmark: a 0.5-2 GB corpus tokenized four times (tens of minutes)",
-    "python tools/bench_gpu.py --reduced": "2 training launches (a minute or two); tests/test_tools.py runs it",
+    "python tools/bench_gpu.py --reduced": "2 training launches (a minute or two); tests/plan/test_tools.py runs it",
     "python tools/bench_gpu.py --models llama-1b": "the GPU benchmark: needs a GPU (an hour)",
     "python tools/bench_gpu.py --budget 420": "the GPU benchmark within 7 minutes: needs a GPU",
     "accelerate launch --cpu --num_processes 2": "the trap the text warns about, not a command to run",
     "accelerate launch --config_file accelerate_configs/zero3.yaml pretrain/run.py --recipe recipes/7b.yaml":
         "the 7B on 8 GPUs (the README's first example)",
     "accelerate launch --config_file accelerate_configs/multinode_":
-        "a node's part of a multi-node 7B run (GPUs); tests/test_hybrid.py runs hpZ on 2 x 2 CPU processes",
+        "a node's part of a multi-node 7B run (GPUs); tests/multiprocess/test_hybrid.py runs hpZ on 2 x 2 CPU processes",
 }
 CHEAP = ("--help", "--dry-run", "--print-config", "--list-gpus")
 CHEAP_PROGRAMS = ("pretrain-estimate", "pretrain-plan")

@@ -4,7 +4,7 @@
     python tools/recipe_reference.py --write    # rewrite docs/recipe-reference.md
 
 Every section, key, type and default comes from the models and every meaning from its Field(description=...),
-so the page cannot disagree with what a recipe accepts; tests/test_config.py fails when the committed page is
+so the page cannot disagree with what a recipe accepts; tests/recipe/test_config.py fails when the committed page is
 not what this writes.
 """
 

@@ -271,7 +271,7 @@ def _ddp_keys_kind(checkpoint: Path) -> str | None:
     read, not the weights). accelerate's ``prepare`` registers the model before wrapping it in DDP, and
     ``save_state`` / ``load_state`` use the registered module: the keys it reads and writes are the model's
     own on one process and on many alike, so only a prefixed file from elsewhere needs renaming, for any
-    process count (tests/test_reshard.py resumes 1 -> 2, 2 -> 3 and 2 -> 1 processes end to end)."""
+    process count (tests/checkpoint/test_reshard.py resumes 1 -> 2, 2 -> 3 and 2 -> 1 processes end to end)."""
     from safetensors import safe_open
 
     weights = checkpoint / MODEL_FILE

@@ -123,7 +123,7 @@ def fsdp_plugin(recipe: Recipe) -> FullyShardedDataParallelPlugin | None:
     plugin.mixed_precision_policy = policy
     plugin.validate_mixed_precision_policy()
     # Accelerator(mixed_precision="bf16") calls plugin.set_mixed_precision("bf16"), which keeps a policy that is
-    # already set: this one reaches fully_shard (tests/test_reduce_dtype.py checks both).
+    # already set: this one reaches fully_shard (tests/multiprocess/test_reduce_dtype.py checks both).
     return plugin
 
 

@@ -94,7 +94,7 @@ def local_vocab_lookup(embedding: torch.nn.Module, tp_mesh) -> None:
     table, and FSDP2 redistributes it to Shard(0) only when it reduce-scatters. Under no_sync (gradient accumulation)
     that whole table is what FSDP2 keeps as the unsharded gradient through every micro-step: (TP - 1)/TP x V x d more
     than the shard, 3.7 GB in fp32 per GPU for a 128k-vocabulary 70B at TP 8 (measured on CPU:
-    tests/test_memory_validation.py::test_tp_model_states_match_estimate). Here each rank masks the ids outside its
+    tests/plan/test_memory_validation.py::test_tp_model_states_match_estimate). Here each rank masks the ids outside its
     rows, runs the module's own forward on its local rows (a scaled embedding keeps its scale) and sums the ranks'
     partial lookups with one all-reduce, as transformers does; the local weight's ``to_local`` hands its gradient
     back as Shard(0)."""

@@ -6,7 +6,7 @@ logits plus 4.2 GB fp32 plus 4.2 GB of fp32 gradient at the start of backward. `
 computes the same loss ``shape.loss_chunk_tokens(vocab)`` tokens at a time: each chunk is upcast, its loss summed and its gradient
 (softmax - one-hot) / N written straight into a buffer of the logits' dtype, which is all backward keeps.
 Peak: the logits, that buffer and one fp32 chunk. The value and the gradient are those of the plain loss
-up to float summation order (tests/test_loss.py).
+up to float summation order (tests/model/test_loss.py).
 
 The z-loss (``stability.z_loss``, PaLM / OLMo-core): z x logsumexp(logits)^2 per target token, added to the
 same sum chunk by chunk (its gradient 2 z lse x softmax joins the chunk's), so it costs no memory. It applies

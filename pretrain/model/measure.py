@@ -2,7 +2,7 @@
 
 Any model transformers can build as a causal LM gets its parameters counted on a meta-device build and its matmul
 FLOPs counted by ``torch.utils.flop_counter.FlopCounterMode`` over one forward on the meta device: the method
-tests/test_metrics.py validates the closed forms with, so the two agree where both exist (tested). Nothing is
+tests/train/test_metrics.py validates the closed forms with, so the two agree where both exist (tested). Nothing is
 allocated and no weight is drawn. The FLOPs keep ``shape.CONVENTION``: the counter sees every matmul (the LM head
 too, tied or not) and no embedding lookup, bias or norm; eager attention makes QK^T and AV plain matmuls over the
 full seq_len x seq_len scores; training = 3 x the forward.

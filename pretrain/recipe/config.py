@@ -230,7 +230,7 @@ class ModelConfig(Section):
 
 
 # Architectures whose transformers model builds a block-causal mask from per-document position ids (and
-# whose position encoding reads them): tests/test_document_masking.py checks each against its documents
+# whose position encoding reads them): tests/data/test_document_masking.py checks each against its documents
 # run one by one. Others are refused with data.document_masking rather than silently attending across.
 DOCUMENT_MASKING_ARCHS = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox")
 

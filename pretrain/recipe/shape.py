@@ -110,7 +110,7 @@ def recipe_vocab_size(model_cfg: ModelConfig, data_cfg: DataConfig) -> int:
 # ---- Architectures --------------------------------------------------------------------------------
 
 # The model_types whose matmul shapes are known, each checked against FlopCounterMode in
-# tests/test_metrics.py (phi3 by hand: its tiny test configs need a 32k vocabulary). Gated MLPs (SwiGLU /
+# tests/train/test_metrics.py (phi3 by hand: its tiny test configs need a 32k vocabulary). Gated MLPs (SwiGLU /
 # GeGLU) have three d x f matrices (phi3 fuses gate and up into one d x 2f, the same count), with
 # separate q/k/v projections that grouped-query attention narrows; plain MLPs have two, and a fused
 # d x 3d qkv projection (no GQA).
@@ -123,7 +123,7 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 COUNTED_ARCHS = (*LLAMA_FAMILY, "qwen3", "gemma", "olmo", "olmo2", "phi3", "gpt2", "gpt_neox", *MOE_ARCHS)
 """Every parameter tensor is known (not only the matmuls): parameter counts, the memory estimator, and a
 recipe's section read without transformers (``model_attributes`` mirrors their defaults only). Each is
-checked against the meta-built model in tests/test_model.py; any other architecture's shape facts are
+checked against the meta-built model in tests/model/test_model.py; any other architecture's shape facts are
 measured from the model itself (``pretrain.model.measure``)."""
 
 # the config attributes model.dropout sets (build.dropout_attributes finds them in transformers' config)

@@ -7,7 +7,7 @@ the planner's step-time model (``pretrain-plan``) all read ``CARDS``; ``match_de
 Peaks are dense matmul TFLOP/s. NVIDIA datasheets print most tensor-core figures with 2:4 structured
 sparsity (marked by a footnote); training is dense, so those are halved. Each ``Rate`` keeps the figure as
 the sheet prints it (``*`` = with sparsity, as the sheets mark it) beside the dense number used, and
-``tests/test_hardware.py`` checks one against the other. ``fp32`` is the non-tensor-core FP32 rate on
+``tests/system/test_hardware.py`` checks one against the other. ``fp32`` is the non-tensor-core FP32 rate on
 NVIDIA (matmuls with TF32 off) and the FP32 matrix-core rate on AMD. A dtype a device lacks, or that no
 source gives, is absent (V100 and T4 have no bf16 or tf32): no MFU rather than a guess.
 """

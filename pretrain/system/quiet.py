@@ -2,7 +2,7 @@
 
 Only what the user should act on reaches the console. Each handler below matches one message by its text and
 its category, module or logger, and says why nobody has to act on it, so that a new or changed library message
-still shows. What a run prints (tests/test_console.py counts the lines of a 2-process ZeRO-2 run):
+still shows. What a run prints (tests/multiprocess/test_console.py counts the lines of a 2-process ZeRO-2 run):
 
 - ``install_warning_filters()``: Python warnings, first thing in every process (``pretrain/run.py``), and
   torchao's import messages (``TORCHAO_IMPORT``);

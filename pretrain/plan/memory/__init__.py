@@ -7,7 +7,7 @@ offload, number of GPUs) give each term a device holds, in bytes, with the formu
   2020: 2Ψ + 2Ψ + KΨ bytes for Ψ parameters in mixed precision, K = 12 for Adam: fp32 master, momentum,
   variance; each term divided by the data-parallel degree N once ZeRO partitions it), refined to the
   buffers DeepSpeed really allocates, read from its source and measured on CPU by
-  ``tests/test_memory_validation.py``: ZeRO-1/2/3 keep an fp32 master partition in every precision (in
+  ``tests/plan/test_memory_validation.py``: ZeRO-1/2/3 keep an fp32 master partition in every precision (in
   fp32 too: a copy beside the parameters), build an fp32 copy of the gradient partition inside
   ``step()``, ZeRO-1 holds every gradient until the end of backward, ZeRO-2/3 a gradient partition plus
   a reduce bucket, ZeRO-3 a persistent bucket and the gathered parameters of the running module (with

@@ -46,7 +46,7 @@ class MemoryEstimate:
     activations: ActivationEstimate
     model_state_bytes: int
     """Parameters, gradients, optimizer states and the reduce buckets DeepSpeed keeps, at their joint peak
-    (what tests/test_memory_validation.py compares with the tensors DeepSpeed really holds)."""
+    (what tests/plan/test_memory_validation.py compares with the tensors DeepSpeed really holds)."""
     notes: tuple[str, ...] = ()
 
     # ---- totals

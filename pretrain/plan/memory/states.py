@@ -2,7 +2,7 @@
 
 One function per engine (PyTorch DDP, DeepSpeed ZeRO-0, ZeRO-1/2, ZeRO-3, FSDP), each returning its terms
 with the formula that produced them, by phase where they change (``Phases``), the host memory offload
-needs, and the joint peak of the model states (what ``tests/test_memory_validation.py`` compares with
+needs, and the joint peak of the model states (what ``tests/plan/test_memory_validation.py`` compares with
 the tensors DeepSpeed really holds). Ψ is the parameter count, N the ranks the states are divided over.
 """
 
@@ -380,7 +380,7 @@ def fsdp_states(run: _Run) -> ModelStates:
     r = 4 if (w.precision == "bf16" and w.reduce_dtype == "fp32") else b
     # Under TP each unsharded gradient is its parameter's TP shard, the vocab-parallel embedding's too (pretrain looks
     # its rows up locally: pretrain.distributed.tensor_parallel.local_vocab_lookup); measured by
-    # tests/test_memory_validation.py::test_tp_model_states_match_estimate.
+    # tests/plan/test_memory_validation.py::test_tp_model_states_match_estimate.
     reduced = 0 if offload else 4 * part
     if gas > 1 and w.sync_each_micro_batch:
         backward = reduced

@@ -32,7 +32,7 @@ def test_auto_is_regional_on_cuda_except_zero3_and_none_on_cpu(requested, device
     assert compile_mode(requested, device, launch) == mode
 
 
-def test_the_reason_names_zero3():  # the run's log line and --dry-run print it (tests/test_dry_run.py)
+def test_the_reason_names_zero3():  # the run's log line and --dry-run print it (tests/plan/test_dry_run.py)
     assert "under DeepSpeed ZeRO-3" in compile_choice("auto", "cuda", ZERO3)[1]
     assert compile_choice("auto", "cuda", ZERO2)[1].startswith("auto: regional")
 

@@ -25,7 +25,7 @@ from pretrain.model.build import (
 from pretrain.recipe.config import ModelConfig
 from pretrain.recipe.shape import ModelShape
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMALL = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
 VOCAB, SEQ = 128, 16
 
@@ -285,7 +285,7 @@ def test_every_policy_trains_to_the_same_losses():
     no checkpointing, to 1e-6 relative (recomputation replays the same ops on the same inputs)."""
     from pretrain.recipe.config import load_recipe
 
-    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml")
+    recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml")
     vocab, seq_len = 4096, 32
     # one batch, seen every step: the loss must fall (the policies are compared on a model that learns)
     batches = torch.randint(0, vocab, (2, seq_len + 1), generator=torch.Generator().manual_seed(0)).expand(3, -1, -1)
@@ -508,7 +508,7 @@ leave(0)
 @pytest.mark.slow
 def test_fsdp2_sharded_init_equals_the_unsharded_one(tmp_path):
     """The shard -> materialize -> init path is torch's FSDP2 on any device mesh: here on CPU over gloo, sharded
-    while still on the meta device, compared tensor by tensor (tests/test_distributed.py's FSDP run then trains
+    while still on the meta device, compared tensor by tensor (tests/multiprocess/test_distributed.py's FSDP run then trains
     the golden curve from it)."""
     assert run_on_two_processes(FSDP2_SCRIPT, tmp_path).count("FSDP2 OK") == 2
 

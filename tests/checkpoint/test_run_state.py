@@ -10,7 +10,7 @@ import pytest
 from pretrain.train.stability import LOSS_FACTORS_ENV
 from pretrain.train.trainer import Trainer
 from tests.helpers import OneThread, train_here
-from tests.test_rollback import ARGS, SPIKE
+from tests.train.test_rollback import ARGS, SPIKE
 
 
 class StepsTrained:

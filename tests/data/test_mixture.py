@@ -17,6 +17,7 @@ from pretrain.data.loader import MixtureSampleOrder, RankBatchSampler, data_hori
 from pretrain.errors import ConfigError, DataError
 from pretrain.recipe.batching import plan_batches
 from pretrain.recipe.config import BatchConfig, DataConfig
+from tests.data.test_data import make_docs, write_corpus
 from tests.helpers import (
     FAST,
     RUN,
@@ -29,7 +30,6 @@ from tests.helpers import (
     train_killed_at,
     train_losses,
 )
-from tests.test_data import make_docs, write_corpus
 
 WEIGHTS = {"code": 0.2, "web": 0.7, "math": 0.1}
 
@@ -239,7 +239,7 @@ def two_process_run(tmp_path_factory) -> tuple[Path, Path]:
     out, recorded = base / "run", base / "recorded"
     check_ok(accelerate_launch("cpu_ddp.yaml", [*E2E, "train.max_steps=8", "batch.micro_batch_size=2",
                                                 f"output_dir={out}"], recipe=e2e_recipe(base),
-                               script=[str(Path(__file__).parent / "record_batches_run.py"), str(recorded)]))
+                               script=[str(Path(__file__).parents[1] / "record_batches_run.py"), str(recorded)]))
     return out, recorded
 
 

@@ -137,7 +137,7 @@ def test_an_fsdp_launch_logs_the_estimators_fsdp_figure(monkeypatch):
     ({}, {"offload_params": "cpu"}, ["fsdp_offload_params: true", "nothing to offload", "fsdp_offload_params: false"]),
 ])
 def test_what_of_fsdp_cannot_run_on_cpu_is_refused_naming_what_can(env, launch_kwargs, words):
-    """FSDP2 runs on CPU over gloo (runtime.fsdp_on_cpu; tests/test_distributed.py trains it); FSDP1 and HSDP
+    """FSDP2 runs on CPU over gloo (runtime.fsdp_on_cpu; tests/multiprocess/test_distributed.py trains it); FSDP1 and HSDP
     (accelerate makes their device or 2-D mesh for GPU launches only) and parameter offload (from a GPU that
     is not there) are refused before any process group."""
     from pretrain.distributed.accelerator import check_fsdp_on_cpu
@@ -337,7 +337,7 @@ def test_the_planning_page_shows_the_real_refusal(capsys, execv, monkeypatch):
 
 def test_a_multi_node_launch_without_its_store_stops_before_accelerate_with_the_prepare_commands(
         capsys, execv, tmp_path):
-    from tests.test_data import make_docs, write_corpus
+    from tests.data.test_data import make_docs, write_corpus
 
     corpus = write_corpus(tmp_path / "corpus", make_docs(40, seed=31))
     store = tmp_path / "store"

@@ -29,7 +29,7 @@ from pretrain.plan import memory
 from pretrain.recipe.config import ModelConfig
 from pretrain.recipe.shape import ModelShape
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROBE = ROOT / "tests" / "ds_memory_probe.py"
 
 VOCAB = 1024

@@ -22,7 +22,7 @@ from pretrain.train.stability import LOSS_FACTORS_ENV, SkipPolicy
 from pretrain.train.tracking import JSONLTracker
 from tests.fakes import FakeAccelerator
 from tests.helpers import FAST, TINY, accelerate_launch, check_ok, metrics, train, train_here
-from tests.test_optim import _lrs  # every optimizer step's lr of a schedule
+from tests.model.test_optim import _lrs  # every optimizer step's lr of a schedule
 
 # The command: the tiny recipe at tiny shapes.
 P = ["train.max_steps=10", "data.seq_len=64", "batch.global_batch_size=8", "batch.micro_batch_size=2",
@@ -166,7 +166,7 @@ def test_set_peak_lr_overrides_the_loaded_schedule_state():
     assert new.param_groups[0]["lr"] == pytest.approx(expected[6])
 
 
-# ---- end to end, one process (subprocess runs: slow, as tests/test_run.py) -------------------------------
+# ---- end to end, one process (subprocess runs: slow, as tests/train/test_run.py) -------------------------------
 
 
 def _finite_checkpoint(path: Path) -> None:

@@ -42,9 +42,9 @@ from tests.slurm_cluster import SlurmCluster
 SLURM_TOOL = ["-m", "pretrain.cli.slurm"]
 CONFIGS = ROOT / "accelerate_configs"
 SEVEN_B = str(ROOT / "recipes" / "7b.yaml")
-# GBS 8 = MBS 2 x GAS 2 x world 2: the layout of tests/test_distributed.py's cpu_ddp run.
+# GBS 8 = MBS 2 x GAS 2 x world 2: the layout of tests/multiprocess/test_distributed.py's cpu_ddp run.
 CURVE = [*FAST, "batch.micro_batch_size=2", "checkpoint.keep_last=0"]
-# The training tests leave the health check out: tests/test_doctor.py runs it on this cluster.
+# The training tests leave the health check out: tests/distributed/test_doctor.py runs it on this cluster.
 TWO_NODES = ["--nodes", "2", "--processes-per-node", "1", "--gpus-per-node", "0", "--no-doctor"]
 
 
@@ -53,7 +53,7 @@ def store(tmp_path_factory) -> list[str]:
     """Overrides that give the tiny recipe a prepared token store of a tiny corpus (a multi-node job is
     not submitted without its store)."""
     from pretrain.cli import prepare_data
-    from tests.test_data import make_docs, write_corpus
+    from tests.data.test_data import make_docs, write_corpus
 
     root = tmp_path_factory.mktemp("store")
     overrides = [f"data.source={write_corpus(root / 'corpus', make_docs(24, seed=22))}", f"data.store={root / 'store'}",
@@ -368,10 +368,10 @@ def test_a_store_made_from_other_data_is_refused_before_submitting(tmp_path, cap
 ])
 def test_a_checkpoint_the_job_cannot_resume_is_not_submitted_and_gets_the_submission_that_does(
         tmp_path, capsys, monkeypatch, store, saved, config, resumed_by):
-    """pretrain-launch's resume check (tests/test_reshard.py), asked for the job's launch on the submitting
+    """pretrain-launch's resume check (tests/checkpoint/test_reshard.py), asked for the job's launch on the submitting
     machine: refused before anything is written or queued, with a pretrain-slurm submit command (the same
     options) that passes the same checks and submits."""
-    from tests.test_reshard import make_checkpoint
+    from tests.checkpoint.test_reshard import make_checkpoint
 
     fake_programs(tmp_path / "bin", tmp_path)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
@@ -496,7 +496,7 @@ def test_usr1_checkpoints_requeues_and_the_job_continues_the_same_curve(cluster,
     args = [*CURVE, f"train.max_steps={steps}", "checkpoint.every_steps=100"]
     start = time.perf_counter()
     # The uninterrupted curve, trained on one process in this process (seconds, no launch): DDP's curve is the
-    # same on any process count up to reduction order (1e-5, tests/test_reshard.py), well inside 1e-4.
+    # same on any process count up to reduction order (1e-5, tests/checkpoint/test_reshard.py), well inside 1e-4.
     with OneThread():
         train_here([*args, f"output_dir={tmp_path / 'local'}"])
     reference = train_losses(tmp_path / "local")
@@ -549,7 +549,7 @@ def test_usr1_checkpoints_requeues_and_the_job_continues_the_same_curve(cluster,
 # ---- pretrain-prepare-data --slurm: the token store as an array job -------------------------------
 def prepare_recipe(tmp_path: Path) -> tuple[Path, Path]:
     """The tiniest corpus that still makes several shards, and a recipe that names it."""
-    from tests.test_data import make_docs, write_corpus
+    from tests.data.test_data import make_docs, write_corpus
 
     corpus = write_corpus(tmp_path / "corpus", make_docs(24, seed=21))
     recipe = tmp_path / "r.yaml"
@@ -617,7 +617,7 @@ def test_finish_without_every_shard_names_the_missing_ones(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_array_job_on_two_nodes_writes_the_store_byte_identical_to_a_local_build(cluster, tmp_path):
-    from tests.test_store import checksums
+    from tests.data.test_store import checksums
 
     _, recipe = prepare_recipe(tmp_path)
     local, remote = tmp_path / "local", tmp_path / "remote"

@@ -5,7 +5,7 @@ The decisions are pure file reads and are tested here on hand-made checkpoint di
 refusals too, each with the command it prints, which must pass); the real conversions and continued curves
 are in the slow tests at the end (a 2-process ZeRO-2 run resumed on 1 and on 3 processes; 2-process ZeRO-3
 and FSDP runs resumed on 3; DDP 1 -> 2 -> 3 and 2 -> 1 processes, the first through the command
-pretrain-launch's refusal prints) and in tests/test_distributed.py (exports of the shared curves'
+pretrain-launch's refusal prints) and in tests/multiprocess/test_distributed.py (exports of the shared curves'
 checkpoints, FSDP's among them)."""
 
 from __future__ import annotations
@@ -414,7 +414,7 @@ def test_a_rollback_after_a_resume_on_another_process_count_reloads_the_runs_own
     DeepSpeed must read as a plain checkpoint, not as a universal one like the checkpoint it resumed (DeepSpeed
     reads load_universal from its config at each load). Killed after the rollback, the run resumes from step 6
     and gives the same losses."""
-    from tests.test_rollback import _resumed_copy
+    from tests.train.test_rollback import _resumed_copy
 
     runs, _ = resharded
     source = runs["2 processes ZeRO-2"] / "checkpoints" / "step_00000003"

@@ -20,7 +20,7 @@ from pretrain.recipe.shape import ModelShape
 from pretrain.train.router import RouterStats
 from tests.fakes import FakeAccelerator
 from tests.helpers import FAST, ROOT, OneThread, accelerate_launch, check_ok, metrics, train_here, train_losses
-from tests.test_metrics import counted_flops_per_token
+from tests.train.test_metrics import counted_flops_per_token
 
 MOE_TINY = str(ROOT / "recipes" / "moe-tiny.yaml")
 OLMOE_1B_7B = ROOT / "recipes" / "olmoe-1b-7b.yaml"

@@ -1,7 +1,7 @@
 """Downstream multiple-choice evaluation (pretrain/train/downstream.py): the scoring on a hand-computed case,
 lm-evaluation-harness's context/continuation split and, where lm-eval is installed, its evaluator's own acc and
 acc_norm on the demo's task; sharding, the task files and the recipe's eval.tasks.
-The in-loop figures on every layout and pretrain-eval on a checkpoint: tests/test_distributed.py."""
+The in-loop figures on every layout and pretrain-eval on a checkpoint: tests/multiprocess/test_distributed.py."""
 
 from __future__ import annotations
 

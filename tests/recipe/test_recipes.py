@@ -11,7 +11,7 @@ from pretrain.model.build import build_model, closed_form_num_params, count_para
 from pretrain.recipe.config import load_recipe
 from tests.helpers import shipped_recipe
 
-RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
 
 # Published counts (Llama 2 model cards) and the counts the recipes state in their comments.
 EXPECTED_NUM_PARAMS = {

@@ -1,7 +1,7 @@
 """Every rank resumes from the checkpoint rank 0 chose, in the one output_dir rank 0 writes: two gloo
 processes whose views of a path differ (tests/rank_cwd_run.py) are refused with one clear message and exit 2
 on every rank, within seconds, never a hang. (Two processes that share it resume together in
-tests/test_distributed.py, whose ZeRO runs resume from step 3.)"""
+tests/multiprocess/test_distributed.py, whose ZeRO runs resume from step 3.)"""
 
 from __future__ import annotations
 

@@ -171,7 +171,7 @@ def test_selective_checkpointing_is_refused_under_zero3_only():
 @pytest.mark.parametrize("mode", ["auto", "regional", "full"])
 def test_compile_is_accepted_under_every_zero_stage(mode):
     """accelerate compiles DeepSpeed's engine.module in place, ZeRO-3 included (the former refusal is gone; the
-    compiled ZeRO-2 and ZeRO-3 runs are in tests/test_distributed.py)."""
+    compiled ZeRO-2 and ZeRO-3 runs are in tests/multiprocess/test_distributed.py)."""
     for stage in (1, 2, 3):
         config, _ = build(make_recipe(model={"compile": mode}), launch(stage=stage))
         assert config["zero_optimization"]["stage"] == stage

@@ -17,9 +17,8 @@ from pretrain.errors import ConfigError
 from pretrain.recipe.config import load_recipe
 from pretrain.system import environment
 from pretrain.system.environment import DeviceFacts, check_environment, device_problems, meets, package_problems
-
-from .helpers import FAST, env
-from .helpers import ROOT as REPO
+from tests.helpers import FAST, env
+from tests.helpers import ROOT as REPO
 
 pytestmark = pytest.mark.floors  # also in CI's minimum-versions smoke set
 

@@ -95,7 +95,7 @@ def keep_console(proc, run_dir):
 
 def test_no_library_noise_on_any_layout(curves):
     """No library warning, tied-weight save warning, DeepSpeed op print or progress bar on any layout, fresh or
-    resumed (tests/test_console.py reads one launch line by line, through pretrain-launch)."""
+    resumed (tests/multiprocess/test_console.py reads one launch line by line, through pretrain-launch)."""
     noise = re.compile(r"Warning|Removed shared tensor|built successfully|\d+%\||\r")
     for name, run_dir in curves.items():
         console = (run_dir / "console.txt").read_text()

@@ -1,6 +1,6 @@
 """The golden-loss regression guard: the tiny recipe's first 20 steps, to 1e-6 relative, as recorded.
 
-The 2-process DDP and ZeRO-2 golden curves are checked in tests/test_distributed.py, on the runs it
+The 2-process DDP and ZeRO-2 golden curves are checked in tests/multiprocess/test_distributed.py, on the runs it
 already makes. How to regenerate the file: tests/golden_losses.py.
 """
 

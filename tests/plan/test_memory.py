@@ -25,7 +25,7 @@ from pretrain.recipe.config import ModelConfig, load_recipe
 from pretrain.recipe.shape import ModelShape, recipe_vocab_size
 from tests.helpers import shipped_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 CONFIGS = ROOT / "accelerate_configs"
 R7B = str(ROOT / "recipes" / "7b.yaml")

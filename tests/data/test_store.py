@@ -20,8 +20,8 @@ from pretrain.data import StoreMissing, ensure_store, open_store, prepare_data
 from pretrain.distributed.layout import Launch
 from pretrain.errors import DataError
 from pretrain.recipe.config import DataConfig
+from tests.data.test_data import make_docs, write_corpus
 from tests.helpers import FAST, ROOT, TINY, accelerate_launch, env, train, train_losses
-from tests.test_data import make_docs, write_corpus
 
 
 def store_config(tmp_path: Path, corpus: Path, store: Path, **kwargs) -> DataConfig:

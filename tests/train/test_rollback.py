@@ -34,7 +34,7 @@ from tests.helpers import (
     train_here,
     train_losses,
 )
-from tests.test_optim import _lrs  # every optimizer step's lr of a schedule
+from tests.model.test_optim import _lrs  # every optimizer step's lr of a schedule
 
 # ---- the pieces, alone ------------------------------------------------------------------------------------
 
@@ -244,7 +244,7 @@ LAYOUTS = {"DDP": ("cpu_ddp.yaml", []), "FSDP2": ("fsdp.yaml", []),
            "ZeRO-3, checkpoint.async": ("zero3.yaml", ["checkpoint.async=true"])}
 SLOW_STEP_8 = "8:2"
 ZERO2_ASYNC = "ZeRO-2, checkpoint.async"
-# The cross-layout tolerance of tests/test_distributed.py (reductions in another order on 2 processes).
+# The cross-layout tolerance of tests/multiprocess/test_distributed.py (reductions in another order on 2 processes).
 REL = 1e-4
 
 
