@@ -5,7 +5,7 @@
 One process builds ``Trainer(recipe)`` and then times, on the same prepared model, optimizer, scheduler,
 DataLoader and device, blocks of N optimizer steps of
 
-- the toolkit: ``trainer.train_step(batches)``;
+- the toolkit: ``trainer.engine.train_step(batches, ...)``, the loop's whole optimizer step;
 - a minimal loop: ``with accelerator.accumulate(model): loss = model(...).loss; accelerator.backward(loss);
   optimizer.step(); scheduler.step(); optimizer.zero_grad()`` over the GAS micro-batches of a step (with
   ``accelerator.clip_grad_norm_`` when the recipe clips, since both loops must do the same math),
@@ -57,12 +57,12 @@ def synchronize(device) -> None:
 
 def toolkit_block(trainer, batches, num_steps: int) -> None:
     for _ in range(num_steps):
-        trainer.train_step(batches)
+        trainer.engine.train_step(batches, trainer.throughput.data_wait)
 
 
 def minimal_block(trainer, batches, num_steps: int) -> None:
     acc, model, optimizer, scheduler = trainer.accelerator, trainer.model, trainer.optimizer, trainer.scheduler
-    device, gas, normaliser = trainer.device, trainer.plan.grad_accum_steps, trainer.loss_normaliser
+    device, gas, normaliser = trainer.device, trainer.plan.grad_accum_steps, trainer.engine.objective.normaliser
     clip = trainer.recipe.optim.grad_clip
     for _ in range(num_steps):
         for _ in range(gas):
@@ -97,10 +97,10 @@ def run(recipe_path: str, overrides: list[str], num_steps: int, repeats: int, ou
     trainer = Trainer(recipe)
     try:
         trainer.model.train()
-        batches = iter(trainer.train_loader)
+        batches = trainer.train_data.batches
         tokens = num_steps * trainer.plan.tokens_per_step
         p = trainer.plan
-        print(f"bench: {recipe.name}, {trainer.num_params:,} params, {trainer.device}, {recipe.precision.dtype}, "
+        print(f"bench: {recipe.name}, {trainer.parts.num_params:,} params, {trainer.device}, {recipe.precision.dtype}, "
               f"GBS {p.global_batch_size} = MBS {p.micro_batch_size} x GAS {p.grad_accum_steps}, "
               f"{p.tokens_per_step:,} tokens/step; blocks of {num_steps} steps, {repeats} repeats", flush=True)
         timed(toolkit_block, trainer, batches, num_steps)  # warm-up: allocator, kernels, first batches
@@ -129,7 +129,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = recipe_parser("pretrain-bench", "Time Trainer.train_step against a minimal accelerate loop on the same "
+    parser = recipe_parser("pretrain-bench", "Time the trainer's optimizer step against a minimal accelerate loop on the same "
                            "model and data (one process).", overrides_example="batch.micro_batch_size=8")
     parser.add_argument("--steps", type=count(), default=10, help="optimizer steps per timed block (default 10)")
     parser.add_argument("--repeats", type=count(), default=5, help="timed block pairs (default 5)")
