@@ -12,6 +12,7 @@ else by the step recorded inside each (never by folder name).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ CHECKPOINTS_DIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
 LATEST_FILE = "latest"
 ROLLBACKS_FILE = "rollbacks.jsonl"
+LAUNCHES_FILE = "launches.jsonl"
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -59,10 +61,9 @@ def read_run_config(run_dir: str | Path) -> dict[str, Any] | None:
         return None
 
 
-def read_rollbacks(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Every record of ``<run_dir>/rollbacks.jsonl`` (stability.rollback), oldest first; [] when there is none.
-    A torn last line (a run killed while appending) is skipped, as in metrics.jsonl."""
-    path = Path(run_dir) / ROLLBACKS_FILE
+def _read_appended(path: Path) -> list[dict[str, Any]]:
+    """Every record of a JSON-lines file a run appends to, oldest first; [] when there is none. A torn last line (a
+    run killed while appending) is skipped, as in metrics.jsonl."""
     if not path.is_file():
         return []
     lines = path.read_text(encoding="utf-8").splitlines()
@@ -76,6 +77,25 @@ def read_rollbacks(run_dir: str | Path) -> list[dict[str, Any]]:
             raise ConfigError(f"{path}:{number} is not JSON ({exc.msg}); the file is damaged") from None
         records.append(record)
     return records
+
+
+def read_rollbacks(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every record of ``<run_dir>/rollbacks.jsonl`` (stability.rollback), oldest first."""
+    return _read_appended(Path(run_dir) / ROLLBACKS_FILE)
+
+
+def read_launches(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every record of ``<run_dir>/launches.jsonl``, oldest first: each start of the run, the step it started from
+    (``from_step``) and its batch plan and layout. Step s was run by the last launch with from_step < s."""
+    return _read_appended(Path(run_dir) / LAUNCHES_FILE)
+
+
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    """One JSON line appended and made durable before the caller goes on (a killed run loses no record)."""
+    with open(path, "a", encoding="utf-8") as out:
+        out.write(json.dumps(record) + "\n")
+        out.flush()
+        os.fsync(out.fileno())
 
 
 def read_state(checkpoint: str | Path) -> dict[str, Any] | None:
@@ -139,8 +159,8 @@ def run_rollbacks(run_dir: str | Path) -> list[dict[str, Any]]:
 
 def read_run(run_dir: str | Path) -> RunRecord:
     """What a run directory records of the data its steps read (``pretrain-data which``): the resolved recipe,
-    run_config.json, the plan of every checkpoint left, the newest checkpoint's data identity and the rollbacks of
-    its timeline. One ConfigError when it is not a run directory."""
+    run_config.json, the plan of every checkpoint left, the newest checkpoint's data identity, the rollbacks of its
+    timeline and the launches that ran it. One ConfigError when it is not a run directory."""
     from pretrain.data.lookup import RunRecord
     from pretrain.recipe.config import load_recipe
 
@@ -157,4 +177,4 @@ def read_run(run_dir: str | Path) -> RunRecord:
     newest = latest_checkpoint(run_dir)
     trained_on = (read_state(newest) or {}).get("data") if newest is not None else None
     return RunRecord(run_dir, run_dir / RUN_CONFIG_FILE, load_recipe(run_dir / RESOLVED_RECIPE_FILE), config, plans,
-                     (newest.name, trained_on) if trained_on else None, run_rollbacks(run_dir))
+                     (newest.name, trained_on) if trained_on else None, run_rollbacks(run_dir), read_launches(run_dir))

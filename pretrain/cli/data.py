@@ -43,10 +43,12 @@ def which(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps([s.to_dict() for s in sequences], indent=1))
             return 0
-        p = run.plan_at(args.step) or run.plan
-        print(f"step {args.step} of {args.run}: {len(sequences)} of {p.global_batch_size} sequences of "
-              f"{p.seq_len + 1} tokens (seed {run.recipe.train.seed}; rank/micro: world {p.world_size}, "
-              f"MBS {p.micro_batch_size}, GAS {p.grad_accum_steps}); documents as FILE:INDEX[start:stop/length]")
+        p = run.plan_at(args.step)
+        split = (f"rank/micro: world {p.world_size}, MBS {p.micro_batch_size}, GAS {p.grad_accum_steps}" if p else
+                 f"rank/micro: not recorded before the resume at step {run.resume_step}")
+        print(f"step {args.step} of {args.run}: {len(sequences)} of {run.plan.global_batch_size} sequences of "
+              f"{run.plan.seq_len + 1} tokens (seed {run.recipe.train.seed}; {split}); documents as "
+              "FILE:INDEX[start:stop/length]")
         print(f"  {'rank/micro':>10} {'#':>3}  {'source:row':<18} documents  \"preview\"")
         for s in sequences:
             rank = "?" if s.rank is None else f"{s.rank}/{s.micro}"

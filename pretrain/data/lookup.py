@@ -9,10 +9,11 @@ N - 1 of the order.
 
 World size. A resume keeps the global batch size, the seed and the data (a change is refused), so the sequences
 of every step are the same on any world size; only how they were split over ranks and micro-steps depends on the
-layout of the launch that ran the step. ``run_config.json`` holds the latest launch's plan: steps after its
-resume (all steps of a run never resumed) are split as it says. For earlier steps the split is given when every
-checkpoint left in the run directory (each records the plan that wrote it) has the same layout; otherwise those
-steps are listed without rank and micro-step, and asking for a rank or micro-step there is refused.
+layout of the launch that ran the step. Every start of a run appends its step and plan to ``launches.jsonl``: step s
+is split as the last launch that started before s says. A run directory written before that file existed falls back
+on ``run_config.json`` (the latest launch's plan, for the steps after its resume) and, for earlier steps, on the
+checkpoints left (each records the plan that wrote it) when they agree; otherwise those steps are listed without
+rank and micro-step, and asking for a rank or micro-step there is refused.
 """
 
 from __future__ import annotations
@@ -79,15 +80,20 @@ class RunRecord:
     checkpoint_plans: list[dict[str, Any]]  # the batch plan each checkpoint left in the run directory recorded
     trained_on: tuple[str, dict[str, Any]] | None  # the newest checkpoint's name and data identity (None: none yet)
     rollbacks: list[dict[str, Any]]  # the rollbacks of the run's timeline (their skipped global batches)
+    launches: list[dict[str, Any]] = field(default_factory=list)  # launches.jsonl: each start, its step and plan
 
 
 class RunData:
     """A run's training data as its loader reads it: opened from the run directory (``RunData.open``)."""
 
     def __init__(self, run_dir: Path, recipe: Recipe, plan: BatchPlan, num_steps: int, data: PackedData | MixtureData,
-                 early_plan: BatchPlan | None, resume_step: int, rollbacks: list[dict[str, Any]]):
+                 early_plan: BatchPlan | None, resume_step: int, rollbacks: list[dict[str, Any]],
+                 launches: list[dict[str, Any]] = ()):
         self.run_dir, self.recipe, self.plan, self.num_steps, self.data = run_dir, recipe, plan, num_steps, data
         self.early_plan, self.resume_step = early_plan, resume_step
+        # (from_step, plan) of each launch, oldest first: step s ran on the last one that started before it
+        self.launches = [(int(r["from_step"]), BatchPlan(**{k: int(r["plan"][k]) for k in PLAN_KEYS}))
+                         for r in launches]
         # The run's own construction of the loader: the dataset it reads and the order behind its batch sampler.
         # Global batches skipped by rollbacks (stability.rollback) are skipped here too.
         skipped = [(int(r["batches"][0]), int(r["batches"][1])) for r in rollbacks]
@@ -111,12 +117,17 @@ class RunData:
         early_plan, resume_step = _early_plan(config, plan, record.checkpoint_plans)
         data = _open_stores(record.recipe, config)
         _check_trained_on(record, data)
-        return cls(record.run_dir, record.recipe, plan, num_steps, data, early_plan, resume_step, record.rollbacks)
+        return cls(record.run_dir, record.recipe, plan, num_steps, data, early_plan, resume_step, record.rollbacks,
+                   record.launches)
 
     # ---- step -> sequences --------------------------------------------------------------------------------
 
     def plan_at(self, step: int) -> BatchPlan | None:
-        """The plan whose launch ran ``step`` (1-based), or None where the run directory does not say."""
+        """The plan whose launch ran ``step`` (1-based): launches.jsonl's; for a run directory written before it was
+        recorded, the latest launch's after its resume, else the checkpoints' if they agree; None where nothing says."""
+        ran = [plan for from_step, plan in self.launches if from_step < step]
+        if ran:
+            return ran[-1]
         return self.plan if step > self.resume_step else self.early_plan
 
     def check_step(self, step: int) -> None:

@@ -16,8 +16,6 @@ a rollback and before its next checkpoint resumes from the checkpoint the rollba
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,7 @@ from typing import Any
 from accelerate.utils import broadcast_object_list
 
 from pretrain.checkpoint.resume import ResumeChoice
-from pretrain.checkpoint.rundir import ROLLBACKS_FILE, read_rollbacks, timeline_rollbacks
+from pretrain.checkpoint.rundir import ROLLBACKS_FILE, append_record, read_rollbacks, timeline_rollbacks
 from pretrain.errors import TrainingDiverged
 from pretrain.recipe.config import RollbackConfig
 from pretrain.train.stability import TooManySkips
@@ -121,10 +119,7 @@ class Rollback:
         moved = []
         if run.is_main:
             # The record first, made durable: a run killed from here on resumes with this rollback applied.
-            with open(run.output_dir / ROLLBACKS_FILE, "a", encoding="utf-8") as records:
-                records.write(json.dumps(record) + "\n")
-                records.flush()
-                os.fsync(records.fileno())
+            append_record(run.output_dir / ROLLBACKS_FILE, record)
             moved = run.checkpointer.abandon_after(resumed.checkpoint)
             rewind_trackers(run.trackers, back_to)
         run.accelerator.wait_for_everyone()

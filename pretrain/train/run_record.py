@@ -6,10 +6,11 @@ tracker, wandb's config, tensorboard's hparams) and the banner printed to the co
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from pretrain.checkpoint.rundir import RESOLVED_RECIPE_FILE
+from pretrain.checkpoint.rundir import LAUNCHES_FILE, RESOLVED_RECIPE_FILE, append_record
 from pretrain.distributed.accelerator import gradient_dtypes
 from pretrain.distributed.layout import Launch
 from pretrain.recipe.batching import BatchPlan
@@ -101,6 +102,10 @@ def start_run_record(trainer: Trainer) -> None:
     recipe, p, config = trainer.recipe, trainer.plan, run_config(trainer)
     if trainer.is_main:
         (trainer.output_dir / RESOLVED_RECIPE_FILE).write_text(recipe.to_yaml())
+        # Which launch ran which steps (pretrain-data which splits a step by the layout that ran it): this one runs
+        # the steps after the one it starts from.
+        append_record(trainer.output_dir / LAUNCHES_FILE, {"from_step": trainer.step, "plan": p.to_dict(),
+                                                           "layout": trainer.launch.to_dict(), "time": round(time.time(), 3)})
     trainer.accelerator.init_trackers(recipe.logging.project, config=flatten(config))
     dist = config["dist"]
     # batch.sync_each_micro_batch acts where accelerate would enter no_sync: DDP and FSDP, several ranks, GAS > 1

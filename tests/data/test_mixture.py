@@ -391,7 +391,8 @@ def test_pretrain_data_which_names_the_documents_each_rank_trained_on(two_proces
 def test_pretrain_data_which_after_a_resume_on_another_world_size(two_process_run, tmp_path, capsys):
     """The 2-process run as a resume at step 4 on 1 process (MBS 2 x GAS 4) leaves it: run_config.json with that
     plan and resume/step 4, step 8's checkpoint written by it. Every step has the same sequences as before; steps
-    5-8 are split by the new layout, steps 1-4 (the checkpoints disagree on their layout) have no rank."""
+    5-8 are split by the new layout, steps 1-4 by the launch that ran them (launches.jsonl), and without that record
+    (an older run directory whose checkpoints disagree on their layout) have no rank."""
     out, _ = two_process_run
     resumed = tmp_path / "resumed"
     resumed.mkdir()
@@ -417,11 +418,26 @@ def test_pretrain_data_which_after_a_resume_on_another_world_size(two_process_ru
         before, after = rows(out, step), rows(resumed, step)
         assert after[1] == before[1] and len(after[0]) == 8  # the same global batch on any world size
     assert {(s["rank"], s["micro"]) for s in rows(resumed, 6)[0]} == {(0, m) for m in range(4)}
+    # Without launches.jsonl (a run directory written before it was recorded): steps 1-4 have no rank
     assert {(s["rank"], s["micro"]) for s in rows(resumed, 3)[0]} == {(None, None)}
     code, _, err = which(capsys, "--run", str(resumed), "--step", "3", "--rank", "0")
     assert code == 2 and "ran before the resume at step 4" in err and "drop --rank and --micro" in err
     code, text, _ = which(capsys, "--run", str(resumed), "--step", "3")
     assert code == 0 and text.splitlines()[2].split()[0] == "?"
+    assert "rank/micro: not recorded before the resume at step 4" in text.splitlines()[0]
+
+    # launches.jsonl: the 2-process launch wrote its record (from step 0); the resume on 1 process adds its own.
+    [launch] = [json.loads(line) for line in (out / "launches.jsonl").read_text().splitlines()]
+    assert launch["from_step"] == 0 and launch["plan"]["world_size"] == 2
+    one = {**launch, "from_step": 4, "plan": {**launch["plan"], "world_size": 1, "grad_accum_steps": 4}}
+    (resumed / "launches.jsonl").write_text(json.dumps(launch) + "\n" + json.dumps(one) + "\n")
+    assert {(s["rank"], s["micro"]) for s in rows(resumed, 3)[0]} == {(r, m) for r in range(2) for m in range(2)}
+    assert rows(resumed, 3)[0] == rows(out, 3)[0]  # step 3 as the 2-process launch that ran it split it
+    code, text, _ = which(capsys, "--run", str(resumed), "--step", "3", "--rank", "1")
+    assert code == 0 and "rank/micro: world 2, MBS 2, GAS 2" in text.splitlines()[0]
+    code, text, _ = which(capsys, "--run", str(resumed), "--step", "6")
+    assert code == 0 and "rank/micro: world 1, MBS 2, GAS 4" in text.splitlines()[0]
+    (resumed / "launches.jsonl").unlink()
 
     # Stores that no longer hold what the run trained on (another content digest than its newest checkpoint's)
     state_file = resumed / "checkpoints" / "step_00000008" / "trainer_state.json"
