@@ -63,3 +63,16 @@ class FakeAccelerator:
 
     def accumulate(self, model):
         return nullcontext()
+
+
+class CountingPart:
+    """A stateful part of the run as a later feature adds one (pretrain/checkpoint/state.py's protocol): a count."""
+
+    def __init__(self):
+        self.count = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict[str, int] | None) -> None:
+        self.count = 0 if state is None else state["count"]

@@ -34,7 +34,7 @@ from pretrain.recipe.config import CheckpointConfig, Recipe, load_recipe
 from pretrain.train.evaluation import Evaluator
 from pretrain.train.metrics import ThroughputMonitor
 from pretrain.train.tracking import Console, StepLog, format_duration
-from tests.fakes import FakeAccelerator
+from tests.fakes import CountingPart, FakeAccelerator
 from tests.helpers import TINY, env, free_port
 
 
@@ -191,39 +191,26 @@ def test_checkpointer_saves_typed_state_and_loads_it_back(tmp_path, recipe):
     assert f"resume: continuing from {path} at step 6" in logged[-1]
 
 
-class _Counter:
-    """A stateful part as a later feature adds one."""
-
-    def __init__(self):
-        self.seen = 0
-
-    def state_dict(self):
-        return {"seen": self.seen}
-
-    def load_state_dict(self, state):
-        self.seen = 0 if state is None else state["seen"]
-
-
 def test_the_run_state_saves_and_loads_every_registered_part_in_order(tmp_path):
     """What a checkpoint records of the run state is the registered parts' state dicts, and a load gives each its
     own back, in registration order; a part the checkpoint predates keeps its fresh state and is named."""
-    progress, counter, logged = TrainProgress(num_steps=10), _Counter(), []
+    progress, counter, logged = TrainProgress(num_steps=10), CountingPart(), []
     state = RunState(log=logged.append, progress=progress, counter=counter)
     progress.advance(512)
-    counter.seen = 3
+    counter.count = 3
     record = TrainerState.of(state.state_dict(), plan={}, recipe={})
-    assert (record.step, record.tokens_seen, record.num_steps, record.components) == (1, 512, 10, {"counter": {"seen": 3}})
+    assert (record.step, record.tokens_seen, record.num_steps, record.components) == (1, 512, 10, {"counter": {"count": 3}})
     (tmp_path / STATE_FILE).write_text(record.to_json())
 
-    fresh_progress, fresh_counter, other = TrainProgress(num_steps=20), _Counter(), _Counter()
+    fresh_progress, fresh_counter, other = TrainProgress(num_steps=20), CountingPart(), CountingPart()
     fresh = RunState(log=logged.append, progress=fresh_progress, counter=fresh_counter, added_later=other)
     fresh.load_state_dict(TrainerState.read(tmp_path).states())
     assert (fresh_progress.step, fresh_progress.tokens_seen, fresh_progress.num_steps) == (1, 512, 20)  # the recipe's horizon
-    assert (fresh_counter.seen, other.seen) == (3, 0)
+    assert (fresh_counter.count, other.count) == (3, 0)
     assert logged == ["resume: the checkpoint holds no 'added_later' state (saved by an older pretrain): it starts "
                       "afresh"]
     with pytest.raises(ValueError, match="'counter' is registered already"):
-        fresh.register("counter", _Counter())
+        fresh.register("counter", CountingPart())
 
 
 # ---- stop signals ---------------------------------------------------------------------------------------
