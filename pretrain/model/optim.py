@@ -71,7 +71,8 @@ def scaled_lr(cfg: OptimConfig, global_batch_size: int) -> float:
 
 
 def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
-    """Two groups: matrices decay; norm weights, biases (and embeddings unless configured) do not."""
+    """Two groups: matrices decay; norm weights, biases (and embeddings unless configured) do not. A parameter
+    partitioned by ZeRO-3's ``zero.Init`` is an empty placeholder: its real shape is ``ds_shape``."""
     embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     decay, no_decay, seen = [], [], set()
     for param in model.parameters():
@@ -79,7 +80,7 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
             continue
         seen.add(id(param))
         is_embedding = id(param) in embedding_params
-        if param.ndim < 2 or (is_embedding and not cfg.decay_embeddings):
+        if len(getattr(param, "ds_shape", param.shape)) < 2 or (is_embedding and not cfg.decay_embeddings):
             no_decay.append(param)
         else:
             decay.append(param)

@@ -38,6 +38,18 @@ def test_norms_and_biases_never_decay_embeddings_configurable():
     assert id(model.embed.weight) in {id(p) for p in no_decay["params"]}
 
 
+def test_parameters_partitioned_by_zero3_are_grouped_by_their_real_shape():
+    """Under ZeRO-3's zero.Init every parameter is an empty 1-D placeholder (its shape in ``ds_shape``): grouped
+    by ``.ndim`` every matrix would train without weight decay, as ZeRO-3 runs did before this was fixed."""
+    model = Tiny()
+    for param in model.parameters():
+        param.ds_shape = param.shape
+        param.data = torch.empty(0)
+    decay, no_decay = param_groups(model, OptimConfig(weight_decay=0.1))
+    assert {id(p) for p in decay["params"]} == {id(model.embed.weight), id(model.proj.weight)}
+    assert {id(p) for p in no_decay["params"]} == {id(model.proj.bias), id(model.norm.weight), id(model.norm.bias)}
+
+
 def test_optimizer_by_name_with_passthrough_args():
     opt = build_optimizer(Tiny(), OptimConfig(name="AdamW", lr=1e-3, args={"betas": [0.9, 0.95]}), lr=1e-3)
     assert isinstance(opt, torch.optim.AdamW)
