@@ -28,6 +28,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 
+from pretrain.checkpoint import neutral
 from pretrain.checkpoint.background import StagedSave, Writer, gather_over, injected_write_delay
 from pretrain.checkpoint.integrity import record_own, write_manifest
 from pretrain.checkpoint.reshard import ResumeSource, views
@@ -308,7 +309,10 @@ class Checkpointer:
             # this run wrote after a resume on another world size, or the universal view of one it resumed).
             engine._config.load_universal_checkpoint = source.load_universal
         with weights_only(source.load_dir):
-            self.accelerator.load_state(str(source.load_dir))
+            if source.neutral:
+                self._load_neutral(source)
+            else:
+                self.accelerator.load_state(str(source.load_dir))
         # load_state restores accelerate's micro-step counter (which decides the micro-step that synchronises)
         # from each process's RNG file: counted in the old GAS, and missing for a process the old run lacked.
         self.accelerator.step = state.step * self.accelerator.gradient_accumulation_steps
@@ -316,6 +320,32 @@ class Checkpointer:
             # random_states_{i}.pkl belong to the processes of the old world size (a new process finds none,
             # an old index means another process now): every process draws a fresh stream instead.
             set_seed(seed + state.step, device_specific=True)
-            self.log(f"resume: world size {source.saved.world_size} -> {self.accelerator.num_processes}: "
-                     "each process's random stream re-seeded from (train.seed, step, process index)")
+            changed = (f"{source.saved.describe()} -> this layout: weights and optimizer states converted through "
+                       "the neutral form, the scheduler as saved" if source.neutral else
+                       f"world size {source.saved.world_size} -> {self.accelerator.num_processes}")
+            self.log(f"resume: {changed}; each process's random stream re-seeded from (train.seed, step, process "
+                     "index)")
         self.log(f"resume: continuing from {source.checkpoint} at step {state.step}")
+
+    def _load_neutral(self, source: ResumeSource) -> None:
+        """A checkpoint of another engine, through its neutral form (pretrain/checkpoint/neutral.py): the weights
+        and optimizer states into this layout, the scheduler as saved; the random streams are re-seeded."""
+        acc = self.accelerator
+        engine = getattr(getattr(acc, "deepspeed_engine_wrapped", None), "engine", None)
+        optimizer = acc._optimizers[0].optimizer
+        model = acc.unwrap_model(acc._models[0], keep_torch_compile=False)
+        fresh = neutral.load(source.load_dir, model, optimizer, deepspeed_engine=engine)
+        if fresh:
+            self.log(f"resume: {len(fresh)} parameter(s) without optimizer state in {source.checkpoint} start with "
+                     f"fresh states: {', '.join(fresh[:5])}")
+        groups = len(optimizer.param_groups)
+        for i, scheduler in enumerate(acc._schedulers):
+            saved = torch.load(source.load_dir / f"scheduler{'' if i == 0 else f'_{i}'}.bin", weights_only=True)
+            scheduler.scheduler.load_state_dict(neutral.scheduler_state(saved, groups))
+            for group, lr in zip(scheduler.scheduler.optimizer.param_groups, scheduler.scheduler.get_last_lr(), strict=True):
+                group["lr"] = lr  # what optimizer.load_state_dict restores on a resume on the same engine
+        if acc.scaler is not None and (source.load_dir / "scaler.pt").is_file():
+            acc.scaler.load_state_dict(torch.load(source.load_dir / "scaler.pt", weights_only=True))
+        elif acc.scaler is not None:
+            self.log("resume: the fp16 loss scale restarts from its initial value (the checkpoint's engine kept "
+                     "its own)")

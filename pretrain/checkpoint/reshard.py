@@ -41,10 +41,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pretrain.checkpoint import neutral
 from pretrain.checkpoint.integrity import MANIFEST_FILE, checkpoint_files
 from pretrain.checkpoint.rundir import STATE_FILE, read_state
 from pretrain.distributed.layout import Launch
@@ -56,10 +57,15 @@ DEEPSPEED_DIR = "pytorch_model"  # accelerate save_state: DeepSpeed's save_check
 MODEL_FILE = "model.safetensors"  # accelerate save_state: the model of a DDP / one-process run
 FSDP_SHARDED_DIR = "pytorch_model_fsdp_0"  # accelerate save_state: FSDP SHARDED_STATE_DICT (DCP)
 FSDP_FULL_FILE = "pytorch_model_fsdp.bin"  # accelerate save_state: FSDP FULL_STATE_DICT
+FSDP_OPTIMIZER_DIR = "optimizer_0"  # accelerate save_state: FSDP SHARDED_STATE_DICT's optimizer (DCP)
+OPTIMIZER_FILE = "optimizer.bin"  # accelerate save_state: the optimizer of a DDP / one-process run
 STAMP_FILE = "converted_from.json"
-UNIVERSAL, SINGLE_KEYS = "universal", "single"  # the sibling's suffix: what it holds
+UNIVERSAL, SINGLE_KEYS, NEUTRAL = "universal", "single", "neutral"  # the sibling's suffix: what it holds
 # ".ddp" siblings (keys given the "module." prefix) were written by earlier versions: still deleted with their checkpoint
-VIEW_SUFFIXES = (UNIVERSAL, "ddp", SINGLE_KEYS, HF_VIEW)  # HF_VIEW: model.init_from's (checkpoint/export.py)
+VIEW_SUFFIXES = (UNIVERSAL, NEUTRAL, "ddp", SINGLE_KEYS, HF_VIEW)  # HF_VIEW: model.init_from's (checkpoint/export.py)
+# ds_to_universal's worker processes (forked); None: one per core up to 8. A process that forks while other threads
+# hold locks can hang its children: the tests, which convert inside pytest, use 1 (DeepSpeed then forks nothing).
+CONVERT_WORKERS: int | None = None
 WAIT_TIMEOUT_S = 4 * 3600.0  # the other processes wait this long for rank 0's conversion
 DEEPSPEED_CONFIGS = "accelerate_configs/zero1.yaml, zero2.yaml or zero3.yaml"
 
@@ -128,63 +134,40 @@ class LayoutRefused(ConfigError):
 
 def conversion(checkpoint: Path, saved: CheckpointLayout, target: CheckpointLayout) -> str | None:
     """What resuming ``checkpoint`` (written by ``saved``) under ``target`` needs: None (load as it is),
-    UNIVERSAL (DeepSpeed universal checkpoint), or LayoutRefused naming what to do instead.
+    UNIVERSAL (DeepSpeed universal checkpoint: ZeRO-1/2 <-> ZeRO-1/2, ZeRO-3 <-> ZeRO-3), NEUTRAL (the neutral
+    form: across engines, and ZeRO-1/2 <-> ZeRO-3), or LayoutRefused naming what to do instead.
     (DDP key renaming is decided from the weights file itself, see ``plan_resume``.)"""
-    if saved.engine != target.engine:
+    change = f"{saved.describe()} -> {target.describe()}"
+    if "nvme" in (saved.offload_optimizer, target.offload_optimizer) and saved != target:
         raise LayoutRefused(
-            f"cannot resume {checkpoint} with {target.describe()}: it was written by {saved.describe()}, and "
-            f"its optimizer state ({_ENGINE_FORMAT[saved.engine]}) loads only there. Resume it with "
-            f"{_ENGINE_LAUNCH[saved.engine]} (any number of processes), or take its weights alone as a "
-            f"transformers model with pretrain-export {checkpoint} <dir>", saved
+            f"cannot resume {checkpoint} across {change} with NVMe optimizer offload: DeepSpeed keeps those "
+            "states per rank outside the checkpoint. Resume with the saved layout and offload, or use "
+            "offload_optimizer_device: cpu / none on both sides", saved, same_world=True
         )
+    zero0 = [layout for layout in (saved, target) if layout.engine == "deepspeed" and layout.zero_stage == 0]
+    if zero0 and saved != target:
+        raise LayoutRefused(
+            f"cannot resume {checkpoint} across {change}: ZeRO-0 has no ZeRO optimizer whose states can be "
+            f"converted or set. Resume it with {saved.describe()} as saved, or take its weights with "
+            f"pretrain-export {checkpoint} <dir>", saved, same_world=saved.zero_stage == 0
+        )
+    if saved.engine != target.engine:
+        if saved.engine == "fsdp" and (checkpoint / FSDP_FULL_FILE).is_file():
+            raise LayoutRefused(
+                f"cannot resume {checkpoint} with {target.describe()}: it holds FSDP's full state dict, which "
+                "pretrain converts only in its sharded form (fsdp_state_dict_type: SHARDED_STATE_DICT). Resume it "
+                f"with accelerate_configs/fsdp.yaml, or take its weights with pretrain-export {checkpoint} <dir>",
+                saved
+            )
+        return NEUTRAL
     if saved.engine != "deepspeed":
         return None
     same_stage = saved.zero_stage == target.zero_stage or (saved.zero_stage is None and target.zero_stage in (1, 2))
     if saved.world_size == target.world_size and same_stage:
         return None
-    change = f"{saved.describe()} -> {target.describe()}"
-    if 0 in (saved.zero_stage, target.zero_stage):
-        raise LayoutRefused(
-            f"cannot resume {checkpoint} across {change}: DeepSpeed's universal checkpoint converts and restores "
-            "optimizer states through a ZeRO optimizer (stage 1-3), and ZeRO-0 has none. Resume it with ZeRO-"
-            f"{saved.zero_stage} on {saved.world_size} processes as saved, or take its weights with "
-            f"pretrain-export {checkpoint} <dir>", saved, same_world=saved.zero_stage == 0
-        )
     if (saved.zero_stage == 3) != (target.zero_stage == 3):
-        raise LayoutRefused(
-            f"cannot resume {checkpoint} across {change}: DeepSpeed's universal checkpoint (deepspeed "
-            f"{_deepspeed_version()}) writes ZeRO-3 and ZeRO-1/2 optimizer states in different formats and "
-            f"loads each only into its own kind. Resume it with {_same_kind(saved)} on any number of processes, "
-            f"or take its weights with pretrain-export {checkpoint} <dir>", saved
-        )
-    if "nvme" in (saved.offload_optimizer, target.offload_optimizer):
-        raise LayoutRefused(
-            f"cannot resume {checkpoint} across {change} with NVMe optimizer offload: DeepSpeed keeps those "
-            "states per rank outside the universal checkpoint. Resume with the saved layout and offload, or use "
-            "offload_optimizer_device: cpu / none on both sides", saved, same_world=True
-        )
+        return NEUTRAL  # DeepSpeed's universal checkpoint loads each kind's files only into the same kind
     return UNIVERSAL
-
-
-def _same_kind(saved: CheckpointLayout) -> str:
-    return "ZeRO-3 (accelerate_configs/zero3.yaml)" if saved.zero_stage == 3 else \
-        "ZeRO-1 or ZeRO-2 (accelerate_configs/zero1.yaml, zero2.yaml)"
-
-
-def _deepspeed_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("deepspeed")
-    except PackageNotFoundError:
-        return "not installed"
-
-
-_ENGINE_FORMAT = {"deepspeed": "DeepSpeed's ZeRO files, read by DeepSpeed", "ddp": "one torch state_dict, read by DDP",
-                  "fsdp": "torch.distributed.checkpoint shards, read by FSDP"}
-_ENGINE_LAUNCH = {"deepspeed": f"a DeepSpeed config ({DEEPSPEED_CONFIGS})",
-                  "ddp": "accelerate_configs/cpu_ddp.yaml / ddp.yaml or one process",
-                  "fsdp": "accelerate_configs/fsdp.yaml"}
 
 
 @dataclass(frozen=True)
@@ -195,6 +178,7 @@ class ResumeSource:
     load_dir: Path  # what accelerator.load_state reads: the checkpoint, or its converted sibling
     saved: CheckpointLayout | None  # None: not read (loaded as saved)
     load_universal: bool = False  # DeepSpeed's checkpoint.load_universal
+    neutral: bool = False  # load_dir is the neutral form (pretrain/checkpoint/neutral.py)
     world_changed: bool = False  # the per-process RNG files belong to other processes: re-seed instead
 
 
@@ -225,6 +209,9 @@ class ResumePlan:
         written = f"layout {self.saved.describe()}"
         if self.kind == UNIVERSAL:
             return f"{written}, converted by rank 0 to a DeepSpeed universal checkpoint for {self.target.describe()}"
+        if self.kind == NEUTRAL:
+            return (f"{written}, converted by rank 0 to the neutral form (weights and optimizer states by name) and "
+                    f"loaded into {self.target.describe()}")
         if self.kind == SINGLE_KEYS:
             return f"{written}, converted by rank 0: DDP's module. prefix taken off its weights' keys"
         if self.saved != self.target:
@@ -240,7 +227,13 @@ def plan_resume(checkpoint: Path, launch: Launch) -> ResumePlan:
     assert state is not None, f"{checkpoint} is not a complete checkpoint"
     saved, target = saved_layout(checkpoint, state), CheckpointLayout.of(launch)
     kind = conversion(checkpoint, saved, target)
-    if saved.engine == "ddp":
+    if kind == NEUTRAL and saved.engine == "ddp" and not state.get("optimizer_params"):
+        raise LayoutRefused(
+            f"cannot resume {checkpoint} with {target.describe()}: it was written by {saved.describe()} before "
+            "checkpoints recorded their optimizer's parameter names, which its conversion needs. Resume it once "
+            f"with {saved.describe()} and resume that run's next checkpoint on the new layout", saved
+        )
+    if kind is None and saved.engine == "ddp":
         kind = _ddp_keys_kind(checkpoint)
     return ResumePlan(checkpoint, saved, target, kind)
 
@@ -263,7 +256,8 @@ def prepare_resume(checkpoint: Path, launch: Launch, log: Log = print) -> Resume
         _convert(checkpoint, view, kind, stamp, saved, target, log)
     else:
         _wait_for(view, stamp)
-    return ResumeSource(checkpoint, view, saved, load_universal=kind == UNIVERSAL, world_changed=world_changed)
+    return ResumeSource(checkpoint, view, saved, load_universal=kind == UNIVERSAL, neutral=kind == NEUTRAL,
+                        world_changed=world_changed or kind == NEUTRAL)
 
 
 def _ddp_keys_kind(checkpoint: Path) -> str | None:
@@ -298,9 +292,11 @@ def _convert(checkpoint: Path, view: Path, kind: str, stamp: dict, saved: Checkp
     failed = _failure_marker(view)
     failed.unlink(missing_ok=True)
     size_gib = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file()) / 2**30
+    what = {UNIVERSAL: "DeepSpeed universal checkpoint", NEUTRAL: "the neutral form: weights and optimizer states "
+            "by parameter name", SINGLE_KEYS: "model keys renamed"}[kind]
     log(f"resume: {saved.describe()} -> {target.describe()}: converting {checkpoint} ({size_gib:.2f} GiB) into "
-        f"{view} ({'DeepSpeed universal checkpoint' if kind == UNIVERSAL else 'model keys renamed'}); the other "
-        "processes wait. This reads the whole checkpoint and writes about as much again.")
+        f"{view} ({what}); the other processes wait. This reads the whole checkpoint and writes about as much "
+        "again.")
     start = time.perf_counter()
     try:
         if tmp.exists():
@@ -308,10 +304,16 @@ def _convert(checkpoint: Path, view: Path, kind: str, stamp: dict, saved: Checkp
         tmp.mkdir(parents=True)
         # The manifest describes the checkpoint as saved, not the converted files: a view is derived data.
         skip = {STATE_FILE, MANIFEST_FILE, DEEPSPEED_DIR if kind == UNIVERSAL else MODEL_FILE}
+        if kind == NEUTRAL:  # the weights and optimizer states become the neutral form; the scheduler etc. linked
+            skip |= {OPTIMIZER_FILE, FSDP_FULL_FILE}
         for item in checkpoint.iterdir():
             if item.is_file() and item.name not in skip:
                 _link_or_copy(item, tmp / item.name)
-        if kind == UNIVERSAL:
+        if kind == NEUTRAL:
+            _refuse_crafted(checkpoint)
+            with weights_only(checkpoint):
+                _to_neutral(checkpoint, saved, tmp)
+        elif kind == UNIVERSAL:
             _refuse_crafted(checkpoint)
             with weights_only(checkpoint):  # DeepSpeed's converter loads with weights_only=False
                 _to_universal(checkpoint / DEEPSPEED_DIR, tmp / DEEPSPEED_DIR)
@@ -343,13 +345,44 @@ def _to_universal(deepspeed_dir: Path, out: Path) -> None:
     """DeepSpeed's own converter, as its command line runs it (its prints go to stderr: they are progress)."""
     from deepspeed.checkpoint import ds_to_universal
 
-    workers = max(1, min(8, os.cpu_count() or 1))
+    workers = CONVERT_WORKERS or max(1, min(8, os.cpu_count() or 1))
     args = argparse.Namespace(input_folder=str(deepspeed_dir), output_folder=str(out), num_extract_workers=workers,
                               num_merge_workers=max(1, workers // 2), keep_temp_folder=False, strict=True,
                               # transformers models carry no universal_checkpoint_info; it is only a version tag
                               inject_missing_state=True)
     with contextlib.redirect_stdout(sys.stderr):
         ds_to_universal.main(args)
+
+
+def _to_neutral(checkpoint: Path, saved: CheckpointLayout, out: Path) -> None:
+    """The neutral form of ``checkpoint`` (pretrain/checkpoint/neutral.py) into ``out``: read from DDP's files,
+    FSDP2's DCP shards, or DeepSpeed's universal checkpoint (written to a temporary directory beside ``out``)."""
+    import torch
+
+    state = read_state(checkpoint)
+    if saved.engine == "ddp":
+        weights = MODEL_FILE if (checkpoint / MODEL_FILE).is_file() else None
+        if weights is None:
+            raise ConfigError(f"{checkpoint} has no {MODEL_FILE} (saved without safetensors?): it cannot be converted")
+        entries, extras = neutral.from_single(checkpoint, state.get("optimizer_params"), weights, OPTIMIZER_FILE)
+        neutral.write(out, entries, extras, asdict(saved))
+    elif saved.engine == "fsdp":
+        entries, extras = neutral.from_fsdp(checkpoint, FSDP_SHARDED_DIR, FSDP_OPTIMIZER_DIR)
+        neutral.write(out, entries, extras, asdict(saved))
+    else:
+        universal = out.with_name(f"{out.name}-universal")
+        shutil.rmtree(universal, ignore_errors=True)
+        try:
+            _to_universal(checkpoint / DEEPSPEED_DIR, universal)
+            shapes: dict[str, list[int]] = {}
+            for states_file in sorted((checkpoint / DEEPSPEED_DIR).glob("*model_states.pt"))[:1]:
+                recorded = torch.load(states_file, map_location="cpu", weights_only=True).get("param_shapes") or []
+                for group in recorded if isinstance(recorded, list) else [recorded]:
+                    shapes.update({name: list(shape) for name, shape in group.items()})
+            entries, extras = neutral.from_universal(universal, shapes)
+            neutral.write(out, entries, extras, asdict(saved))
+        finally:
+            shutil.rmtree(universal, ignore_errors=True)
 
 
 def _strip_ddp_prefix(source: Path, dest: Path) -> None:

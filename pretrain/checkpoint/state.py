@@ -92,6 +92,9 @@ class TrainerState:
     layout: dict[str, Any] | None = None  # Launch.to_dict() when saved (None: saved before it was recorded)
     data: dict[str, Any] | None = None  # the token store(s) trained on (pretrain.data.data_identity; None: older)
     components: dict[str, Any] = field(default_factory=dict)  # every other registered part's state, by name
+    # each optimizer group's parameter names in the optimizer's order: how a one-process / DDP optimizer file,
+    # indexed by position, is read by name (pretrain/checkpoint/neutral.py); None under DeepSpeed (flat partitions)
+    optimizer_params: list[list[str]] | None = None
     python: str = field(default_factory=lambda: sys.version.split()[0])
     torch: str = field(default_factory=lambda: _torch_version())
     saved_at: float | None = None  # time.time() of the save

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pretrain.checkpoint.neutral import optimizer_params
 from pretrain.distributed.accelerator import AcceleratorSetup, compile_in_place, model_placement
 from pretrain.distributed.run_plan import RunPlan
 from pretrain.model import float8
@@ -39,6 +40,7 @@ class ModelParts:
     flops: FlopsPerToken | None
     peak: Peak
     memory: MemoryEstimate | None  # the estimator's figures for this very run (logged beside the measured peak)
+    optimizer_params: list[list[str]] | None = None  # recorded in each checkpoint (neutral.optimizer_params)
 
 
 def build_model_parts(recipe: Recipe, run_plan: RunPlan, accelerator, setup: AcceleratorSetup, vocab_size: int, *,
@@ -82,5 +84,6 @@ def build_model_parts(recipe: Recipe, run_plan: RunPlan, accelerator, setup: Acc
     compile_in_place(model, setup.compile_mode, launch)  # one process / DDP; else accelerate's
     config = model.config
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    names = optimizer_params(accelerator.unwrap_model(model, keep_torch_compile=False), optimizer.optimizer)
     return ModelParts(model, config, optimizer, scheduler, num_params, num_active, f8, loss_implementation, loss_terms,
-                      router, flops, peak, estimated)
+                      router, flops, peak, estimated, names)

@@ -303,7 +303,8 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """A checkpoint of the step just done, unless the training state is not finite (TrainingDiverged)."""
         record = TrainerState.of(self.state.state_dict(), plan=self.plan.to_dict(), recipe=self.recipe.to_dict(),
-                                 layout=self.launch.to_dict(), data=data_identity(self.data))
+                                 layout=self.launch.to_dict(), data=data_identity(self.data),
+                                 optimizer_params=self.parts.optimizer_params)
         self.checkpointer.save(record, optimizer=self.optimizer)
 
     def stop_preempted(self) -> None:

@@ -1,0 +1,437 @@
+"""One neutral form of a checkpoint's model and optimizer state, read from and loaded into every layout.
+
+Each engine writes its optimizer state in its own format: one torch ``state_dict`` indexed by position (one
+process / DDP), ``torch.distributed.checkpoint`` shards by parameter name (FSDP2), flat per-rank partitions
+(DeepSpeed ZeRO-1/2/3). What they all hold is the same: **per parameter, by its full name, the fp32 master
+weight and each optimizer state of the parameter's shape** (AdamW's ``exp_avg`` and ``exp_avg_sq``), and the
+optimizer's step count. The neutral form is that, as data:
+
+- ``state-XXXXX.safetensors``: tensors named ``param/<name>`` (the fp32 weight; also the model's other
+  entries, such as buffers and tied aliases) and ``<state>/<name>`` (``exp_avg/<name>`` ...), in shards of at
+  most ``SHARD_BYTES``; safetensors hold no code, and a reader takes one tensor (or one slice of it) at a time;
+- ``neutral.json``: the format, the layout it was read from, the optimizer step, each parameter's shape and
+  state names.
+
+A checkpoint of one engine resumes under another through it (``reshard``: converted once by rank 0 into the
+sibling ``<checkpoint>.neutral/``, like the universal checkpoint). Read from:
+
+- one process / DDP: ``model.safetensors`` and ``optimizer.bin`` (a torch state_dict that indexes parameters by
+  position: their names are the ``optimizer_params`` the checkpoint records, ``record_optimizer_params``);
+- FSDP2: its two DCP directories, read without a process group, a bounded number of bytes at a time;
+- ZeRO-1/2/3: DeepSpeed's own universal checkpoint (``ds_to_universal``: per parameter, full tensors).
+
+Loaded into (after ``accelerator.prepare``, every rank):
+
+- one process / DDP / FSDP2 (with TP): the optimizer's states are created as torch's ``state_dict`` API does it
+  (a step with zero gradients and lr 0), then ``torch.distributed.checkpoint`` loads the weights and states in
+  place through its safetensors reader (``HuggingFaceStorageReader``): each rank reads only the slices of its
+  own shards (DTensors) or the full tensors (replicated);
+- ZeRO-1/2/3: DeepSpeed's API for partitioned states (``safe_set_full_fp32_param``,
+  ``safe_set_full_optimizer_state``), one parameter at a time; then the 16-bit (working) copies are refreshed
+  from the fp32 masters, as DeepSpeed's universal load does.
+
+The scheduler's state (``scheduler.bin``) is the same on every layout and is loaded as saved; the random
+states belong to the old layout's processes and are re-seeded (the data order does not depend on them).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pretrain.errors import ConfigError
+
+FORMAT = 1
+INDEX_FILE = "neutral.json"
+SHARD_BYTES = 2 * 2**30
+WEIGHT = "param"  # the key prefix of a weight; an optimizer state's is its own name (exp_avg, ...)
+
+Log = Callable[[str], None]
+
+
+def key(kind: str, name: str) -> str:
+    return f"{kind}/{name}"
+
+
+@dataclass
+class Entry:
+    """One parameter: its fp32 weight and optimizer states (full tensors, CPU), and the optimizer's step for it."""
+
+    name: str
+    weight: Any
+    states: dict[str, Any] = field(default_factory=dict)
+    step: float | None = None
+
+
+# ---- writing ----------------------------------------------------------------------------------------------
+def write(out: Path, entries: Iterator[Entry], extras: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
+    """The neutral form of ``entries`` (the optimizer's parameters) and ``extras`` (the model's other entries)
+    into ``out``, shard by shard; returns the index written to ``out/neutral.json``."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, str] = {}
+    pending: dict[str, Any] = {}
+    size = 0
+
+    def flush() -> None:
+        nonlocal pending, size
+        if pending:
+            name = f"state-{len(set(files.values())):05d}.safetensors"
+            save_file(pending, str(out / name), metadata={"format": "pt"})
+            files.update(dict.fromkeys(pending, name))
+        pending, size = {}, 0
+
+    def add(name: str, tensor: Any) -> None:
+        nonlocal size
+        tensor = tensor.detach().to("cpu").contiguous()
+        if tensor.is_floating_point():
+            tensor = tensor.float()
+        pending[name] = tensor.clone() if tensor.data_ptr() in {t.data_ptr() for t in pending.values()} else tensor
+        size += tensor.numel() * tensor.element_size()
+        if size >= SHARD_BYTES:
+            flush()
+
+    params: dict[str, dict[str, Any]] = {}
+    steps = set()
+    for entry in entries:
+        add(key(WEIGHT, entry.name), entry.weight)
+        for state, value in entry.states.items():
+            add(key(state, entry.name), value.reshape(entry.weight.shape))
+        params[entry.name] = {"shape": list(entry.weight.shape), "states": sorted(entry.states)}
+        if entry.step is not None:
+            steps.add(float(entry.step))
+    for name, value in extras.items():
+        if name not in params:
+            add(key(WEIGHT, name), value)
+    flush()
+    if len(steps) > 1:
+        raise ConfigError(f"the optimizer's parameters were stepped different numbers of times ({sorted(steps)}): "
+                          "the neutral form holds one step count")
+    index = {"format": FORMAT, "source": source, "step": steps.pop() if steps else None, "params": params,
+             "extras": sorted(n for n in extras if n not in params), "files": files}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=1, sort_keys=True))
+    return index
+
+
+def read_index(view: Path) -> dict[str, Any]:
+    index = json.loads((view / INDEX_FILE).read_text())
+    if index.get("format") != FORMAT:
+        raise ConfigError(f"{view / INDEX_FILE}: neutral format {index.get('format')}, this pretrain reads {FORMAT}; "
+                          "delete the directory and resume again to convert the checkpoint anew")
+    return index
+
+
+# ---- reading each engine's files (no process group) ----------------------------------------------------
+def optimizer_params(model: Any, optimizer: Any) -> list[list[str]] | None:
+    """Each optimizer group's parameter names, in the optimizer's order (what a one-process / DDP optimizer
+    file indexes by position); None where the optimizer holds other tensors than the model's parameters
+    (DeepSpeed's flat partitions)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = [[names.get(id(p)) for p in group["params"]] for group in optimizer.param_groups]
+    return None if any(n is None for g in groups for n in g) else groups
+
+
+def from_single(checkpoint: Path, names: list[list[str]] | None, model_file: str, optimizer_file: str
+                ) -> tuple[Iterator[Entry], dict[str, Any]]:
+    """A one-process / DDP checkpoint: ``model.safetensors`` and ``optimizer.bin``, whose positions are
+    ``names`` (the checkpoint's recorded ``optimizer_params``)."""
+    import torch
+    from safetensors import safe_open
+
+    if names is None:
+        raise ConfigError(f"{checkpoint} does not record its optimizer's parameter names (written by an older "
+                          "pretrain): resume it once with its own layout, then resume that run's next checkpoint "
+                          "on the new layout")
+    optim = torch.load(checkpoint / optimizer_file, map_location="cpu", weights_only=True, mmap=True)
+    weights = safe_open(str(checkpoint / model_file), framework="pt")
+    stored = set(weights.keys())
+    if len(optim["param_groups"]) != len(names) or any(
+            len(g["params"]) != len(n) for g, n in zip(optim["param_groups"], names, strict=True)):
+        raise ConfigError(f"{checkpoint}: its optimizer's groups do not match the parameter names it records")
+    named = [(index, name) for group, group_names in zip(optim["param_groups"], names, strict=True)
+             for index, name in zip(group["params"], group_names, strict=True)]
+    missing = [name for _, name in named if name not in stored]
+    if missing:
+        raise ConfigError(f"{checkpoint / model_file} lacks the parameters {missing[:3]} its optimizer holds")
+
+    def entries() -> Iterator[Entry]:
+        for index, name in named:
+            weight = weights.get_tensor(name)
+            state = optim["state"].get(index, {})
+            yield Entry(name, weight, _shaped_states(state, weight), _step(state.get("step")))
+
+    param_names = {name for _, name in named}
+    return entries(), {n: weights.get_tensor(n) for n in stored - param_names}
+
+
+def from_fsdp(checkpoint: Path, model_dir: str, optimizer_dir: str) -> tuple[Iterator[Entry], dict[str, Any]]:
+    """An FSDP2 checkpoint (accelerate's SHARDED_STATE_DICT: ``{"model": ...}`` and ``{"optimizer": ...}``
+    through torch.distributed.checkpoint), read without a process group, at most SHARD_BYTES at a time."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    model_md = FileSystemReader(str(checkpoint / model_dir)).read_metadata().state_dict_metadata
+    optim_md = FileSystemReader(str(checkpoint / optimizer_dir)).read_metadata().state_dict_metadata
+    weights = {k.removeprefix("model."): k for k in model_md}
+    per_param: dict[str, dict[str, str]] = {}
+    prefix = "optimizer.state."
+    for k in optim_md:
+        if k.startswith(prefix):
+            name, state = k[len(prefix):].rsplit(".", 1)
+            per_param.setdefault(name, {})[state] = k
+    missing = [n for n in per_param if n not in weights]
+    if missing:
+        raise ConfigError(f"{checkpoint / model_dir} lacks the parameters {missing[:3]} its optimizer holds")
+
+    def load(directory: str, keys: list[str]) -> dict[str, Any]:
+        # What torch's own converter (torch.distributed.checkpoint.format_utils.dcp_to_torch_save) calls: the
+        # state dict built from the saved metadata, here for ``keys`` only
+        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+        loaded: dict[str, Any] = {}
+        _load_state_dict(loaded, storage_reader=FileSystemReader(str(checkpoint / directory)),
+                         planner=_EmptyStateDictLoadPlanner(keys=set(keys)), no_dist=True)
+        return _flatten(loaded)
+
+    def entries() -> Iterator[Entry]:
+        for chunk in _chunks(list(per_param), lambda n: _md_bytes(model_md[weights[n]]) * (1 + len(per_param[n]))):
+            model = load(model_dir, [weights[n] for n in chunk])
+            optim = load(optimizer_dir, [k for n in chunk for k in per_param[n].values()])
+            for name in chunk:
+                state = {s: optim[k] for s, k in per_param[name].items()}
+                weight = model[weights[name]]
+                yield Entry(name, weight, _shaped_states(state, weight), _step(state.get("step")))
+
+    extra_keys = [k for n, k in weights.items() if n not in per_param]
+    extras = load(model_dir, extra_keys) if extra_keys else {}
+    return entries(), {k.removeprefix("model."): v for k, v in extras.items()}
+
+
+def from_universal(universal: Path, shapes: dict[str, list[int]]) -> tuple[Iterator[Entry], dict[str, Any]]:
+    """DeepSpeed's universal checkpoint (``zero/<name>/fp32.pt``, ``exp_avg.pt`` ...; ZeRO-3's flat, shaped by
+    ``shapes``, the parameter shapes its model states record). A parameter without optimizer states (a tied
+    alias DeepSpeed lists apart) is a model entry."""
+    import torch
+
+    zero = universal / "zero"
+    common = torch.load(zero / "optimizer_state.pt", map_location="cpu", weights_only=True)
+    osd = common.get("optimizer_state_dict") or {}
+    group_step = next((s.get("step") for s in osd.get("state", {}).values() if "step" in s), None)
+
+    def tensor(path: Path) -> Any:
+        value = torch.load(path, map_location="cpu", weights_only=True)
+        return value["param"] if isinstance(value, dict) else value
+
+    names = sorted(p.name for p in zero.iterdir() if p.is_dir())
+    with_states = [n for n in names if any(f.name != "fp32.pt" for f in (zero / n).glob("*.pt"))]
+
+    def entries() -> Iterator[Entry]:
+        for name in with_states:
+            weight = tensor(zero / name / "fp32.pt")
+            if name in shapes:
+                weight = weight.reshape(shapes[name])
+            states = {f.stem: tensor(f).reshape(weight.shape) for f in sorted((zero / name).glob("*.pt"))
+                      if f.stem not in ("fp32", "step")}
+            step_file = zero / name / "step.pt"
+            step = tensor(step_file) if step_file.is_file() else group_step
+            yield Entry(name, weight, states, _step(step))
+
+    extras = {}
+    for name in names:
+        if name not in with_states:
+            weight = tensor(zero / name / "fp32.pt")
+            extras[name] = weight.reshape(shapes[name]) if name in shapes else weight
+    return entries(), extras
+
+
+def _shaped_states(state: dict[str, Any], weight: Any) -> dict[str, Any]:
+    """The optimizer states that are tensors of the parameter's size (not ``step``)."""
+    return {k: v for k, v in state.items()
+            if k != "step" and hasattr(v, "numel") and v.numel() == weight.numel()}
+
+
+def _step(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _md_bytes(md: Any) -> int:
+    import math
+
+    return math.prod(md.size) * 4
+
+
+def _chunks(names: list[str], size: Callable[[str], int]) -> Iterator[list[str]]:
+    chunk, total = [], 0
+    for name in names:
+        chunk.append(name)
+        total += size(name)
+        if total >= SHARD_BYTES:
+            yield chunk
+            chunk, total = [], 0
+    if chunk:
+        yield chunk
+
+
+# ---- loading into the layout of this run (every rank, after accelerator.prepare) ---------------------------
+def load(view: Path, model: Any, optimizer: Any, deepspeed_engine: Any = None) -> list[str]:
+    """The weights and optimizer states of the neutral form ``view`` into this run's ``model`` (unwrapped:
+    the parameters' own names) and ``optimizer`` (torch's), or into the DeepSpeed engine. Returns the
+    parameters that have no optimizer state in the source (started fresh; normally none)."""
+    index = read_index(view)
+    params = dict(model.named_parameters())
+    missing = [n for n in params if n not in index["params"] and n not in index["extras"]]
+    if missing:
+        raise ConfigError(f"{view}: no state for this model's parameters {missing[:3]}: the checkpoint holds "
+                          "another model")
+    for name, p in params.items():
+        saved = index["params"].get(name)
+        shape = list(getattr(p, "ds_shape", p.shape))
+        if saved is not None and saved["shape"] != shape:
+            raise ConfigError(f"{view}: {name} has shape {saved['shape']} there and {shape} in this model")
+    if deepspeed_engine is not None:
+        return _load_zero(view, index, deepspeed_engine)
+    return _load_torch(view, index, model, optimizer)
+
+
+def _load_torch(view: Path, index: dict[str, Any], model: Any, optimizer: Any) -> list[str]:
+    import torch
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint import load as dcp_load
+
+    _create_states(optimizer)
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    request: dict[str, Any] = {}
+    fresh = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = by_id[id(p)]
+            request[key(WEIGHT, name)] = p.data
+            saved = index["params"].get(name)
+            if saved is None:
+                fresh.append(name)
+                continue
+            state = optimizer.state[p]
+            for s in saved["states"]:
+                if s not in state:
+                    raise ConfigError(f"{view}: {name} holds optimizer state {s!r}, which this run's optimizer "
+                                      f"({type(optimizer).__name__}) lacks: resume with the optimizer that wrote it")
+                request[key(s, name)] = state[s]
+            if index["step"] is not None and "step" in state:
+                step = state["step"]
+                state["step"] = step.fill_(index["step"]) if torch.is_tensor(step) else index["step"]
+    for name, buffer in model.named_buffers():
+        if key(WEIGHT, name) in index["files"]:
+            request[key(WEIGHT, name)] = buffer
+    with torch.no_grad():
+        dcp_load(request, storage_reader=HuggingFaceStorageReader(str(view)))
+    return fresh
+
+
+def _load_zero(view: Path, index: dict[str, Any], engine: Any) -> list[str]:
+    import torch
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+    from safetensors import safe_open
+
+    zero = engine.optimizer
+    base = zero.optimizer
+    # The flat fp32 partitions' states, as the optimizer's first step would create them (DeepSpeed steps one
+    # sub-group's partition at a time under ZeRO-3: base.param_groups hold only the last one)
+    flats = getattr(zero, "fp32_partitioned_groups_flat", None) or zero.single_partition_of_fp32_groups
+    names = sorted({s for saved in index["params"].values() for s in saved["states"]})
+    for flat in flats:
+        state = base.state[flat]
+        for s in names:
+            state.setdefault(s, torch.zeros_like(flat))
+        if index["step"] is not None:
+            state.setdefault("step", torch.tensor(0.0))
+    if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
+        zero._lazy_init_hp_params_optimizer_state()  # ZeRO-1/2: link each parameter to its states' fragments
+    handles: dict[str, Any] = {}
+
+    def tensor(k: str) -> Any:
+        file = index["files"][k]
+        if file not in handles:
+            handles[file] = safe_open(str(view / file), framework="pt")
+        return handles[file].get_tensor(k)
+
+    fresh = []
+    with torch.no_grad():
+        for name, p in engine.module.named_parameters():
+            saved = index["params"].get(name)
+            safe_set_full_fp32_param(p, tensor(key(WEIGHT, name)))
+            if saved is None:
+                fresh.append(name)
+                continue
+            for s in saved["states"]:
+                safe_set_full_optimizer_state(p, tensor(key(s, name)), s)
+        if index["step"] is not None:
+            for state in base.state.values():
+                if "step" in state:
+                    step = state["step"]
+                    state["step"] = step.fill_(index["step"]) if torch.is_tensor(step) else index["step"]
+        if hasattr(zero, "update_lp_params"):  # ZeRO-1/2: the working copies from the fp32 partitions
+            zero.update_lp_params()
+        else:  # ZeRO-3: as its universal load does
+            for group_id, fp32 in enumerate(zero.fp32_partitioned_groups_flat):
+                zero.fp16_partitioned_groups_flat[group_id].data.copy_(fp32.data)
+            for group_id, flat in enumerate(zero.fp16_partitioned_groups_flat):
+                for partitioned, q in zip(zero.fp16_partitioned_groups[group_id],
+                                          zero.unflatten(flat, zero.fp16_partitioned_groups[group_id]), strict=True):
+                    partitioned.data = q.data
+        for name, buffer in engine.module.named_buffers():
+            if key(WEIGHT, name) in index["files"]:
+                buffer.copy_(tensor(key(WEIGHT, name)))
+    return fresh
+
+
+def _create_states(optimizer: Any) -> None:
+    """The optimizer's per-parameter states, created as torch's state_dict API creates them
+    (``torch.distributed.checkpoint.state_dict._init_optim_state``): one step with zero gradients and lr 0, which
+    changes no parameter. The class's own ``step``: the run's gate wraps the instance's (train/stability.py)."""
+    import torch
+
+    if optimizer.state:
+        return
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = torch.tensor(0.0) if torch.is_tensor(group["lr"]) else 0.0
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    type(optimizer).step(optimizer)
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def scheduler_state(state: dict[str, Any], groups: int) -> dict[str, Any]:
+    """A saved LR scheduler state for ``groups`` parameter groups: the per-group lists of another layout's
+    optimizer (every group follows the one schedule) widened or narrowed to this one's."""
+    state = dict(state)
+    for name in ("base_lrs", "_last_lr"):
+        values = state.get(name)
+        if isinstance(values, list) and values and len(values) != groups:
+            if len(set(values)) != 1:
+                raise ConfigError(f"the checkpoint's scheduler holds {len(values)} groups with different "
+                                  f"learning rates ({values}); this run's optimizer has {groups}")
+            state[name] = [values[0]] * groups
+    return state
+
+
+def size_gib(view: Path) -> float:
+    return sum(f.stat().st_size for f in view.glob("*.safetensors")) / 2**30
+
