@@ -5,9 +5,9 @@
 Six uninterrupted runs of the tests' small model (one process, DDP on 2, FSDP2 on 2, ZeRO-1/2/3 on 2; GBS 6,
 MBS 1, a checkpoint at half the steps), then each one's middle checkpoint resumed under each of the five other
 kinds (two processes, three for DDP, one for one process), to the end. Each cell is the largest relative
-difference of the resumed run's per-step loss from its source's uninterrupted loss, or what failed. On 2 CPU
-cores it takes about 5 minutes (36 launches). tests/checkpoint/test_reshard.py checks a ring of six of these
-pairs and the neutral states in the suite.
+difference of the resumed run's per-step loss from its source's uninterrupted loss, or what failed (36 launches:
+minutes on 2 CPU cores). tests/checkpoint/test_reshard.py checks a ring of six of these pairs and the neutral
+states in the suite.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ KINDS = {  # name: (accelerate config, processes as a source, processes as a tar
     "ZeRO-3": ("zero3.yaml", 2, 2),
 }
 MODEL = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=128",
-         "data.seq_len=64", "eval.every_steps=0", "eval.tasks=[]", "lr_schedule.warmup_steps=1"]
+         "data.seq_len=64", "eval.every_steps=0", "eval.tasks=[]", "lr_schedule.warmup_steps=1",
+         "logging.every_steps=1"]
 
 
 def launch(config: str, processes: int, args: list[str]) -> subprocess.CompletedProcess:

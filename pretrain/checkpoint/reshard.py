@@ -1,23 +1,26 @@
-"""A checkpoint on another layout: resume on another number of processes or ZeRO stage, or read its weights.
+"""A checkpoint on another layout: resume under another engine, ZeRO stage or number of processes, or read its weights.
 
 What a resume needs besides the model and optimizer does not depend on the layout: the data cursor is the
 optimizer step (``pretrain/data/loader.py``), the LR schedule counts optimizer steps and ``tokens_seen`` is a
 number in ``trainer_state.json``. What does depend on it is how the state was written:
 
 - DeepSpeed ZeRO-1/2/3 partitions optimizer states (ZeRO-3 also parameters) per data-parallel rank, and
-  DeepSpeed refuses another DP world size. Such a checkpoint is converted once with DeepSpeed's universal
-  checkpoint (``deepspeed.checkpoint.ds_to_universal``) into the sibling ``<checkpoint>.universal/``, which
-  DeepSpeed loads (``checkpoint.load_universal``) on any DP world size: ZeRO-1 <-> ZeRO-2, ZeRO-3 -> ZeRO-3.
-  Refused: ZeRO-1/2 <-> ZeRO-3 (the converter writes the two kinds' optimizer states in different formats
-  and the stage-3 loader reads only its own; deepspeed 0.19.8), ZeRO-0 (no ZeRO optimizer to convert
-  from or to) and NVMe-offloaded states (they live outside the checkpoint).
+  DeepSpeed refuses another DP world size. Within ZeRO-1/2 or within ZeRO-3 such a checkpoint is converted once
+  with DeepSpeed's universal checkpoint (``deepspeed.checkpoint.ds_to_universal``) into the sibling
+  ``<checkpoint>.universal/``, which DeepSpeed loads (``checkpoint.load_universal``) on any DP world size.
 - DDP / one process: the state is complete and loads on any number of processes. accelerate registers a
   model before wrapping it in DDP and saves and loads that registered module, so the keys are the model's
   own on any process count; a file whose keys carry DDP's ``module.`` prefix (written by other tools) is
   renamed once into the sibling ``<checkpoint>.single/`` (other files linked).
 - FSDP: torch.distributed.checkpoint reshards on load; nothing to convert.
+- Across engines (DDP / one process, FSDP2, DeepSpeed) and between ZeRO-1/2 and ZeRO-3 (whose universal files
+  DeepSpeed loads only into the same kind): converted once into the neutral form (``neutral.py``: per parameter,
+  by name, the fp32 weight and optimizer states) in the sibling ``<checkpoint>.neutral/``, which every engine
+  loads. Refused: ZeRO-0 (no ZeRO optimizer to read or set partitioned states through), NVMe-offloaded states
+  (they live outside the checkpoint, per rank), FSDP's full state dict, and a DDP checkpoint written before
+  checkpoints recorded their optimizer's parameter names.
 - Each process's RNG file (``random_states_{i}.pkl``) belongs to a process of the old layout; when the
-  world size changes every process is re-seeded from (seed, step, process index) after the load instead.
+  world size or the engine changes every process is re-seeded from (seed, step, process index) after the load.
 
 The saved layout is read from the checkpoint (``trainer_state.json``'s ``layout``; for checkpoints written
 before it was recorded, from the files) and compared with the launch by ``plan_resume``, which pretrain-launch

@@ -74,6 +74,10 @@ def tp_runs(tmp_path_factory):
     resumed = accelerate_launch("fsdp2_tp2.yaml", [*TP_ARGS, f"checkpoint.resume={step3}", f"output_dir={base / 'resumed'}"],
                                 extra=[*TP_LAUNCH, "--main_process_port", str(free_port())])
     check_ok(resumed)
+    # ... and on one process (another engine: through the neutral form, the DTensors of the (dp_shard, tp) mesh read
+    # back whole)
+    log = train_here([*TP_ARGS, f"checkpoint.resume={step3}", f"output_dir={base / 'one_from_tp'}"])[2]
+    assert "converted through the neutral form" in log, log[-2000:]
     return base, tp.stdout + tp.stderr
 
 
@@ -93,6 +97,16 @@ def test_tp_resume_on_the_same_layout_is_exact(tp_runs):
     tp, resumed = train_losses(base / "tp"), train_losses(base / "resumed")
     assert sorted(resumed) == [4, 5]
     assert [resumed[s] for s in (4, 5)] == [tp[s] for s in (4, 5)]
+
+
+def test_a_tp_checkpoint_continues_on_one_process(tp_runs):
+    """TP 2 x FSDP 2's step 3 resumed by one process (weights and Adam states converted through the neutral form)
+    gives the TP run's steps 4 and 5."""
+    base, _ = tp_runs
+    tp, resumed = train_losses(base / "tp"), train_losses(base / "one_from_tp")
+    assert sorted(resumed) == [4, 5]
+    for step in (4, 5):
+        assert resumed[step] == pytest.approx(tp[step], rel=1e-5), (step, resumed[step], tp[step])
 
 
 def test_export_of_a_tp_checkpoint_is_the_run_s_final_model(tp_runs, tmp_path):
