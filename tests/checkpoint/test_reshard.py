@@ -591,7 +591,7 @@ def test_ddp_resumes_across_one_and_several_processes_continue_the_curve(ddp_res
 # two tensors swapped, differs by O(1)). Every resume across kinds is (source -> neutral form) then (neutral form
 # -> target), so the two checks cover each pair; tools/resume_matrix.py runs all 30 pairs end to end.
 RING = [  # source -> (target config, processes)
-    ("one process", "ZeRO-2", "zero2.yaml", 2),
+    ("one process", "ZeRO-2 with CPU offload", "zero2_offload.yaml", 2),
     ("ZeRO-2", "FSDP2", "fsdp.yaml", 1),
     ("FSDP2", "ZeRO-3", "zero3.yaml", 2),
     ("ZeRO-3", "DDP", "cpu_ddp.yaml", 3),
