@@ -368,16 +368,31 @@ def _load_zero(view: Path, index: dict[str, Any], engine: Any) -> list[str]:
             handles[file] = safe_open(str(view / file), framework="pt")
         return handles[file].get_tensor(k)
 
+    def set_full(param: Any, value: Any, state: str | None) -> None:
+        if not hasattr(param, "ds_id"):  # ZeRO-1/2
+            if state is None:
+                safe_set_full_fp32_param(param, value)
+            else:
+                safe_set_full_optimizer_state(param, value, state)
+            return
+        # ZeRO-3: what safe_set_full_* calls (stage3.set_full_hp_param), for a partition that holds padding too:
+        # deepspeed 0.19.8 reads past the value's end on the last rank when the size does not divide by the ranks
+        partition, _ = zero._get_fp32_opt_state_partition(param, release_swap_buffers=False, optim_state_key=state)
+        start = partition.numel() * zero._get_param_partition_rank(param)
+        piece = value.flatten()[start:start + partition.numel()]
+        partition.data.zero_()
+        partition.data[:piece.numel()].copy_(piece)
+
     fresh = []
     with torch.no_grad():
         for name, p in engine.module.named_parameters():
             saved = index["params"].get(name)
-            safe_set_full_fp32_param(p, tensor(key(WEIGHT, name)))
+            set_full(p, tensor(key(WEIGHT, name)), None)
             if saved is None:
                 fresh.append(name)
                 continue
             for s in saved["states"]:
-                safe_set_full_optimizer_state(p, tensor(key(s, name)), s)
+                set_full(p, tensor(key(s, name)), s)
         if index["step"] is not None:
             for state in base.state.values():
                 if "step" in state:

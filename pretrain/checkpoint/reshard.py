@@ -5,7 +5,7 @@ optimizer step (``pretrain/data/loader.py``), the LR schedule counts optimizer s
 number in ``trainer_state.json``. What does depend on it is how the state was written:
 
 - DeepSpeed ZeRO-1/2/3 partitions optimizer states (ZeRO-3 also parameters) per data-parallel rank, and
-  DeepSpeed refuses another DP world size. Within ZeRO-1/2 or within ZeRO-3 such a checkpoint is converted once
+  DeepSpeed refuses another DP world size. Within ZeRO-1/2 such a checkpoint is converted once
   with DeepSpeed's universal checkpoint (``deepspeed.checkpoint.ds_to_universal``) into the sibling
   ``<checkpoint>.universal/``, which DeepSpeed loads (``checkpoint.load_universal``) on any DP world size.
 - DDP / one process: the state is complete and loads on any number of processes. accelerate registers a
@@ -13,8 +13,9 @@ number in ``trainer_state.json``. What does depend on it is how the state was wr
   own on any process count; a file whose keys carry DDP's ``module.`` prefix (written by other tools) is
   renamed once into the sibling ``<checkpoint>.single/`` (other files linked).
 - FSDP: torch.distributed.checkpoint reshards on load; nothing to convert.
-- Across engines (DDP / one process, FSDP2, DeepSpeed) and between ZeRO-1/2 and ZeRO-3 (whose universal files
-  DeepSpeed loads only into the same kind): converted once into the neutral form (``neutral.py``: per parameter,
+- Across engines (DDP / one process, FSDP2, DeepSpeed), between ZeRO-1/2 and ZeRO-3 (whose universal files
+  DeepSpeed loads only into the same kind) and ZeRO-3 on another count (DeepSpeed's universal ZeRO-3 load gives
+  every parameter group the first one's hyperparameters, weight decay included): converted once into the neutral form (``neutral.py``: per parameter,
   by name, the fp32 weight and optimizer states) in the sibling ``<checkpoint>.neutral/``, which every engine
   loads. Refused: ZeRO-0 (no ZeRO optimizer to read or set partitioned states through), NVMe-offloaded states
   (they live outside the checkpoint, per rank), FSDP's full state dict, and a DDP checkpoint written before
@@ -137,8 +138,8 @@ class LayoutRefused(ConfigError):
 
 def conversion(checkpoint: Path, saved: CheckpointLayout, target: CheckpointLayout) -> str | None:
     """What resuming ``checkpoint`` (written by ``saved``) under ``target`` needs: None (load as it is),
-    UNIVERSAL (DeepSpeed universal checkpoint: ZeRO-1/2 <-> ZeRO-1/2, ZeRO-3 <-> ZeRO-3), NEUTRAL (the neutral
-    form: across engines, and ZeRO-1/2 <-> ZeRO-3), or LayoutRefused naming what to do instead.
+    UNIVERSAL (DeepSpeed universal checkpoint: ZeRO-1/2 <-> ZeRO-1/2), NEUTRAL (the neutral form: across engines,
+    and to or from ZeRO-3 on another count or stage), or LayoutRefused naming what to do instead.
     (DDP key renaming is decided from the weights file itself, see ``plan_resume``.)"""
     change = f"{saved.describe()} -> {target.describe()}"
     if "nvme" in (saved.offload_optimizer, target.offload_optimizer) and saved != target:
@@ -168,8 +169,10 @@ def conversion(checkpoint: Path, saved: CheckpointLayout, target: CheckpointLayo
     same_stage = saved.zero_stage == target.zero_stage or (saved.zero_stage is None and target.zero_stage in (1, 2))
     if saved.world_size == target.world_size and same_stage:
         return None
-    if (saved.zero_stage == 3) != (target.zero_stage == 3):
-        return NEUTRAL  # DeepSpeed's universal checkpoint loads each kind's files only into the same kind
+    if saved.zero_stage == 3 or target.zero_stage == 3:
+        # DeepSpeed's universal checkpoint loads each kind's files only into the same kind, and its ZeRO-3 load gives
+        # every parameter group the first group's hyperparameters (the no-decay group would decay: deepspeed 0.19.8)
+        return NEUTRAL
     return UNIVERSAL
 
 

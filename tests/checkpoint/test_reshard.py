@@ -85,7 +85,7 @@ def test_older_checkpoints_without_a_recorded_layout_are_read_from_their_files(t
     (DS2_W2, CheckpointLayout("deepspeed", 3, 2), UNIVERSAL),
     (DS2_W2, CheckpointLayout("deepspeed", 2, 1), UNIVERSAL),
     (CheckpointLayout("deepspeed", 4, 1), CheckpointLayout("deepspeed", 2, 2), UNIVERSAL),
-    (CheckpointLayout("deepspeed", 4, 3), CheckpointLayout("deepspeed", 2, 3), UNIVERSAL),
+    (CheckpointLayout("deepspeed", 4, 3), CheckpointLayout("deepspeed", 2, 3), NEUTRAL),  # see reshard.conversion
     (CheckpointLayout("ddp", 2), CheckpointLayout("ddp", 3), None),  # full state; model keys are checked in the file
     (CheckpointLayout("fsdp", 8), CheckpointLayout("fsdp", 4), None),  # torch.distributed.checkpoint reshards on load
     # across engines, and between ZeRO-1/2 and ZeRO-3: the neutral form, on any process count
@@ -480,7 +480,7 @@ SHARDED = {"ZeRO-3": "zero3.yaml", "FSDP": "fsdp.yaml"}
 
 @pytest.fixture(scope="module")
 def resharded_sharded(tmp_path_factory):
-    """For ZeRO-3 (DeepSpeed universal checkpoint) and FSDP2 (torch.distributed.checkpoint reshards on load):
+    """For ZeRO-3 (the neutral form) and FSDP2 (torch.distributed.checkpoint reshards on load):
     an uninterrupted 2-process run, and its step-3 checkpoint continued on 3 processes."""
     root = tmp_path_factory.mktemp("reshard_sharded")
     runs, logs = {}, {}
@@ -509,7 +509,7 @@ def test_sharded_checkpoint_of_2_processes_continues_on_3_on_the_same_curve(resh
         assert m["batch/gas"] == 2
     assert "re-seeded" in logs[layout]
     if layout == "ZeRO-3":
-        assert "DeepSpeed universal checkpoint" in logs[layout]
+        assert "the neutral form" in logs[layout]
     else:  # nothing to convert: the shards are read by the new layout as they are
         assert "written by FSDP on 2 processes; loading it with FSDP on 3 processes" in logs[layout]
         assert "converting" not in logs[layout]

@@ -84,9 +84,9 @@ def test_trainer_state_round_trips_and_reads_old_checkpoints(tmp_path, recipe):
     assert TrainerState.from_json(state.to_json()) == state
     written = json.loads(state.to_json())
     assert {"step", "tokens_seen", "num_steps", "plan", "recipe", "layout", "data", "components",
-            "saved_at", "python", "torch"} == set(written)
+            "optimizer_params", "saved_at", "python", "torch"} == set(written)
 
-    old = {k: v for k, v in written.items() if k not in ("layout", "components")}  # written before both were
+    old = {k: v for k, v in written.items() if k not in ("layout", "components", "optimizer_params")}  # before all three
     old = {**old, "samples_seen": 56, "data_cursor": {"kind": "global_step", "step": 7, "seed": 1234},
            "recipe_fingerprint": "0123456789abcdef", "saved_at": 1.5,
            "stability": {"losses": [2.0], "grad_norms": [1.0], "skipped": 1, "consecutive": 0},
