@@ -310,7 +310,7 @@ def test_the_demo_then_the_second_step_as_written(tmp_path):
         steps = [m["step"] for m in metrics(out) if "train/loss" in m]
         first = 301 if "checkpoint.resume=runs/tiny/" in command.text else 1
         last = int(re.search(r"train.max_steps=(\d+)", command.text).group(1))
-        assert steps and min(steps) == first and max(steps) == last, (command, steps)
+        assert steps and min(steps) >= first and max(steps) == last, (command, steps)  # logged every 10 and the last
         if first > 1:
             assert "converted through the neutral form" in proc.stdout, shown
     # ~3.5 minutes on a 2-core machine (0.7 s per step); twice that is a regression, not noise.
