@@ -106,9 +106,10 @@ from pretrain.plan import memory
 from pretrain.plan.planner import DEFAULT_BASE_MFU, mbs_efficiency
 from pretrain.plan.sweep.runner import launch_command, run_process, stderr_tail, sweep_overrides
 from pretrain.recipe.batching import plan_batches
-from pretrain.recipe.config import load_recipe
+from pretrain.recipe.config import load_recipe, load_recipe_dict
 from pretrain.recipe.shape import ModelShape
 from pretrain.system.hardware import GpuSpec, custom_gpu, gpu_for_device
+from pretrain.train.preflight import check_run
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -160,7 +161,9 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "loss-plain": ("model.loss=plain",),
     "mbs-1": ("batch.micro_batch_size=1",),
     # the stability rules read each step's loss and gradient norm: one device-to-host sync per optimizer step
-    "no-step-checks": ("stability.skip_nonfinite=false", "stability.spike_sigma=null"),
+    # (and no rollback, which acts on the updates they skip: the recipe check refuses one without the other)
+    "no-step-checks": ("stability.skip_nonfinite=false", "stability.spike_sigma=null",
+                       "stability.rollback.enabled=false"),
 }
 PRIORITY_SETTINGS = ("default", "float8-tensorwise", "float8-rowwise", "compile-none", "compile-regional", "ac-full", "ac-selective", "ac-selective-eager",
                      "ac-full-eager", "ac-every_2", "ac-none",
@@ -168,11 +171,13 @@ PRIORITY_SETTINGS = ("default", "float8-tensorwise", "float8-rowwise", "compile-
 REDUCED_SETTINGS = ("default", "loss-plain")
 
 # What a row costs before any row has measured it (then: the measured start-up, compile and per-step time).
-ASSUMED_STARTUP_S = {"cuda": 120.0, "cpu": 20.0}
+ASSUMED_STARTUP_S = {"cuda": 75.0, "cpu": 20.0}
 """Process start to the first step: imports, the standard-library corpus tokenized on the first row, model
-build and init. An assumption, replaced by the first finished row's figure."""
-ASSUMED_COMPILE_S = 90.0
-"""Regional compile of one Llama block (inductor, cold cache); replaced by the first compiled row's figure."""
+build and init. An assumption, replaced by the first finished row's figure (the H100 rows of 2026-11-26:
+52-74 s)."""
+ASSUMED_COMPILE_S = 30.0
+"""Regional compile of one Llama block (inductor, cold cache); replaced by the first compiled row's figure
+(llama-1b on the H100, 2026-11-26: 10.5-13.1 s)."""
 ASSUMED_CPU_STEP_S = 0.5
 """--reduced: one optimizer step of the tiny shape on a busy CPU; the GPU's comes from the planner's model."""
 
@@ -226,7 +231,11 @@ class Planned:
 
 def plan_row(model_name: str, model: Model, setting: str, args: argparse.Namespace) -> Planned | dict[str, Any]:
     """The row's launch, or a finished row (status refused) when this checkout cannot run its overrides."""
-    overrides = [*model.overrides, *args.data_overrides, *SETTINGS[setting], *args.overrides]
+    data = args.data_overrides
+    if (load_recipe_dict(ROOT / model.recipe).get("model") or {}).get("init_from"):
+        # a model continued from its weights reads the corpus with its own tokenizer (a new BPE is refused)
+        data = tuple(o for o in data if not o.startswith("data.tokenizer"))
+    overrides = [*model.overrides, *data, *SETTINGS[setting], *args.overrides]
     row: dict[str, Any] = {"model": model_name, "setting": setting, "overrides": list(SETTINGS[setting]),
                            "micro_batch_size": None, "status": "ok", "detail": ""}
     run_dir = args.out / model_name / setting
@@ -235,7 +244,7 @@ def plan_row(model_name: str, model: Model, setting: str, args: argparse.Namespa
         # The setting's and the user's overrides last: they win over the measurement's (MBS agrees by construction).
         run_overrides = [*sweep_overrides(mbs, 1, args.steps, args.warmup_steps, run_dir), *overrides]
         recipe = load_recipe(ROOT / model.recipe, run_overrides)
-        plan = plan_batches(recipe.batch, 1, recipe.data.seq_len)
+        plan = check_run(recipe, args.launch).batch  # the run's own checks, before any process starts
         mode = compile_mode(recipe.model.compile, args.device_type, args.launch)
         loss = resolve_loss(recipe, args.launch, cuda=args.device_type == "cuda")
     except ConfigError as exc:  # a setting this checkout cannot run (liger missing, say): a row, the others run

@@ -187,6 +187,21 @@ def dynamo_plugin(mode: str, launch: Launch) -> TorchDynamoPlugin | None:
     return TorchDynamoPlugin(backend=DynamoBackend.INDUCTOR, use_regional_compilation=mode == "regional")
 
 
+def unwrap(model: torch.nn.Module, launch: Launch) -> torch.nn.Module:
+    """The model ``accelerator.prepare`` returned, without its wrappers (DDP's, DeepSpeed's engine, a compiled
+    OptimizedModule): ``accelerator.unwrap_model`` under DeepSpeed, the same unwrapping here otherwise, because
+    accelerate's imports DeepSpeed whenever it is installed (0.4 s on CPU; more on a CUDA machine) even for a
+    run that does not use it."""
+    if launch.uses_deepspeed:
+        from accelerate.utils import extract_model_from_parallel
+
+        return extract_model_from_parallel(model, keep_torch_compile=False)
+    model = getattr(model, "_orig_mod", model)
+    while isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = getattr(model.module, "_orig_mod", model.module)
+    return model
+
+
 def compile_in_place(model: torch.nn.Module, mode: str, launch: Launch) -> None:
     """Compile ``model`` in place before accelerate's prepare (one process and DDP; see ``dynamo_plugin``).
     Module names, parameters and state_dict keys stay those of the eager model."""

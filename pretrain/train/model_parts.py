@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pretrain.checkpoint.neutral import optimizer_params
-from pretrain.distributed.accelerator import AcceleratorSetup, compile_in_place, model_placement
+from pretrain.distributed.accelerator import AcceleratorSetup, compile_in_place, model_placement, unwrap
 from pretrain.distributed.run_plan import RunPlan
 from pretrain.model import float8
 from pretrain.model.build import build_model, count_active_parameters, count_parameters, resolve_vocab_size
@@ -84,6 +84,6 @@ def build_model_parts(recipe: Recipe, run_plan: RunPlan, accelerator, setup: Acc
     compile_in_place(model, setup.compile_mode, launch)  # one process / DDP; else accelerate's
     config = model.config
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    names = optimizer_params(accelerator.unwrap_model(model, keep_torch_compile=False), optimizer.optimizer)
+    names = optimizer_params(unwrap(model, launch), optimizer.optimizer)
     return ModelParts(model, config, optimizer, scheduler, num_params, num_active, f8, loss_implementation, loss_terms,
                       router, flops, peak, estimated, names)

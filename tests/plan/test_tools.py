@@ -407,3 +407,51 @@ def test_bench_gpu_unknown_setting_exits_2(capsys, monkeypatch):
         bench_gpu.parse_args(["--settings", "default,loss-fused"])
     assert exc.value.code == 2
     assert "unknown model or setting loss-fused" in capsys.readouterr().err
+
+
+def gpu_recipes() -> list[str]:
+    """The shipped recipes written for GPUs: every one not trained in fp32 (the CPU recipes are)."""
+    from pretrain.recipe.config import load_recipe_dict
+    from tests.helpers import shipped_recipe
+
+    return [path.stem for path in sorted((ROOT / "recipes").glob("*.yaml"))
+            if load_recipe_dict(path) is not None and shipped_recipe(path).precision.dtype != "fp32"]
+
+
+def test_every_benchmark_row_of_every_gpu_recipe_plans_as_the_gpu_would_run_it(tmp_path, monkeypatch):
+    """tools/bench_gpu.py's planning of every (model, setting) of the benchmark and of every shipped GPU recipe
+    (pretrain-sweep's rows use the same overrides) with the whole override set a GPU visit gives (the sweep's
+    measurement overrides, the stdlib data, the setting's), on one H100 80GB and one H200 (single_gpu.yaml,
+    CUDA): the recipe loads, the run's own checks pass and the estimator answers, so each row is a launch or a
+    no-fit, never refused; the one exception is Liger, which needs the CUDA GPU this machine lacks. (After
+    recipes/llama-1b.yaml turned rollback on, every row of the documented visit was refused: rollback needs a
+    checkpoint, the measurement writes none.)"""
+    from pretrain.distributed.layout import Launch
+    from pretrain.system.hardware import gpu_for_device
+    from tests.helpers import INIT_FROM_ASSETS, hub_cache_with_assets
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache_with_assets(tmp_path / "hub")))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    bench_gpu = bench_gpu_module(monkeypatch)
+    models = dict(bench_gpu.MODELS)
+    for name in gpu_recipes():
+        models.setdefault(name, bench_gpu.Model(f"recipes/{name}.yaml"))
+    assert {"llama-1b", "7b", "70b", "olmoe-1b-7b", "continue-qwen3-1.7b"} <= set(models)
+    args = bench_gpu.parse_args(["--budget", "480", "--out", str(tmp_path / "bench")])
+    args.launch = Launch.from_accelerate_config(args.accelerate_config)
+    fits = {}
+    for gpu_name, gib in (("NVIDIA H100 80GB HBM3", 80), ("NVIDIA H200", 141)):
+        args.gpu = gpu_for_device(gpu_name, gib * 2**30)
+        for name, model in models.items():
+            for setting in bench_gpu.SETTINGS:
+                planned = bench_gpu.plan_row(name, model, setting, args)
+                if isinstance(planned, dict):  # refused
+                    assert setting == "loss-liger" and "needs a CUDA GPU" in planned["detail"], (name, setting, planned["detail"])
+                    continue
+                assert "stability.rollback.enabled=false" in planned.command
+                assert planned.estimate is not None, (name, setting, planned.row["detail"])
+                fits[gpu_name, name, setting] = planned.estimate.fits
+    # the rows a visit measures first fit both GPUs
+    assert all(fits[gpu, "llama-1b", s] for gpu in ("NVIDIA H100 80GB HBM3", "NVIDIA H200")
+               for s in bench_gpu.PRIORITY_SETTINGS if s != "loss-liger")
+    assert INIT_FROM_ASSETS  # continue-qwen3-1.7b planned from the assets' config (its hub id, offline)

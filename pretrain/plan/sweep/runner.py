@@ -65,6 +65,7 @@ def sweep_overrides(mbs: int, world: int, steps: int, warmup_steps: int, run_dir
         "checkpoint.save_final_model=false",
         "checkpoint.save_last=false",
         "checkpoint.resume=none",
+        "stability.rollback.enabled=false",  # no checkpoint to roll back to (and a measurement does not)
         "logging.backends=[jsonl]",
         "logging.progress=plain",
         "lr_schedule.warmup_steps=0",
