@@ -92,9 +92,11 @@ class Checkpointer:
         self.writer = Writer() if cfg.async_ else None
         # The writer thread's collectives (the checksums' gather) get a gloo group of their own: a second
         # thread's collectives on the loop's group could pair with the loop's. So does each of DCP's background
-        # saves (dcp_group). Collective: every rank builds its Checkpointer.
+        # saves (dcp_group). Collective: every rank builds its Checkpointer. With one process too, where a process
+        # group exists (FSDP on one GPU): its default group is NCCL's alone, which DCP's async_save refuses.
         self.group = (torch.distributed.new_group(backend="gloo")
-                      if cfg.async_ and accelerator.num_processes > 1 else None)
+                      if cfg.async_ and torch.distributed.is_available() and torch.distributed.is_initialized()
+                      else None)
         self.dcp_groups: list[Any] = []
 
     def should_save(self, step: int) -> bool:

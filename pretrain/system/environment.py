@@ -180,12 +180,22 @@ def install_command(package: str) -> str:
     return requirement(package).install_command()
 
 
+TP_TRANSFORMERS = "5.23"
+"""The transformers a tensor-parallel launch needs: the TP plan API pretrain/distributed/tensor_parallel.py calls
+(``PreTrainedModel._resolve_parallel_plans``, ``apply_tensor_parallelism`` with a plan, the ``local_params``
+style) came with 5.23; pyproject's floor (5.17) runs every other layout."""
+
+
 def package_problems(recipe: Recipe | None, launch: Launch | None, version_of=None) -> list[str]:
-    """Every core dependency below its floor or missing, and every extra this run needs that is."""
+    """Every core dependency below its floor or missing, every extra this run needs that is, and a transformers
+    older than a feature of the launch needs (tensor parallelism: ``TP_TRANSFORMERS``)."""
     version_of = version_of or installed_version
     problems = [package_problem(req, "pretrain", version_of) for req in requirements() if req.extra is None]
     for extra, why in needed_extras(recipe, launch):
         problems += [package_problem(req, why, version_of) for req in extra_requirements(extra)]
+    if launch is not None and launch.tp_size > 1 and not any(problems):
+        problems.append(package_problem(Requirement("transformers", TP_TRANSFORMERS, None),
+                                        f"tensor parallelism (the launch's tp_size {launch.tp_size})", version_of))
     return [p for p in problems if p]
 
 

@@ -183,3 +183,24 @@ def test_at_most_one_write_is_in_flight_and_the_copy_is_taken_at_the_save(tmp_pa
              for s in (3, 6)]
     assert saved[0].tolist() == [1.0] * 4 and saved[1].tolist() == [2.0] * 4
     assert checkpointer.stalls_s[0] < 1.0 <= checkpointer.stalls_s[1]
+
+
+def test_one_process_with_a_process_group_saves_over_a_gloo_group_of_its_own(tmp_path):
+    """FSDP on one GPU has a process group whose default backend is NCCL alone, which DCP's async_save refuses
+    (it plans on CPU): the checkpointer gives each background DCP save a gloo group of its own with one process
+    too, as with several. (Here the default group is gloo: what is checked is that the save does not use it.)"""
+    import torch.distributed as dist
+
+    from pretrain.checkpoint.background import gather_over
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        checkpointer = Checkpointer(_torch_saving(torch.ones(4)), tmp_path,
+                                    CheckpointConfig(keep_last=1, **{"async": True}), num_steps=10,
+                                    log=lambda _: None)
+        groups = [checkpointer.dcp_group(0), checkpointer.dcp_group(1)]
+        assert all(g is not None and g is not dist.group.WORLD for g in groups) and groups[0] is not groups[1]
+        assert {dist.get_backend(g) for g in groups} == {"gloo"}
+        assert gather_over(checkpointer.group, {"rank": 0}) == [{"rank": 0}]
+    finally:
+        dist.destroy_process_group()

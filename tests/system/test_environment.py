@@ -72,6 +72,26 @@ def test_a_zero_launch_without_deepspeed_names_it_the_version_and_the_command():
     assert package_problems(None, Launch("fsdp"), version_of=versions()) == []
 
 
+def test_a_tensor_parallel_launch_needs_the_transformers_of_its_plan_api():
+    """TP calls transformers' plan API of 5.23 (pyproject's floor, 5.17, lacks it): a TP launch on an older
+    transformers is refused before anything starts, with the version and the command; other layouts run on 5.17.
+    With the installed transformers (5.17 in CI's floors set), the check refuses exactly when it is older."""
+    from pretrain.system.environment import TP_TRANSFORMERS, installed_version
+
+    tp = Launch("fsdp", gpus_per_node=4, tp_size=2)
+    [problem] = package_problems(None, tp, version_of=versions(transformers="5.17.0"))
+    assert problem == (f"transformers 5.17.0 is installed; tensor parallelism (the launch's tp_size 2) needs "
+                       f"transformers >= {TP_TRANSFORMERS}. Install it: pip install 'transformers>={TP_TRANSFORMERS}'")
+    assert package_problems(None, tp, version_of=versions(transformers=TP_TRANSFORMERS)) == []
+    assert package_problems(None, Launch("fsdp", gpus_per_node=4), version_of=versions(transformers="5.17.0")) == []
+    old = not meets(installed_version("transformers"), TP_TRANSFORMERS)
+    if old:
+        with pytest.raises(ConfigError, match="tensor parallelism"):
+            check_environment(None, tp)
+    else:
+        check_environment(None, tp)
+
+
 def test_a_core_package_below_its_floor_is_refused_whatever_the_run():
     torch = environment.requirement("torch")
     [problem] = package_problems(None, None, version_of=versions(torch="2.1.0"))
