@@ -183,13 +183,20 @@ def dry_run(recipe, args: argparse.Namespace, started_by: Launch) -> int:
     """Print the report; the exit status: 2 when pretrain-launch would refuse the resume (the run would not start,
     so "will it run" is no), else 0."""
     from pretrain.cli.prelaunch import launch_gpu
-    from pretrain.system.environment import check_environment
+    from pretrain.system.environment import INSTALL_HINT, package_problems
 
     launch = planned_launch(args, started_by)
-    check_environment(recipe, launch)  # the packages this launch would need here (the device is the run's check)
+    # The packages the run would need (an hf: source's datasets, wandb, Liger, torchao, the planned launch's
+    # DeepSpeed): a plan made on a laptop for a cluster is not refused for them; the report names each to install
+    # where the run starts (which refuses without them). The core packages were checked before the recipe was read.
+    missing = package_problems(recipe, launch)
     gpu = launch_gpu(args, accelerate_options(args))
     detected = args.gpu is None and args.gpu_memory_gib is None
     resume, refused = resume_report(recipe, args, launch, gpu)
-    print("\n".join(report(recipe, args.recipe, list(args.overrides), launch, gpu, args.config_file, detected,
-                           resume)))
+    lines = report(recipe, args.recipe, list(args.overrides), launch, gpu, args.config_file, detected, resume)
+    if missing:
+        lines += ["", "packages         the run needs what this environment lacks (install before launching; "
+                      "the launch refuses without them):", *(f"  - {problem}" for problem in missing),
+                  f"  {INSTALL_HINT}"]
+    print("\n".join(lines))
     return EXIT_USAGE if refused else 0

@@ -46,6 +46,22 @@ def test_num_processes_plans_for_that_world_with_the_estimate_and_the_best_layou
                      r"~[\d.,]+ (days|years)", out), out
 
 
+def test_a_plan_made_without_the_runs_packages_names_them_instead_of_refusing(capsys, monkeypatch):
+    """recipes/7b.yaml reads an hf: source (datasets) and logs to wandb; a dry run on a machine without them (a
+    laptop planning a cluster run) answers the whole plan and lists what to install, exit 0."""
+    from pretrain.system import environment
+
+    real = environment.installed_version
+    monkeypatch.setattr(environment, "installed_version",
+                        lambda package: None if package in ("datasets", "wandb") else real(package))
+    code, out, err = dry_run(capsys, "--recipe", R7B, "--dry-run", "--num-processes", "8", "--gpu", "H100-80GB")
+    assert code == 0, err
+    assert "memory per GPU (H100-80GB)" in out and "pretrain-plan's best layout" in out
+    packages = out[out.index("packages "):]
+    assert "datasets is not installed; data.source = 'hf:" in packages and "pip install 'datasets" in packages
+    assert "wandb is not installed; logging.backends: wandb needs wandb" in packages
+
+
 def test_the_shipped_fsdp_config_gets_an_fsdp_answer(capsys):
     code, out, err = dry_run(capsys, "--recipe", R7B, "--dry-run", "--config_file", str(CONFIGS / "fsdp.yaml"),
                              "--gpu", "H100-80GB")
