@@ -74,8 +74,14 @@ def _main(args: argparse.Namespace) -> int:
         from pretrain.distributed.supervise import interrupted_exit_code
         from pretrain.train.trainer import Trainer
 
+        notes = []
+        if recipe.batch.micro_batch_size == "auto":  # the largest MBS that fits this process's device
+            from pretrain.plan import auto_batch
+
+            recipe, note = auto_batch.resolve(recipe, launch, *auto_batch.this_process_device(launch))
+            notes.append(note)
         prepare_command = prepare_commands(args.recipe, args.overrides, launch.num_nodes)
-        trainer = Trainer(recipe, launch, prepare_command)
+        trainer = Trainer(recipe, launch, prepare_command, notes=notes)
         trainer.train()
         # Ctrl-C: checkpointed, yet not finished (130, or 0 when pretrain-launch reports the 130)
         return interrupted_exit_code() if trainer.interrupted else 0

@@ -45,7 +45,8 @@ run logs ``perf/hfu`` only with activation checkpointing). Statuses: ``ok``; ``o
 ``no-fit``; ``budget``. The exit status is 0 when every row is ok, no-fit or budget.
 
 Models (``MODELS``): ``llama-1b`` is recipes/llama-1b.yaml as shipped (Llama-3.2-1B, 1.24B parameters,
-seq 2048, MBS 4, bf16). ``llama-3b`` is the same recipe with Llama-3.2-3B's shape (hidden 3072, 28 layers, 24
+seq 2048, bf16, ``batch.micro_batch_size: auto``: the largest MBS whose estimate fits the GPU, 8 on an H100 80GB and
+16 on an H200 141GB; the row records the choice, ``auto_micro_batch``; ``mbs-4`` is the size it shipped with before). ``llama-3b`` is the same recipe with Llama-3.2-3B's shape (hidden 3072, 28 layers, 24
 heads, 8 KV heads, MLP 8192, tied 128,256-token embedding: 3,212,749,824 parameters) at MBS 1: its fp32
 weights, gradients and AdamW moments take 16 bytes x 3.21B = 51 GB, and the estimator puts the whole run at
 66.3 GiB without activation checkpointing, 13.4 GiB under an H100-80GB (``python pretrain/run.py --recipe
@@ -102,7 +103,7 @@ from pretrain.distributed.accelerator import compile_mode
 from pretrain.distributed.layout import Launch
 from pretrain.errors import ConfigError
 from pretrain.model.loss import resolve_loss
-from pretrain.plan import memory
+from pretrain.plan import auto_batch, memory
 from pretrain.plan.planner import DEFAULT_BASE_MFU, mbs_efficiency
 from pretrain.plan.sweep.runner import launch_command, run_process, stderr_tail, sweep_overrides
 from pretrain.recipe.batching import plan_batches
@@ -240,7 +241,12 @@ def plan_row(model_name: str, model: Model, setting: str, args: argparse.Namespa
                            "micro_batch_size": None, "status": "ok", "detail": ""}
     run_dir = args.out / model_name / setting
     try:
-        mbs = plan_batches(load_recipe(ROOT / model.recipe, overrides).batch, 1, 1).micro_batch_size
+        first = load_recipe(ROOT / model.recipe, overrides)
+        # micro_batch_size auto (the shipped GPU recipes): the size the run chooses on this GPU (a CPU process's
+        # share of the host with --reduced), made explicit so the row says what it measured
+        first, auto_note = auto_batch.resolve(first, args.launch, args.gpu if args.device_type == "cuda" else None,
+                                              args.device_type)
+        mbs = plan_batches(first.batch, 1, 1).micro_batch_size
         # The setting's and the user's overrides last: they win over the measurement's (MBS agrees by construction).
         run_overrides = [*sweep_overrides(mbs, 1, args.steps, args.warmup_steps, run_dir), *overrides]
         recipe = load_recipe(ROOT / model.recipe, run_overrides)
@@ -250,7 +256,7 @@ def plan_row(model_name: str, model: Model, setting: str, args: argparse.Namespa
     except ConfigError as exc:  # a setting this checkout cannot run (liger missing, say): a row, the others run
         return {**row, "status": "refused", "detail": str(exc)}
     row.update(micro_batch_size=mbs, seq_len=recipe.data.seq_len, dtype=recipe.precision.dtype, loss=loss,
-               compile=mode)
+               compile=mode, **({"auto_micro_batch": auto_note} if auto_note else {}))
     try:
         est = memory.estimate(recipe, plan, args.launch, gpu=args.gpu, device=args.device_type, loss=loss)
         row.update(estimated_total_gib=est.total_gib, estimated_gib=est.tensor_peak_gib)

@@ -183,6 +183,7 @@ def dry_run(recipe, args: argparse.Namespace, started_by: Launch) -> int:
     """Print the report; the exit status: 2 when pretrain-launch would refuse the resume (the run would not start,
     so "will it run" is no), else 0."""
     from pretrain.cli.prelaunch import launch_gpu
+    from pretrain.plan import auto_batch
     from pretrain.system.environment import INSTALL_HINT, package_problems
 
     launch = planned_launch(args, started_by)
@@ -192,8 +193,12 @@ def dry_run(recipe, args: argparse.Namespace, started_by: Launch) -> int:
     missing = package_problems(recipe, launch)
     gpu = launch_gpu(args, accelerate_options(args))
     detected = args.gpu is None and args.gpu_memory_gib is None
+    recipe, auto_note = auto_batch.resolve(recipe, launch, gpu, "cuda" if gpu else "cpu")
     resume, refused = resume_report(recipe, args, launch, gpu)
     lines = report(recipe, args.recipe, list(args.overrides), launch, gpu, args.config_file, detected, resume)
+    if auto_note:  # under the batch plan it chose
+        at = next(i for i, line in enumerate(lines) if line.startswith("batch plan"))
+        lines.insert(at + 1, f"                 {auto_note}")
     if missing:
         lines += ["", "packages         the run needs what this environment lacks (install before launching; "
                       "the launch refuses without them):", *(f"  - {problem}" for problem in missing),

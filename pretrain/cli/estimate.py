@@ -320,10 +320,17 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(table)
             return 0
+        note = None
+        if problem.recipe is not None and problem.recipe.batch.micro_batch_size == "auto" and args.micro_batch_size is None:
+            from pretrain.plan import auto_batch  # the size a run would choose on this layout and GPU
+
+            problem.recipe, note = auto_batch.resolve(problem.recipe, problem.layout, problem.gpu, "cuda")
         est = problem.at()
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if note:
+        print(note, file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(est.to_json(), indent=2))
     elif args.explain:

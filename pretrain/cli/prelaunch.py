@@ -205,6 +205,11 @@ def preflight(accelerate_args: list[str], run_args: list[str], options: argparse
     # The checkpoint to resume against this launch first: its refusal, with the command that resumes it, comes
     # in ~2 s (before torch._dynamo, which the optimizer check imports, and transformers).
     check_resume(recipe, launch, LaunchSpelling(accelerate_args, run_args, options, cpu))
+    if recipe.batch.micro_batch_size == "auto":  # checked as the processes will choose it (each says its choice)
+        from pretrain.plan import auto_batch
+
+        gpu = None if cpu else launch_gpu(options, accelerate_args)
+        recipe, _ = auto_batch.resolve(recipe, launch, gpu, "cuda" if gpu else "cpu")
     run_plan = check_run(recipe, launch)
     # A model config transformers cannot build is refused here, not in every process, built as the run builds it
     # (gemma2 refuses sdpa but trains with eager); flash-attn is the nodes' to check (this machine may lack it).

@@ -183,9 +183,12 @@ def check_job(args: argparse.Namespace) -> Job:
     # machine shares with them: the script and the log are written there): a job whose nodes could not load it
     # is not queued, and the refusal gives the submission that resumes it.
     from pretrain.cli.prelaunch import check_resume
+    from pretrain.plan import auto_batch
 
     check_resume(recipe, launch, SubmitSpelling(args, cpu=requested_gpus(args, config) == 0))
-    check_run(recipe, launch)  # on the job's world size, before anything is written
+    # on the job's world size, before anything is written (micro_batch_size auto: each node's processes choose it
+    # on their GPUs; any size dividing the batch checks the rest)
+    check_run(recipe if recipe.batch.micro_batch_size != "auto" else auto_batch.with_micro_batch_size(recipe, 1), launch)
     check_data(args, recipe, recipe_path)
     output_dir = Path(recipe.output_dir).resolve()
     options = sbatch_options(args)

@@ -111,6 +111,10 @@ def plan_batches(batch: BatchConfig, world_size: int, seq_len: int) -> BatchPlan
     gbs = batch.global_batch_size
     assert gbs is not None
     local_batch_size(batch, world)  # GBS divides over the world
+    if batch.micro_batch_size == "auto":
+        raise BatchConfigError(
+            "batch.micro_batch_size=auto is chosen against the device (pretrain/plan/auto_batch.py: pretrain/run.py, "
+            "--dry-run and pretrain-launch resolve it); this command needs a number: give batch.micro_batch_size=N")
     if batch.micro_batch_size is not None:
         mbs = batch.micro_batch_size
         if gbs % (mbs * world):

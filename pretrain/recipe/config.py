@@ -35,6 +35,8 @@ def positive_or_null(description: str, le: int | None = None):
 MAX_SEQUENCES = 2**24
 """Batch sizes (sequences): Llama 3 405B's largest batch was 4,096 sequences (16M tokens); this is 4,096 times it,
 and a step's sample indices (int64, MAX_SEQUENCES x 8 B = 128 MiB) still fit any host."""
+AUTO = "auto"
+"""``batch.micro_batch_size: auto`` (resolved against the device: pretrain/plan/auto_batch.py)."""
 MAX_SEQ_LEN = 2**24
 """data.seq_len (tokens): 16M, above every published training context (1M-10M); attention's cost grows with its
 square."""
@@ -417,8 +419,11 @@ class BatchConfig(Section):
     # Each at most MAX_SEQUENCES (2**24).
     global_batch_size: int | None = positive_or_null(
         "GBS: sequences per optimizer step across all processes (at most 2**24).", le=MAX_SEQUENCES)
-    micro_batch_size: int | None = positive_or_null(
-        "MBS: sequences per process per forward/backward (at most 2**24).", le=MAX_SEQUENCES)
+    micro_batch_size: int | Literal["auto"] | None = Field(
+        None, description="MBS: sequences per process per forward/backward (at most 2**24); auto: the largest power "
+        "of two dividing a rank's share of the global batch whose memory estimate fits the device (the GPU, or a CPU "
+        "process's share of the host's memory), chosen at launch and named in the run's first lines "
+        "(pretrain/plan/auto_batch.py).")
     gradient_accumulation_steps: int | None = positive_or_null(
         "GAS: micro-batches per optimizer step; GBS = MBS x GAS x world (at most 2**24).", le=MAX_SEQUENCES
     )
@@ -435,6 +440,24 @@ class BatchConfig(Section):
         "weighs both. DDP: GAS all-reduces instead of one, no memory saved. DeepSpeed reduces as its ZeRO stage "
         "does either way. Same training: the gradients are summed in another order only.",
     )
+
+    @field_validator("micro_batch_size", mode="before")
+    @classmethod
+    def _number_or_auto(cls, value: Any) -> Any:
+        """One message for a bad value (a union would give one per member), with the value, as pydantic's own."""
+        from pydantic_core import PydanticCustomError
+
+        if value is None or value == AUTO:
+            return value
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)  # pydantic's lax int, as for the other batch fields
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise PydanticCustomError("int_or_auto", "Input should be a positive integer or auto")
+        if value <= 0:
+            raise PydanticCustomError("int_or_auto", "Input should be greater than 0 (or auto)")
+        if value > MAX_SEQUENCES:
+            raise PydanticCustomError("int_or_auto", f"Input should be less than or equal to {MAX_SEQUENCES} (or auto)")
+        return value
 
     @model_validator(mode="after")
     def _one_way_to_say_it(self) -> BatchConfig:

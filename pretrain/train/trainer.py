@@ -53,11 +53,16 @@ from pretrain.train.tracking import Console, StepLog, build_trackers, set_resume
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, launch: Launch | None = None, prepare_command: str | None = None):
+    def __init__(self, recipe: Recipe, launch: Launch | None = None, prepare_command: str | None = None,
+                 notes: list[str] | tuple[str, ...] = ()):
+        """``notes``: lines the run's log opens with (what the entry point decided: batch.micro_batch_size auto's
+        choice)."""
         self.recipe, self.output_dir = recipe, Path(recipe.output_dir)
         self.launch = launch or Launch.from_env()
         self.is_main = self.launch.is_main
         self.console = Console(recipe.logging.progress, enabled=self.is_main)
+        for note in notes:
+            self.log(note)
         # Everything that can be checked without compute is checked before any process group exists.
         run_plan = check_run(recipe, self.launch)
         self.plan, self.lr, self.progress = run_plan.batch, run_plan.lr, TrainProgress(run_plan.num_steps)

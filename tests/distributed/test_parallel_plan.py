@@ -103,7 +103,8 @@ def test_estimate_tp_option_equals_the_shipped_tp_config(capsys):
     code, from_options, err = cli(capsys, "--recipe", R7B, "--num-gpus", "8", "--fsdp", "--tp", "2", "--json")
     assert code == 0, err
     assert from_options == from_config
-    code, out, _ = cli(capsys, "--recipe", R7B, "--num-gpus", "8", "--fsdp", "--tp", "2", "--explain")
+    code, out, _ = cli(capsys, "--recipe", R7B, "--num-gpus", "8", "--fsdp", "--tp", "2", "--explain",
+                       "batch.micro_batch_size=1")
     assert code == 0
     assert "Ψ_TP = (32 x " in out and "split by the TP plan: " in out and "x TP 2" in out
     assert "MBS 1 x seq 4,096, GAS 256" in out  # GBS 1024 = MBS 1 x GAS 256 x 4 data-parallel ranks
@@ -129,7 +130,8 @@ def test_estimate_tp_cp_refusals_exit_2_with_one_message(capsys, argv, message):
 def test_dry_run_of_a_tp_config_prints_the_tp_terms(capsys):
     """--dry-run on fsdp2_tp2.yaml: the TP layout, the batch plan over its 4 data-parallel ranks, pretrain-estimate's
     figure for the same config, and TP's all-reduces in the speed."""
-    code = run.main(["--recipe", R7B, "--dry-run", "--config_file", TP2, "--gpu", "H100-80GB"])
+    code = run.main(["--recipe", R7B, "--dry-run", "--config_file", TP2, "--gpu", "H100-80GB",
+                     "batch.micro_batch_size=1"])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "Traceback" not in err
@@ -144,7 +146,8 @@ def test_dry_run_of_a_tp_config_prints_the_tp_terms(capsys):
               and c.layout.fsdp_sharding == "FULL_SHARD" and c.micro_batch_size == 1 and not c.sync_each_micro_batch
               and c.checkpointing == recipe.model.activation_checkpointing]
     assert f"{same.tokens_per_s:,.0f}" == speed and same.tp_comm_s > 0
-    assert estimate_cli.main(["--recipe", R7B, "--accelerate-config", TP2, "--gpu", "H100-80GB"]) == 0
+    assert estimate_cli.main(["--recipe", R7B, "--accelerate-config", TP2, "--gpu", "H100-80GB",
+                              "batch.micro_batch_size=1"]) == 0
     total = re.search(r"total \(peak\)\s+([\d.]+)", capsys.readouterr().out).group(1)
     assert re.search(rf"total \(peak\)\s+{re.escape(total)}\b", out)
 

@@ -86,7 +86,7 @@ def test_total_and_active_parameters_and_flops_match_the_built_model(arch):
 def test_estimator_state_bytes_match_the_built_olmoe_1b_7b():
     """All 64 experts' weights, gradients and AdamW states: bf16 weights, fp32 gradients and fp32 master + two
     moments partitioned over 8 ranks (ZeRO-2), each from the parameter count of the model transformers builds."""
-    recipe = load_recipe(OLMOE_1B_7B)
+    recipe = load_recipe(OLMOE_1B_7B, ["batch.micro_batch_size=2"])
     model, _ = meta_model(recipe)
     built, active = count_parameters(model), count_active_parameters(model)
     assert (built, active) == (6_919_161_856, 1_282_017_280)  # OLMoE-1B-7B: 6.9B total, 1.3B active

@@ -79,7 +79,9 @@ def test_the_shipped_fsdp_config_gets_an_fsdp_answer(capsys):
 def test_a_config_file_with_num_processes_overrides_its_count(capsys):
     code, out, _ = dry_run(capsys, "--recipe", R7B, "--dry-run", "--config_file", str(CONFIGS / "zero3.yaml"),
                            "--nodes", "2", "--num_processes", "32", "--gpu", "A100-80GB")
-    assert code == 0 and "DeepSpeed ZeRO-3 on 2 x 16 GPUs" in out and "GAS 32 x world 32" in out, out
+    assert code == 0 and "DeepSpeed ZeRO-3 on 2 x 16 GPUs" in out and "MBS 2 x GAS 16 x world 32" in out, out
+    # the recipe's micro_batch_size auto: the largest that fits an A100 80GB on this layout, said under the plan
+    assert "micro_batch_size auto -> 2 (GAS 16, global batch kept): the largest of 1, 2, 4, 8, 16, 32" in out, out
     # model.compile auto is eager under ZeRO-3 (accelerator.compile_choice), said here as in the run's log
     assert re.search(r"^compile +auto: none under DeepSpeed ZeRO-3", out, re.MULTILINE), out
 

@@ -284,7 +284,7 @@ def test_document_masking_adds_one_boolean_mask_for_sdpa_only():
 def test_liger_has_no_logits_term_only_its_gradients_and_one_chunk():
     """model.loss resolved to liger: no T x V logits; Liger's hidden-state and LM-head gradients, one chunk of
     next_power_of_2(ceil(T / ceil(V / H))) tokens of logits (liger-kernel 0.8.5) and the per-token loss."""
-    recipe = load_recipe(ROOT / "recipes" / "llama-1b.yaml", [])
+    recipe = load_recipe(ROOT / "recipes" / "llama-1b.yaml", ["batch.micro_batch_size=4"])
     batch_plan = plan_batches(recipe.batch, 1, recipe.data.seq_len)
     chunked = memory.estimate(recipe, batch_plan, Launch())  # auto, unresolved: counted as chunked
     liger = memory.estimate(recipe, batch_plan, Launch(), loss="liger")
@@ -314,7 +314,7 @@ def test_gqa_checkpointing_and_precision_reduce_activations():
 
 
 def test_estimate_from_recipe_and_plan():
-    recipe = load_recipe(R7B)
+    recipe = load_recipe(R7B, ["batch.micro_batch_size=1"])
     batch_plan = plan_batches(recipe.batch, 8, recipe.data.seq_len)
     est = memory.estimate(recipe, batch_plan, Launch("deepspeed", 3, gpus_per_node=8),
                           gpu=memory.find_gpu("H100-80GB"))

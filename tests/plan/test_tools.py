@@ -430,8 +430,14 @@ def test_every_benchmark_row_of_every_gpu_recipe_plans_as_the_gpu_would_run_it(t
     from pretrain.system.hardware import gpu_for_device
     from tests.helpers import INIT_FROM_ASSETS, hub_cache_with_assets
 
-    monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache_with_assets(tmp_path / "hub")))
+    from huggingface_hub import constants
+
+    hub = hub_cache_with_assets(tmp_path / "hub")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub read both at its import, which an earlier test of this process may have made
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     bench_gpu = bench_gpu_module(monkeypatch)
     models = dict(bench_gpu.MODELS)
     for name in gpu_recipes():
