@@ -5,6 +5,7 @@ the estimator) of a 1B and a 3B Llama on one GPU, one setting at a time, in prio
     python tools/bench_gpu.py                                   # every row, 300 measured steps each (75-90 min)
     python tools/bench_gpu.py --models llama-1b --settings default,loss-plain,mbs-8 --steps 100
     python tools/bench_gpu.py --reduced --budget 60             # CPU: the tiny recipe, default and loss-plain (CI)
+    python tools/bench_gpu.py --budget 420 --rows llama-1b/default,llama-8b-16l/float8-tensorwise   # these, in order
 
 Priority order (``ordered_rows``): llama-1b's default setting (the recipe as shipped: compile and loss ``auto``);
 float8 tensorwise, then rowwise (``precision.float8``, torchao; against the default's bf16); compile none, then regional; each checkpointing policy (full, selective, every_2, none); loss chunked, then
@@ -128,6 +129,14 @@ MODELS = {
         "model.hidden_size=3072", "model.num_layers=28", "model.num_heads=24", "model.num_kv_heads=8",
         "model.intermediate_size=8192", "batch.micro_batch_size=1",
     )),
+    # Llama-3.1-8B's matmuls (hidden 4096, MLP 14,336, 32 heads, 8 KV heads, untied 128,256-token embedding) at half
+    # its depth (16 layers, 4.54B parameters), full recompute: the shapes of the anchors' float8 gains (+28-32% at
+    # 8B) on one GPU. The whole 8B does not fit one GPU (16 B x 8.03B of fp32 weights, gradients and AdamW moments
+    # = 120 GiB, plus activations: 145 GiB by the estimate against an H200's 140); this does on an H200 141GB.
+    "llama-8b-16l": Model("recipes/llama-1b.yaml", (
+        "model.hidden_size=4096", "model.num_layers=16", "model.num_heads=32", "model.num_kv_heads=8",
+        "model.intermediate_size=14336", "model.tie_embeddings=false", "model.activation_checkpointing=full",
+    )),
 }
 # --reduced: recipes/tiny.yaml at pretrain-sweep's test shape (2 layers, 64 wide, 64-token sequences), fp32 on CPU.
 REDUCED_MODELS = {
@@ -158,6 +167,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "loss-chunked": ("model.loss=chunked",),
     "loss-liger": ("model.loss=liger",),
     "mbs-8": ("batch.micro_batch_size=8",),
+    "mbs-4": ("batch.micro_batch_size=4",),  # llama-1b's MBS before auto (the H100 rows of 2026-11-26)
     "mbs-2": ("batch.micro_batch_size=2",),
     "loss-plain": ("model.loss=plain",),
     "mbs-1": ("batch.micro_batch_size=1",),
@@ -168,7 +178,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
 }
 PRIORITY_SETTINGS = ("default", "float8-tensorwise", "float8-rowwise", "compile-none", "compile-regional", "ac-full", "ac-selective", "ac-selective-eager",
                      "ac-full-eager", "ac-every_2", "ac-none",
-                     "loss-chunked", "loss-liger", "mbs-8", "mbs-2")
+                     "loss-chunked", "loss-liger", "mbs-8", "mbs-4", "mbs-2")
 REDUCED_SETTINGS = ("default", "loss-plain")
 
 # What a row costs before any row has measured it (then: the measured start-up, compile and per-step time).
@@ -445,6 +455,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "fits in what is left, and is killed at the deadline (default: no limit)")
     parser.add_argument("--models", help=f"comma-separated, of: {', '.join(MODELS)} (default: all)")
     parser.add_argument("--settings", help=f"comma-separated, of: {', '.join(SETTINGS)} (default: all)")
+    parser.add_argument("--rows", help="comma-separated MODEL/SETTING pairs, run in this order instead of the "
+                                         "priority order of --models and --settings (e.g. the owed rows of a visit)")
     parser.add_argument("--steps", type=int,
                         help="measured optimizer steps per run (default 300; with --budget 50; --reduced 3)")
     parser.add_argument("--warmup-steps", type=int, help="steps left out of the figures (compile, allocator warm-up; "
@@ -462,6 +474,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     models = REDUCED_MODELS if args.reduced else MODELS
     names = args.models.split(",") if args.models else list(models)
     settings = args.settings.split(",") if args.settings else list(REDUCED_SETTINGS if args.reduced else SETTINGS)
+    args.row_list = None
+    if args.rows:
+        if args.models or args.settings:
+            parser.error("--rows names each row: drop --models and --settings")
+        pairs = [r.strip().partition("/") for r in args.rows.split(",") if r.strip()]
+        args.row_list = [(m, st) for m, _, st in pairs]
+        names = list(dict.fromkeys(m for m, _ in args.row_list))
+        settings = list(dict.fromkeys(st for _, st in args.row_list))
     unknown = [n for n in names if n not in models] + [s for s in settings if s not in SETTINGS]
     if unknown:
         parser.error(f"unknown model or setting {', '.join(unknown)}; models: {', '.join(models)}; "
@@ -507,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     seen: dict[str, str] = {}
     over_budget = ""
     try:
-        for model_name, setting in ordered_rows(list(args.models), args.settings):
+        for model_name, setting in args.row_list or ordered_rows(list(args.models), args.settings):
             planned = plan_row(model_name, args.models[model_name], setting, args)
             if isinstance(planned, dict):
                 report.add(planned)

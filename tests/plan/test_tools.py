@@ -461,3 +461,20 @@ def test_every_benchmark_row_of_every_gpu_recipe_plans_as_the_gpu_would_run_it(t
     assert all(fits[gpu, "llama-1b", s] for gpu in ("NVIDIA H100 80GB HBM3", "NVIDIA H200")
                for s in bench_gpu.PRIORITY_SETTINGS if s != "loss-liger")
     assert INIT_FROM_ASSETS  # continue-qwen3-1.7b planned from the assets' config (its hub id, offline)
+    # the visit's owed rows (tools/gpu_visit.sh) are rows of the benchmark; the first ones fit both GPUs
+    visit = re.search(r'rows="\$\{VISIT_ROWS:-([^}]+)\}"', (ROOT / "tools" / "gpu_visit.sh").read_text()).group(1)
+    owed = [tuple(r.split("/")) for r in visit.split(",")]
+    assert all(m in bench_gpu.MODELS and st in bench_gpu.SETTINGS for m, st in owed), owed
+    assert all(fits[gpu, *row] for gpu in ("NVIDIA H100 80GB HBM3", "NVIDIA H200") for row in owed[:3])
+    assert fits["NVIDIA H200", "llama-8b-16l", "default"] and not fits["NVIDIA H100 80GB HBM3", "llama-8b-16l", "default"]
+
+
+def test_bench_gpu_rows_run_the_named_pairs_in_the_given_order(tmp_path):
+    """--rows (the visit's owed rows): exactly the pairs named, in that order (here no-fit rows: nothing launches)."""
+    out = tmp_path / "bench"
+    proc = run_cmd([*BENCH_GPU, "--reduced", "--rows", "tiny/loss-plain,tiny/default", "--device-memory-gib", "0.001",
+                    "--out", str(out)], timeout=120)
+    check_ok(proc)
+    rows = json.loads((out / "bench_gpu.json").read_text())["rows"]
+    assert [(r["model"], r["setting"], r["status"]) for r in rows] == [("tiny", "loss-plain", "no-fit"),
+                                                                       ("tiny", "default", "no-fit")]
