@@ -113,7 +113,9 @@ def test_the_loss_resolves_per_device_and_launch(liger_supports, overrides, laun
 
 
 def test_auto_is_chunked_where_liger_kernel_is_missing_or_has_no_kernel(monkeypatch):
-    monkeypatch.setitem(sys.modules, "liger_kernel", None)  # import liger_kernel raises ImportError
+    # import liger_kernel (and its submodules, which an earlier test of this process may have imported) raises
+    for name in ("liger_kernel", "liger_kernel.transformers", "liger_kernel.transformers.monkey_patch"):
+        monkeypatch.setitem(sys.modules, name, None)
     assert "pip install 'liger-kernel>=" in pretrain.model.loss.liger_unsupported("llama")
     assert resolve_loss(make_recipe(), Launch(), cuda=True) == "chunked"
     with pytest.raises(ConfigError, match="pip install 'liger-kernel>="):
