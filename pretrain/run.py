@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace) -> int:
     is_main = True
     try:
-        from pretrain.recipe.config import load_recipe
+        from pretrain.recipe.config import AUTO, load_recipe
         from pretrain.trust import enforce
 
         enforce()  # every torch.load of this run is weights-only (pretrain/trust.py)
@@ -75,7 +75,7 @@ def _main(args: argparse.Namespace) -> int:
         from pretrain.train.trainer import Trainer
 
         notes = []
-        if recipe.batch.micro_batch_size == "auto":  # the largest MBS that fits this process's device
+        if recipe.batch.micro_batch_size == AUTO:  # the largest MBS that fits this process's device
             from pretrain.plan import auto_batch
 
             recipe, note = auto_batch.resolve(recipe, launch, *auto_batch.this_process_device(launch))

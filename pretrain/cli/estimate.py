@@ -320,8 +320,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(table)
             return 0
+        from pretrain.recipe.config import AUTO
+
         note = None
-        if problem.recipe is not None and problem.recipe.batch.micro_batch_size == "auto" and args.micro_batch_size is None:
+        if problem.recipe is not None and problem.recipe.batch.micro_batch_size == AUTO and args.micro_batch_size is None:
             from pretrain.plan import auto_batch  # the size a run would choose on this layout and GPU
 
             problem.recipe, note = auto_batch.resolve(problem.recipe, problem.layout, problem.gpu, "cuda")

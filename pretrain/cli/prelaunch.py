@@ -188,7 +188,7 @@ def preflight(accelerate_args: list[str], run_args: list[str], options: argparse
     options = options or own_options([])[0]
     launch = Launch.from_accelerate_config(option_value(accelerate_args, "--config_file"), accelerate_args)
     check_environment(None, launch)  # the core packages and the engine's, before anything imports them
-    from pretrain.recipe.config import load_recipe
+    from pretrain.recipe.config import AUTO, load_recipe
     from pretrain.train.preflight import check_run
 
     recipe_path, overrides = run_args[1] if len(run_args) > 1 else "", run_args[2:]
@@ -205,7 +205,7 @@ def preflight(accelerate_args: list[str], run_args: list[str], options: argparse
     # The checkpoint to resume against this launch first: its refusal, with the command that resumes it, comes
     # in ~2 s (before torch._dynamo, which the optimizer check imports, and transformers).
     check_resume(recipe, launch, LaunchSpelling(accelerate_args, run_args, options, cpu))
-    if recipe.batch.micro_batch_size == "auto":  # checked as the processes will choose it (each says its choice)
+    if recipe.batch.micro_batch_size == AUTO:  # checked as the processes will choose it (each says its choice)
         from pretrain.plan import auto_batch
 
         gpu = None if cpu else launch_gpu(options, accelerate_args)

@@ -188,7 +188,7 @@ def check_job(args: argparse.Namespace) -> Job:
     check_resume(recipe, launch, SubmitSpelling(args, cpu=requested_gpus(args, config) == 0))
     # on the job's world size, before anything is written (micro_batch_size auto: each node's processes choose it
     # on their GPUs; any size dividing the batch checks the rest)
-    check_run(recipe if recipe.batch.micro_batch_size != "auto" else auto_batch.with_micro_batch_size(recipe, 1), launch)
+    check_run(auto_batch.with_micro_batch_size(recipe, 1) if auto_batch.is_auto(recipe) else recipe, launch)
     check_data(args, recipe, recipe_path)
     output_dir = Path(recipe.output_dir).resolve()
     options = sbatch_options(args)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from pretrain.errors import BatchConfigError
-from pretrain.recipe.config import BatchConfig
+from pretrain.recipe.config import AUTO, BatchConfig
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def plan_batches(batch: BatchConfig, world_size: int, seq_len: int) -> BatchPlan
     gbs = batch.global_batch_size
     assert gbs is not None
     local_batch_size(batch, world)  # GBS divides over the world
-    if batch.micro_batch_size == "auto":
+    if batch.micro_batch_size == AUTO:
         raise BatchConfigError(
             "batch.micro_batch_size=auto is chosen against the device (pretrain/plan/auto_batch.py: pretrain/run.py, "
             "--dry-run and pretrain-launch resolve it); this command needs a number: give batch.micro_batch_size=N")

@@ -426,11 +426,11 @@ def test_every_benchmark_row_of_every_gpu_recipe_plans_as_the_gpu_would_run_it(t
     no-fit, never refused; the one exception is Liger, which needs the CUDA GPU this machine lacks. (After
     recipes/llama-1b.yaml turned rollback on, every row of the documented visit was refused: rollback needs a
     checkpoint, the measurement writes none.)"""
+    from huggingface_hub import constants
+
     from pretrain.distributed.layout import Launch
     from pretrain.system.hardware import gpu_for_device
     from tests.helpers import INIT_FROM_ASSETS, hub_cache_with_assets
-
-    from huggingface_hub import constants
 
     hub = hub_cache_with_assets(tmp_path / "hub")
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
@@ -465,7 +465,7 @@ def test_every_benchmark_row_of_every_gpu_recipe_plans_as_the_gpu_would_run_it(t
     visit = re.search(r'rows="\$\{VISIT_ROWS:-([^}]+)\}"', (ROOT / "tools" / "gpu_visit.sh").read_text()).group(1)
     owed = [tuple(r.split("/")) for r in visit.split(",")]
     assert all(m in bench_gpu.MODELS and st in bench_gpu.SETTINGS for m, st in owed), owed
-    assert all(fits[gpu, *row] for gpu in ("NVIDIA H100 80GB HBM3", "NVIDIA H200") for row in owed[:3])
+    assert all(fits[(gpu, *row)] for gpu in ("NVIDIA H100 80GB HBM3", "NVIDIA H200") for row in owed[:3])
     assert fits["NVIDIA H200", "llama-8b-16l", "default"] and not fits["NVIDIA H100 80GB HBM3", "llama-8b-16l", "default"]
 
 
