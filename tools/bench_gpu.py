@@ -132,7 +132,9 @@ MODELS = {
     # Llama-3.1-8B's matmuls (hidden 4096, MLP 14,336, 32 heads, 8 KV heads, untied 128,256-token embedding) at half
     # its depth (16 layers, 4.54B parameters), full recompute: the shapes of the anchors' float8 gains (+28-32% at
     # 8B) on one GPU. The whole 8B does not fit one GPU (16 B x 8.03B of fp32 weights, gradients and AdamW moments
-    # = 120 GiB, plus activations: 145 GiB by the estimate against an H200's 140); this does on an H200 141GB.
+    # = 120 GiB, plus activations: 145 GiB by the estimate against an H200's 140); this does: at the benchmark's GAS 1
+    # the optimizer step's 67.7 GiB of fp32 weights, gradients and moments is its peak on an H100 80GB (MBS 1), and
+    # an H200 141GB takes MBS 16 (MBS auto, chosen at the recipe's GAS).
     "llama-8b-16l": Model("recipes/llama-1b.yaml", (
         "model.hidden_size=4096", "model.num_layers=16", "model.num_heads=32", "model.num_kv_heads=8",
         "model.intermediate_size=14336", "model.tie_embeddings=false", "model.activation_checkpointing=full",
@@ -217,6 +219,19 @@ def device_name(reduced: bool) -> tuple[str, int | None]:
     except OSError:
         pass
     return platform.processor() or "cpu", None
+
+
+def versions() -> dict[str, str | None]:
+    """The packages whose versions a row's figures depend on (tools/calibrate_memory.py --add records them)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for package in ("torch", "transformers", "accelerate", "torchao", "liger-kernel"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = None
+    return found
 
 
 def ordered_rows(models: list[str], settings: list[str]) -> list[tuple[str, str]]:
@@ -428,7 +443,8 @@ class Report:
 
     def __init__(self, out: Path, gpu: str, args: argparse.Namespace):
         self.out, self.gpu, self.rows = out, gpu, []
-        self.header = {"device": gpu, "steps": args.steps, "warmup_steps": args.warmup_steps, "budget_s": args.budget}
+        self.header = {"device": gpu, "date": time.strftime("%Y-%m-%d"), "versions": versions(), "steps": args.steps,
+                       "warmup_steps": args.warmup_steps, "budget_s": args.budget}
         self.jsonl = out / "bench_gpu.jsonl"
         self.jsonl.write_text("")  # a new benchmark: this file holds this run's rows only
 

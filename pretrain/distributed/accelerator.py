@@ -39,7 +39,7 @@ from accelerate.utils import (
 
 from pretrain.distributed.context_parallel import check_launch_device
 from pretrain.distributed.deepspeed import build_deepspeed_config, read_user_config
-from pretrain.distributed.layout import Launch
+from pretrain.distributed.layout import Launch, compile_choice  # noqa: F401  (compile_choice: its home is layout.py)
 from pretrain.distributed.tensor_parallel import (
     allow_accelerate_tp_prepare,
     attach_parallelism,
@@ -142,30 +142,6 @@ class AcceleratorSetup:
     deepspeed_optimizer: bool  # DeepSpeed builds the optimizer (DummyOptim) instead of the torch client one
     compile_mode: str = "none"  # model.compile resolved for this device and layout: none, regional or full
     compile_reason: str = ""  # why (compile_choice), for the log
-
-
-def compile_choice(requested: str, device_type: str, launch: Launch) -> tuple[str, str]:
-    """``model.compile`` resolved for the device and layout the run trains on, and why: the one place ``auto``
-    is decided (the run, its log, ``--dry-run`` and tools/bench_gpu.py all ask here).
-
-    ``auto`` is regional on CUDA, except under DeepSpeed ZeRO-3 and context parallelism, and none elsewhere. On CPU inductor spends
-    minutes compiling C++ for a small gain. Under ZeRO-3 DeepSpeed gathers and releases each module's
-    parameters in hooks it marks compiler-disabled, so every block breaks into small graphs at each hook: a
-    long compile for little fused code. Until a measurement says otherwise, ZeRO-3 runs eager. The other
-    values are kept as given."""
-    if requested != "auto":
-        return requested, f"model.compile={requested}"
-    if device_type != "cuda":
-        return "none", "auto: none off CUDA (inductor's CPU compile costs minutes for a small gain)"
-    if launch.cp_size > 1:
-        return "none", ("auto: none under context parallelism (torch's context_parallel swaps SDPA for ring attention "
-                        "by patching it around every step, which compiled blocks have not been verified to follow; "
-                        "model.compile=regional forces it)")
-    if launch.uses_deepspeed and launch.zero_stage == 3:
-        return "none", ("auto: none under DeepSpeed ZeRO-3 (its parameter gather hooks are compiler-disabled: each "
-                        "block breaks into small graphs, a long compile for little gain); model.compile=regional "
-                        "forces it")
-    return "regional", "auto: regional on CUDA (each repeated block compiled once)"
 
 
 def compile_mode(requested: str, device_type: str, launch: Launch) -> str:

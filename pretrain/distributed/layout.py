@@ -596,3 +596,27 @@ def shell_join(argv: Sequence[str]) -> str:
     which are double-quoted so that the node's own shell expands them."""
     return " ".join(f'"{a}"' if a.startswith("$") and a[1:].replace("_", "").isalnum() else shlex.quote(a)
                     for a in argv)
+
+
+def compile_choice(requested: str, device_type: str, launch: Launch) -> tuple[str, str]:
+    """``model.compile`` resolved for the device and layout the run trains on, and why: the one place ``auto``
+    is decided (the run, its log, ``--dry-run`` and tools/bench_gpu.py all ask here).
+
+    ``auto`` is regional on CUDA, except under DeepSpeed ZeRO-3 and context parallelism, and none elsewhere. On CPU inductor spends
+    minutes compiling C++ for a small gain. Under ZeRO-3 DeepSpeed gathers and releases each module's
+    parameters in hooks it marks compiler-disabled, so every block breaks into small graphs at each hook: a
+    long compile for little fused code. Until a measurement says otherwise, ZeRO-3 runs eager. The other
+    values are kept as given."""
+    if requested != "auto":
+        return requested, f"model.compile={requested}"
+    if device_type != "cuda":
+        return "none", "auto: none off CUDA (inductor's CPU compile costs minutes for a small gain)"
+    if launch.cp_size > 1:
+        return "none", ("auto: none under context parallelism (torch's context_parallel swaps SDPA for ring attention "
+                        "by patching it around every step, which compiled blocks have not been verified to follow; "
+                        "model.compile=regional forces it)")
+    if launch.uses_deepspeed and launch.zero_stage == 3:
+        return "none", ("auto: none under DeepSpeed ZeRO-3 (its parameter gather hooks are compiler-disabled: each "
+                        "block breaks into small graphs, a long compile for little gain); model.compile=regional "
+                        "forces it")
+    return "regional", "auto: regional on CUDA (each repeated block compiled once)"

@@ -466,7 +466,9 @@ def test_every_benchmark_row_of_every_gpu_recipe_plans_as_the_gpu_would_run_it(t
     owed = [tuple(r.split("/")) for r in visit.split(",")]
     assert all(m in bench_gpu.MODELS and st in bench_gpu.SETTINGS for m, st in owed), owed
     assert all(fits[(gpu, *row)] for gpu in ("NVIDIA H100 80GB HBM3", "NVIDIA H200") for row in owed[:3])
-    assert fits["NVIDIA H200", "llama-8b-16l", "default"] and not fits["NVIDIA H100 80GB HBM3", "llama-8b-16l", "default"]
+    # 4.54B parameters: 67.7 GiB of fp32 weights, gradients and AdamW moments at the optimizer step, which fits
+    # both; the H200 fits a larger micro-batch
+    assert fits["NVIDIA H200", "llama-8b-16l", "default"] and fits["NVIDIA H100 80GB HBM3", "llama-8b-16l", "default"]
 
 
 def test_bench_gpu_rows_run_the_named_pairs_in_the_given_order(tmp_path):

@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from pretrain.distributed.layout import Launch, check_offload
+from pretrain.distributed.layout import Launch, check_offload, compile_choice
 from pretrain.errors import ConfigError
+from pretrain.plan.memory import calibration
 from pretrain.plan.memory.activations import ActivationEstimate, activation_memory, activation_terms
 from pretrain.plan.memory.parallel import check_context_parallel, float8_term, tensor_parallel
-from pretrain.plan.memory.states import CLASSIC_EXAMPLE, model_states
+from pretrain.plan.memory.states import AUTOCAST_NOTE, CLASSIC_EXAMPLE, model_states
 from pretrain.plan.memory.terms import GIB, PHASES, Term, gib
 from pretrain.plan.memory.workload import DeepSpeedBuffers, Workload
 from pretrain.recipe.shape import COUNTED_ARCHS, ModelShape
@@ -212,9 +213,11 @@ def checkpoint_staging(states) -> Term:
 
 def estimate_shape(shape: ModelShape, workload: Workload, layout: Launch, *,
                    buffers: DeepSpeedBuffers | None = None, gpu: GpuSpec | None = None,
-                   device: str = "cuda", async_checkpoint: bool = False) -> MemoryEstimate:
+                   device: str = "cuda", async_checkpoint: bool = False, calibrated: bool = True) -> MemoryEstimate:
     """The per-device estimate for a model shape (the core; ``estimate`` wraps it for a recipe).
-    ``async_checkpoint``: checkpoint.async, whose host copy is a host term."""
+    ``async_checkpoint``: checkpoint.async, whose host copy is a host term. ``calibrated``: on CUDA, the activations
+    term scaled by its calibration (calibration.py: compiled blocks save fewer tensors than the eager formula
+    counts); False gives the formula (what tools/calibrate_memory.py fits against)."""
     check_offload(layout)
     if shape.arch not in ESTIMATED_ARCHS:
         raise ConfigError(
@@ -225,6 +228,7 @@ def estimate_shape(shape: ModelShape, workload: Workload, layout: Launch, *,
     if shape.arch == "gpt2" and w.seq_len > shape.max_positions:  # learned positions
         raise ConfigError(f"seq_len {w.seq_len} is longer than the model's {shape.max_positions} positions")
     states = model_states(shape, w, layout, buffers)
+    notes = states.notes
     # TP splits the blocks' attention and MLP tensors, CP the sequence: one rank's activations are those of seq / CP
     # tokens with heads and MLP width / TP (pretrain/plan/memory/parallel.py)
     check_context_parallel(w.seq_len, layout.cp_size, w.attention, w.document_masking)
@@ -234,9 +238,17 @@ def estimate_shape(shape: ModelShape, workload: Workload, layout: Launch, *,
                              w.activation_checkpointing, device, document_masking=w.document_masking,
                              tp_size=tp.size if tp is not None and tp.splits_activations else 1)
     activations, logits = activation_terms(acts, shape, local, layout)
+    if calibrated and device == "cuda":
+        mode = compile_choice(w.compile, device, layout)[0]
+        fitted = calibration.factor(mode, w.activation_checkpointing, w.precision, w.float8, layout.engine)
+        if fitted.rows:
+            activations = replace(activations, bytes=int(activations.bytes * fitted.value),
+                                  formula=f"({activations.formula}) {fitted.text}")
+            # the calibration replaces the DDP-with-autocast caveat (its rows ran autocast)
+            notes = tuple(n for n in notes if not n.startswith(AUTOCAST_NOTE)) + (f"activations {fitted.text}",)
     float8 = float8_term(w.float8, shape, local.micro_batch_size * local.seq_len, tp)
     terms = {t.key: t for t in (states.params, states.grads, states.optimizer, activations, logits, states.comm,
-                                states.autocast, float8) if t is not None}
+                                states.accumulate, states.autocast, float8) if t is not None}
     # The terms do not all peak together: each phase sums what is alive in it.
     phases = {phase: sum(t.at(phase) for t in terms.values() if phase == "backward" or t.key not in _ONLY_AT_BACKWARD)
               for phase in PHASES}
@@ -251,12 +263,12 @@ def estimate_shape(shape: ModelShape, workload: Workload, layout: Launch, *,
         num_params=shape.num_params, shape=shape, workload=w, layout=layout, buffers=buffers, terms=terms,
         phases=phases, allowance=allowance, gpu=gpu, activations=acts,
         host={**states.host, **({CHECKPOINT_STAGING: checkpoint_staging(states)} if async_checkpoint else {})},
-        model_state_bytes=states.peak, notes=states.notes,
+        model_state_bytes=states.peak, notes=notes,
     )
 
 
 def estimate(recipe, plan, layout: Launch, *, gpu: GpuSpec | None = None, buffers: DeepSpeedBuffers | None = None,
-             device: str = "cuda", loss: str | None = None) -> MemoryEstimate:
+             device: str = "cuda", loss: str | None = None, calibrated: bool = True) -> MemoryEstimate:
     """Per-device memory of ``recipe`` run with ``plan`` (its MBS and seq_len) on ``layout``.
 
     ``buffers`` defaults to the recipe's ``deepspeed`` section over DeepSpeed's defaults. ``device="cpu"``
@@ -274,5 +286,5 @@ def estimate(recipe, plan, layout: Launch, *, gpu: GpuSpec | None = None, buffer
     return estimate_shape(
         shape, Workload.from_recipe(recipe, plan, loss), layout,
         buffers=buffers or DeepSpeedBuffers.from_recipe(recipe), gpu=gpu, device=device,
-        async_checkpoint=recipe.checkpoint.async_,
+        async_checkpoint=recipe.checkpoint.async_, calibrated=calibrated,
     )

@@ -41,6 +41,8 @@ class ModelStates:
     host: dict[str, Term] = field(default_factory=dict)
     """Host memory per rank that offload needs (pinned), by term."""
     notes: tuple[str, ...] = ()
+    accumulate: Term | None = None
+    """One process and DDP: the largest gradient's transient when it is added to the one already there."""
 
 
 @dataclass(frozen=True)
@@ -95,25 +97,53 @@ def model_states(shape: ModelShape, workload: Workload, layout: Launch, buffers:
 # ---- PyTorch DDP ----------------------------------------------------------------------------------
 
 
+AUTOCAST_NOTE = "DDP with autocast:"
+
+
 def ddp_states(run: _Run) -> ModelStates:
     """fp32 weights, gradients and optimizer states, replicated; the reducer's buckets; autocast's cache."""
     P, N, w, mixed = run.P, run.N, run.workload, run.mixed
     k, opt_text = run.optimizer
     params = _term("params", 4 * P, f"4 B x Ψ = 4 x {num(P)} (fp32 weights"
                                     f"{'; autocast computes in ' + w.precision if mixed else ''})")
-    grads = _term("grads", Phases.constant(4 * P), "4 B x Ψ (fp32 gradients)")
+    grad_phases, grads_text, added = _ddp_grads(run)
+    grads = _term("grads", grad_phases, grads_text)
     optimizer = _term("optimizer", k * P, f"{k} B x Ψ ({opt_text}); no master copy: the fp32 weights are the master")
     comm = _term("comm", Phases.constant(4 * P if N > 1 else 0),
                  "DDP reducer buckets 4 B x Ψ (gradient_as_bucket_view off: a flat copy of every gradient)" if N > 1
                  else "one process: no DDP buckets")
     peak = params.bytes + optimizer.bytes + grads.bytes + comm.bytes
     if not mixed:
-        return ModelStates(params, grads, optimizer, comm, peak)
+        return ModelStates(params, grads, optimizer, comm, peak, accumulate=added)
     autocast = Term("autocast", "autocast weight cache", 2 * P,
                     f"2 B x Ψ: autocast's {w.precision} copies of the weights, cached during forward")
-    note = ("DDP with autocast: activations counted with the bf16/fp16 formula (autocast keeps the residual "
+    note = (f"{AUTOCAST_NOTE} activations counted with the bf16/fp16 formula (autocast keeps the residual "
             "stream and norms in fp32: expect somewhat more)")
-    return ModelStates(params, grads, optimizer, comm, peak, autocast, notes=(note,))
+    return ModelStates(params, grads, optimizer, comm, peak, autocast, notes=(note,), accumulate=added)
+
+
+def _ddp_grads(run: _Run) -> tuple[Phases, str, Term | None]:
+    """fp32 gradients by phase, one process or DDP. The trainer's ``zero_grad(set_to_none=True)`` frees them after
+    every step, so at GAS 1 none is alive when backward starts and backward frees activations as it makes them:
+    the backward phase holds none, the end of backward all of them (measured on an H100: llama-3b at MBS 1 peaks at
+    49.43 GiB, below params + gradients + optimizer states + autocast copies alone, 53.9 GiB; docs/performance.md).
+    Past the first micro-step (GAS > 1) the earlier ones' gradients are alive throughout. A gradient added to one
+    already there (every micro-step after the first; at GAS 1 the tied embedding's onto the LM head's) exists
+    beside it until AccumulateGrad adds it in place: the largest one is a transient at the end of backward.
+    ``grad_accum_steps`` unknown (None): counted as alive throughout."""
+    P, w, shape = run.P, run.workload, run.shape
+    largest = max(shape.param_sizes())
+    first_only = w.grad_accum_steps == 1
+    added = None
+    if not first_only or shape.tie_embeddings:
+        added = Term.phased("accumulate", "gradient added in place", Phases(0, 4 * largest, 0),
+                            f"4 B x {num(largest)}, the largest parameter's new gradient beside the one it is added to "
+                            + ("(the tied embedding's onto the LM head's), " if first_only else "(every micro-step "
+                               "after the first), ") + "at the end of backward")
+    if first_only:
+        return (Phases(0, 4 * P, 4 * P), "4 B x Ψ (fp32 gradients); GAS 1: none alive when backward starts "
+                "(zero_grad(set_to_none=True) freed the last step's), all of them when it ends", added)
+    return Phases.constant(4 * P), "4 B x Ψ (fp32 gradients)", added
 
 
 # ---- DeepSpeed ZeRO ------------------------------------------------------------------------------

@@ -60,6 +60,9 @@ class Workload:
     """bf16 only (precision.reduce_dtype): the dtype DeepSpeed and FSDP accumulate and reduce gradients in."""
     float8: str = "off"
     """precision.float8: off, tensorwise or rowwise (``parallel.float8_term``)."""
+    compile: str = "none"
+    """model.compile as the recipe asks (auto, none, regional, full); the estimate resolves auto for its device and
+    layout (pretrain.distributed.layout.compile_choice) and scales compiled activations by their calibration."""
     loss: str = "chunked"
     """model.loss as the run resolves it (pretrain.model.loss.resolve_loss): chunked, plain or liger. Liger never
     materialises the logits, so its term differs; plain is counted as chunked."""
@@ -74,6 +77,8 @@ class Workload:
         if self.loss not in LOSSES:
             raise ConfigError(f"loss {self.loss!r}: use one of {', '.join(LOSSES)} (as pretrain.model.loss.resolve_loss "
                               "resolves model.loss)")
+        if self.compile not in ("auto", "none", "regional", "full"):
+            raise ConfigError(f"compile {self.compile!r}: use one of auto, none, regional, full")
         if self.attention not in ("sdpa", "eager", "flash_attention_2"):
             raise ConfigError(f"attention {self.attention!r}: use one of sdpa, eager, flash_attention_2")
         try:
@@ -110,6 +115,7 @@ class Workload:
             global_batch_size=plan.global_batch_size,
             reduce_dtype=recipe.precision.reduce_dtype,
             float8=recipe.precision.float8,
+            compile=recipe.model.compile,
             loss=loss,
         )
 
