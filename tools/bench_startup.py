@@ -21,6 +21,12 @@ step (read from its stdout as it comes, unbuffered); the whole process's time is
 It prints each run's seconds, the min and median of each, and the ratios of the medians and of the minima
 (the goal: pretrain <= 1.5 x minimal). Run it on a quiet machine; other jobs only ever slow a run down, which
 is why the minima are printed too.
+
+    python tools/bench_startup.py --init recipes/llama-1b.yaml [--repeats 3] [key.path=value ...]
+
+times the weights' init alone (``pretrain.model.build.init_weights`` on the recipe's model, built on CPU): the
+decoder layers drawn on threads (the default: this process's share of the cores) against one thread, alternately,
+in this process, with the same values (checked); medians and their ratio.
 """
 
 from __future__ import annotations
@@ -99,8 +105,48 @@ def timed(cmd: list[str]) -> tuple[float, float]:
     return first_step, total
 
 
+def bench_init(recipe_path: str, overrides: list[str], repeats: int) -> int:
+    """init_weights on threads against one thread, on the recipe's model (CPU, fp32)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from pretrain.errors import ConfigError
+    from pretrain.model.build import _repeated_blocks, build_model, init_threads, init_weights
+    from pretrain.recipe.config import load_recipe
+    from pretrain.recipe.shape import ModelShape
+
+    try:
+        recipe = load_recipe(recipe_path, overrides)
+    except ConfigError as exc:
+        print(f"bench_startup: {exc}", file=sys.stderr)
+        return 2
+    vocab = ModelShape.from_recipe(recipe).vocab_size  # the tokenizer's, as the run resolves it
+    model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed)
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    threads = init_threads(len(_repeated_blocks(model)))
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{recipe_path}: {params / 1e9:.2f}B parameters, {len(_repeated_blocks(model))} blocks, "
+          f"{len(os.sched_getaffinity(0))} cores, torch intra-op threads {torch.get_num_threads()}")
+    times: dict[int, list[float]] = {1: [], threads: []}
+    for i in range(repeats):
+        for n in ((1, threads) if i % 2 == 0 else (threads, 1)):
+            start = time.perf_counter()
+            init_weights(model, recipe.train.seed, threads=n)
+            times[n].append(time.perf_counter() - start)
+            same = all(torch.equal(v, reference[k]) for k, v in model.state_dict().items())
+            print(f"repeat {i + 1}  threads {n:<3} {times[n][-1]:6.2f} s   same values: {same}", flush=True)
+            if not same:
+                return 1
+    one, many = statistics.median(times[1]), statistics.median(times[threads])
+    print(f"init_weights: one thread {one:.2f} s, {threads} threads {many:.2f} s (medians of {repeats}): "
+          f"{one / many:.2f}x")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--init", metavar="RECIPE", help="time the weights' init alone, threads against one thread")
+    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="--init: recipe overrides")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of each (default 5)")
     parser.add_argument("--launcher", choices=("accelerate", "python"), default="accelerate",
                         help="accelerate launch with accelerate_configs/cpu.yaml (default), or python")
@@ -110,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.minimal:
         minimal_loop()
         return 0
+    if args.init:
+        return bench_init(args.init, args.overrides, max(args.repeats, 1))
+    if args.overrides:
+        parser.error("key.path=value overrides go with --init")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:

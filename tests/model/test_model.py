@@ -170,6 +170,67 @@ def test_init_depends_only_on_the_seed(arch):
             assert not torch.equal(value, other[key]), key
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen3_moe", "gpt_neox", "phi3"])
+def test_init_on_threads_draws_the_one_thread_values_bit_for_bit(arch, monkeypatch):
+    """The decoder layers are drawn on several threads at once (start-up: a CPU normal_ is one sequential stream),
+    each module from its own generator: the same values as one thread, GPT-2's parent rule (c_proj rescaled after
+    its child's draw) and MoE experts included, whatever the global generator does meanwhile."""
+    from pretrain.model import build
+
+    plain = arch in ("gpt2", "gpt_neox")
+    extra = ({"moe": {"num_experts": 4, "experts_per_token": 2, "expert_intermediate_size": 48},
+              "intermediate_size": None} if arch == "qwen3_moe" else {})
+    cfg = small(arch=arch, num_layers=4, **({"num_kv_heads": None} if plain else {}), **extra,
+                **({"config_overrides": {"pad_token_id": None}} if arch == "phi3" else {}))
+    model = build_model(cfg, VOCAB, SEQ, seed=11)
+    assert len(build._repeated_blocks(model)) == 4
+    one = weights(model)
+    calls, draws = [], []
+    real, draw = build._draw_blocks, build._draw
+    monkeypatch.setattr(build, "_draw_blocks", lambda *a: calls.append(a[-1]) or real(*a))
+    monkeypatch.setattr(build, "_draw", lambda model, name, *a: draws.append(name) or draw(model, name, *a))
+    for param in model.parameters():
+        param.data.fill_(float("nan"))
+    init_weights(model, seed=11, threads=3)
+    assert calls == [3]  # the threaded path ran, each module drawn once (no fallback to one thread)
+    assert sorted(draws) == sorted(name for name, _ in model.named_modules())
+    for key, value in weights(model).items():
+        assert torch.equal(value, one[key]), key
+
+
+def test_a_rule_that_draws_from_the_global_generator_on_threads_is_drawn_again_in_order(monkeypatch):
+    """A draw _OwnGenerator does not route (here torch.rand_like, which takes no generator) would race on the
+    process-wide generator: the changed default state shows it, and the blocks are drawn again one at a time."""
+    from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
+
+    model = build_model(small(num_layers=3), VOCAB, SEQ, seed=4)
+    real = LlamaPreTrainedModel._init_weights
+
+    def with_global_draw(self, module):
+        real(self, module)
+        if isinstance(module, torch.nn.Linear):
+            module.weight.add_(torch.rand_like(module.weight) * 1e-3)
+
+    monkeypatch.setattr(LlamaPreTrainedModel, "_init_weights", with_global_draw)
+    init_weights(model, seed=4, threads=1)
+    one = weights(model)
+    init_weights(model, seed=4, threads=3)
+    for key, value in weights(model).items():
+        assert torch.equal(value, one[key]), key
+
+
+def test_init_threads_share_the_node_between_its_processes(monkeypatch):
+    from pretrain.model.build import init_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert init_threads(32) == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert init_threads(32) == 16 and init_threads(4) == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert init_threads(32) == 1
+
+
 def test_init_weights_redraws_tensors_transformers_marks_as_loaded():
     model = build_model(small(), VOCAB, SEQ, seed=3)
     expected = weights(model)
@@ -508,7 +569,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from pretrain.recipe.config import ModelConfig
-from pretrain.model.build import build_model
+from pretrain.model.build import build_model, init_weights
 from pretrain.distributed.supervise import leave
 
 dist.init_process_group("gloo")
@@ -535,6 +596,13 @@ for tied in (False, True):
         assert torch.equal(param.full_tensor(), reference.get_parameter(name)), (tied, name)
     for name, buffer in model.named_buffers():
         assert torch.equal(buffer, reference.get_buffer(name)), (tied, name)
+    # the decoder layers drawn on threads (init_weights' default on a node with cores to spare): the same shards
+    with torch.no_grad():
+        for param in model.parameters():
+            param.to_local().fill_(float("nan"))
+    init_weights(model, seed=7, threads=2)
+    for name, param in params.items():
+        assert torch.equal(param.full_tensor(), reference.get_parameter(name)), ("threads", tied, name)
 print("FSDP2 OK", flush=True)
 # destroy_process_group does not stop gloo's threads from aborting the interpreter's teardown (SIGABRT,
 # pretrain/distributed/supervise.py): leave as a worker of pretrain does.

@@ -279,6 +279,18 @@ def test_bench_loop_prints_a_ratio():
     assert ratio and float(ratio.group(1)) > 0
 
 
+def test_bench_startup_init_times_threads_against_one_with_the_same_values():
+    """tools/bench_startup.py --init: the weights' init on threads against one thread, same values checked."""
+    proc = run_cmd([sys.executable, str(ROOT / "tools" / "bench_startup.py"), "--init", TINY, "--repeats", "1",
+                    "model.num_layers=4"], timeout=180)
+    check_ok(proc)
+    assert proc.stdout.count("same values: True") == 2 and "same values: False" not in proc.stdout
+    assert re.search(r"init_weights: one thread [0-9.]+ s, \d+ threads [0-9.]+ s \(medians of 1\): [0-9.]+x", proc.stdout)
+    bad = run_cmd([sys.executable, str(ROOT / "tools" / "bench_startup.py"), "--init", TINY, "model.hiden_size=8"],
+                  timeout=60)
+    assert bad.returncode == 2 and "hiden_size" in bad.stderr and "Traceback" not in bad.stderr
+
+
 # --------------------------------------------------------------------------------------------------
 # tools/bench_gpu.py: the GPU acceptance benchmark, reduced to the tiny recipe on CPU
 
