@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One short visit to a lent GPU machine (no package index there), in the order that matters most. The runs go
-# under runs/gpu_visit; the 8 summary files (logs, doctor.json, the benchmark's table and rows) into OUT (the
+# under runs/gpu_visit; the summary files (logs, doctor.json, the benchmark's table and rows) into OUT (the
 # device tool's folder that comes back; default runs/gpu_visit too), each as soon as its step ends.
 #
 # Prepare on a machine with an index (6 MiB of wheels: what the GPU image lacks, tools/gpu_image_packages.txt):
@@ -76,7 +76,7 @@ tests_s="${GPU_TESTS_S:-120}"
 rows="${VISIT_ROWS:-llama-1b/default,llama-1b/float8-tensorwise,llama-1b/ac-selective,llama-8b-16l/default,llama-8b-16l/float8-tensorwise,llama-1b/float8-lm-head,llama-1b/mbs-4,llama-1b/ac-selective-eager,llama-1b/ac-full-eager,llama-1b/compile-none}"
 # shellcheck disable=SC2086  # BENCH_ARGS holds several options
 "$py" tools/bench_gpu.py --budget $(( $(left) - tests_s - 10 )) --out "$work/bench" ${BENCH_ARGS:---rows $rows} 2>&1 | tee "$out/bench.log"
-cp "$work/bench/bench_gpu.md" "$work/bench/bench_gpu.jsonl" "$work/bench/calibration.json" "$out/" 2>/dev/null
+cp "$work/bench/bench_gpu.md" "$work/bench/bench_gpu.json" "$work/bench/bench_gpu.jsonl" "$work/bench/calibration.json" "$out/" 2>/dev/null
 step "4. GPU tests"
 timeout $(( $(left) > 30 ? $(left) - 5 : 30 )) "$py" -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.log"
 step "done"
