@@ -87,11 +87,17 @@ def added_rows(bench_json: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         for r in data["rows"]:
             if r.get("status") != "ok" or r.get("peak_gib") is None:
                 continue
+            if r["model"] not in MODELS:
+                raise ConfigError(f"--add {bench_json}: row {r['model']} / {r['setting']} is not a GPU model of "
+                                  "tools/bench_gpu.py (a --reduced CPU row?): only rows measured on a GPU calibrate "
+                                  "the estimate")
             model = MODELS[r["model"]]
             rows.append({"visit": data.get("date", ""), **measured_on, "model": r["model"], "setting": r["setting"],
                          "recipe": model.recipe, "overrides": [*model.overrides, *r["overrides"]],
                          "micro_batch_size": r["micro_batch_size"], "loss": r["loss"], "compile": r["compile"],
                          "peak_gib": round(r["peak_gib"], 2)})
+    except ConfigError:
+        raise
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"--add {bench_json}: not a bench_gpu.json with versions and rows ({exc!r}); use the "
                           "bench_gpu.json a GPU visit wrote (tools/bench_gpu.py records the versions since 2026-11-29)") from None
@@ -121,7 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--file", type=Path, default=calibration.FILE, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
-        data = json.loads(args.file.read_text())
+        try:
+            data = json.loads(args.file.read_text())
+            data["rows"], data["factors"], data["measured_on"]  # noqa: B018 - the keys this tool reads
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{args.file}: not a calibration file ({exc!r}); the shipped one is "
+                              f"{calibration.FILE}") from None
         if args.add:
             data = merge(data, *added_rows(args.add))
         rows = [r for r in data["rows"] if not r.get("excluded")]

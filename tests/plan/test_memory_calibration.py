@@ -129,6 +129,14 @@ def test_add_takes_a_visits_rows_and_refits(tmp_path, tool):
     bad.write_text("{}")
     proc = run_cmd([sys.executable, str(TOOL), "--file", str(file), "--add", str(bad)], timeout=300)
     assert proc.returncode == 2 and "not a bench_gpu.json" in proc.stderr and "Traceback" not in proc.stderr
+    # a CPU rehearsal's rows (tools/bench_gpu.py --reduced) calibrate nothing
+    bad.write_text(json.dumps({"device": "AMD EPYC", "versions": {"torch": "2.13.0", "transformers": "5.17.0"},
+                               "rows": [{**row, "model": "tiny", "setting": "default"}]}))
+    proc = run_cmd([sys.executable, str(TOOL), "--file", str(file), "--add", str(bad)], timeout=300)
+    assert proc.returncode == 2 and "only rows measured on a GPU" in proc.stderr
+    # no calibration file there: one line, exit 2
+    proc = run_cmd([sys.executable, str(TOOL), "--file", str(tmp_path / "missing.json"), "--check"], timeout=300)
+    assert proc.returncode == 2 and "not a calibration file" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_check_says_when_the_file_is_stale(tmp_path):
