@@ -97,7 +97,16 @@ def weights_only(directory: Path) -> Iterator[None]:
         yield
     except pickle.UnpicklingError as exc:
         files = [str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()]
-        raise ConfigError(check_files(directory, files) or refusal(directory, str(exc).splitlines()[-1])) from None
+        raise ConfigError(check_files(directory, files) or refusal(directory, refused_global(str(exc)))) from None
+
+
+def refused_global(message: str) -> str:
+    """The type torch's weights-only unpickler refused, from its error message ("Unsupported global: GLOBAL
+    os.makedirs was not an allowed global ..."), or its first line."""
+    import re
+
+    found = re.search(r"GLOBAL ([\w.]+)", message)
+    return found.group(1) if found else message.strip().splitlines()[0]
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -125,10 +134,8 @@ def refused_types(path: Path) -> list[str]:
         return []
     try:
         return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
-    except Exception:  # noqa: BLE001
-        # Not a zip torch.save wrote (the legacy format, or damage): only the load can read it, and it does so
-        # weights-only too (enforce), refusing what it must (weights_only turns that into the same ConfigError).
-        return []
+    except Exception as exc:  # noqa: BLE001 - a zip torch cannot read is refused, whatever it raises
+        return [f"unreadable ({type(exc).__name__}: {exc})"]
 
 
 def refusal(where: Path, found: str) -> str:
@@ -138,12 +145,23 @@ def refusal(where: Path, found: str) -> str:
             "restore the checkpoint from a copy you trust, or resume from another one")
 
 
+def not_an_archive(path: Path) -> str:
+    return (f"{path} is not an archive torch.save writes (a zip since torch 1.6; every checkpoint file pretrain and "
+            "the libraries it calls write is one): it was damaged or replaced, and pretrain does not read it. Restore "
+            "the checkpoint from a copy you trust, or resume from another one")
+
+
 def check_files(directory: Path, relpaths: Iterable[str]) -> str | None:
     """The refusal for the first pickle among ``relpaths`` (of ``directory``) that names a type the load
-    would refuse, or None."""
+    would refuse, or that is not a zip archive (the legacy format, whose pickle torch reads only by loading it,
+    or bytes that are no archive at all), or None."""
+    import zipfile
+
     for rel in sorted(relpaths):
         path = directory / rel
         if path.name.endswith(PICKLE_SUFFIXES) and path.is_file():
+            if not path.name.endswith(".metadata") and not zipfile.is_zipfile(path):
+                return not_an_archive(path)
             refused = refused_types(path)
             if refused:
                 return refusal(path, ", ".join(refused))

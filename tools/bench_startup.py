@@ -109,7 +109,6 @@ def bench_init(recipe_path: str, overrides: list[str], repeats: int) -> int:
     """init_weights on threads against one thread, on the recipe's model (CPU, fp32)."""
     import torch
 
-    sys.path.insert(0, str(ROOT))
     from pretrain.errors import ConfigError
     from pretrain.model.build import _repeated_blocks, build_model, init_threads, init_weights
     from pretrain.recipe.config import load_recipe

@@ -26,17 +26,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
+from pretrain.distributed.layout import Launch
+from pretrain.errors import ConfigError
+from pretrain.plan import memory
+from pretrain.plan.memory import calibration
+from pretrain.plan.sweep.runner import sweep_overrides
+from pretrain.recipe.batching import plan_batches
+from pretrain.recipe.config import load_recipe
 
-from pretrain.distributed.layout import Launch  # noqa: E402
-from pretrain.errors import ConfigError  # noqa: E402
-from pretrain.plan import memory  # noqa: E402
-from pretrain.plan.memory import calibration  # noqa: E402
-from pretrain.plan.sweep.runner import sweep_overrides  # noqa: E402
-from pretrain.recipe.batching import plan_batches  # noqa: E402
-from pretrain.recipe.config import load_recipe  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 LAUNCH = "accelerate_configs/single_gpu.yaml"
 """The launch every benchmark row ran on (one process, one GPU)."""
@@ -44,7 +42,7 @@ LAUNCH = "accelerate_configs/single_gpu.yaml"
 
 def observe(row: dict[str, Any]) -> calibration.Observation:
     """The row against the current estimator's uncalibrated phases."""
-    from bench_gpu import STDLIB_DATA
+    from bench_gpu import STDLIB_DATA  # tools/, this script's directory, is where Python looks first
 
     overrides = [*STDLIB_DATA, *row["overrides"], f"model.compile={row['compile']}",
                  *sweep_overrides(row["micro_batch_size"], 1, 1, 0, ROOT / "runs" / "calibrate_memory")]

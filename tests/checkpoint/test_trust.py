@@ -108,6 +108,60 @@ def test_a_crafted_optimizer_file_is_refused_by_resume_and_export_and_never_runs
     assert not marker.exists() and not (tmp_path / "exported").exists()
 
 
+def _replace(checkpoint: Path, rel: str, write) -> None:
+    """Replace ``rel`` with what ``write(path)`` writes and update the manifest's size and CRC, as an attacker can."""
+    write(checkpoint / rel)
+    manifest = read_manifest(checkpoint)
+    manifest["files"].update(record_own(checkpoint, 0, 1))
+    write_manifest(checkpoint, manifest["files"], manifest["world_size"])
+    assert verify_all(checkpoint) is None
+
+
+RANK1_SHARD = "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+
+
+@pytest.mark.slow
+def test_a_bad_file_in_one_ranks_shard_stops_every_rank_with_one_message(checkpoints, tmp_path, capsys, monkeypatch):
+    """Issue 36's agreement: rank 1's ZeRO shard alone is a crafted pickle in torch's legacy format (which torch
+    reads only by loading it): every rank exits 2 and no rank prints a traceback, rank 0 says why once, and the
+    payload never runs. Before, rank 1 refused it inside DeepSpeed's load while rank 0 trained on into a
+    collective and died with gloo's traceback (exit 1), and the message named "Check the documentation of
+    torch.load" for the type. pretrain-launch refuses it before any process starts; random bytes in rank 0's RNG
+    state (checksums updated) are refused, not replaced by fresh state."""
+    from pretrain.cli import launch as launch_cli
+
+    crafted = tmp_path / "crafted" / "step_00000002"
+    shutil.copytree(checkpoints["ZeRO-2"], crafted)
+    marker = tmp_path / "MARKER"
+    _replace(crafted, RANK1_SHARD, lambda path: torch.save({"state": _Payload(marker)}, path,
+                                                           _use_new_zipfile_serialization=False))
+    resume = [*STEPS_ARGS, "train.max_steps=4", f"output_dir={tmp_path / 'run'}", f"checkpoint.resume={crafted}"]
+    proc = accelerate_launch("zero2.yaml", resume, extra=["--num_processes", "2"], extra_env={FORCE_ENV: None})
+    assert proc.returncode != 0 and proc.stderr.count("exitcode  : 2") == 2, proc.stderr[-3000:]
+    message = f"{crafted / RANK1_SHARD} is not an archive torch.save writes"
+    assert proc.stderr.count(message) == 1 and "rank 1 (host" in proc.stderr, proc.stderr[-3000:]
+    workers = proc.stderr.split('Traceback (most recent call last):\n  File "<frozen runpy>"')[0]  # then the launcher's
+    assert "Traceback" not in workers, proc.stderr[-3000:]
+    assert not marker.exists()
+
+    for name in (FORCE_ENV, "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"):
+        monkeypatch.setenv(name, "1")
+        monkeypatch.delenv(name)
+    launched = []
+    monkeypatch.setattr(launch_cli, "run_launcher", lambda argv, environment: launched.append(argv) or 0)
+    config = ["--config_file", str(ROOT / "accelerate_configs" / "zero2.yaml"), "--num_processes", "2", "--recipe", TINY]
+    code = launch_cli.main([*config, *resume])
+    out, err = capsys.readouterr()
+    assert code == 2 and launched == [] and message in err and "Traceback" not in err, err[-3000:]
+
+    shutil.copytree(checkpoints["ZeRO-2"], crafted, dirs_exist_ok=True)  # rank 1's shard restored
+    rng = next(p.name for p in crafted.glob("random_states_0.pkl"))
+    _replace(crafted, rng, lambda path: path.write_bytes(os.urandom(path.stat().st_size)))
+    code = launch_cli.main([*config, *resume])
+    out, err = capsys.readouterr()
+    assert code == 2 and launched == [] and f"{crafted / rng} is not an archive" in err, err[-3000:]
+
+
 @pytest.mark.parametrize("zip_format", [True, False])
 def test_a_library_load_with_weights_only_false_is_made_weights_only(tmp_path, monkeypatch, zip_format):
     """The second line of defence, for a file no check read first: DeepSpeed's own call
@@ -118,7 +172,10 @@ def test_a_library_load_with_weights_only_false_is_made_weights_only(tmp_path, m
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
     torch.save({"state": _Payload(marker)}, checkpoint / "optim_states.pt", _use_new_zipfile_serialization=zip_format)
-    with pytest.raises(ConfigError, match="names os.makedirs|holds a pickle that names"), weights_only(checkpoint):
+    # the zip: the type named; the legacy format (whose pickle torch reads only by loading it): refused as a file
+    # that is not a zip archive, which pretrain's checks refuse before any load (check_files)
+    expected = "holds a pickle that names os.makedirs" if zip_format else "optim_states.pt is not an archive torch.save"
+    with pytest.raises(ConfigError, match=expected), weights_only(checkpoint):
         torch.load(checkpoint / "optim_states.pt", weights_only=False)
     assert not marker.exists()
 

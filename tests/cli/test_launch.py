@@ -182,8 +182,8 @@ def test_7b_ddp_on_h100_is_refused_naming_the_estimate_and_a_layout_that_fits(ca
     code, _, err = launch_in_process(capsys, "--config_file", str(CONFIGS / "ddp.yaml"), "--gpu", "H100-80GB",
                                      "--recipe", R7B)
     assert code == 2 and execv == []
-    assert "7b on PyTorch DDP on 8 GPUs (MBS 1, GAS 128, no recompute): estimated 170.8 GiB per GPU" in err, err
-    assert "does not fit: needs 91.1 GiB more than the H100-80GB's 79.6 GiB" in err
+    assert "7b on PyTorch DDP on 8 GPUs (MBS 1, GAS 128, no recompute): estimated 165.3 GiB per GPU" in err, err
+    assert "does not fit: needs 85.6 GiB more than the H100-80GB's 79.6 GiB" in err
     assert ("pretrain-plan's best layout on 1 x 8 H100-80GB: FSDP FULL_SHARD, reduce-scatter each micro-batch, MBS 4, "
             "GAS 32, recompute selective: 73.3 GiB") in err
     assert f"pretrain-plan --recipe {R7B} --nodes 1 --gpus-per-node 8 --gpu H100-80GB\n" in err
@@ -212,7 +212,7 @@ def test_force_launches_anyway_with_one_warning_and_keeps_its_options_from_accel
                                        "--force", "--recipe", R7B)
     assert code == 0, err
     assert err.count("\n") == 1 and err.startswith("warning: --force: 7b on PyTorch DDP on 8 GPUs")
-    assert "170.8 GiB per GPU" in err and "launching anyway" in err
+    assert "165.3 GiB per GPU" in err and "launching anyway" in err
     (command,) = execv
     assert "--gpu=H100-80GB" not in command and "--force" not in command and "--gpu" not in command
     assert command[command.index("--config_file") + 1] == str(CONFIGS / "ddp.yaml")
