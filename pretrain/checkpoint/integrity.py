@@ -44,6 +44,9 @@ CHUNK_BYTES = 8 * 2**20
 # A file is checksummed in segments, each its own CRC, so that the threads share one big file too: rank 0's
 # DeepSpeed ZeRO-1/2 model states are the whole bf16 model (140 GB at 70B).
 SEGMENT_BYTES = 256 * 2**20
+MIN_SEGMENT_BYTES = 2**20
+MAX_SEGMENT_BYTES = 2**40
+MAX_WORLD_SIZE = 2**20
 MAX_HASH_THREADS = min(8, os.cpu_count() or 1)
 
 # A file's writer, from accelerate's / DeepSpeed's / DCP's names; anything else is rank 0's.
@@ -142,11 +145,28 @@ def read_manifest(directory: Path) -> dict[str, Any]:
             or manifest.get("algorithm") not in CHECKSUMS or not isinstance(manifest.get("files"), dict)
             or not isinstance(manifest.get("segment_bytes"), int) or manifest["segment_bytes"] <= 0):
         raise ValueError(f"{path} is not a checkpoint manifest this version reads")
-    for rel in manifest["files"]:
+    # Every number read from the file is bounded before it sizes any work: a segment of 1 byte would make the
+    # checksums of a 7B checkpoint's 80 GB billions of calls (hours of every resume and export).
+    segment, world = manifest["segment_bytes"], manifest.get("world_size")
+    if not MIN_SEGMENT_BYTES <= segment <= MAX_SEGMENT_BYTES:
+        raise ValueError(f"{path} records segment_bytes = {segment:,}, outside the {MIN_SEGMENT_BYTES:,} to "
+                         f"{MAX_SEGMENT_BYTES:,} a manifest of pretrain's holds ({SEGMENT_BYTES:,} written): "
+                         "damaged or not written by pretrain")
+    if not isinstance(world, int) or not 1 <= world <= MAX_WORLD_SIZE:
+        raise ValueError(f"{path} records world_size = {world!r}, not a number of processes from 1 to "
+                         f"{MAX_WORLD_SIZE:,}: damaged or not written by pretrain")
+    algorithm = manifest["algorithm"]
+    for rel, entry in manifest["files"].items():
         try:
             contained(directory, rel, f"the manifest {path}")
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
+        size = entry.get("size") if isinstance(entry, dict) else None
+        sums = entry.get(algorithm) if isinstance(entry, dict) else None
+        if (not isinstance(size, int) or size < 0 or not isinstance(sums, list)
+                or len(sums) != max(1, -(-size // segment)) or not all(isinstance(c, str) for c in sums)):
+            raise ValueError(f"{path} records {rel!r} as {entry!r}, not a size and one {algorithm} per "
+                             f"{segment:,}-byte segment: damaged or not written by pretrain")
     return manifest
 
 

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from pretrain.checkpoint.checkpointer import Checkpointer
 from pretrain.checkpoint.integrity import (
@@ -56,8 +57,8 @@ def _checkpoint_dir(path: Path, step: int, world: int = 2, manifest: bool = True
     """A checkpoint as Checkpointer.save leaves it, with files of two ranks and a manifest written per rank."""
     path.mkdir(parents=True)
     (path / "model.safetensors").write_bytes(os.urandom(3 * 4096))
-    (path / "random_states_0.pkl").write_bytes(b"rng0")
-    (path / "random_states_1.pkl").write_bytes(b"rng1")
+    for rank in (0, 1):  # torch.save archives, as accelerate writes them (anything else is refused unread)
+        torch.save({"rank": torch.tensor(rank)}, path / f"random_states_{rank}.pkl")
     (path / STATE_FILE).write_text(TrainerState(step=step, tokens_seen=0, num_steps=10, plan={}, recipe={}).to_json())
     if manifest:
         files = {}
@@ -86,7 +87,7 @@ def test_manifest_finds_truncation_by_size_and_a_bit_flip_by_checksum(tmp_path):
     assert verify_own(ckpt, 1, 2) is None
     assert "model.safetensors" in verify_all(ckpt)
     os.truncate(ckpt / "random_states_1.pkl", 2)
-    assert "random_states_1.pkl is 2 bytes, the manifest records 4" in check_sizes(ckpt)
+    assert "random_states_1.pkl is 2 bytes, the manifest records 1," in check_sizes(ckpt)
     (ckpt / MANIFEST_FILE).write_text("{not json")
     assert "unreadable" in check_sizes(ckpt)
     (ckpt / MANIFEST_FILE).unlink()
@@ -99,11 +100,40 @@ def test_a_big_file_is_checksummed_in_segments_by_several_threads(tmp_path, monk
     import pretrain.checkpoint.integrity as integrity
 
     monkeypatch.setattr(integrity, "SEGMENT_BYTES", 4096)
+    monkeypatch.setattr(integrity, "MIN_SEGMENT_BYTES", 4096)  # the bound a manifest read from disk must keep
     ckpt = _checkpoint_dir(tmp_path / "step_00000004", 4)  # model.safetensors: 3 x 4096 bytes
     manifest = json.loads((ckpt / MANIFEST_FILE).read_text())
     assert manifest["segment_bytes"] == 4096 and len(manifest["files"]["model.safetensors"]["crc32"]) == 3
     _flip(ckpt / "model.safetensors", offset=2 * 4096 + 7)
     assert "model.safetensors has another crc32 than the manifest records (bytes from 8,192)" in verify_all(ckpt)
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"segment_bytes": 1}, "segment_bytes = 1, outside"),       # billions of CRC calls: hours of every resume
+    ({"segment_bytes": 2**50}, "segment_bytes = 1,125,899,906,842,624, outside"),
+    ({"world_size": 0}, "world_size = 0"),
+    ({"world_size": "8"}, "world_size = '8'"),
+])
+def test_a_manifest_number_out_of_bounds_is_damage_found_at_once(tmp_path, change, named):
+    """Issue 36: every number of a manifest is bounded before it sizes any work; the checkpoint is then damaged
+    (passed over for an older one on resume, refused by export), found by the size check in no time."""
+    import time
+
+    ckpt = _checkpoint_dir(tmp_path / "step_00000004", 4)
+    manifest = json.loads((ckpt / MANIFEST_FILE).read_text())
+    (ckpt / MANIFEST_FILE).write_text(json.dumps({**manifest, **change}))
+    start = time.perf_counter()
+    for found in (check_sizes(ckpt), verify_own(ckpt, 0, 1), verify_all(ckpt)):
+        assert named in found and "damaged or not written by pretrain" in found, found
+    assert time.perf_counter() - start < 5
+
+
+def test_a_manifest_entry_whose_checksums_do_not_match_its_size_is_damage(tmp_path):
+    ckpt = _checkpoint_dir(tmp_path / "step_00000004", 4)
+    manifest = json.loads((ckpt / MANIFEST_FILE).read_text())
+    manifest["files"]["model.safetensors"]["crc32"] *= 3  # three segments' CRCs for a file of one segment
+    (ckpt / MANIFEST_FILE).write_text(json.dumps(manifest))
+    assert "records 'model.safetensors' as" in check_sizes(ckpt)
 
 
 def test_rank_0_passes_over_a_truncated_newest_and_every_rank_over_a_corrupted_one(tmp_path):
