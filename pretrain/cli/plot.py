@@ -304,7 +304,12 @@ def main(argv: list[str] | None = None) -> int:
                              "(0 <= W < 1, as TensorBoard's slider; 0.9 averages over ~10 logged points). Default 0: "
                              "off")
     args = parser.parse_args(argv)
+    if args.run_dir.is_file() and args.run_dir.name == rundir.METRICS_FILE:
+        args.run_dir = args.run_dir.parent  # the run's metrics file itself: its run directory
     try:
+        if args.run_dir.is_file():
+            raise ConfigError(f"{args.run_dir} is a file, not a run directory: pass the directory a run wrote (it "
+                              f"holds {rundir.METRICS_FILE}), e.g. pretrain-plot runs/tiny")
         series = read_metrics(args.run_dir / "metrics.jsonl")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

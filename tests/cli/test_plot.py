@@ -86,6 +86,21 @@ def test_missing_and_empty_files_are_clear_errors(tmp_path, capsys):
     assert not (tmp_path / "metrics.png").exists()
 
 
+def test_a_file_that_is_not_a_run_directory_is_named_as_such(tmp_path, capsys):
+    """Issue 36: a file given where a run directory goes was reported as "FILE/metrics.jsonl does not exist";
+    a metrics file that is not text was a UnicodeDecodeError traceback. The run's own metrics.jsonl is accepted."""
+    other = tmp_path / "notes.jsonl"
+    other.write_text('{"step": 1}\n')
+    assert main([str(other)]) == 2
+    err = capsys.readouterr().err
+    assert f"{other} is a file, not a run directory" in err and "does not exist" not in err
+    (tmp_path / "metrics.jsonl").write_bytes(b"\xff\xfe\x00binary\n")
+    assert main([str(tmp_path)]) == 2
+    assert "metrics.jsonl is not UTF-8 text" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "train/loss": 2.0}\n{"step": 2, "train/loss": 1.5}\n')
+    assert main([str(tmp_path / "metrics.jsonl")]) == 0 and (tmp_path / "metrics.png").is_file()
+
+
 def test_runs_as_a_script(tmp_path):
     result = subprocess.run([sys.executable, "-m", "pretrain.cli.plot", str(tmp_path)],
                             capture_output=True, text=True, timeout=120)  # fmt: skip
