@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -70,9 +71,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     best = ranked[0]
-    output = Path(args.output or default_output(recipe, args.nodes, args.gpus_per_node, gpu))
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(accelerate_config(best, args.recipe))
+    default = default_output(recipe, args.nodes, args.gpus_per_node, gpu)
+    output = Path(args.output or default)
+    if args.output and (output.is_dir() or args.output.endswith(("/", os.sep))):
+        output = output / Path(default).name  # a directory: the config goes in it, under its default name
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        tmp = output.with_name(f".{output.name}.tmp")
+        tmp.write_text(accelerate_config(best, args.recipe))
+        os.replace(tmp, output)
+    except OSError as exc:
+        print(f"error: cannot write the accelerate config to {output} ({exc.strerror or exc}); give --output a "
+              "file in a directory you can write", file=sys.stderr)
+        return EXIT_USAGE
     overrides = [*args.overrides, *recipe_overrides(recipe, best)]
     command = launch_command(best, str(output), args.recipe, overrides)
     if args.json:

@@ -525,6 +525,21 @@ def test_plan_7b_on_8_h100(capsys, tmp_path):
     assert mbs == load_recipe(R7B).batch.micro_batch_size or f"batch.micro_batch_size={mbs}" in out
 
 
+def test_plan_output_naming_a_directory_writes_the_config_in_it(capsys, tmp_path):
+    """Issue 36: --output naming a directory was an IsADirectoryError traceback; the config now goes in it under
+    its default name, and a place that cannot be written is one line, exit 2."""
+    args = ["--recipe", R7B, "--nodes", "1", "--gpus-per-node", "8", "--gpu", "H100-80GB"]
+    assert plan.main([*args, "--output", str(tmp_path)]) == 0
+    written = tmp_path / "7b-1x8-H100-80GB.yaml"
+    assert yaml.safe_load(written.read_text())["num_processes"] == 8
+    assert f"--config_file {written}" in capsys.readouterr().out
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert plan.main([*args, "--output", str(blocked / "plan.yaml")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "cannot write the accelerate config" in err and "Traceback" not in err
+
+
 def test_plan_7b_on_2x8_a100_40gb(capsys, tmp_path):
     out_file = tmp_path / "plan.yaml"
     code = plan.main(["--recipe", R7B, "--nodes", "2", "--gpus-per-node", "8", "--gpu", "A100-40GB",
