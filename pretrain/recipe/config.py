@@ -1054,6 +1054,12 @@ def load_recipe_dict(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[st
     if not isinstance(base, str):
         raise ConfigError(f"{path}: `base` must be a file path (relative to the recipe), got {base!r}")
     base_path = (resolved.parent / base).resolve()
+    if not base_path.is_file():
+        near = difflib.get_close_matches(base_path.name, [p.name for p in base_path.parent.glob("*.yaml")], n=1) \
+            if base_path.parent.is_dir() else []
+        raise ConfigError(f"{path}: base: {base} names {base_path}, which does not exist"
+                          + (f" (did you mean {base_path.parent / near[0]}?)" if near else "")
+                          + "; `base` is a recipe file's path relative to the recipe that names it")
     parent = load_recipe_dict(base_path, (*_chain, resolved))
     parent.pop("name", None)  # a recipe's name is its own, never inherited
     return deep_merge(parent, data)

@@ -64,6 +64,16 @@ def test_base_cycle_is_an_error_naming_the_chain(tmp_path):
         load_recipe(tmp_path / "a.yaml")
 
 
+def test_a_missing_base_names_the_recipe_that_asked_for_it(tmp_path):
+    """Issue 36: a missing base: was "recipe file not found: .../tny.yaml", with no word of which recipe named it."""
+    write(tmp_path / "tiny.yaml", MINIMAL)
+    (tmp_path / "sub").mkdir()
+    write(tmp_path / "sub" / "child.yaml", "base: ../tny.yaml\n")
+    with pytest.raises(ConfigError, match=r"child\.yaml: base: \.\./tny\.yaml names .*tny\.yaml, which does not "
+                                          r"exist \(did you mean .*tiny\.yaml\?\)"):
+        load_recipe(tmp_path / "sub" / "child.yaml")
+
+
 def test_missing_file_suggests_the_closest(tmp_path):
     write(tmp_path / "tiny.yaml", MINIMAL)
     with pytest.raises(ConfigError, match=r"recipe file not found: .*tine\.yaml \(did you mean .*tiny\.yaml\?\)"):
