@@ -72,6 +72,8 @@ def writable_dir(path: str | os.PathLike, what: str, fix: str, error: type[Confi
     ``error`` (a ConfigError): "<what> is not writable (<reason>); <fix>". A probe, not ``os.access``: root without
     CAP_DAC_OVERRIDE, ACLs, a read-only mount and another user's directory all answer only to a real write."""
     path = Path(path)
+    if path.exists() and not path.is_dir():  # not a permission problem: another thing stands there
+        raise error(f"{what} is a file, not a directory ({path}); {fix}")
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=path)

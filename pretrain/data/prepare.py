@@ -178,6 +178,10 @@ def _store_lock(path: Path):
 def _refuse_foreign_directory(path: Path) -> None:
     """pretrain writes only into a store it created: an existing, non-empty directory without the store's
     build.json (written first, before any shard) is someone else's."""
+    if path.exists() and not path.is_dir():
+        raise DataError(f"data: {path} is a file, not a token store directory; pretrain does not write over a file "
+                        "it did not create. Point data.store at a new or empty directory, or at a store "
+                        "pretrain-prepare-data built")
     if path.is_dir() and not (path / BUILD).is_file() and any(path.iterdir()):
         raise DataError(
             f"data: {path} already exists and is not a token store (no {BUILD}); pretrain does not write into a "

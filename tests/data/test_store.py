@@ -218,6 +218,21 @@ def test_a_directory_that_is_not_a_store_is_never_written_into(tmp_path):
     assert (mine / "manifest.json").read_text() == "my own file"
 
 
+def test_a_store_or_output_dir_that_is_a_file_is_called_a_file(tmp_path):
+    """Issue 36: a data.store that is a regular file was "manifest.json: unreadable (Not a directory); delete the
+    store", advice to delete a file pretrain does not own; an output_dir that is one was "not writable"."""
+    from pretrain.errors import ConfigError, writable_dir
+
+    corpus = write_corpus(tmp_path / "corpus", make_docs(10, seed=19))
+    mine = tmp_path / "notes.txt"
+    mine.write_text("my own file")
+    with pytest.raises(DataError, match=rf"{re.escape(str(mine))} is a file, not a token store directory") as caught:
+        prepare_data(store_config(tmp_path, corpus, mine), log=lambda _: None)
+    assert "delete" not in str(caught.value) and mine.read_text() == "my own file"
+    with pytest.raises(ConfigError, match=rf"output_dir is a file, not a directory \({re.escape(str(mine))}\)"):
+        writable_dir(mine, "output_dir", "choose another")
+
+
 def test_multi_node_launch_without_a_store_stops_with_the_command(tmp_path):
     corpus = write_corpus(tmp_path / "corpus", make_docs(10, seed=14))
     cfg = store_config(tmp_path, corpus, tmp_path / "store")
