@@ -126,9 +126,34 @@ def main(argv: list[str] | None = None) -> int:
     return run_worker(lambda: check(args))  # a worker's exit code is its own (pretrain/distributed/supervise.py)
 
 
+def check_writable(settings) -> None:
+    """Where the report and the exclude file go can be written: found before any check runs (it was a
+    traceback after them)."""
+    from pretrain.errors import writable_dir
+
+    writable_dir(settings.output_dir, f"the doctor's output_dir {settings.output_dir}",
+                 "give --output-dir (or the recipe's output_dir) a directory you can write")
+    exclude = settings.exclude_file
+    if exclude is None:
+        return
+    if exclude.is_dir():
+        raise ConfigError(f"--exclude-file {exclude} is a directory; give the file pretrain-slurm reads, e.g. "
+                          "runs/exclude.txt")
+    writable_dir(exclude.parent, f"--exclude-file's directory {exclude.parent}",
+                 "give --exclude-file a file in a directory you can write")
+    if exclude.exists():
+        try:
+            with open(exclude, "a"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"--exclude-file {exclude} cannot be appended to ({exc.strerror or exc}); give a file "
+                              "you can write") from None
+
+
 def check(args: argparse.Namespace) -> int:
     try:
         settings, recipe = settings_from_args(args)
+        check_writable(settings)  # every rank, before the process group: each stops alike (a shared filesystem)
         accelerator = start(recipe, settings)
         report, failures = run_checks(settings, accelerator, *matmul(settings, accelerator.device))
     except ConfigError as exc:

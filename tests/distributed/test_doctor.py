@@ -82,6 +82,21 @@ def test_bad_input_is_one_message_exit_2(tmp_path):
     assert "--threshold must be a fraction in (0, 1]" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_an_output_or_exclude_file_it_cannot_write_is_one_message_before_any_check(tmp_path):
+    """Issue 36: both were tracebacks, the output_dir's after every check had run."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for args, message in (
+        (["--output-dir", str(blocker / "out")], "the doctor's output_dir"),
+        (["--output-dir", str(tmp_path / "out"), "--exclude-file", str(blocker / "exclude.txt")],
+         "--exclude-file's directory"),
+        (["--output-dir", str(tmp_path / "out"), "--exclude-file", str(tmp_path)], "is a directory"),
+    ):
+        proc = run_cmd([sys.executable, "-m", "pretrain", "doctor", *args], timeout=60)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert "doctor: figures" not in proc.stdout  # refused before measuring
+
+
 def test_one_process_without_a_launcher_measures_its_device(tmp_path):
     """A single GPU's check (`python -m pretrain doctor`, no accelerate launch): no process group, so no
     collectives; the device figures, its share of the peak, doctor.json."""
