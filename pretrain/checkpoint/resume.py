@@ -155,6 +155,16 @@ def resume_checkpoint(output_dir: str | Path, cfg: CheckpointConfig) -> Path | N
     if cfg.resume == "auto":
         return latest_checkpoint(output_dir)
     path = Path(cfg.resume)
+    if path.name.startswith("."):
+        # pretrain's own hidden names: a save in progress or cut short (.tmp-step_X, its manifest maybe not
+        # written yet, so it would pass as a checkpoint from before manifests), one set aside as damaged or
+        # rolled back, a conversion's work directory
+        kind = "a save that did not finish" if path.name.startswith(".tmp-") else "a checkpoint set aside"
+        raise ConfigError(
+            f"checkpoint.resume = {cfg.resume!r} is {kind} (its name starts with '.'), not a checkpoint to resume; "
+            f"give a complete one, e.g. {path.parent / path.name.lstrip('.').split('-', 1)[-1]} if it exists, or "
+            "use auto"
+        )
     if read_state(path) is None:
         raise ConfigError(
             f"checkpoint.resume = {cfg.resume!r} is not a complete checkpoint directory (no {STATE_FILE}); "

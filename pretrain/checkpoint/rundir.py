@@ -116,7 +116,10 @@ def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     directory = Path(run_dir) / CHECKPOINTS_DIR
     if directory.is_dir():
         for path in directory.iterdir():
-            state = read_state(path) if path.is_dir() and not path.name.startswith(".") else None
+            # pretrain writes real directories here: a symbolic link is someone else's (never counted, pruned or
+            # moved: the run does not delete through it what it does not own)
+            state = (read_state(path) if path.is_dir() and not path.is_symlink() and not path.name.startswith(".")
+                     else None)
             if state is not None:
                 found.append((int(state["step"]), path))
     return sorted(found)
@@ -129,7 +132,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     if pointer.is_file():
         name = pointer.read_text().strip()
         path = contained(directory, name, str(pointer)) if name else directory
-        if name and read_state(path) is not None:
+        if name and not path.is_symlink() and read_state(path) is not None:
             return path
     complete = complete_checkpoints(run_dir)
     return complete[-1][1] if complete else None

@@ -186,6 +186,35 @@ def test_a_checkpoint_without_manifest_resumes_with_a_warning(tmp_path):
     assert "has no manifest" in logged[-1]
 
 
+def test_a_save_cut_short_named_as_the_resume_is_refused(tmp_path):
+    """Issue 36: a .tmp-step_X killed before its manifest has the trainer state and no manifest, so it passed as a
+    checkpoint from before manifests and was resumed, unverified, from a partial save."""
+    run = tmp_path / "run"
+    partial = _checkpoint_dir(run / "checkpoints" / ".tmp-step_00000006", 6, manifest=False)
+    choice = ResumeChoice.decide(tmp_path / "other", CheckpointConfig(resume=str(partial)))
+    assert choice.path is None and "is a save that did not finish" in choice.error, choice.error
+    assert "step_00000006 if it exists" in choice.error
+    aside = _checkpoint_dir(run / "checkpoints" / ".damaged-step_00000004", 4)
+    choice = ResumeChoice.decide(tmp_path / "other", CheckpointConfig(resume=str(aside)))
+    assert choice.path is None and "is a checkpoint set aside" in choice.error
+
+
+def test_a_step_directory_that_is_a_symlink_is_not_the_runs_own(tmp_path):
+    """Issue 36: a checkpoints/step_X that links elsewhere was counted, resumed by auto and pruned through (pretrain
+    deletes only what it owns): it is passed over, and latest naming it is refused like any path out."""
+    from pretrain.checkpoint.rundir import complete_checkpoints, latest_checkpoint
+
+    run = tmp_path / "run"
+    own = _checkpoint_dir(run / "checkpoints" / "step_00000002", 2)
+    elsewhere = _checkpoint_dir(tmp_path / "elsewhere" / "step_00000008", 8)
+    (run / "checkpoints" / "step_00000008").symlink_to(elsewhere, target_is_directory=True)
+    assert complete_checkpoints(run) == [(2, own)] and latest_checkpoint(run) == own
+    assert ResumeChoice.decide(run, CheckpointConfig()).path == str(own)
+    (run / "checkpoints" / "latest").write_text("step_00000008\n")  # latest naming it: refused, as any path out
+    assert "is not inside" in ResumeChoice.decide(run, CheckpointConfig()).error
+    assert sorted(p.name for p in elsewhere.iterdir())  # untouched
+
+
 def _state(step: int) -> TrainerState:
     return TrainerState(step=step, tokens_seen=0, num_steps=10, plan={}, recipe={})
 
