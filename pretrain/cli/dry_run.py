@@ -129,6 +129,10 @@ def report(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu, 
     from pretrain.train.preflight import check_run
 
     run_plan = check_run(recipe, launch)
+    if launch.cp_size > 1:  # as pretrain-launch refuses it: a plan for CPU processes (no GPU named or found)
+        from pretrain.distributed.context_parallel import check_launch_device
+
+        check_launch_device(launch, cuda=gpu is not None)
     batch, steps = run_plan.batch, run_plan.num_steps
     num_params, num_active, vocab, model_config = parameter_count(recipe)
     active = f", {num_active:,} active per token" if num_active != num_params else ""

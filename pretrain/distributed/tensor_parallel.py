@@ -47,6 +47,17 @@ def tp_plan_problem(config: Any, arch: str, tp_size: int) -> str | None:
     return None
 
 
+def tp_shape_problem(num_heads: int, num_kv_heads: int, intermediate_size: int, tp_size: int) -> str | None:
+    """Why a model of these widths cannot be split over ``tp_size`` ranks (None: it can): every TP rank needs whole
+    attention heads (query and key/value) and an equal share of the MLP."""
+    for what, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                        ("intermediate_size", intermediate_size)):
+        if tp_size > 1 and value % tp_size:
+            return (f"model.{what} = {value} is not divisible by tp_size {tp_size}: every TP rank needs whole heads "
+                    "and an equal share of the MLP; use a tp_size that divides it")
+    return None
+
+
 SUPPORTED_STYLES = frozenset({"colwise", "rowwise", "embedding_rowwise", "colwise_gather_output"})
 """TP styles whose training loss pretrain's tests compare with one process (Llama-like dense blocks)."""
 

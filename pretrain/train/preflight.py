@@ -66,10 +66,12 @@ def check_tensor_parallel(recipe: Recipe, launch: Launch) -> None:
     is refused before anything starts; the plan is the config class's, so nothing is built."""
     from transformers import CONFIG_MAPPING
 
-    from pretrain.distributed.tensor_parallel import tp_plan_problem
+    from pretrain.distributed.tensor_parallel import tp_plan_problem, tp_shape_problem
 
     config = CONFIG_MAPPING[recipe.model.arch]
-    problem = tp_plan_problem(config, recipe.model.arch, launch.tp_size)
+    model = recipe.model
+    problem = tp_plan_problem(config, model.arch, launch.tp_size) or tp_shape_problem(
+        model.num_heads, model.num_kv_heads or model.num_heads, model.intermediate_size or 0, launch.tp_size)
     if problem:
         raise ConfigError(problem)
 

@@ -130,6 +130,13 @@ def test_cp_on_cpu_is_refused_naming_torchs_error(capsys, started, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     code, err = pretrain_launch(capsys, *CP2_ON_2, "--cpu", "--recipe", TINY, *FAST)
     assert code == 2 and started == [] and expected in err, err
+    # and --dry-run, planning CPU processes (no GPU named), as pretrain-launch does (issue 36: it answered exit 0)
+    from pretrain.run import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["--dry-run", "--config_file", CP2, "--recipe", TINY, *FAST, "batch.micro_batch_size=2"]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err, err
 
 
 def test_cp_that_reached_cpu_processes_stops_before_the_process_group(tmp_path, monkeypatch):

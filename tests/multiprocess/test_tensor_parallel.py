@@ -46,6 +46,23 @@ def test_an_architecture_without_a_tp_plan_is_refused_naming_it():
     check_layout(make_recipe("model.arch=llama", "model.tie_embeddings=true"), launch)
 
 
+def test_widths_tp_cannot_split_are_refused_before_any_process(capsys):
+    """Issue 36: a TP degree that does not divide the heads reached the ranks (transformers' shape error in every
+    process); --dry-run answered "no estimate" and exit 0. The run's checks, and so launch and dry run, refuse it."""
+    from pretrain.run import main
+
+    launch = Launch("fsdp", num_nodes=1, gpus_per_node=4, tp_size=2)
+    for overrides, what in ((("model.num_heads=3", "model.num_kv_heads=3", "model.hidden_size=96"), "num_heads = 3"),
+                            (("model.num_kv_heads=1",), "num_kv_heads = 1"),
+                            (("model.intermediate_size=129",), "intermediate_size = 129")):
+        with pytest.raises(ConfigError, match=f"model.{what} is not divisible by tp_size 2"):
+            check_layout(make_recipe(*overrides), launch)
+    code = main(["--dry-run", "--config_file", str(CONFIGS / "fsdp2_tp2.yaml"), "--recipe", str(ROOT / "recipes" / "tiny.yaml"),
+                 "batch.micro_batch_size=8", "model.num_heads=3", "model.num_kv_heads=3", "model.hidden_size=96"])
+    err = capsys.readouterr().err
+    assert code == 2 and "model.num_heads = 3 is not divisible by tp_size 2" in err and "Traceback" not in err
+
+
 def test_replicate_parallel_stand_in_is_importable_and_refuses_use():
     """accelerate 1.15's _prepare_tp imports ReplicateParallel from transformers, which 5.24 removed: without the
     stand-in every FSDP2 + TP prepare fails with ImportError; if accelerate ever instantiates it, it must fail loudly."""

@@ -138,7 +138,7 @@ def tensor_parallel(shape: ModelShape, size: int) -> TensorParallel | None:
         return NO_TP
     from types import SimpleNamespace
 
-    from pretrain.distributed.tensor_parallel import tp_plan_problem
+    from pretrain.distributed.tensor_parallel import tp_plan_problem, tp_shape_problem
 
     plan, base = tp_plan(shape.arch)
     problem = tp_plan_problem(SimpleNamespace(base_model_tp_plan=base), shape.arch, size)
@@ -147,11 +147,9 @@ def tensor_parallel(shape: ModelShape, size: int) -> TensorParallel | None:
     if shape.num_experts or shape.family != "llama" or shape.arch == "phi3":
         raise ConfigError(f"model.arch = {shape.arch}: the memory estimator sizes TP for dense Llama-style blocks "
                           "with separate q/k/v and gate/up projections only; set tp_size to 1")
-    for what, value in (("num_heads", shape.num_heads), ("num_kv_heads", shape.num_kv_heads),
-                        ("intermediate_size", shape.intermediate_size)):
-        if value % size:
-            raise ConfigError(f"model.{what} = {value} is not divisible by tp_size {size}: every TP rank needs whole "
-                              f"heads and an equal share of the MLP; use a tp_size that divides it")
+    problem = tp_shape_problem(shape.num_heads, shape.num_kv_heads, shape.intermediate_size, size)
+    if problem:
+        raise ConfigError(problem)
     d, f, V = shape.hidden_size, shape.intermediate_size, shape.vocab_size
     q, k = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     # (weight, bias split by colwise) per plan module; a rowwise bias stays whole
