@@ -138,6 +138,29 @@ def refused_types(path: Path) -> list[str]:
         return [f"unreadable ({type(exc).__name__}: {exc})"]
 
 
+def outside_storage(path: Path) -> str | None:
+    """The refusal for a DCP ``.metadata`` (read with only DCP_METADATA's types; its types are ``refused_types``'
+    to judge) that names a storage file outside its checkpoint directory, or None. torch's FileSystemReader reads
+    ``directory / relative_path`` for every entry, wherever that leads."""
+    directory = path.parent
+    try:
+        with open(path, "rb") as f:
+            storage = getattr(_MetadataUnpickler(io.BytesIO(f.read())).load(), "storage_data", None)
+    except Exception:  # noqa: BLE001 - unreadable: refused_types says so
+        return None
+    if not isinstance(storage, dict):
+        return (f"{path} has no storage_data: it is not the metadata torch.distributed.checkpoint writes, and "
+                "pretrain does not load it. Restore the checkpoint from a copy you trust, or resume from another one")
+    outside = sorted({repr(getattr(info, "relative_path", None)) for info in storage.values()
+                      if not isinstance(getattr(info, "relative_path", None), str) or not info.relative_path
+                      or Path(info.relative_path).is_absolute() or not is_inside(directory / info.relative_path, directory)})
+    if not outside:
+        return None
+    return (f"{path} names storage files outside its checkpoint {directory} ({', '.join(outside[:3])}"
+            f"{' ...' if len(outside) > 3 else ''}), which pretrain does not read (a path read from a file stays "
+            "inside its directory). Restore the checkpoint from a copy you trust, or resume from another one")
+
+
 def refusal(where: Path, found: str) -> str:
     return (f"{where} holds a pickle that names {found}, which pretrain does not load: a checkpoint is "
             "read with torch.load(weights_only=True), and only tensors, containers and the types DeepSpeed and "
@@ -165,6 +188,8 @@ def check_files(directory: Path, relpaths: Iterable[str]) -> str | None:
             refused = refused_types(path)
             if refused:
                 return refusal(path, ", ".join(refused))
+            if path.name.endswith(".metadata") and (outside := outside_storage(path)):
+                return outside
     return None
 
 

@@ -180,6 +180,29 @@ def test_a_library_load_with_weights_only_false_is_made_weights_only(tmp_path, m
     assert not marker.exists()
 
 
+def test_a_dcp_metadata_naming_storage_outside_its_checkpoint_is_refused_before_any_read(tmp_path):
+    """Issue 36: an FSDP checkpoint's DCP .metadata maps each tensor to a storage file by relative path, which torch's
+    FileSystemReader joins to the checkpoint directory whatever it is: resume and export read a file outside it.
+    The check every load goes through (check_files) refuses it, naming the file; an intact one passes."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from pretrain.trust import check_files
+
+    checkpoint = tmp_path / "step_00000002" / "pytorch_model_fsdp_0"
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=str(checkpoint), no_dist=True)
+    assert check_files(checkpoint, [".metadata", "__0_0.distcp"]) is None
+    (tmp_path / "secret.distcp").write_bytes((checkpoint / "__0_0.distcp").read_bytes())
+    metadata = pickle.loads((checkpoint / ".metadata").read_bytes())  # the test's own file: plain pickle is fine
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../secret.distcp"
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    refused = check_files(checkpoint, [".metadata"])
+    assert refused.startswith(f"{checkpoint / '.metadata'} names storage files outside its checkpoint {checkpoint} "
+                              "('../../secret.distcp')"), refused
+
+
 # ---- paths ------------------------------------------------------------------------------------------------
 def _checkpoint(path: Path, step: int = 2) -> Path:
     path.mkdir(parents=True)
