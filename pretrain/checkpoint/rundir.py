@@ -84,8 +84,42 @@ def _read_appended(path: Path) -> list[dict[str, Any]]:
 
 
 def read_rollbacks(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Every record of ``<run_dir>/rollbacks.jsonl`` (stability.rollback), oldest first."""
-    return _read_appended(Path(run_dir) / ROLLBACKS_FILE)
+    """Every record of ``<run_dir>/rollbacks.jsonl`` (stability.rollback), oldest first, each checked to be what a
+    rollback writes: the loop applies its batches (skipped), lr factor and window, so a record edited or damaged into
+    anything else (a string for a number, a factor of 1e9, a window of every batch) is one ConfigError naming the line,
+    not a traceback or a run that trains on other data."""
+    path = Path(run_dir) / ROLLBACKS_FILE
+    records = _read_appended(path)
+    for number, record in enumerate(records, start=1):
+        problem = _rollback_problem(record)
+        if problem:
+            raise ConfigError(f"{path}:{number}: {problem}, which stability.rollback never writes: the file was edited "
+                              "or damaged. Restore it from a copy, or delete that line to drop the rollback it records "
+                              "(its skipped batches are then trained)")
+    return records
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _rollback_problem(record: Any) -> str | None:
+    if not isinstance(record, dict):
+        return f"a {type(record).__name__}, not a rollback record"
+    for key in ("batches", "lr_schedule_steps"):  # what the loop applies (skipped_steps is for people)
+        pair = record.get(key)
+        if not (isinstance(pair, list) and len(pair) == 2 and all(_is_int(v) and v >= 0 for v in pair)
+                and pair[0] <= pair[1]):
+            return f"{key} = {pair!r} is not a range [first, last] of steps or batches"
+    if not _is_int(record.get("to_step")) or record["to_step"] < 0:
+        return f"to_step = {record.get('to_step')!r} is not a step"
+    factor = record.get("lr_factor")
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
+        return f"lr_factor = {factor!r} is not in (0, 1]"
+    saved_at = record.get("checkpoint_saved_at")
+    if saved_at is not None and (not isinstance(saved_at, (int, float)) or isinstance(saved_at, bool)):
+        return f"checkpoint_saved_at = {saved_at!r} is not a time"
+    return None
 
 
 def read_launches(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -63,6 +64,23 @@ def test_a_resume_restores_the_rollbacks_of_its_own_timeline_only(tmp_path):
     assert history.skipped == [(4, 8), (16, 19)]
     assert [history.lr_factor(s) for s in (3, 4, 5, 6, 12, 13)] == [1.0, 0.5, 0.5, 1.0, 0.25, 1.0]
     assert history.attempts(12) == 1 and history.attempts(4) == 1
+
+
+@pytest.mark.parametrize("line, named", [
+    ("[1, 2]", "a list, not a rollback record"),
+    ('{"to_step": 4, "batches": ["4", 8], "lr_factor": 0.5, "lr_schedule_steps": [4, 6]}', "batches = ['4', 8]"),
+    ('{"to_step": 4, "batches": [0, 1000000000000], "lr_factor": 1e9, "lr_schedule_steps": [4, 6]}',
+     "lr_factor = 1000000000.0 is not in (0, 1]"),
+    ('{"to_step": 4, "batches": [8, 4], "lr_factor": 0.5, "lr_schedule_steps": [4, 6]}', "batches = [8, 4]"),
+    ('{"to_step": -1, "batches": [4, 8], "lr_factor": 0.5, "lr_schedule_steps": [4, 6]}', "to_step = -1"),
+])
+def test_a_forged_or_garbage_rollback_record_is_one_message_naming_the_line(tmp_path, line, named):
+    """Issue 36: the loop applies a record's skipped batches and lr window as read: a string was a traceback in the
+    loop, a factor of 1e9 a run that diverges by itself. A line that is not what a rollback writes is refused."""
+    good = '{"to_step": 2, "batches": [2, 3], "lr_factor": 1.0, "lr_schedule_steps": [2, 2], "checkpoint_saved_at": 1.5}'
+    (tmp_path / "rollbacks.jsonl").write_text(f"{good}\n{line}\n{good}\n")
+    with pytest.raises(ConfigError, match=re.escape(f"rollbacks.jsonl:2: {named}")):
+        Rollback(RollbackConfig(), tmp_path)
 
 
 def test_a_rollback_that_could_never_act_is_refused():
