@@ -226,7 +226,7 @@ def _check_trained_on(record: RunRecord, data: PackedData | MixtureData) -> None
 
 def _open_stores(recipe: Recipe, config: dict[str, Any]) -> PackedData | MixtureData:
     """Each store at the path the run recorded, opened from its manifest alone (no corpus, no tokenizer
-    training), with the recipe's row length and data.train_subset, as the run opened it."""
+    training), with the recipe's row length and data.train_subset, and verified, as the run opened it."""
     data_cfg = recipe.data
     names = [m.name for m in data_cfg.mixture] or [SINGLE]
     opened = {}
@@ -237,7 +237,9 @@ def _open_stores(recipe: Recipe, config: dict[str, Any]) -> PackedData | Mixture
             raise ConfigError(f"run_config.json records no store for {name!r} ({key}); rerun the run's command to "
                               "rewrite it")
         cfg = data_cfg.source_config(name) if data_cfg.mixture else data_cfg
-        opened[name] = open_store(cfg.model_copy(update={"store": path}), log=lambda _: None, checksums=False)
+        # verified as the run verifies a store it opens (every file's checksum up to VERIFY_ON_OPEN_MAX_BYTES, the
+        # sizes beyond): a store changed at the same size is refused here as training refuses it
+        opened[name] = open_store(cfg.model_copy(update={"store": path}), log=lambda _: None, checksums=None)
     if not data_cfg.mixture:
         return opened[SINGLE]
     first = opened[names[0]]

@@ -388,6 +388,28 @@ def test_pretrain_data_which_names_the_documents_each_rank_trained_on(two_proces
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_pretrain_data_which_refuses_a_store_changed_at_the_same_size(two_process_run, tmp_path, capsys):
+    """Issue 36: training refuses a store whose shard changed at the same size (its checksums); the lookup answered
+    from it, naming other documents. It verifies the stores as the run does."""
+    out, _ = two_process_run
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    config = json.loads((run / "run_config.json").read_text())
+    for key in [k for k, v in config.items() if k.endswith("/cache_dir") and v]:  # each store copied, recorded
+        copy = tmp_path / "stores" / key.replace("/", "_")
+        shutil.copytree(config[key], copy)
+        config[key] = str(copy)
+    (run / "run_config.json").write_text(json.dumps(config))
+    assert which(capsys, "--run", str(run), "--step", "3")[0] == 0
+    shard = next(p for p in (tmp_path / "stores").rglob("*.ds") if p.stat().st_size > 64)
+    data = bytearray(shard.read_bytes())
+    data[16] ^= 0xFF  # one token changed, the size kept
+    shard.write_bytes(bytes(data))
+    code, _, err = which(capsys, "--run", str(run), "--step", "3")
+    assert code == 2 and str(shard.name) in err and "Traceback" not in err, err
+
+
 def test_pretrain_data_which_after_a_resume_on_another_world_size(two_process_run, tmp_path, capsys):
     """The 2-process run as a resume at step 4 on 1 process (MBS 2 x GAS 4) leaves it: run_config.json with that
     plan and resume/step 4, step 8's checkpoint written by it. Every step has the same sequences as before; steps
