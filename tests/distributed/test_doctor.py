@@ -82,8 +82,11 @@ def test_bad_input_is_one_message_exit_2(tmp_path):
     assert "--threshold must be a fraction in (0, 1]" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_an_output_or_exclude_file_it_cannot_write_is_one_message_before_any_check(tmp_path):
-    """Issue 36: both were tracebacks, the output_dir's after every check had run."""
+def test_an_output_or_exclude_file_it_cannot_write_is_one_message_before_any_check(tmp_path, capsys):
+    """Issue 36: both were tracebacks, the output_dir's after every check had run (main() in this process: the
+    refusal comes before any process group or measurement)."""
+    from pretrain.cli.doctor import main
+
     blocker = tmp_path / "file"
     blocker.write_text("")
     for args, message in (
@@ -92,9 +95,9 @@ def test_an_output_or_exclude_file_it_cannot_write_is_one_message_before_any_che
          "--exclude-file's directory"),
         (["--output-dir", str(tmp_path / "out"), "--exclude-file", str(tmp_path)], "is a directory"),
     ):
-        proc = run_cmd([sys.executable, "-m", "pretrain", "doctor", *args], timeout=60)
-        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-        assert "doctor: figures" not in proc.stdout  # refused before measuring
+        assert main(args) == 2
+        out, err = capsys.readouterr()
+        assert message in err and "doctor: figures" not in out, err  # refused before measuring
 
 
 def test_one_process_without_a_launcher_measures_its_device(tmp_path):

@@ -104,7 +104,7 @@ def test_gradients_are_alive_in_backward_only_past_the_first_micro_step():
     assert single.phases["backward"] == first.phases["backward"] - 4 * P
 
 
-def test_add_takes_a_visits_rows_and_refits(tmp_path, tool):
+def test_add_takes_a_visits_rows_and_refits(tmp_path, tool, capsys):
     """A visit's bench_gpu.json (its GPU and versions, its ok rows) joins the rows; the refit is written."""
     file = tmp_path / "calibration.json"
     file.write_text(calibration.FILE.read_text())
@@ -114,38 +114,42 @@ def test_add_takes_a_visits_rows_and_refits(tmp_path, tool):
     bench.write_text(json.dumps({"device": "NVIDIA H200", "date": "2026-12-01",
                                  "versions": {"torch": "2.11.0", "transformers": "5.17.0"},
                                  "rows": [row, {**row, "setting": "default", "status": "no-fit", "peak_gib": None}]}))
-    proc = run_cmd([sys.executable, str(TOOL), "--file", str(file), "--add", str(bench)], timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    assert tool.main(["--file", str(file), "--add", str(bench)]) == 0
+    out = capsys.readouterr().out
     data = json.loads(file.read_text())
     added = [r for r in data["rows"] if r["gpu"] == "NVIDIA H200"]
     assert len(added) == 1 and added[0]["peak_gib"] == 27.0 and added[0]["recipe"] == "recipes/llama-1b.yaml"
     assert {"gpu": "NVIDIA H200", "torch": "2.11.0", "transformers": "5.17.0"} in data["measured_on"]
     assert data["factors"]["compiled/none/16-bit/ddp"]["rows"] == 3
-    assert "| llama-1b / mbs-4 / MBS 4 | compiled/none/16-bit/ddp | 27.00 |" in proc.stdout
+    assert "| llama-1b / mbs-4 / MBS 4 | compiled/none/16-bit/ddp | 27.00 |" in out
     # --check on the refitted file: up to date
-    assert run_cmd([sys.executable, str(TOOL), "--file", str(file), "--check"], timeout=300).returncode == 0
+    assert tool.main(["--file", str(file), "--check"]) == 0
     # a file that is not a visit's: one line, exit 2
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
-    proc = run_cmd([sys.executable, str(TOOL), "--file", str(file), "--add", str(bad)], timeout=300)
-    assert proc.returncode == 2 and "not a bench_gpu.json" in proc.stderr and "Traceback" not in proc.stderr
+    capsys.readouterr()
+    assert tool.main(["--file", str(file), "--add", str(bad)]) == 2
+    assert "not a bench_gpu.json" in capsys.readouterr().err
     # a CPU rehearsal's rows (tools/bench_gpu.py --reduced) calibrate nothing
     bad.write_text(json.dumps({"device": "AMD EPYC", "versions": {"torch": "2.13.0", "transformers": "5.17.0"},
                                "rows": [{**row, "model": "tiny", "setting": "default"}]}))
-    proc = run_cmd([sys.executable, str(TOOL), "--file", str(file), "--add", str(bad)], timeout=300)
-    assert proc.returncode == 2 and "only rows measured on a GPU" in proc.stderr
+    assert tool.main(["--file", str(file), "--add", str(bad)]) == 2
+    assert "only rows measured on a GPU" in capsys.readouterr().err
     # no calibration file there: one line, exit 2
-    proc = run_cmd([sys.executable, str(TOOL), "--file", str(tmp_path / "missing.json"), "--check"], timeout=300)
-    assert proc.returncode == 2 and "not a calibration file" in proc.stderr and "Traceback" not in proc.stderr
+    assert tool.main(["--file", str(tmp_path / "missing.json"), "--check"]) == 2
+    assert "not a calibration file" in capsys.readouterr().err
+    # and as a script, as the docs run it (the tool's own directory first on the path)
+    proc = run_cmd([sys.executable, str(TOOL), "--file", str(file), "--check"], timeout=300)
+    assert proc.returncode == 0, proc.stderr
 
 
-def test_check_says_when_the_file_is_stale(tmp_path):
+def test_check_says_when_the_file_is_stale(tmp_path, tool, capsys):
     file = tmp_path / "calibration.json"
     data = json.loads(calibration.FILE.read_text())
     data["factors"]["compiled/none/16-bit/ddp"]["factor"] = 0.5
     file.write_text(json.dumps(data))
-    proc = run_cmd([sys.executable, str(TOOL), "--file", str(file), "--check"], timeout=300)
-    assert proc.returncode == 1 and "is stale" in proc.stderr
+    assert tool.main(["--file", str(file), "--check"]) == 1
+    assert "is stale" in capsys.readouterr().err
     assert json.loads(file.read_text())["factors"]["compiled/none/16-bit/ddp"]["factor"] == 0.5  # --check writes nothing
 
 
