@@ -107,6 +107,8 @@ SKIPPED = {
     "python tools/setup_memory.py": "measures each layout's set-up memory in real launches (minutes); "
                                     "docs/performance.md shows its output",
     "python tools/bench_startup.py": "times repeated training starts (minutes); docs/performance.md shows its output",
+    "python tools/calibrate_memory.py": "refits the shipped pretrain/plan/memory/calibration.json (a GPU visit's "
+                                        "rows with --add); tests/plan/test_memory_calibration.py runs it",
     "python tools/bench_data.py": "the data benchmark: a 0.5-2 GB corpus tokenized four times (tens of minutes)",
     "python tools/bench_gpu.py --reduced": "2 training launches (a minute or two); tests/plan/test_tools.py runs it",
     "python tools/bench_gpu.py --models llama-1b": "the GPU benchmark: needs a GPU (an hour)",
