@@ -50,9 +50,12 @@ from pretrain.distributed.sbatch import (
     sbatch_options,
 )
 from pretrain.errors import EXIT_USAGE, ConfigError
+from pretrain.train.goodput import read_goodput, summarise, summary_line
 
 SLURM_SUBDIR = "slurm"  # inside the run's output_dir: job.sbatch, jobs.jsonl, slurm-<jobid>.out, excluded_hosts
 EXCLUDED_HOSTS = "excluded_hosts"  # nodes pretrain doctor found unhealthy, one a line
+# Each start, requeue and end of the batch script, with its Unix time: the queue time between requeues (goodput)
+ALLOCATIONS = "allocations.jsonl"
 DEFAULT_PORT_BASE = 20000  # --port auto: 20000 + job id mod 10000, below the Linux ephemeral range
 MAX_SIGNAL_LEAD_S = 65535  # sbatch --signal=<sig>@<sig_time>: sig_time is at most 65535 s
 
@@ -382,7 +385,13 @@ def render_script(job: Job, python: str = sys.executable) -> str:
         "}",
         "trap 'stop_training USR1' USR1",
         "trap 'stop_training TERM' TERM",
+        "# The allocation's start, requeue and end times: pretrain-slurm status counts the queue time between them.",
+        "record_event() {",
+        f'  printf \'{{"job_id": "%s", "event": "%s", "time": %s}}\\n\' "$SLURM_JOB_ID" "$1" "$(date +%s.%N)" '
+        f'>> "$RUN_DIR/{SLURM_SUBDIR}/{ALLOCATIONS}"',
+        "}",
         "",
+        "record_event start",
         'echo "pretrain-slurm: job $SLURM_JOB_ID start $(( ${SLURM_RESTART_COUNT:-0} + 1 )) at $(date -Is) '
         'on $SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR:$MASTER_PORT"',
         *(doctor_lines(job) if job.doctor else []),
@@ -397,10 +406,12 @@ def render_script(job: Job, python: str = sys.executable) -> str:
         '[ -n "$WATCHDOG_PID" ] && kill "$WATCHDOG_PID" 2>/dev/null',
         'if [ "$STOP_SIGNAL" = USR1 ]; then',
         '  echo "pretrain-slurm: training stopped (exit $STATUS); requeueing job $SLURM_JOB_ID at $(date -Is)"',
+        "  record_event requeue",
         '  scontrol requeue "$SLURM_JOB_ID" && exit 0',
         '  echo "pretrain-slurm: scontrol requeue failed; resubmit with: sbatch $RUN_DIR/slurm/job.sbatch"',
         "fi",
         'echo "pretrain-slurm: training exited with $STATUS at $(date -Is)"',
+        "record_event end",
         'exit "$STATUS"',
     ]
     return "\n".join(lines) + "\n"
@@ -431,9 +442,11 @@ def doctor_lines(job: Job) -> list[str]:
         '    echo "pretrain-slurm: the resubmission without $EXCLUDE failed (above); fix or replace the nodes, '
         f'then: sbatch --exclude=$EXCLUDE $RUN_DIR/{SLURM_SUBDIR}/job.sbatch"',
         "  fi",
+        "  record_event end",
         "  exit 1",
         'elif [ "$DOCTOR_STATUS" != 0 ]; then',
         '  echo "pretrain-slurm: doctor exited with $DOCTOR_STATUS at $(date -Is); not training"',
+        "  record_event end",
         '  exit "$DOCTOR_STATUS"',
         "fi",
     ]
@@ -508,7 +521,41 @@ def run_status(run_dir: Path) -> str:
         out.append(f"  log          {log}")
     out.append(f"checkpoint     {latest_checkpoint(run_dir)}")
     out.append(f"last step      {last_logged_step(run_dir)}")
+    out.append(f"goodput        {run_goodput(run_dir)}")
     return "\n".join(out)
+
+
+def queue_intervals(slurm_dir: Path) -> list[tuple[float, float]]:
+    """[requeue or end, next start) of the batch script's records: the job waiting for an allocation."""
+    path = slurm_dir / ALLOCATIONS
+    events = []
+    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
+        try:
+            record = json.loads(line)
+            events.append((float(record["time"]), str(record["event"])))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue  # a line cut off by a killed node: the interval it would open or close is left out
+    events.sort()
+    intervals, waiting_since = [], None
+    for when, event in events:
+        if event in ("requeue", "end"):
+            waiting_since = when
+        elif event == "start" and waiting_since is not None:
+            intervals.append((waiting_since, when))
+            waiting_since = None
+    return intervals
+
+
+def run_goodput(run_dir: Path) -> str:
+    """The run's goodput over every attempt (goodput.json), the time between them split into SLURM's queue time
+    (allocations.jsonl) and the rest (restart)."""
+    try:
+        attempts = read_goodput(run_dir)
+    except ValueError as exc:
+        return f"unreadable: {exc}"
+    if not attempts:
+        return "no attempt recorded yet"
+    return summary_line(summarise(attempts, queue_intervals(run_dir / SLURM_SUBDIR)))
 
 
 def latest_checkpoint(run_dir: Path) -> str:

@@ -43,6 +43,7 @@ from pretrain.train.downstream import DownstreamEvaluator
 from pretrain.train.engine import Engine, Objective, OptimizerStep, loss_normaliser
 from pretrain.train.evaluation import Evaluator
 from pretrain.train.final_model import FinalModel
+from pretrain.train.goodput import Goodput
 from pretrain.train.metrics import ThroughputMonitor, peak_warning, train_metrics
 from pretrain.train.model_parts import build_model_parts
 from pretrain.train.preflight import check_run
@@ -71,6 +72,8 @@ class Trainer:
         # One run per output_dir: global rank 0 holds the lock (a second run stops here with exit 2, and a
         # rank 0 that stops takes its launch down with it).
         self.lock = RunLock.acquire(self.output_dir, log=self.log) if self.is_main else None
+        # Where this attempt's wall time goes, from the process's start (pretrain/train/goodput.py).
+        self.goodput = Goodput.open(self.output_dir, write=self.is_main, log=self.log)
         # The resume (pretrain/checkpoint/resume.py): decided, its data checked and its layout converted (or refused)
         # now, before any process group exists; loaded once the model and optimizer are prepared (``load``).
         self.resume = Resume.prepare(recipe, self.launch, log=self.log)
@@ -81,7 +84,8 @@ class Trainer:
             prepare_init_from(recipe, self.launch, log=self.log)
         # The token store exists before the process group does: no rank ever waits for data in a collective.
         prepare_command = prepare_command or f"pretrain-prepare-data --recipe <the recipe of {recipe.name!r}>"
-        ensure_data(recipe.data, self.launch, prepare_command, log=self.log)
+        with self.goodput.phase("data_build"):
+            ensure_data(recipe.data, self.launch, prepare_command, log=self.log)
 
         self.trackers = build_trackers(recipe, self.output_dir, self.resume.step, self.is_main)
         self.setup = build_accelerator(recipe, run_plan, self.output_dir, self.trackers,
@@ -93,7 +97,8 @@ class Trainer:
                                          log=self.log)
         self.diagnostics = Diagnostics(self.accelerator, recipe.runtime, recipe.profile, self.output_dir, self.log)
         set_seed(recipe.train.seed)
-        self.data = open_data(recipe.data, log=self.log, prepare_command=prepare_command)
+        with self.goodput.phase("data_build"):
+            self.data = open_data(recipe.data, log=self.log, prepare_command=prepare_command)
         self.tokenizer = self.data.tokenizer
         self.parts = build_model_parts(recipe, run_plan, self.accelerator, self.setup, len(self.tokenizer),
                                        pretrained=init_from, log=self.log,
@@ -104,6 +109,7 @@ class Trainer:
         self.build_step(fp16=run_plan.mixed_precision == "fp16")
         self.state = RunState(log=self.log, **self.stateful_parts())
         resumed = self.load()
+        self.goodput.step = self.step
         self.resumed = None if resumed is None else {**resumed.record(), "lr": self.schedule.lr}  # run_config.json's
         if resumed is not None and resumed.step != self.resume.choice.step:
             set_resume_step(self.trackers, resumed.step)  # they were built for the checkpoint seen first
@@ -213,20 +219,26 @@ class Trainer:
             return last_metrics
         with StopSignals(log=self.log) as stop:  # SIGTERM / SIGUSR1 / Ctrl-C: stop after the step in flight
             if self.step == 0 and self.evaluator.due(0):
-                self.evaluator.evaluate(self.model, 0)
+                with self.goodput.phase("evaluation"):
+                    self.evaluator.evaluate(self.model, 0)
             self.model.train()
             self.throughput.start(self.step)
             self.console.start(self.num_steps, self.step)
             first_step = self.step
+            self.goodput.loop_started(first_step)
             with self.diagnostics.loop(first_step) as diagnostics:  # profiler window, hang watchdog
                 try:
                     ended, last_metrics = self.loop(stop, diagnostics)
                 except TrainingDiverged as exc:
+                    self.goodput.loop_ended()
                     self.console.close()
-                    self.checkpointer.wait()  # the newest checkpoint may still be written in the background
+                    with self.goodput.phase("checkpoint"):
+                        self.checkpointer.wait()  # the newest checkpoint may still be written in the background
                     newest = latest_checkpoint(self.output_dir)
                     self.accelerator.end_training()
+                    self.goodput.write()
                     raise TrainingDiverged(f"{exc} (newest checkpoint: {newest or 'none'})") from None
+            self.goodput.loop_ended()
             # Outside the loop's diagnostics: the watchdog does not time the export or the preemption checkpoint.
             if ended == "preempted":
                 self.interrupted = stop.interrupted
@@ -256,17 +268,22 @@ class Trainer:
             try:
                 last_metrics = self.report(result) or last_metrics
             except TooManySkips as stop_here:  # TrainingDiverged (exit 3) unless stability.rollback takes over
-                self.rollback.roll_back(stop_here, self)
+                with self.goodput.phase("rollback"):
+                    self.rollback.roll_back(stop_here, self)
+                self.goodput.rolled_back(self.step)  # the steps after the checkpoint it reloaded were thrown away
+                self.goodput.write()
                 self.rolled_back = True
                 self.throughput.start(self.step)  # the interval restarts after the reload, as after a resume
                 diagnostics.step_done()
                 continue
+            self.goodput.step_done(self.step, kept=not (result.verdict is not None and result.verdict.skip))
             if self.evaluator.due(self.step):
-                with self.throughput.excluded():
+                with self.throughput.excluded(), self.goodput.phase("evaluation"):
                     self.evaluator.evaluate(self.model, self.step)
             if self.checkpointer.should_save(self.step):
-                with self.throughput.excluded():
+                with self.throughput.excluded(), self.goodput.phase("checkpoint"):
                     self.save_checkpoint()
+                self.goodput.write()
             elif stop.agreed(self.accelerator):
                 return "preempted", last_metrics
             diagnostics.step_done()
@@ -274,7 +291,8 @@ class Trainer:
 
     # ---- around the loop ----------------------------------------------------------------------------
     def log_train(self, result: OptimizerStep) -> dict[str, float]:
-        return self.step_log.write(self.step, train_metrics(self, result))
+        self.goodput.write(force=False)
+        return self.step_log.write(self.step, {**train_metrics(self, result), **self.goodput.metrics()})
 
     def report(self, result: OptimizerStep) -> dict[str, float] | None:
         """Count the step's verdict, log the step (on logging steps, and always when its update was skipped);
@@ -314,8 +332,9 @@ class Trainer:
 
     def stop_preempted(self) -> None:
         """A stop signal reached every rank: checkpoint the step just done and end; the same command resumes."""
-        self.save_checkpoint()
-        self.checkpointer.wait()  # checkpoint.async: written before the run says it has it
+        with self.goodput.phase("checkpoint"):
+            self.save_checkpoint()
+            self.checkpointer.wait()  # checkpoint.async: written before the run says it has it
         self.preempted = True
         self.console.close()
         what = "interrupted" if self.interrupted else "preempted"  # pretrain-slurm status counts "preempted: ..."
@@ -327,8 +346,10 @@ class Trainer:
         """data.on_exhausted=stop: a source has been read once. Checkpoint (unless this step's is there), evaluate
         and end like a finished run; the same command would stop here again."""
         if self.step > first_step and not self.checkpointer.should_save(self.step):
-            self.save_checkpoint()
-        self.evaluator.evaluate_rest(self.model, self.step)
+            with self.goodput.phase("checkpoint"):
+                self.save_checkpoint()
+        with self.goodput.phase("evaluation"):
+            self.evaluator.evaluate_rest(self.model, self.step)
         _, source = self.train_data.order.steps_available()
         what = f"source {source!r}" if source else "the training split"
         self.log(f"data: stopped after step {self.step}/{self.num_steps}: {what} has been read once and "
@@ -339,11 +360,16 @@ class Trainer:
     def finish(self) -> None:
         self.console.close()
         if self.final_model is not None:
-            self.final_model.save(self.model)
+            with self.goodput.phase("final_model"):
+                self.final_model.save(self.model)
         self.end()
 
     def end(self) -> None:
-        self.checkpointer.wait()  # checkpoint.async: the write in flight completes before the process group goes
+        with self.goodput.phase("checkpoint"):
+            self.checkpointer.wait()  # checkpoint.async: the write in flight completes before the process group goes
+        self.goodput.switch("shutdown")
         self.accelerator.end_training()
+        self.goodput.write()
+        self.log(self.goodput.summary())
         if self.lock is not None:
             self.lock.release()

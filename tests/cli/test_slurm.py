@@ -25,6 +25,7 @@ import pytest
 from pretrain.checkpoint.reshard import CheckpointLayout
 from pretrain.cli import slurm
 from pretrain.distributed.layout import Launch
+from pretrain.train.goodput import read_goodput, summarise, summary_line
 from tests.helpers import (
     FAST,
     ROOT,
@@ -545,6 +546,17 @@ def test_usr1_checkpoints_requeues_and_the_job_continues_the_same_curve(cluster,
     check_ok(status)
     assert "COMPLETED (restarts 1" in status.stdout and "(1 requeue(s)); preemptions 1" in status.stdout
     assert f"step_{steps:08d} (step {steps}/{steps}" in status.stdout
+    # Goodput across the requeue: two attempts, nothing done twice (the stop checkpointed its step), the time
+    # between them is the batch script's requeue-to-start (queue) and the relaunch (restart); every second counted.
+    first, second = read_goodput(out)
+    assert first["step"] == stopped_at and second["step"] == steps and second["seconds"]["lost"] == 0
+    events = [json.loads(line)["event"] for line in (out / "slurm" / "allocations.jsonl").read_text().splitlines()]
+    assert events == ["start", "requeue", "start", "end"]
+    totals = summarise([first, second], slurm.queue_intervals(out / "slurm"))
+    assert totals["seconds"]["queue"] > 0 and totals["seconds"]["productive"] > 0
+    assert sum(totals["seconds"].values()) == pytest.approx(totals["wall_s"], rel=0.01)
+    assert totals["wall_s"] == pytest.approx(second["updated"] - first["started"])
+    assert f"goodput        {summary_line(totals)}" in status.stdout
 
 
 # ---- pretrain-prepare-data --slurm: the token store as an array job -------------------------------

@@ -20,6 +20,7 @@ from pretrain.checkpoint.rundir import read_state, run_rollbacks
 from pretrain.data.loader import GlobalSampleOrder, SkippingOrder
 from pretrain.errors import ConfigError, TrainingDiverged
 from pretrain.recipe.config import RollbackConfig, load_recipe
+from pretrain.train.goodput import read_goodput
 from pretrain.train.rollback import Rollback
 from pretrain.train.stability import LOSS_FACTORS_ENV
 from pretrain.trust import allowed_globals
@@ -162,6 +163,12 @@ def test_a_persistent_spike_rolls_back_skips_its_window_and_ends_finite(rolled_b
     from pretrain.data.lookup import RunData
 
     assert [RunData.open(read_run(out)).order.batch_index(s - 1) for s in (4, 5, 12)] == [3, 9, 16]
+    # goodput.json: the reload and the steps it threw away (5-9) are the rollback's time; every second is counted
+    [attempt] = read_goodput(out)
+    seconds = attempt["seconds"]
+    assert seconds["rollback"] > 0 and seconds["productive"] > 0 and seconds["lost"] == 0 and attempt["step"] == 12
+    assert sum(seconds.values()) == pytest.approx(attempt["wall_s"], abs=0.01)
+    assert re.search(r"^goodput \d+\.\d% of 0:\d\d:\d\d wall over 1 attempt: .*rollback", console, re.M)
 
 
 def _resumed_copy(out: Path, where: Path, resume_step: int, keep_records: bool) -> Path:
@@ -189,6 +196,10 @@ def test_a_resume_after_a_kill_skips_the_same_window_and_reproduces_the_losses(r
     assert f"resume: continuing from {resumed / 'checkpoints' / f'step_{resume_step:08d}'}" in console
     assert "stability: rollback" not in console  # the spike's batches are skipped: no new rollback
     assert train_losses(resumed) == train_losses(out)  # exactly: the same batches, the same lr
+    # goodput: the run had reached step 12; the resumed attempt did steps up to it again (lost), none new
+    first, again = read_goodput(resumed)
+    assert first == read_goodput(out)[0] and again["step"] == 12
+    assert again["seconds"]["lost"] > 0 and again["seconds"]["productive"] == 0
 
 
 def test_a_spike_that_outlasts_max_attempts_stops_the_run_as_without_rollback(tmp_path):
