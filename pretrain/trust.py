@@ -11,10 +11,13 @@ So two rules hold for every file pretrain, or a library it calls, reads from a c
   pass ``weights_only=False``. The few types their states hold beyond tensors and containers are allowed by
   name (``ALLOWED``, registered with ``torch.serialization.add_safe_globals``); anything else is refused
   without being constructed. DCP's ``.metadata`` is read by a plain ``pickle.load``, so ``check_files`` reads
-  it first with an unpickler restricted to DCP's metadata types (the standard library's ``find_class``
-  hook). ``check_files`` runs before any load (each rank its own files, rank 0 before a conversion,
-  pretrain-export on all) so that a refused file is one ConfigError naming the file and the type, on every
-  rank, exit 2; ``refusals`` turns an unpickling error raised by a load despite that into the same message.
+  it first (once) with an unpickler restricted to DCP's metadata types (the standard library's ``find_class``
+  hook); each entry it maps to a ``.distcp`` file must be a torch.save archive there (DCP writes every tensor
+  and value as one), whose pickle is read without running it: random bytes in a shard are refused by name
+  before DCP's reader fails on them in every rank. ``check_files`` runs before any load (each rank its own
+  files, rank 0 before a conversion, pretrain-export on all) so that a refused file is one ConfigError naming
+  the file and the type, on every rank, exit 2; ``weights_only`` turns an unpickling error raised by a load
+  despite that into the same message.
 - **A path read from a file stays inside its directory** (``contained``): a manifest entry inside its
   checkpoint, ``checkpoints/latest`` inside ``checkpoints/``, a recipe's name inside ``runs/``. pretrain
   moves, renames or deletes nothing outside the run's own output_dir (``owned``); ``check_output_dir``
@@ -31,6 +34,7 @@ import importlib
 import io
 import os
 import pickle
+import zipfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -63,6 +67,7 @@ DCP_METADATA = {
 }
 # Files that are pickles (torch.save zips, or DCP's metadata); safetensors and JSON hold no code.
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".metadata")
+DCP_SHARD_SUFFIX = ".distcp"  # a DCP shard: torch.save archives end to end, mapped by the .metadata
 
 
 @functools.cache
@@ -116,38 +121,38 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name}")
 
 
-def refused_types(path: Path) -> list[str]:
-    """The types a pickle file names that the weights-only load would refuse (none: []); nothing is run.
-    torch.save files are read statically (torch.serialization.get_unsafe_globals_in_checkpoint reads only
-    their pickle, not the tensors); DCP's ``.metadata`` is unpickled with only DCP_METADATA's types."""
+def read_metadata(path: Path) -> tuple[object | None, str | None]:
+    """A DCP ``.metadata`` unpickled with only DCP_METADATA's types: (the metadata, None), or (None, what refused
+    it: the first type it names beyond those, or why it is unreadable). Nothing else is constructed."""
+    try:
+        with open(path, "rb") as f:
+            return _MetadataUnpickler(io.BytesIO(f.read())).load(), None
+    except pickle.UnpicklingError as exc:
+        return None, str(exc)
+    except Exception as exc:  # noqa: BLE001 - a malformed pickle is refused, whatever it raises
+        return None, f"unreadable ({type(exc).__name__}: {exc})"
+
+
+def refused_types(file: Path | io.IOBase) -> list[str]:
+    """The types a torch.save file (or a file-like window on one) names that the weights-only load would refuse
+    (none: []); nothing is run: torch.serialization.get_unsafe_globals_in_checkpoint reads only its pickle, not
+    the tensors. (DCP's ``.metadata`` is ``read_metadata``'s.)"""
     import torch
 
     torch.serialization.add_safe_globals(list(allowed_globals()))
-    if path.name.endswith(".metadata"):
-        try:
-            with open(path, "rb") as f:
-                _MetadataUnpickler(io.BytesIO(f.read())).load()
-        except pickle.UnpicklingError as exc:
-            return [str(exc)]
-        except Exception as exc:  # noqa: BLE001 - a malformed pickle is refused, whatever it raises
-            return [f"unreadable ({type(exc).__name__}: {exc})"]
-        return []
     try:
-        return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+        return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(file if isinstance(file, io.IOBase)
+                                                                            else str(file)))
     except Exception as exc:  # noqa: BLE001 - a zip torch cannot read is refused, whatever it raises
         return [f"unreadable ({type(exc).__name__}: {exc})"]
 
 
-def outside_storage(path: Path) -> str | None:
-    """The refusal for a DCP ``.metadata`` (read with only DCP_METADATA's types; its types are ``refused_types``'
-    to judge) that names a storage file outside its checkpoint directory, or None. torch's FileSystemReader reads
-    ``directory / relative_path`` for every entry, wherever that leads."""
+def outside_storage(path: Path, metadata: object) -> str | None:
+    """The refusal for a DCP ``.metadata`` (its ``metadata``, read by ``read_metadata``) that names a storage file
+    outside its checkpoint directory, or None. torch's FileSystemReader reads ``directory / relative_path`` for
+    every entry, wherever that leads."""
     directory = path.parent
-    try:
-        with open(path, "rb") as f:
-            storage = getattr(_MetadataUnpickler(io.BytesIO(f.read())).load(), "storage_data", None)
-    except Exception:  # noqa: BLE001 - unreadable: refused_types says so
-        return None
+    storage = getattr(metadata, "storage_data", None)
     if not isinstance(storage, dict):
         return (f"{path} has no storage_data: it is not the metadata torch.distributed.checkpoint writes, and "
                 "pretrain does not load it. Restore the checkpoint from a copy you trust, or resume from another one")
@@ -159,6 +164,71 @@ def outside_storage(path: Path) -> str | None:
     return (f"{path} names storage files outside its checkpoint {directory} ({', '.join(outside[:3])}"
             f"{' ...' if len(outside) > 3 else ''}), which pretrain does not read (a path read from a file stays "
             "inside its directory). Restore the checkpoint from a copy you trust, or resume from another one")
+
+
+class _Window(io.RawIOBase):
+    """Bytes [offset, offset + length) of an open file, as a seekable file of their own (a DCP entry)."""
+
+    def __init__(self, f, offset: int, length: int):
+        self._f, self._offset, self._length, self._pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, min(self._length, base + pos))
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer)[: max(0, self._length - self._pos)]
+        self._f.seek(self._offset + self._pos)
+        read = self._f.readinto(view) or 0
+        self._pos += read
+        return read
+
+
+def not_a_tensor_file(path: Path, what: str) -> str:
+    return (f"{path} is not a tensor file torch.distributed.checkpoint writes ({what}): it was damaged or replaced, "
+            "and pretrain does not read it. Restore the checkpoint from a copy you trust, or resume from another one")
+
+
+def distcp_problem(path: Path, metadata: object) -> str | None:
+    """The refusal for a DCP shard whose entries (as its directory's ``.metadata`` maps them) are not each a
+    torch.save archive there, or name a type the weights-only load refuses; None when every entry is one (or
+    the metadata names none in it). Each entry's central directory and pickle are read, not its tensors."""
+    storage = getattr(metadata, "storage_data", None)
+    entries = sorted(((getattr(index, "fqn", str(index)), info) for index, info in (storage or {}).items()
+                      if getattr(info, "relative_path", None) == path.name), key=lambda entry: entry[1].offset)
+    if not entries:
+        return None
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        for name, info in entries:
+            offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+            if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and 0 < length
+                    and offset + length <= size):
+                return not_a_tensor_file(path, f"the metadata places its entry {name} at bytes {offset!r} + "
+                                               f"{length!r} of a {size:,}-byte file")
+            if getattr(info, "transform_descriptors", None):
+                return not_a_tensor_file(path, f"its entry {name} is stored through {info.transform_descriptors}, "
+                                               "which pretrain never writes")
+            window = _Window(f, offset, length)
+            if not zipfile.is_zipfile(window):
+                return not_a_tensor_file(path, f"its entry {name} at byte {offset:,} is not a torch.save archive")
+            window.seek(0)
+            refused = refused_types(window)
+            if refused and refused[0].startswith("unreadable ("):
+                return not_a_tensor_file(path, f"its entry {name} at byte {offset:,} is {refused[0]}")
+            if refused:
+                return refusal(path, f"{', '.join(refused)} (its entry {name})")
+    return None
 
 
 def refusal(where: Path, found: str) -> str:
@@ -175,21 +245,40 @@ def not_an_archive(path: Path) -> str:
 
 
 def check_files(directory: Path, relpaths: Iterable[str]) -> str | None:
-    """The refusal for the first pickle among ``relpaths`` (of ``directory``) that names a type the load
-    would refuse, or that is not a zip archive (the legacy format, whose pickle torch reads only by loading it,
-    or bytes that are no archive at all), or None."""
-    import zipfile
+    """The refusal for the first file among ``relpaths`` (of ``directory``) that the loads would run or fail on:
+    a pickle that names a type the load would refuse, or that is not a zip archive (the legacy format, whose
+    pickle torch reads only by loading it, or bytes that are no archive at all); a DCP ``.metadata`` naming
+    storage outside its directory; a DCP shard (``.distcp``) whose entries are not torch.save archives
+    (``distcp_problem``, against its directory's ``.metadata``). None when there is none. Each ``.metadata`` is
+    read once, also for the shards beside it (a rank checking its own shards reads rank 0's metadata)."""
+    metadata: dict[Path, tuple[object | None, str | None]] = {}
+
+    def dcp_metadata(path: Path) -> tuple[object | None, str | None]:
+        if path not in metadata:
+            metadata[path] = read_metadata(path) if path.is_file() else (None, None)
+        return metadata[path]
 
     for rel in sorted(relpaths):
         path = directory / rel
-        if path.name.endswith(PICKLE_SUFFIXES) and path.is_file():
-            if not path.name.endswith(".metadata") and not zipfile.is_zipfile(path):
+        if not path.is_file():
+            continue
+        if path.name.endswith(".metadata"):
+            found, refused = dcp_metadata(path)
+            if refused:
+                return refusal(path, refused)
+            if outside := outside_storage(path, found):
+                return outside
+        elif path.name.endswith(PICKLE_SUFFIXES):
+            if not zipfile.is_zipfile(path):
                 return not_an_archive(path)
             refused = refused_types(path)
             if refused:
                 return refusal(path, ", ".join(refused))
-            if path.name.endswith(".metadata") and (outside := outside_storage(path)):
-                return outside
+        elif path.name.endswith(DCP_SHARD_SUFFIX):
+            found, refused = dcp_metadata(path.parent / ".metadata")
+            if found is not None and refused is None and outside_storage(path.parent / ".metadata", found) is None:
+                if problem := distcp_problem(path, found):
+                    return problem
     return None
 
 

@@ -203,6 +203,43 @@ def test_a_dcp_metadata_naming_storage_outside_its_checkpoint_is_refused_before_
                               "('../../secret.distcp')"), refused
 
 
+def test_a_dcp_shard_that_is_not_a_tensor_file_is_refused_naming_it(tmp_path):
+    """Issue 36: an FSDP checkpoint's DCP shard (``.distcp``) replaced by random bytes (checksums updated) was read by
+    DCP in every rank, each failing with its traceback. The check every load goes through (check_files, as a rank
+    checks its own shard: against rank 0's .metadata) refuses it naming the file and the entry; so is an entry that
+    is a crafted pickle, and a metadata that places an entry past the end of the file."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from pretrain.trust import check_files
+
+    checkpoint = tmp_path / "step_00000002" / "pytorch_model_fsdp_0"
+    dcp.save({"w": torch.ones(4), "b": torch.zeros(2)}, checkpoint_id=str(checkpoint), no_dist=True)
+    shard = checkpoint / "__0_0.distcp"
+    intact = shard.read_bytes()
+    assert check_files(checkpoint, ["__0_0.distcp"]) is None and check_files(checkpoint, [".metadata"]) is None
+
+    shard.write_bytes(os.urandom(len(intact)))
+    refused = check_files(checkpoint, ["__0_0.distcp"])
+    assert refused.startswith(f"{shard} is not a tensor file torch.distributed.checkpoint writes (its entry w at "
+                              "byte 0 is not a torch.save archive)") and "Restore the checkpoint" in refused, refused
+
+    marker = tmp_path / "MARKER"
+    torch.save({"state": _Payload(marker)}, shard)  # one archive: the metadata's entries all point at it
+    metadata = pickle.loads((checkpoint / ".metadata").read_bytes())  # the test's own file: plain pickle is fine
+    for info in metadata.storage_data.values():
+        info.offset, info.length = 0, shard.stat().st_size
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    refused = check_files(checkpoint, [".metadata", "__0_0.distcp"])
+    assert refused.startswith(f"{shard} holds a pickle that names os.makedirs (its entry "), refused
+    assert not marker.exists()
+
+    shard.write_bytes(intact[:100])
+    refused = check_files(checkpoint, ["__0_0.distcp"])
+    assert refused.startswith(f"{shard} is not a tensor file") and "of a 100-byte file" in refused, refused
+
+
 # ---- paths ------------------------------------------------------------------------------------------------
 def _checkpoint(path: Path, step: int = 2) -> Path:
     path.mkdir(parents=True)

@@ -269,3 +269,51 @@ def test_export_of_the_last_checkpoint_gives_the_final_models_logits(curves, tmp
     assert "export:" in printed.getvalue()
     torch.testing.assert_close(_logits(out), _logits(curves[run] / "final_model"), rtol=0, atol=1e-6)
     assert (out / "tokenizer.json").is_file()
+
+
+def test_a_dcp_shard_that_is_not_a_tensor_file_stops_every_rank_with_one_message(curves, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """Issue 36: the FSDP run's step-3 checkpoint (this module's, copied) with rank 1's DCP model shard replaced by
+    random bytes and its checksum updated in the manifest. Before, DCP's reader failed on it in every rank, each with
+    its traceback. Resumed through accelerate launch every rank exits 2 and none prints a traceback, rank 0 says
+    why once (rank 1 found it in its own shard); pretrain-launch refuses it before any process starts, and
+    pretrain-export before any read."""
+    import os
+    import shutil
+    import socket
+
+    from pretrain.cli import export
+    from pretrain.cli import launch as launch_cli
+    from pretrain.trust import FORCE_ENV
+    from tests.checkpoint.test_trust import _replace
+    from tests.helpers import ROOT, TINY
+
+    crafted = tmp_path / "crafted" / "step_00000003"
+    shutil.copytree(curves["FSDP"] / "checkpoints" / "step_00000003", crafted)
+    shard = "pytorch_model_fsdp_0/__1_0.distcp"
+    _replace(crafted, shard, lambda path: path.write_bytes(os.urandom(path.stat().st_size)))
+    message = f"{crafted / shard} is not a tensor file torch.distributed.checkpoint writes"
+    resume = [*CURVE, f"output_dir={tmp_path / 'run'}", f"checkpoint.resume={crafted}"]
+    proc = accelerate_launch("fsdp.yaml", resume, extra=["--num_processes", "2", "--main_process_port",
+                                                         str(free_port())], extra_env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0 and proc.stderr.count("exitcode  : 2") == 2, proc.stderr[-3000:]
+    assert proc.stderr.count(message) == 1, proc.stderr[-3000:]
+    assert f"rank 1 (host {socket.gethostname()}) {message}" in proc.stderr, proc.stderr[-3000:]
+    workers = proc.stderr.split('Traceback (most recent call last):\n  File "<frozen runpy>"')[0]  # then the launcher's
+    assert "Traceback" not in workers, proc.stderr[-3000:]
+
+    # pretrain-launch and pretrain-export in this process: what enforce() sets in os.environ is undone after the test
+    for name in (FORCE_ENV, "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"):
+        monkeypatch.setenv(name, "1")
+        monkeypatch.delenv(name)
+    launched = []
+    monkeypatch.setattr(launch_cli, "run_launcher", lambda argv, environment: launched.append(argv) or 0)
+    capsys.readouterr()
+    code = launch_cli.main(["--config_file", str(ROOT / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2",
+                            "--recipe", TINY, *resume])
+    out, err = capsys.readouterr()
+    assert code == 2 and launched == [] and message in err and "Traceback" not in err, err[-3000:]
+    code = export.main([str(crafted), str(tmp_path / "exported")])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err, err[-3000:]
+    assert not (tmp_path / "exported").exists()
