@@ -112,11 +112,53 @@ def _checksums(directory: Path, relpaths: Iterable[str], algorithm: str, segment
     return out
 
 
+def record_files(directory: Path, relpaths: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """Size and checksum (ALGORITHM, per SEGMENT_BYTES) of each of ``relpaths`` of ``directory``."""
+    relpaths = list(relpaths)
+    sums = _checksums(directory, relpaths, ALGORITHM, SEGMENT_BYTES)
+    return {rel: {"size": (directory / rel).stat().st_size, ALGORITHM: sums[rel]} for rel in relpaths}
+
+
 def record_own(directory: Path, rank: int, world_size: int) -> dict[str, dict[str, Any]]:
     """Size and checksum of every file of ``directory`` this rank wrote."""
-    mine = [rel for rel in checkpoint_files(directory) if owner(rel, world_size) == rank]
-    sums = _checksums(directory, mine, ALGORITHM, SEGMENT_BYTES)
-    return {rel: {"size": (directory / rel).stat().st_size, ALGORITHM: sums[rel]} for rel in mine}
+    return record_files(directory, [rel for rel in checkpoint_files(directory) if owner(rel, world_size) == rank])
+
+
+def changed_files(directory: Path, recorded: dict[str, dict[str, Any]], algorithm: str = ALGORITHM,
+                  segment_bytes: int = SEGMENT_BYTES, *, sizes: bool = True, checksums: bool = True,
+                  recorder: str = "recorded") -> list[str]:
+    """What differs between the files of ``directory`` and ``recorded`` (``record_files``' form, ``recorder`` naming
+    where it was read in messages): missing, of another size (``sizes``: one stat per file), of another checksum
+    (``checksums``); [] when nothing does."""
+    present = [rel for rel in sorted(recorded) if (directory / rel).is_file()]
+    problems = [f"{directory / rel} is missing" for rel in sorted(recorded) if not (directory / rel).is_file()]
+    if sizes:
+        for rel in list(present):
+            size = (directory / rel).stat().st_size
+            if size != recorded[rel]["size"]:
+                problems.append(f"{directory / rel} is {size:,} bytes, {recorder} {recorded[rel]['size']:,}")
+                present.remove(rel)
+    if not checksums:
+        return problems
+    for rel, found in _checksums(directory, present, algorithm, segment_bytes).items():
+        expected = recorded[rel][algorithm]
+        if found != expected:
+            bad = next((i for i, (a, b) in enumerate(zip(found, expected, strict=False)) if a != b), None)
+            where = (f"bytes from {bad * segment_bytes:,}" if bad is not None
+                     else f"{len(found)} segments, {len(expected)} recorded")
+            problems.append(f"{directory / rel} has another {algorithm} than {recorder} ({where})")
+    return problems
+
+
+def manifest_digest(directory: Path) -> str | None:
+    """The SHA-256 of a checkpoint's manifest (which holds every file's size and checksums): what identifies the
+    checkpoint's contents to what is derived from it (a converted view); None without a manifest."""
+    import hashlib
+
+    try:
+        return hashlib.sha256((directory / MANIFEST_FILE).read_bytes()).hexdigest()
+    except FileNotFoundError:
+        return None
 
 
 def write_manifest(directory: Path, files: dict[str, dict[str, Any]], world_size: int) -> None:
@@ -197,17 +239,9 @@ def verify_own(directory: Path, rank: int, world_size: int) -> str | None:
         return None
     except ValueError as exc:
         return str(exc)
-    algorithm = manifest["algorithm"]
     mine = {rel: entry for rel, entry in manifest["files"].items() if owner(rel, world_size) == rank}
-    present = {rel for rel in mine if (directory / rel).is_file()}
-    problems = [f"{directory / rel} is missing" for rel in mine if rel not in present]
-    for rel, found in _checksums(directory, sorted(present), algorithm, manifest["segment_bytes"]).items():
-        recorded = mine[rel][algorithm]
-        if found != recorded:
-            bad = next((i for i, (a, b) in enumerate(zip(found, recorded, strict=False)) if a != b), None)
-            where = (f"bytes from {bad * manifest['segment_bytes']:,}" if bad is not None
-                     else f"{len(found)} segments, {len(recorded)} recorded")
-            problems.append(f"{directory / rel} has another {algorithm} than the manifest records ({where})")
+    problems = changed_files(directory, mine, manifest["algorithm"], manifest["segment_bytes"], sizes=False,
+                             recorder="the manifest records")
     return "; ".join(problems) or None
 
 

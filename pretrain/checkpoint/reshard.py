@@ -28,8 +28,17 @@ before it was recorded, from the files) and compared with the launch by ``plan_r
 asks before any process starts and every process asks before its process group exists: an impossible
 combination is refused there. The conversion runs on global rank 0 under a temporary name and is renamed
 into place when complete; the other processes wait for it on the shared filesystem, still before any process
-group, so a conversion that outlasts a collective timeout (minutes for a 7B model) cannot kill the job. A
-converted sibling is stamped with its checkpoint's save time and reused while the stamp matches.
+group, so a conversion that outlasts a collective timeout (minutes for a 7B model) cannot kill the job.
+
+A converted sibling (a view) records what it was made from and what it holds (``converted_from.json``): its
+checkpoint's name, save time, step, the kind of view and the SHA-256 of the checkpoint's manifest (every file's
+size and CRCs), and the size and CRC-32s of each of its own files. A later resume reuses it only when both still
+hold: global rank 0 checks the source and every checksum of the view (it reads the view once: less than the
+conversion, which reads the checkpoint and writes the view), the other processes the source and the sizes (one
+stat per file; they load only after rank 0 has joined the process group, so after its check or rebuild). A view
+that does not hold (made from another save or state of the checkpoint, a file changed or missing in it, or
+made by an earlier pretrain that recorded no checksums) is pretrain's own, derived data: rank 0 says why in
+one line and converts it again (its record removed first, so the others wait for the new one), never loads it.
 
 ``full_state_dict`` reads the full fp32 weights of a checkpoint of any layout, with no process group.
 """
@@ -50,12 +59,20 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.checkpoint import neutral
-from pretrain.checkpoint.integrity import MANIFEST_FILE, checkpoint_files
+from pretrain.checkpoint.integrity import (
+    ALGORITHM,
+    MANIFEST_FILE,
+    SEGMENT_BYTES,
+    changed_files,
+    checkpoint_files,
+    manifest_digest,
+    record_files,
+)
 from pretrain.checkpoint.rundir import STATE_FILE, read_state
 from pretrain.distributed.layout import Launch
 from pretrain.errors import ConfigError
 from pretrain.recipe.init_from import HF_VIEW
-from pretrain.trust import check_files, weights_only
+from pretrain.trust import check_files, contained, weights_only
 
 DEEPSPEED_DIR = "pytorch_model"  # accelerate save_state: DeepSpeed's save_checkpoint(output_dir, tag=this)
 MODEL_FILE = "model.safetensors"  # accelerate save_state: the model of a DDP / one-process run
@@ -253,15 +270,17 @@ def prepare_resume(checkpoint: Path, launch: Launch, log: Log = print) -> Resume
         if saved != target:
             log(f"resume: {checkpoint} was written by {saved.describe()}; loading it with {target.describe()}")
         return ResumeSource(checkpoint, checkpoint, saved, world_changed=world_changed)
-    state = read_state(checkpoint)
     view = view_path(checkpoint, kind)
-    stamp = {"checkpoint": checkpoint.name, "saved_at": state.get("saved_at"), "step": state["step"], "kind": kind}
-    if _stamp(view) == stamp:
-        log(f"resume: {saved.describe()} -> {target.describe()}: reusing the converted {view}")
-    elif launch.is_main:
-        _convert(checkpoint, view, kind, stamp, saved, target, log)
+    made_from = _made_from(checkpoint, kind)
+    if not launch.is_main:
+        _wait_for(view, made_from)
+    elif (stale := _stale(view, made_from)) is None:
+        log(f"resume: {saved.describe()} -> {target.describe()}: reusing the converted {view} (checked against "
+            f"{checkpoint.name} and its own checksums)")
     else:
-        _wait_for(view, stamp)
+        if view.exists():
+            log(f"resume: the converted {view} {stale}; converting it again")
+        _convert(checkpoint, view, kind, made_from, saved, target, log)
     return ResumeSource(checkpoint, view, saved, load_universal=kind == UNIVERSAL, neutral=kind == NEUTRAL,
                         world_changed=world_changed or kind == NEUTRAL)
 
@@ -282,21 +301,68 @@ def _ddp_keys_kind(checkpoint: Path) -> str | None:
     return SINGLE_KEYS if prefixed else None
 
 
+def _made_from(checkpoint: Path, kind: str) -> dict[str, Any]:
+    """What a view of ``checkpoint`` of ``kind`` must record as its source (the first part of its stamp)."""
+    state = read_state(checkpoint)
+    return {"checkpoint": checkpoint.name, "saved_at": state.get("saved_at"), "step": state["step"], "kind": kind,
+            "manifest_sha256": manifest_digest(checkpoint)}
+
+
 def _stamp(view: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((view / STAMP_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
+        stamp = json.loads((view / STAMP_FILE).read_text())
+    except (OSError, ValueError):
         return None
+    return stamp if isinstance(stamp, dict) else None
+
+
+def _stale(view: Path, made_from: dict[str, Any], checksums: bool = True) -> str | None:
+    """Why ``view`` cannot be loaded for the source ``made_from``, in words that follow its name ("is missing",
+    "was made from ..."), or None when its stamp names that source and its files are the ones it records (sizes;
+    ``checksums``: every CRC-32 too)."""
+    if not view.is_dir():
+        return "is missing"
+    stamp = _stamp(view)
+    if stamp is None:
+        return f"has no readable {STAMP_FILE}"
+    files = stamp.get("files")
+    if ("manifest_sha256" not in stamp or not isinstance(files, dict) or stamp.get("algorithm") != ALGORITHM
+            or stamp.get("segment_bytes") != SEGMENT_BYTES):
+        return "was made by an earlier pretrain, which recorded no checksums of it"
+    if {key: stamp.get(key) for key in made_from} != made_from:
+        if stamp.get("kind") != made_from["kind"] or stamp.get("checkpoint") != made_from["checkpoint"]:
+            return f"records another source ({stamp.get('checkpoint')!r}, {stamp.get('kind')!r})"
+        if stamp.get("saved_at") != made_from["saved_at"] or stamp.get("step") != made_from["step"]:
+            return f"was made from an earlier save of {made_from['checkpoint']}"
+        return (f"was made from {made_from['checkpoint']} as it was before: its manifest (every file's size and "
+                "checksums) has changed since")
+    for rel, entry in files.items():
+        try:
+            contained(view, rel, f"{view / STAMP_FILE}")
+        except ConfigError:
+            return f"records a file outside it ({rel!r})"
+        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get(ALGORITHM), list)):
+            return f"records {rel!r} as {entry!r}, not a size and its checksums"
+    unrecorded = sorted(set(checkpoint_files(view)) - set(files) - {STAMP_FILE})
+    if unrecorded:
+        return f"holds files it does not record ({', '.join(unrecorded[:3])})"
+    problems = changed_files(view, files, checksums=checksums, recorder=f"its {STAMP_FILE} records")
+    if problems:
+        return f"is damaged ({'; '.join(problems[:3])}{' ...' if len(problems) > 3 else ''})"
+    return None
 
 
 def _failure_marker(view: Path) -> Path:
     return view.with_name(f".{view.name}.failed")
 
 
-def _convert(checkpoint: Path, view: Path, kind: str, stamp: dict, saved: CheckpointLayout, target: CheckpointLayout, log: Log) -> None:
+def _convert(checkpoint: Path, view: Path, kind: str, made_from: dict, saved: CheckpointLayout,
+             target: CheckpointLayout, log: Log) -> None:
     tmp = view.with_name(f".tmp-{view.name}")
     failed = _failure_marker(view)
     failed.unlink(missing_ok=True)
+    if view.is_dir():  # a stale view: the processes that wait for this conversion must not take it meanwhile
+        (view / STAMP_FILE).unlink(missing_ok=True)
     size_gib = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file()) / 2**30
     what = {UNIVERSAL: "DeepSpeed universal checkpoint", NEUTRAL: "the neutral form: weights and optimizer states "
             "by parameter name", SINGLE_KEYS: "model keys renamed"}[kind]
@@ -325,6 +391,10 @@ def _convert(checkpoint: Path, view: Path, kind: str, stamp: dict, saved: Checkp
                 _to_universal(checkpoint / DEEPSPEED_DIR, tmp / DEEPSPEED_DIR)
         else:
             _strip_ddp_prefix(checkpoint / MODEL_FILE, tmp / MODEL_FILE)
+        # what it was made from and what it holds, read by every reuse (written last, inside the directory renamed
+        # into place: a view is whole or absent)
+        stamp = {**made_from, "algorithm": ALGORITHM, "segment_bytes": SEGMENT_BYTES,
+                 "files": record_files(tmp, checkpoint_files(tmp))}
         (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=1, sort_keys=True))
         if view.exists():
             shutil.rmtree(view)  # converted from an earlier save of the same step
@@ -399,10 +469,12 @@ def _strip_ddp_prefix(source: Path, dest: Path) -> None:
     save_file(renamed, str(dest), metadata={"format": "pt"})
 
 
-def _wait_for(view: Path, stamp: dict[str, Any], timeout_s: float = WAIT_TIMEOUT_S, poll_s: float = 1.0) -> None:
+def _wait_for(view: Path, made_from: dict[str, Any], timeout_s: float = WAIT_TIMEOUT_S, poll_s: float = 1.0) -> None:
+    """Until ``view`` is a view of ``made_from`` whose files have the sizes it records (rank 0 checks the checksums
+    before it joins the process group, and converts again what fails them), or rank 0's conversion failed."""
     started, deadline = time.time(), time.monotonic() + timeout_s
     failed = _failure_marker(view)
-    while _stamp(view) != stamp:
+    while _stale(view, made_from, checksums=False) is not None:
         if failed.is_file() and failed.stat().st_mtime >= started - 1:
             raise ConfigError(f"rank 0 failed converting the checkpoint into {view}: {failed.read_text()}")
         if time.monotonic() > deadline:

@@ -181,6 +181,55 @@ def test_a_converted_sibling_of_an_earlier_save_is_not_reused(tmp_path):
     assert json.loads((first.load_dir / "converted_from.json").read_text())["saved_at"] == 2.0
 
 
+def test_a_converted_view_is_reused_only_while_it_matches_its_source_and_its_own_checksums(tmp_path):
+    """Issue 36: a converted view was reused on its stamp (the checkpoint's name, save time and step) alone, so a file
+    changed in it (same size) trained silently on other weights. The view records its source's manifest and its own
+    files' checksums; rank 0 checks both at every reuse and converts again what does not hold, saying why in one
+    line: a view file changed at the same size, the checkpoint's weights replaced under the same save time (its
+    manifest updated), a view of an earlier pretrain; a process that is not rank 0 waits for a view whose sizes do
+    not match. Every rebuilt view holds the checkpoint's weights as they are."""
+    from pretrain.checkpoint.integrity import record_own, write_manifest
+
+    ckpt = _ddp_checkpoint(tmp_path, prefixed=True)
+    write_manifest(ckpt, record_own(ckpt, 0, 1), 1)
+    logged = []
+    view = prepare_resume(ckpt, Launch("ddp"), log=logged.append).load_dir
+    stamp = json.loads((view / "converted_from.json").read_text())
+    assert stamp["manifest_sha256"] and sorted(stamp["files"]) == ["model.safetensors", "optimizer.bin",
+                                                                  "random_states_0.pkl", "scheduler.bin"]
+    assert prepare_resume(ckpt, Launch("ddp"), log=logged.append).load_dir == view
+    assert "reusing the converted" in logged[-1] and "and its own checksums" in logged[-1]
+
+    save_file({"w": torch.full((4,), 7.0)}, str(view / "model.safetensors"), metadata={"format": "pt"})  # same size
+    assert (view / "model.safetensors").stat().st_size == stamp["files"]["model.safetensors"]["size"]
+    del logged[:]
+    assert prepare_resume(ckpt, Launch("ddp"), log=logged.append).load_dir == view
+    assert logged[0].startswith(f"resume: the converted {view} is damaged ({view / 'model.safetensors'} has another "
+                                "crc32 than its converted_from.json records (bytes from 0)); converting it again")
+    assert torch.equal(load_file(str(view / "model.safetensors"))["w"], torch.arange(4.0))
+
+    save_file({"module.w": torch.full((4,), 5.0)}, str(ckpt / "model.safetensors"))  # replaced, manifest updated
+    write_manifest(ckpt, record_own(ckpt, 0, 1), 1)
+    del logged[:]
+    prepare_resume(ckpt, Launch("ddp"), log=logged.append)
+    assert logged[0] == (f"resume: the converted {view} was made from {ckpt.name} as it was before: its manifest "
+                         "(every file's size and checksums) has changed since; converting it again")
+    assert torch.equal(load_file(str(view / "model.safetensors"))["w"], torch.full((4,), 5.0))
+
+    stamp = json.loads((view / "converted_from.json").read_text())
+    made_from = {k: v for k, v in stamp.items() if k in ("checkpoint", "saved_at", "step", "kind")}
+    (view / "converted_from.json").write_text(json.dumps(made_from))  # as pretrain wrote it before
+    del logged[:]
+    prepare_resume(ckpt, Launch("ddp"), log=logged.append)
+    assert "was made by an earlier pretrain, which recorded no checksums of it; converting it again" in logged[0]
+
+    prepare_resume(ckpt, Launch("ddp", rank=1, gpus_per_node=1), log=print)  # intact: taken at once
+    with open(view / "model.safetensors", "ab") as f:
+        f.write(b"x")
+    with pytest.raises(ConfigError, match="waited"):  # rank 0 converts it again: the others wait for that
+        reshard._wait_for(view, reshard._made_from(ckpt, "single"), timeout_s=0.05, poll_s=0.01)
+
+
 def test_same_layout_loads_the_checkpoint_itself_quietly(tmp_path):
     ckpt = _ddp_checkpoint(tmp_path, prefixed=False, world=2)
     logged = []
