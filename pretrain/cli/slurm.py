@@ -43,6 +43,10 @@ from pretrain.distributed.layout import (
     shell_join,
 )
 from pretrain.distributed.sbatch import (
+    ALLOCATIONS,
+    EXCLUDE_REQUEST,
+    EXCLUDED_HOSTS,
+    SLURM_SUBDIR,
     environment_lines,
     require_sbatch,
     sbatch,
@@ -52,10 +56,6 @@ from pretrain.distributed.sbatch import (
 from pretrain.errors import EXIT_USAGE, ConfigError
 from pretrain.train.goodput import read_goodput, summarise, summary_line
 
-SLURM_SUBDIR = "slurm"  # inside the run's output_dir: job.sbatch, jobs.jsonl, slurm-<jobid>.out, excluded_hosts
-EXCLUDED_HOSTS = "excluded_hosts"  # nodes pretrain doctor found unhealthy, one a line
-# Each start, requeue and end of the batch script, with its Unix time: the queue time between requeues (goodput)
-ALLOCATIONS = "allocations.jsonl"
 DEFAULT_PORT_BASE = 20000  # --port auto: 20000 + job id mod 10000, below the Linux ephemeral range
 MAX_SIGNAL_LEAD_S = 65535  # sbatch --signal=<sig>@<sig_time>: sig_time is at most 65535 s
 
@@ -390,6 +390,7 @@ def render_script(job: Job, python: str = sys.executable) -> str:
         f'  printf \'{{"job_id": "%s", "event": "%s", "time": %s}}\\n\' "$SLURM_JOB_ID" "$1" "$(date +%s.%N)" '
         f'>> "$RUN_DIR/{SLURM_SUBDIR}/{ALLOCATIONS}"',
         "}",
+        *resubmit_lines(job),
         "",
         "record_event start",
         'echo "pretrain-slurm: job $SLURM_JOB_ID start $(( ${SLURM_RESTART_COUNT:-0} + 1 )) at $(date -Is) '
@@ -404,6 +405,13 @@ def render_script(job: Job, python: str = sys.executable) -> str:
         'while kill -0 "$SRUN_PID" 2>/dev/null; do wait "$SRUN_PID"; done',
         'wait "$SRUN_PID"; STATUS=$?',
         '[ -n "$WATCHDOG_PID" ] && kill "$WATCHDOG_PID" 2>/dev/null',
+        "# runtime.straggler.action=exclude: training stopped with a checkpoint and named a host to leave out.",
+        f'if [ -f "$RUN_DIR/{SLURM_SUBDIR}/{EXCLUDE_REQUEST}" ]; then',
+        f'  rm -f "$RUN_DIR/{SLURM_SUBDIR}/{EXCLUDE_REQUEST}"',
+        '  resubmit_excluding straggler "training stopped (exit $STATUS) to leave a slow host out"',
+        "  record_event end",
+        "  exit 0",
+        "fi",
         'if [ "$STOP_SIGNAL" = USR1 ]; then',
         '  echo "pretrain-slurm: training stopped (exit $STATUS); requeueing job $SLURM_JOB_ID at $(date -Is)"',
         "  record_event requeue",
@@ -417,10 +425,34 @@ def render_script(job: Job, python: str = sys.executable) -> str:
     return "\n".join(lines) + "\n"
 
 
+def resubmit_lines(job: Job) -> list[str]:
+    """``resubmit_excluding WHO WHY``: submit this script again as a new job with ``--exclude`` of every host in
+    excluded_hosts (pretrain doctor's failures, runtime.straggler's hosts), recorded in jobs.jsonl."""
+    excluded = f"$RUN_DIR/{SLURM_SUBDIR}/{EXCLUDED_HOSTS}"
+    return [
+        "# A new job of this script without the excluded hosts (a running job's exclude list cannot change).",
+        "resubmit_excluding() {  # $1: who asks (doctor, straggler); $2: why",
+        f'  EXCLUDE=$(sort -u "{excluded}" | paste -sd, -)',
+        '  echo "pretrain-slurm: $1: $2; resubmitting this job without $EXCLUDE"',
+        f'  if NEW_JOB=$(sbatch --parsable --exclude="$EXCLUDE" "$RUN_DIR/{SLURM_SUBDIR}/job.sbatch"); then',
+        "    NEW_JOB=${NEW_JOB%%;*}",
+        '    printf \'{"job_id": "%s", "submitted": "%s", "script": "%s", "nodes": %s, "processes_per_node": %s, '
+        '"world_size": %s, "argv": [], "exclude": "%s", "resubmitted_from": "%s", "by": "%s"}\\n\' "$NEW_JOB" '
+        f'"$(date -Iseconds | cut -c1-19)" "$RUN_DIR/{SLURM_SUBDIR}/job.sbatch" {job.num_nodes} '
+        f'{job.processes_per_node} {job.world_size} "$EXCLUDE" "$SLURM_JOB_ID" "$1" '
+        f'>> "$RUN_DIR/{SLURM_SUBDIR}/jobs.jsonl"',
+        '    echo "pretrain-slurm: submitted job $NEW_JOB excluding $EXCLUDE"',
+        "  else",
+        '    echo "pretrain-slurm: the resubmission without $EXCLUDE failed (above); fix or replace the nodes, '
+        f'then: sbatch --exclude=$EXCLUDE $RUN_DIR/{SLURM_SUBDIR}/job.sbatch"',
+        "  fi",
+        "}",
+    ]
+
+
 def doctor_lines(job: Job) -> list[str]:
     """The health check before training: pretrain doctor on every node; unhealthy nodes are excluded from a
     new submission of this script (a running job's exclude list cannot change)."""
-    excluded = f"$RUN_DIR/{SLURM_SUBDIR}/{EXCLUDED_HOSTS}"
     command = node_command(job, DOCTOR_ENTRY, ("--exclude-file", str(job.slurm_dir / EXCLUDED_HOSTS)))
     return [
         "# Health check (pretrain doctor) on every node first; submitted with --no-doctor it is left out.",
@@ -429,19 +461,7 @@ def doctor_lines(job: Job) -> list[str]:
         f"  bash -c {_single_quote(command)}",
         "DOCTOR_STATUS=$?",
         'if [ "$DOCTOR_STATUS" = 1 ]; then',
-        f'  EXCLUDE=$(sort -u "{excluded}" | paste -sd, -)',
-        '  echo "pretrain-slurm: doctor: unhealthy node(s) named above; resubmitting this job without $EXCLUDE"',
-        f'  if NEW_JOB=$(sbatch --parsable --exclude="$EXCLUDE" "$RUN_DIR/{SLURM_SUBDIR}/job.sbatch"); then',
-        "    NEW_JOB=${NEW_JOB%%;*}",
-        '    printf \'{"job_id": "%s", "submitted": "%s", "script": "%s", "nodes": %s, "processes_per_node": %s, '
-        '"world_size": %s, "argv": [], "exclude": "%s", "after_doctor_of": "%s"}\\n\' "$NEW_JOB" '
-        f'"$(date -Iseconds | cut -c1-19)" "$RUN_DIR/{SLURM_SUBDIR}/job.sbatch" {job.num_nodes} '
-        f'{job.processes_per_node} {job.world_size} "$EXCLUDE" "$SLURM_JOB_ID" >> "$RUN_DIR/{SLURM_SUBDIR}/jobs.jsonl"',
-        '    echo "pretrain-slurm: submitted job $NEW_JOB excluding $EXCLUDE"',
-        "  else",
-        '    echo "pretrain-slurm: the resubmission without $EXCLUDE failed (above); fix or replace the nodes, '
-        f'then: sbatch --exclude=$EXCLUDE $RUN_DIR/{SLURM_SUBDIR}/job.sbatch"',
-        "  fi",
+        '  resubmit_excluding doctor "unhealthy node(s) named above"',
         "  record_event end",
         "  exit 1",
         'elif [ "$DOCTOR_STATUS" != 0 ]; then',

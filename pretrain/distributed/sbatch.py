@@ -20,6 +20,13 @@ PASSTHROUGH_ENV = ("HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_DATAS
                    "PRETRAIN_CACHE_DIR", "WANDB_MODE", "WANDB_DIR", "DS_ACCELERATOR", "TOKENIZERS_PARALLELISM")
 
 
+# The run directory's SLURM part (pretrain-slurm writes it; a run's runtime.straggler writes the last two).
+SLURM_SUBDIR = "slurm"  # inside the run's output_dir: job.sbatch, jobs.jsonl, slurm-<jobid>.out, excluded_hosts
+EXCLUDED_HOSTS = "excluded_hosts"  # nodes to leave out of the next job, one a line (pretrain doctor, stragglers)
+EXCLUDE_REQUEST = "exclude_request.json"  # a run stopped to leave a straggler host out: the batch script resubmits
+ALLOCATIONS = "allocations.jsonl"  # each start, requeue and end of the batch script, with its Unix time (goodput)
+
+
 SBATCH_WORDS = ("job_name", "partition", "account", "qos", "time", "constraint")
 
 

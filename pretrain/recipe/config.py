@@ -812,6 +812,21 @@ class ProfileConfig(Section):
     with_stack: bool = Field(False, description="Record the Python source line of each operator (larger traces).")
 
 
+class StragglerConfig(Section):
+    """A rank persistently slower than the others (pretrain/train/straggler.py)."""
+
+    action: Literal["off", "warn", "exclude"] = Field(
+        "warn", description="`warn`: name the slow rank and its host in the log and output_dir/stragglers.jsonl; "
+        "`exclude`: also stop with a checkpoint and resubmit the pretrain-slurm job without that host (under SLURM; "
+        "elsewhere it warns); `off`: neither.")
+    factor: float = Field(
+        1.5, gt=1, le=100, description="A logged step is slow when the slowest rank's own step time is at least this "
+        "many times the median of the other ranks' (each rank's part before the gradient synchronisation).")
+    window: int = Field(
+        3, ge=1, le=10_000, description="Slow logged steps in a row, the slowest rank on the same host each time, "
+        "before the action (the check runs on logging steps: logging.every_steps apart).")
+
+
 class RuntimeConfig(Section):
     collective_timeout_s: float | None = Field(
         None, gt=0, le=30 * 86400,
@@ -828,6 +843,8 @@ class RuntimeConfig(Section):
         False, description="CUDA only: record allocator history and dump output_dir/memory_snapshot_rank<R>.pickle "
         "(for pytorch.org/memory_viz) when a training step runs out of memory; ignored with a warning on CPU."
     )
+    straggler: StragglerConfig = Field(default_factory=StragglerConfig,
+                                       description="A rank persistently slower than the others: named, or excluded.")
 
 
 class DeepSpeedSection(Section):

@@ -19,8 +19,10 @@
   files are removed after a run that did not hang.
 - ``runtime.memory_snapshot_on_oom`` (CUDA): the allocator records its history from the start, and a
   training step that raises ``torch.OutOfMemoryError`` first dumps ``output_dir/memory_snapshot_rank<R>.pickle``.
-- Test hook: ``PRETRAIN_TEST_STALL=<rank>:<step>`` makes that rank sleep before that optimizer step (read
-  here only; the hang tests use it).
+- ``runtime.straggler``: the per-rank step times judged (``train/straggler.py``): a rank persistently slower than the
+  others is named, or its host excluded.
+- Test hooks: ``PRETRAIN_TEST_STALL=<rank>:<step>`` makes that rank sleep before that optimizer step (read
+  here only; the hang tests use it); ``PRETRAIN_TEST_SLOW`` (``straggler.SLOW_ENV``) slows a rank's every step.
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import ProfileKwargs
+from accelerate.utils import ProfileKwargs, gather_object
 
+from pretrain.distributed.doctor import host_name
 from pretrain.recipe.config import ProfileConfig, RuntimeConfig
+from pretrain.train.straggler import StragglerWatch, slow_seconds
 
 PROFILE_DIR = "profile"
 HANG_DIR = "hang"
@@ -158,6 +162,9 @@ class Diagnostics:
         self.device = accelerator.device
         self.timer = StepTimer(self.device)
         self.stall_step = _stall_hook(self.rank)
+        self.host = host_name(self.rank)
+        self.slow_s = slow_seconds(self.rank, self.host)
+        self.stragglers: StragglerWatch | None = None  # made by loop(): it gathers every rank's host
         self.watchdog: HangWatchdog | None = None
         self.profiler = None
         self.snapshot = cfg.memory_snapshot_on_oom and self.device.type == "cuda"
@@ -171,6 +178,12 @@ class Diagnostics:
     def loop(self, first_step: int):
         """Around the training loop: the profiler's window and the hang watchdog."""
         with contextlib.ExitStack() as stack:
+            if self.stragglers is None and self.cfg.straggler.action != "off":
+                world = self.accelerator.num_processes
+                hosts = gather_object([self.host]) if world > 1 else [self.host]  # collective: once per run
+                self.stragglers = StragglerWatch(self.cfg.straggler, hosts, self.output_dir,
+                                                 is_main=self.accelerator.is_main_process, log=self.log,
+                                                 under_slurm="SLURM_JOB_ID" in os.environ)
             self.profiler = self._start_profiler(stack, first_step)
             if self.cfg.hang_timeout_s:
                 self.watchdog = HangWatchdog(self.cfg.hang_timeout_s, self.output_dir, self.rank)
@@ -211,7 +224,14 @@ class Diagnostics:
 
     def before_sync(self) -> None:
         """Just before the backward pass that synchronises gradients."""
+        if self.slow_s:  # the test hook: slower compute (after the forward, whose DDP buffer broadcast is collective)
+            time.sleep(self.slow_s)
         self.timer.stop()
+
+    @property
+    def exclude_requested(self) -> bool:
+        """runtime.straggler.action=exclude confirmed a straggler host: the run stops after this step."""
+        return self.stragglers is not None and self.stragglers.excluded is not None
 
     def step_done(self) -> None:
         if self.profiler is not None:
@@ -219,14 +239,17 @@ class Diagnostics:
         if self.watchdog is not None:
             self.watchdog.kick()
 
-    def step_time_metrics(self) -> dict[str, float]:
-        """Collective (every rank, logging steps only): the spread of the ranks' own step times."""
+    def step_time_metrics(self, step: int) -> dict[str, float]:
+        """Collective (every rank, logging steps only): the spread of the ranks' own step times, judged by
+        runtime.straggler (the same times on every rank: the same verdict)."""
         seconds = self.timer.seconds()
         self.timer = StepTimer(self.device)
         local = torch.tensor([-1.0 if seconds is None else seconds], device=self.device, dtype=torch.float64)
         times = self.accelerator.gather(local).tolist()  # device-to-host synchronisation: logging steps only
         if min(times) < 0:
             return {}
+        if self.stragglers is not None:
+            self.stragglers.observe(step, times)
         slowest = max(range(len(times)), key=times.__getitem__)
         return {"perf/step_time_max_s": times[slowest], "perf/step_time_min_s": min(times),
                 "perf/step_time_slowest_rank": slowest}

@@ -456,7 +456,7 @@ def train_metrics(run, result: OptimizerStep) -> dict[str, float | None]:
         **run.plan.as_metrics(),
         **run.engine.metrics(),  # fp16: train/loss_scale, train/skipped_steps
         **run.train_data.order.metrics(run.step),  # a mixture: data/tokens/<name>, data/epochs/<name>
-        **run.diagnostics.step_time_metrics(),  # collective: perf/step_time_max_s, _min_s, _slowest_rank
+        **run.diagnostics.step_time_metrics(run.step),  # collective: perf/step_time_max_s, _min_s, _slowest_rank
         **(run.policy.metrics(result.verdict) if run.gate is not None else {}),
         **(run.rollback.metrics() if run.gate is not None else {}),  # stability/rollbacks
     }

@@ -243,6 +243,8 @@ class Trainer:
             if ended == "preempted":
                 self.interrupted = stop.interrupted
                 self.stop_preempted()
+            elif ended == "straggler":
+                self.stop_preempted(why="straggler")
             elif ended == "exhausted":
                 self.stop_exhausted(first_step)
             else:
@@ -250,8 +252,8 @@ class Trainer:
         return last_metrics
 
     def loop(self, stop: StopSignals, diagnostics: Diagnostics) -> tuple[str, dict[str, float]]:
-        """Optimizer steps until the horizon ("done"), an agreed stop signal ("preempted") or
-        data.on_exhausted=stop ("exhausted"); the last logged train metrics."""
+        """Optimizer steps until the horizon ("done"), an agreed stop signal ("preempted"), a straggler host to
+        exclude ("straggler") or data.on_exhausted=stop ("exhausted"); the last logged train metrics."""
         last_metrics: dict[str, float] = {}
         while self.step < self.num_steps:
             if self.train_data.stop_step is not None and self.step >= self.train_data.stop_step:
@@ -280,6 +282,8 @@ class Trainer:
             if self.evaluator.due(self.step):
                 with self.throughput.excluded(), self.goodput.phase("evaluation"):
                     self.evaluator.evaluate(self.model, self.step)
+            if self.diagnostics.exclude_requested:  # every rank judged the same gathered step times
+                return "straggler", last_metrics
             if self.checkpointer.should_save(self.step):
                 with self.throughput.excluded(), self.goodput.phase("checkpoint"):
                     self.save_checkpoint()
@@ -330,14 +334,16 @@ class Trainer:
                                  optimizer_params=self.parts.optimizer_params)
         self.checkpointer.save(record, optimizer=self.optimizer)
 
-    def stop_preempted(self) -> None:
-        """A stop signal reached every rank: checkpoint the step just done and end; the same command resumes."""
+    def stop_preempted(self, why: str = "") -> None:
+        """A stop signal reached every rank (or, ``why="straggler"``, a straggler host is to be excluded):
+        checkpoint the step just done and end; the same command resumes."""
         with self.goodput.phase("checkpoint"):
             self.save_checkpoint()
             self.checkpointer.wait()  # checkpoint.async: written before the run says it has it
         self.preempted = True
         self.console.close()
-        what = "interrupted" if self.interrupted else "preempted"  # pretrain-slurm status counts "preempted: ..."
+        # pretrain-slurm status counts "preempted: ..."
+        what = why or ("interrupted" if self.interrupted else "preempted")
         self.log(f"{what}: stopped after step {self.step}/{self.num_steps} with a checkpoint; "
                  "the same command resumes from it")
         self.end()

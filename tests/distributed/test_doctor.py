@@ -177,10 +177,10 @@ def test_slurm_job_checks_first_and_resubmits_without_the_failing_node(cluster, 
         text = (out / "slurm" / f"slurm-{first}.out").read_text()
         print(text[-2500:])
         assert re.search(rf"host {node}: rank 1: matmul TFLOP/s \S+ is 0\.\d\d of the median", text)
-        assert f"resubmitting this job without {node}" in text and f"submitted job {second['job_id']} excluding {node}" in text
+        assert f"doctor: unhealthy node(s) named above; resubmitting this job without {node}" in text and f"submitted job {second['job_id']} excluding {node}" in text
         assert (out / "slurm" / "excluded_hosts").read_text() == f"{node}\n"
         assert cluster.job(second["job_id"])["ExcNodeList"] == node
-        assert second["exclude"] == node and second["after_doctor_of"] == first
+        assert second["exclude"] == node and second["resubmitted_from"] == first and second["by"] == "doctor"
         assert not (out / "checkpoints").exists()  # no training on an unhealthy node
     finally:
         cluster.run("scancel", second["job_id"])
