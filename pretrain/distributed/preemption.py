@@ -8,9 +8,11 @@ worker, waits ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (default 30) for them t
 under ``pretrain-launch`` to pretrain-launch only, which sends it to the workers itself, so that torchrun
 does not report the stop as its own failure (``supervise.run_launcher``).
 The handlers only set a flag; they are installed for the training loop and the previous ones are restored
-after it, also when the loop raises. A second SIGINT is the user insisting: it goes to the previous handler
-(Python's KeyboardInterrupt), so the process stops at once. (Under torchrun the second Ctrl-C ends the agent,
-and every worker dies with it: ``supervise.stop_with_launcher``.)
+after it, also when the loop raises. A second Ctrl-C is the user insisting: it goes to the previous handler
+(Python's KeyboardInterrupt), so the process stops at once. SIGINTs within ``supervise.CTRL_C_WINDOW_S`` (1 s)
+of a Ctrl-C's first are that same Ctrl-C, not a second one (``supervise.CtrlC``: a wrapper that passes the
+terminal's SIGINT on to its child delivers it twice). (Under torchrun the second Ctrl-C ends the agent, and every
+worker dies with it: ``supervise.stop_with_launcher``.)
 
 Every rank must stop after the same step. With several processes the flags are summed by a non-blocking
 all-reduce on a host-side (gloo) group, started after step k and read after step k+1: the step never waits
@@ -26,6 +28,8 @@ import signal
 import torch
 import torch.distributed as dist
 
+from pretrain.distributed.supervise import CtrlC
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
@@ -36,6 +40,7 @@ class StopSignals:
         self.signals = signals
         self.log = log  # the run's rank-0 log: says once what a Ctrl-C will do
         self.received: int | None = None
+        self.ctrl_c = CtrlC()  # SIGINTs counted as Ctrl-C presses (one press may arrive twice)
         self._announced = False
         self._previous: dict[int, object] = {}
         self._group = None  # the gloo group of the agreement, made on the first multi-process call
@@ -58,6 +63,8 @@ class StopSignals:
         self._previous.clear()
 
     def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGINT and not self.ctrl_c.press():
+            return  # the same Ctrl-C delivered again (a wrapper passing on the terminal's SIGINT): one stop
         if signum == signal.SIGINT and self.received == signal.SIGINT:
             # A second Ctrl-C: stop now, as if pretrain had no handler (the steps since the last checkpoint are lost).
             previous = self._previous.get(signal.SIGINT)

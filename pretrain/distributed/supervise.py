@@ -37,7 +37,10 @@ workers, or the one process of a single-process launch), exactly as the agent wo
 says that the launcher reports the interrupt (``LAUNCHER_REPORTS_INTERRUPT``): a worker that stopped with
 its checkpoint exits 0, which torchrun ends on quietly (any other code is a failure to it, with its
 ``ChildFailedError`` report), and pretrain-launch exits 130. A second Ctrl-C (or a first one before any
-worker exists) SIGKILLs the launcher's process group; the workers die with their launcher (above). The
+worker exists) SIGKILLs the launcher's process group; the workers die with their launcher (above). SIGINTs
+within ``CTRL_C_WINDOW_S`` (1 s) of a Ctrl-C's first are that same Ctrl-C (``CtrlC``): under a wrapper that
+passes SIGINT on to its child (a script or job runner that traps it, ``timeout --foreground``) the terminal's
+SIGINT reaches pretrain-launch twice within milliseconds, and the second must not kill the workers. The
 other signals that reached ``accelerate launch`` when pretrain-launch exec'd it (SIGTERM, SIGHUP, SIGQUIT,
 SIGUSR1, SIGUSR2) are sent on to it unchanged, and the launcher asks for SIGKILL when pretrain-launch dies,
 so ``kill -9`` of pretrain-launch or of its process group still ends the whole run. (pretrain-slurm's
@@ -229,6 +232,34 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUS
 """What pretrain-launch sends on to ``accelerate launch`` as it is (SIGINT is its own)."""
 
 
+CTRL_C_WINDOW_S = 1.0
+"""SIGINTs that arrive within this many seconds of the first SIGINT of a Ctrl-C are that same Ctrl-C. A terminal's
+Ctrl-C sends SIGINT to every process of its foreground job; a wrapper that traps SIGINT and sends it on to its child
+(a shell script or job runner, ``timeout --foreground``) makes the child receive it a second time, milliseconds
+later. Counted as two, that would be "Ctrl-C again": stop at once, losing the steps since the last checkpoint. A
+person pressing Ctrl-C again to insist does so later than this (pretrain-launch's and the workers' ``StopSignals``
+count presses the same way)."""
+
+
+class CtrlC:
+    """Ctrl-C presses counted from SIGINTs: a SIGINT within ``window_s`` of the first SIGINT of the last press is
+    part of that press (``CTRL_C_WINDOW_S``)."""
+
+    def __init__(self, window_s: float = CTRL_C_WINDOW_S, clock: Callable[[], float] = time.monotonic):
+        self.window_s, self.clock = window_s, clock
+        self.presses = 0
+        self._first: float | None = None  # when the last press's first SIGINT arrived
+
+    def press(self) -> bool:
+        """Count one SIGINT; whether it is a new press (False: the last press again, delivered twice)."""
+        now = self.clock()
+        if self._first is not None and now - self._first < self.window_s:
+            return False
+        self._first = now
+        self.presses += 1
+        return True
+
+
 def interrupted_exit_code() -> int:
     """A run stopped by Ctrl-C with its checkpoint: 130, or 0 under pretrain-launch, which reports the 130 (torchrun
     and accelerate's single-process launcher report any other code as a failure, with a traceback)."""
@@ -244,7 +275,8 @@ def run_launcher(command: list[str], environment: dict[str, str]) -> int:
     libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
     parent = os.getpid()
     launcher: subprocess.Popen | None = None
-    state = {"interrupts": 0, "stopped": None}  # stopped: why the launcher's process group was SIGKILLed
+    state = {"stopped": None}  # why the launcher's process group was SIGKILLed
+    ctrl_c = CtrlC()
 
     def in_child() -> None:  # between fork and exec: the launcher dies with pretrain-launch, and takes signals
         if libc is not None:
@@ -259,14 +291,15 @@ def run_launcher(command: list[str], environment: dict[str, str]) -> int:
             os.killpg(launcher.pid, signal.SIGKILL)
 
     def on_interrupt(signum, frame) -> None:
-        state["interrupts"] += 1
+        if not ctrl_c.press():
+            return  # the same Ctrl-C again (a wrapper passing on the terminal's SIGINT): sent on already
         if launcher is None:  # caught by Python before this handler was installed, run now: stopped once started
             return
         try:
             workers = psutil.Process(launcher.pid).children()
         except psutil.NoSuchProcess:
             return  # it has just exited: wait() returns its code
-        if state["interrupts"] > 1:
+        if ctrl_c.presses > 1:
             return stop_now("Ctrl-C again: stopped every process at once; the steps since the last checkpoint "
                             "are lost")
         if not workers:
@@ -290,7 +323,7 @@ def run_launcher(command: list[str], environment: dict[str, str]) -> int:
                                     start_new_session=True, preexec_fn=in_child)
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, handled)
-    if state["interrupts"]:
+    if ctrl_c.presses:
         stop_now("stopped the launch before its processes started")
     try:
         code = launcher.wait()
@@ -300,7 +333,7 @@ def run_launcher(command: list[str], environment: dict[str, str]) -> int:
     if state["stopped"] is not None:
         print(f"interrupted: {state['stopped']}", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
-    if state["interrupts"] and code == 0:  # the workers stopped with their checkpoint, and said so
+    if ctrl_c.presses and code == 0:  # the workers stopped with their checkpoint, and said so
         return EXIT_INTERRUPTED
     return code if code >= 0 else 128 - code
 

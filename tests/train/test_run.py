@@ -218,12 +218,23 @@ def _checkpoint_steps(out: Path) -> list[int]:
     return sorted(json.loads((c / "trainer_state.json").read_text())["step"] for c in (out / "checkpoints").glob("step_*"))
 
 
+# A wrapper that traps SIGINT and sends it on to its child, as shell scripts and job runners do: under a terminal's
+# Ctrl-C (SIGINT to the whole foreground job) its child receives the SIGINT twice, a millisecond apart.
+FORWARDS_SIGINT = """
+import signal, subprocess, sys
+child = subprocess.Popen(sys.argv[1:])
+signal.signal(signal.SIGINT, lambda signum, frame: child.send_signal(signal.SIGINT))
+sys.exit(child.wait())
+"""
+
+
 @pytest.fixture(scope="module")
 def ctrl_c(tmp_path_factory):
     """One 2-process run directory interrupted with Ctrl-C twice and then finished: under ``accelerate launch``
-    after step 3; resumed by pretrain-launch and interrupted again two steps later; finished by that same
-    pretrain-launch command. Beside it, the uninterrupted launch its curve must continue. What each stage printed
-    and left behind, for the two tests below (one set of launches serves both)."""
+    after step 3; resumed by pretrain-launch under a wrapper that passes SIGINT on (FORWARDS_SIGINT) and
+    interrupted again two steps later; finished by that same pretrain-launch command. Beside it, the uninterrupted
+    launch its curve must continue. What each stage printed and left behind, for the two tests below (one set of
+    launches serves both)."""
     root = tmp_path_factory.mktemp("ctrl_c")
     out = root / "interrupted"
     config = str(ROOT / "accelerate_configs" / "cpu_ddp.yaml")
@@ -238,7 +249,8 @@ def ctrl_c(tmp_path_factory):
     code, output = ctrl_c_after_step(accelerate, out, 3)
     stages["accelerate launch"] = code, output, _checkpoint_steps(out), (out / "final_model").exists()
     # two steps past the first stop: the wait below sees only steps the resumed run trained
-    code, output = ctrl_c_after_step(pretrain_launch(), out, max(stages["accelerate launch"][2], default=3) + 2)
+    code, output = ctrl_c_after_step([sys.executable, "-c", FORWARDS_SIGINT, *pretrain_launch()], out,
+                                     max(stages["accelerate launch"][2], default=3) + 2)
     stages["pretrain-launch"] = code, output, _checkpoint_steps(out), (out / "final_model").exists()
     stages["rerun"] = subprocess.run(pretrain_launch(), env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, timeout=600)
@@ -272,7 +284,9 @@ def test_ctrl_c_of_a_two_process_launch_checkpoints_and_the_rerun_continues_the_
 def test_ctrl_c_of_pretrain_launch_exits_130_without_a_traceback_and_the_same_command_continues(ctrl_c):
     """pretrain-launch takes the terminal's Ctrl-C itself (pretrain/distributed/supervise.py): the workers checkpoint the
     step they stop after, torchrun ends quietly, and the shell sees 130 (torchrun alone prints its
-    SignalException traceback and exits 1). Rerunning the same command continues from that checkpoint."""
+    SignalException traceback and exits 1). Under a wrapper that passes the SIGINT on, the second copy is the same
+    Ctrl-C (before, it was "Ctrl-C again": the workers killed, no checkpoint). Rerunning the same command continues
+    from that checkpoint."""
     out, _, stages = ctrl_c
     (before,) = stages["accelerate launch"][2]
     code, output, checkpoints, final_model = stages["pretrain-launch"]

@@ -238,15 +238,43 @@ def test_stop_signals_are_recorded_inside_and_previous_handlers_restored_after()
 
 
 def test_ctrl_c_asks_for_a_checkpoint_and_a_second_ctrl_c_stops_at_once():
+    from pretrain.distributed.supervise import CTRL_C_WINDOW_S, CtrlC
+
+    now = [0.0]
     logged = []
     with pytest.raises(KeyboardInterrupt), StopSignals(log=logged.append) as stop:
+        stop.ctrl_c = CtrlC(clock=lambda: now[0])
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.interrupted and stop.agreed(SimpleNamespace(num_processes=1))
         assert logged == ["SIGINT: stopping after the step in flight with a checkpoint (Ctrl-C again stops at once, "
                           "losing the steps since the last checkpoint)"]
+        now[0] = CTRL_C_WINDOW_S  # a person pressing again (SIGINTs within the window are the same Ctrl-C)
         os.kill(os.getpid(), signal.SIGINT)
         raise AssertionError("the second Ctrl-C did not stop the loop")
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_one_ctrl_c_delivered_twice_is_one_stop_and_a_later_one_stops_at_once():
+    """Under a wrapper that passes SIGINT on to its child, the terminal's Ctrl-C reaches the process twice within
+    milliseconds: one stop after the step in flight (before, the copy was "Ctrl-C again" and lost the steps since
+    the last checkpoint). A Ctrl-C CTRL_C_WINDOW_S after the first still stops at once."""
+    from pretrain.distributed.supervise import CTRL_C_WINDOW_S, CtrlC
+
+    now = [0.0]
+    logged = []
+    with StopSignals(log=logged.append) as stop:
+        stop.ctrl_c = CtrlC(clock=lambda: now[0])
+        os.kill(os.getpid(), signal.SIGINT)  # the terminal's
+        now[0] = 0.002
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # the wrapper's copy
+        except KeyboardInterrupt:
+            pytest.fail("the wrapper's copy of the Ctrl-C was taken for a second Ctrl-C")
+        assert stop.interrupted and stop.agreed(SimpleNamespace(num_processes=1)) and len(logged) == 1
+        now[0] = CTRL_C_WINDOW_S
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            raise AssertionError("the second Ctrl-C did not stop the loop")
 
 
 def test_ctrl_c_is_left_alone_where_it_was_ignored():
