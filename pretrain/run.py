@@ -15,7 +15,7 @@ from pretrain.cli import add_recipe_arguments
 from pretrain.cli.options import add_dry_run_arguments, check_options
 from pretrain.distributed.layout import Launch
 from pretrain.errors import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_USAGE, ConfigError, TrainingDiverged
-from pretrain.system.environment import check_environment
+from pretrain.system.environment import check_environment, use_environment_op_builds
 from pretrain.system.quiet import install_warning_filters
 
 
@@ -55,6 +55,7 @@ def _main(args: argparse.Namespace) -> int:
         from pretrain.trust import enforce
 
         enforce()  # every torch.load of this run is weights-only (pretrain/trust.py)
+        use_environment_op_builds()  # DeepSpeed's ops built in this environment's own directory, not every venv's
 
         launch = Launch.from_env()
         is_main = launch.is_main

@@ -21,6 +21,15 @@ def pytest_configure(config):
     starts use one thread, so that two workers share the cores instead of oversubscribing them (torch's idle threads
     spin). Set before torch is imported."""
     os.environ["PRETRAIN_RUNS_DIR"] = tempfile.mkdtemp(prefix="pretrain-test-runs-")
+    # DeepSpeed's ops (its CPU collectives: a minute to build) in one directory of this environment for the whole
+    # suite, also for the tests that give their runs a cache of their own (PRETRAIN_CACHE_DIR, data.cache_dir): built
+    # once, where tools/install.sh builds it under the suite's cache (pretrain/system/environment.py). Inherited by
+    # every process the tests start; a TORCH_EXTENSIONS_DIR of the user's is kept.
+    from pretrain.system.environment import CACHE_ENV, OP_BUILDS_ENV, op_build_dir
+    from tests.helpers import SUITE_CACHE
+
+    if not os.environ.get(OP_BUILDS_ENV):
+        os.environ[OP_BUILDS_ENV] = str(op_build_dir({CACHE_ENV: os.environ.get(CACHE_ENV) or str(SUITE_CACHE)}))
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
         # xdist's workers ignore SIGINT (the controller handles Ctrl-C), and an ignored signal is inherited: the runs

@@ -15,6 +15,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RUN = str(ROOT / "pretrain" / "run.py")
 TINY = str(ROOT / "recipes" / "tiny.yaml")
+# The suite's cache directory (PRETRAIN_CACHE_DIR unless set): tokenizers, stores, and the ops DeepSpeed builds
+# (tests/conftest.py), shared by every test and kept between runs.
+SUITE_CACHE = ROOT / ".cache" / "pretrain"
 
 # The one small model of the tests: the tiny recipe narrowed to 2 blocks of width 64 on 64-token sequences. A test
 # that needs another shape derives it from these with an explicit override.
@@ -60,7 +63,7 @@ def env(**extra: str | None) -> dict[str, str]:
                 "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
     if not cuda_available():
         out["DS_ACCELERATOR"] = "cpu"
-    out.setdefault("PRETRAIN_CACHE_DIR", str(ROOT / ".cache" / "pretrain"))
+    out.setdefault("PRETRAIN_CACHE_DIR", str(SUITE_CACHE))
     for key, value in extra.items():
         if value is None:
             out.pop(key, None)

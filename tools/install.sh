@@ -81,8 +81,11 @@ print(f"installed: torch {torch.__version__}, accelerate {accelerate.__version__
       f"transformers {transformers.__version__}, deepspeed {deepspeed.__version__}")
 PY
 # Without a GPU, DeepSpeed's collectives go through its shared-memory op, which it compiles (~50 s on 2 cores)
-# the first time a ZeRO run starts on a machine: build it now, so that no run or test waits for it.
+# the first time a ZeRO run starts in an environment: build it now, so that no run or test waits for it. It goes
+# where pretrain's runs look for it: this environment's own directory under $PRETRAIN_CACHE_DIR (default
+# ~/.cache/pretrain), not torch's ~/.cache/torch_extensions that every environment shares (pretrain/system/environment.py).
 if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  DS_ACCELERATOR=cpu python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load(verbose=False)" \
-    >/dev/null 2>&1 && echo "built DeepSpeed's CPU shared-memory op" || echo "DeepSpeed's CPU shared-memory op will be built at the first ZeRO run"
+  ops=$(python -c "from pretrain.system.environment import use_environment_op_builds as own; print(own())")
+  DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR="$ops" python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load(verbose=False)" \
+    >/dev/null 2>&1 && echo "built DeepSpeed's CPU shared-memory op in $ops" || echo "DeepSpeed's CPU shared-memory op will be built at the first ZeRO run"
 fi

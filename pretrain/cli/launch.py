@@ -41,6 +41,7 @@ from pretrain.cli.prelaunch import own_options, preflight, split_args
 from pretrain.distributed.layout import DOCTOR_ENTRY, accelerate_command, threads_per_process
 from pretrain.distributed.supervise import run_launcher
 from pretrain.errors import EXIT_INTERRUPTED, EXIT_USAGE, ConfigError
+from pretrain.system.environment import use_environment_op_builds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,6 +65,7 @@ def _main(argv: list[str]) -> int:
         return EXIT_USAGE
     command = accelerate_command(run_args[1], run_args[2:], accelerate_args=accelerate_args)
     environment, threads = dict(os.environ), ""
+    use_environment_op_builds(environment)  # the ops the launch builds: in this environment's own directory
     if "OMP_NUM_THREADS" not in environment:  # else torchrun sets 1 and warns that it should be tuned
         environment["OMP_NUM_THREADS"] = str(threads_per_process(launch.world_size // launch.num_nodes))
         threads = f"OMP_NUM_THREADS={environment['OMP_NUM_THREADS']} "

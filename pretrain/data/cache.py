@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.recipe.config import DataConfig
+from pretrain.system.environment import cache_home
 
 # Bump a version when the code that produces the corresponding cache changes its output.
 DOCUMENTS_VERSION = 1
@@ -33,8 +34,9 @@ STORE_FIX = ("point data.store (or data.cache_dir, or the PRETRAIN_CACHE_DIR env
 def cache_root(data_cfg: DataConfig | None = None) -> Path:
     """Where tokenizers and token stores are cached: data.cache_dir, $PRETRAIN_CACHE_DIR or ~/.cache/pretrain (without
     a data section: the last two)."""
-    root = (data_cfg.cache_dir if data_cfg else None) or os.environ.get("PRETRAIN_CACHE_DIR") or "~/.cache/pretrain"
-    return Path(root).expanduser().absolute()
+    if data_cfg is not None and data_cfg.cache_dir:
+        return Path(data_cfg.cache_dir).expanduser().absolute()
+    return cache_home()
 
 
 def _hash(obj: Any) -> str:

@@ -317,9 +317,16 @@ def check_deepspeed_op_lock(environ: Mapping[str, str] = os.environ, now: float 
 
     from torch.utils.cpp_extension import get_default_build_root
 
-    root = Path(environ["TORCH_EXTENSIONS_DIR"]) if environ.get("TORCH_EXTENSIONS_DIR") else Path(get_default_build_root())
-    # torch's per-interpreter directory for CPU builds (torch.utils.cpp_extension._get_build_directory)
-    lock = root / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / "deepspeed_shm_comm" / "lock"
+    # Where torch builds it (torch.utils.cpp_extension._get_build_directory): in TORCH_EXTENSIONS_DIR itself (pretrain
+    # sets this environment's own: pretrain/system/environment.py), else in the default root's folder for this
+    # interpreter and torch build
+    if environ.get("TORCH_EXTENSIONS_DIR"):
+        builds = Path(environ["TORCH_EXTENSIONS_DIR"])
+    else:
+        device = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+        builds = (Path(get_default_build_root())
+                  / f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{device}")
+    lock = builds / "deepspeed_shm_comm" / "lock"
     try:
         age = (time.time() if now is None else now) - lock.stat().st_mtime
     except OSError:

@@ -17,7 +17,8 @@ from pretrain.errors import ConfigError
 # Environment variables copied into the script when set at submission, so that a requeued job (or
 # `sbatch job.sbatch` by hand) sees the same data, cache and offline settings.
 PASSTHROUGH_ENV = ("HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_DATASETS_CACHE", "TRANSFORMERS_OFFLINE",
-                   "PRETRAIN_CACHE_DIR", "WANDB_MODE", "WANDB_DIR", "DS_ACCELERATOR", "TOKENIZERS_PARALLELISM")
+                   "PRETRAIN_CACHE_DIR", "WANDB_MODE", "WANDB_DIR", "DS_ACCELERATOR", "TOKENIZERS_PARALLELISM",
+                   "TORCH_EXTENSIONS_DIR")
 
 
 # The run directory's SLURM part (pretrain-slurm writes it; a run's runtime.straggler writes the last two).

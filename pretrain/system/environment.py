@@ -21,10 +21,19 @@ word: refused, naming torch's CUDA version (a torch built for a newer CUDA than 
 cause) and ``CUDA_VISIBLE_DEVICES`` when it hides them; a CPU build of torch there, the same; a multi-process
 GPU launch whose torch has no NCCL, refused. Machines without NVIDIA GPUs run GPU configs on the CPU, as
 the test suite does on purpose (``accelerate_configs/cpu_ddp.yaml``).
+
+Compiled ops: torch builds C++ extensions (DeepSpeed's ops: its CPU shared-memory collectives on a machine
+without GPUs, its JIT CUDA ops) in ``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, one
+directory for every environment of the user: two virtual environments with another torch rebuild the op in turn
+(about a minute each time, four on busy cores), each over the other's. Unless the user set it,
+``use_environment_op_builds`` points it at a directory of this environment's own (its Python prefix and torch
+version, under pretrain's cache directory), before anything is built: pretrain/run.py in every process,
+pretrain-launch for what it starts, tools/install.sh where it builds the op at install, the test suite once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import sys
@@ -267,6 +276,36 @@ def check_environment(recipe: Recipe | None, launch: Launch | None, *, gpu_launc
 
 INSTALL_HINT = ("(bash tools/install.sh installs pretrain with every optional package; on a node without a package "
                 "index: bash tools/install.sh --offline DIR, docs/install.md, \"Air-gapped\")")
+
+
+CACHE_ENV = "PRETRAIN_CACHE_DIR"
+OP_BUILDS_ENV = "TORCH_EXTENSIONS_DIR"  # where torch.utils.cpp_extension builds (read at each build)
+OP_BUILDS_DIR = "torch_extensions"
+
+
+def cache_home(environ: dict[str, str] | os._Environ = os.environ) -> Path:
+    """pretrain's cache directory apart from a recipe: ``$PRETRAIN_CACHE_DIR``, else ``~/.cache/pretrain`` (a recipe's
+    data.cache_dir replaces it for its tokenizers and stores: pretrain/data/cache.py ``cache_root``)."""
+    return Path(environ.get(CACHE_ENV) or "~/.cache/pretrain").expanduser().absolute()
+
+
+def op_build_dir(environ: dict[str, str] | os._Environ = os.environ) -> Path:
+    """This environment's own directory for compiled ops: ``<cache home>/torch_extensions/<the environment's
+    directory name>-<8 hex digits of its Python prefix>-torch<version>``, e.g.
+    ``~/.cache/pretrain/torch_extensions/venv-3f2a9c1e-torch2.13.0+cpu``."""
+    prefix = Path(sys.prefix).resolve()
+    key = hashlib.sha256(str(prefix).encode()).hexdigest()[:8]
+    name = prefix.name.lstrip(".") or "python"
+    return cache_home(environ) / OP_BUILDS_DIR / f"{name}-{key}-torch{installed_version('torch') or 'none'}"
+
+
+def use_environment_op_builds(environ: dict[str, str] | os._Environ = os.environ) -> Path:
+    """``TORCH_EXTENSIONS_DIR`` in ``environ`` (this process's, or the one a launcher passes on) set to
+    ``op_build_dir()`` unless the user set it (theirs is kept); the directory in force. Call before DeepSpeed
+    builds anything: torch reads it at each build."""
+    if not environ.get(OP_BUILDS_ENV):
+        environ[OP_BUILDS_ENV] = str(op_build_dir(environ))
+    return Path(environ[OP_BUILDS_ENV])
 
 
 def _listed(problems: list[str]) -> str:

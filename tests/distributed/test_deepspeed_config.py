@@ -177,7 +177,7 @@ def test_compile_is_accepted_under_every_zero_stage(mode):
         assert config["zero_optimization"]["stage"] == stage
 
 
-def test_a_stale_build_lock_of_deepspeeds_cpu_op_is_one_message_instead_of_a_hang(tmp_path):
+def test_a_stale_build_lock_of_deepspeeds_cpu_op_is_one_message_instead_of_a_hang(tmp_path, monkeypatch):
     """A ZeRO process killed while DeepSpeed compiled its shared-memory op leaves torch's build lock: every later ZeRO
     process waited on it forever (seen in this project's CI). An old lock is refused naming the file; a lock younger
     than any build (a build in progress) is waited on as torch does."""
@@ -186,9 +186,9 @@ def test_a_stale_build_lock_of_deepspeeds_cpu_op_is_one_message_instead_of_a_han
 
     from pretrain.distributed.accelerator import STALE_BUILD_LOCK_S, check_deepspeed_op_lock
 
-    environ = {"TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    environ = {"TORCH_EXTENSIONS_DIR": str(tmp_path)}  # torch builds in it directly (pretrain sets this environment's)
     check_deepspeed_op_lock(environ)  # nothing built yet
-    lock = tmp_path / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / "deepspeed_shm_comm" / "lock"
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
     lock.parent.mkdir(parents=True)
     lock.touch()
     check_deepspeed_op_lock(environ)  # a build in progress
@@ -197,6 +197,18 @@ def test_a_stale_build_lock_of_deepspeeds_cpu_op_is_one_message_instead_of_a_han
                                           r"old: .* Delete it \(`rm .*lock`\) and launch again"):
         check_deepspeed_op_lock(environ)
     assert lock.exists()  # not pretrain's file to delete
+    # without TORCH_EXTENSIONS_DIR (pretrain sets it; a caller of this function may not): torch's folder for this
+    # interpreter and torch build in its default root
+    import torch
+    import torch.utils.cpp_extension
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "get_default_build_root", lambda: str(tmp_path / "default"))
+    device = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+    folder = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{device}"
+    (tmp_path / "default" / folder / "deepspeed_shm_comm").mkdir(parents=True)
+    os.replace(lock, tmp_path / "default" / folder / "deepspeed_shm_comm" / "lock")
+    with pytest.raises(ConfigError, match=f"/default/{folder}/deepspeed_shm_comm/lock is 16 minutes old"):
+        check_deepspeed_op_lock({})
 
 
 def test_deepspeeds_own_checkpoint_writers_that_would_bypass_pretrains_checkpoints_are_refused():

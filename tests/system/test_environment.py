@@ -222,3 +222,84 @@ def test_the_tiny_recipe_trains_without_the_optional_packages(core_only, tmp_pat
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
     assert "wandb is not installed; logging.backends: wandb needs wandb >= " in refused.stderr
     assert not (tmp_path / "refused").exists()  # refused before anything was written
+
+
+# ---- DeepSpeed's compiled ops: a directory per environment -------------------------------------------------------
+def test_each_environment_builds_its_ops_in_a_directory_of_its_own(tmp_path, monkeypatch):
+    """Issue 36: torch builds DeepSpeed's CPU op in ~/.cache/torch_extensions, one directory for every environment of
+    the user, so two environments with another torch rebuilt it in turn. Keyed by the Python prefix and the torch
+    version, under pretrain's cache directory; the same environment always gets the same one; the user's
+    TORCH_EXTENSIONS_DIR is kept."""
+    from pretrain.system.environment import OP_BUILDS_ENV, op_build_dir, use_environment_op_builds
+
+    cache = {"PRETRAIN_CACHE_DIR": str(tmp_path / "cache")}
+    here = op_build_dir(cache)
+    assert here == op_build_dir(dict(cache)) and here.parent == tmp_path / "cache" / "torch_extensions"
+    assert here.name.endswith(f"-torch{environment.installed_version('torch')}")
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "other-venv"))
+    other_venv = op_build_dir(cache)
+    monkeypatch.setattr(environment, "installed_version", lambda package: "2.11.0")
+    other_torch = op_build_dir(cache)
+    assert len({here, other_venv, other_torch}) == 3 and other_venv.name.startswith("other-venv-")
+    assert op_build_dir({}).parent == Path("~/.cache/pretrain/torch_extensions").expanduser().absolute()
+
+    environ = dict(cache)
+    assert use_environment_op_builds(environ) == other_torch and environ[OP_BUILDS_ENV] == str(other_torch)
+    mine = {**cache, OP_BUILDS_ENV: str(tmp_path / "mine")}
+    assert use_environment_op_builds(mine) == tmp_path / "mine" and mine[OP_BUILDS_ENV] == str(tmp_path / "mine")
+
+
+def test_the_run_and_pretrain_launch_set_it_before_anything_is_built(tmp_path, monkeypatch, capsys):
+    """pretrain/run.py sets it in every process before the trainer exists (DeepSpeed builds its op when the
+    accelerator starts); pretrain-launch in the environment of what it starts (the doctor, accelerate launch and
+    the workers), leaving its own alone."""
+    from pretrain import run
+    from pretrain.cli import launch as launch_cli
+    from pretrain.system.environment import OP_BUILDS_ENV, op_build_dir
+    from pretrain.train import trainer
+    from pretrain.trust import FORCE_ENV
+    from tests.helpers import TINY
+
+    for name in (FORCE_ENV, "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", OP_BUILDS_ENV):  # what main() sets: undone after
+        monkeypatch.setenv(name, "1")
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PRETRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    expected = str(op_build_dir())
+
+    seen = []
+
+    class Trainer:
+        interrupted = False
+
+        def __init__(self, *args, **kwargs):
+            seen.append(os.environ.get(OP_BUILDS_ENV))
+
+        def train(self):
+            pass
+
+    monkeypatch.setattr(trainer, "Trainer", Trainer)
+    assert run.main(["--recipe", TINY, *FAST, f"output_dir={tmp_path / 'run'}"]) == 0
+    assert seen == [expected]
+
+    monkeypatch.delenv(OP_BUILDS_ENV)
+    started = []
+    monkeypatch.setattr(launch_cli, "run_launcher", lambda argv, environment: started.append(environment) or 0)
+    config = ["--config_file", str(REPO / "accelerate_configs" / "zero2.yaml"), "--num_processes", "2"]
+    assert launch_cli.main([*config, "--recipe", TINY, *FAST]) == 0
+    assert started[0][OP_BUILDS_ENV] == expected and OP_BUILDS_ENV not in os.environ
+    monkeypatch.setenv(OP_BUILDS_ENV, str(tmp_path / "mine"))
+    assert launch_cli.main([*config, "--recipe", TINY, *FAST]) == 0
+    assert started[1][OP_BUILDS_ENV] == str(tmp_path / "mine")
+    capsys.readouterr()
+
+
+def test_the_suite_builds_the_ops_once_in_one_directory_whatever_cache_a_test_gives(tmp_path):
+    """tests/conftest.py: every process the tests start finds DeepSpeed's op in the one directory of this environment
+    (built once, as tools/install.sh builds it), also a run given a cache of its own: none rebuilds it (a minute)."""
+    from pretrain.system.environment import OP_BUILDS_ENV, op_build_dir
+    from tests.helpers import SUITE_CACHE
+
+    suite = env()[OP_BUILDS_ENV]
+    assert env(PRETRAIN_CACHE_DIR=str(tmp_path / "cache"))[OP_BUILDS_ENV] == suite
+    if suite.startswith(str(SUITE_CACHE)):  # set by the conftest (not the user's own), as the README and CI run it
+        assert suite == str(op_build_dir({"PRETRAIN_CACHE_DIR": str(SUITE_CACHE)}))
