@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from pretrain.cli import add_recipe_arguments
@@ -48,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     return run_worker(lambda: _main(args))
 
 
+STARTING = "building the token store, the model or the resume"
+
+
 def _main(args: argparse.Namespace) -> int:
     is_main = True
     try:
@@ -72,6 +76,7 @@ def _main(args: argparse.Namespace) -> int:
         # The recipe's packages, and GPUs that torch cannot see (unless accelerate launch --cpu / use_cpu).
         check_environment(recipe, launch, gpu_launch=os.environ.get("ACCELERATE_USE_CPU", "").lower() != "true")
         from pretrain.data.prepare import prepare_commands
+        from pretrain.distributed.preemption import StopRequested, StopSignals
         from pretrain.distributed.supervise import interrupted_exit_code
         from pretrain.train.trainer import Trainer
 
@@ -82,8 +87,21 @@ def _main(args: argparse.Namespace) -> int:
             recipe, note = auto_batch.resolve(recipe, launch, *auto_batch.this_process_device(launch))
             notes.append(note)
         prepare_command = prepare_commands(args.recipe, args.overrides, launch.num_nodes)
-        trainer = Trainer(recipe, launch, prepare_command, notes=notes)
-        trainer.train()
+        # The stop signals from here to the end: while the run starts a signal stops it at once (StopRequested),
+        # from the loop on it stops after the step in flight with a checkpoint (distributed/preemption.py).
+        with StopSignals(immediate=True) as stop:
+            try:
+                trainer = Trainer(recipe, launch, prepare_command, notes=notes, stop=stop)
+                trainer.train()
+            except KeyboardInterrupt as exc:  # StopRequested, or a store build's BuildInterrupted that it became
+                if not stop.immediate or stop.received in (None, signal.SIGINT):
+                    raise  # Ctrl-C: interrupted (130), as before the loop always was
+                if is_main:
+                    name = signal.Signals(stop.received).name
+                    kept = "" if isinstance(exc, StopRequested) else f" ({exc})"
+                    print(f"preempted: {name} while the run was starting ({STARTING}){kept}; nothing was trained "
+                          "since the checkpoint it resumes from: the same command resumes", flush=True)
+                return 0
         # Ctrl-C: checkpointed, yet not finished (130, or 0 when pretrain-launch reports the 130)
         return interrupted_exit_code() if trainer.interrupted else 0
     except ConfigError as exc:

@@ -78,6 +78,7 @@ class Job:
     port: str  # "auto" or a number
     signal_lead_s: int
     stop_grace_s: int  # after forwarding USR1, seconds before ranks still running get TERM
+    max_failure_requeues: int  # requeues after a failed training (not 0, 2, 3, 130)
     sbatch_options: list[str]  # --partition=..., --account=..., raw --sbatch-arg values
     doctor: bool = True  # run pretrain doctor on every node before training
 
@@ -112,6 +113,10 @@ def add_submit_arguments(submit: argparse.ArgumentParser) -> None:
     submit.add_argument("--signal-lead-s", type=count(1, MAX_SIGNAL_LEAD_S), default=300,
                         help="seconds before the time limit at which SLURM sends USR1 (checkpoint, requeue); "
                         "default 300")
+    submit.add_argument("--max-failure-requeues", type=count(0, 1000), default=3,
+                        help="times the job requeues itself after training failed (a killed rank, a lost node, a hang "
+                        "caught by runtime.hang_timeout_s: any exit but 0, 2 = refused, 3 = diverged, 130 = "
+                        "interrupted); it resumes from the newest verified checkpoint; default 3, 0 = never")
     submit.add_argument("--no-doctor", action="store_true",
                         help="skip the health check (pretrain doctor) every job runs on its nodes before training")
     submit.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
@@ -212,6 +217,7 @@ def check_job(args: argparse.Namespace) -> Job:
         signal_lead_s=args.signal_lead_s,
         # Ranks still starting up ignore USR1 and have nothing to save: TERM them well before the time limit.
         stop_grace_s=max(60, args.signal_lead_s - 60),
+        max_failure_requeues=args.max_failure_requeues,
         sbatch_options=options,
         doctor=not args.no_doctor,
     )
@@ -419,6 +425,19 @@ def render_script(job: Job, python: str = sys.executable) -> str:
         '  echo "pretrain-slurm: scontrol requeue failed; resubmit with: sbatch $RUN_DIR/slurm/job.sbatch"',
         "fi",
         'echo "pretrain-slurm: training exited with $STATUS at $(date -Is)"',
+        "# A failure that another allocation may not repeat (a killed rank, a lost node, a hang): requeue, at most",
+        "# --max-failure-requeues times; not a refusal (2), a divergence (3) or a Ctrl-C (130).",
+        'case "$STATUS" in 0|2|3|130) ;; *)',
+        f'  FAILURES=$(grep -c \'"event": "failure"\' "$RUN_DIR/{SLURM_SUBDIR}/{ALLOCATIONS}")',
+        f'  if [ "$FAILURES" -lt {job.max_failure_requeues} ]; then',
+        "    record_event failure",
+        f'    echo "pretrain-slurm: requeueing job $SLURM_JOB_ID after a failure ($(( FAILURES + 1 )) of '
+        f'{job.max_failure_requeues}); it resumes from the newest verified checkpoint"',
+        '    scontrol requeue "$SLURM_JOB_ID" && exit 0',
+        "  fi",
+        "  echo \"pretrain-slurm: not requeued: $FAILURES failure(s) so far, --max-failure-requeues "
+        f'{job.max_failure_requeues}\"',
+        "esac",
         "record_event end",
         'exit "$STATUS"',
     ]
@@ -558,7 +577,7 @@ def queue_intervals(slurm_dir: Path) -> list[tuple[float, float]]:
     events.sort()
     intervals, waiting_since = [], None
     for when, event in events:
-        if event in ("requeue", "end"):
+        if event in ("requeue", "failure", "end"):
             waiting_since = when
         elif event == "start" and waiting_since is not None:
             intervals.append((waiting_since, when))

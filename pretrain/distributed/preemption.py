@@ -7,8 +7,14 @@ only (torchrun starts each worker in a session of its own), whose elastic agent 
 worker, waits ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (default 30) for them to exit, then SIGKILLs them;
 under ``pretrain-launch`` to pretrain-launch only, which sends it to the workers itself, so that torchrun
 does not report the stop as its own failure (``supervise.run_launcher``).
-The handlers only set a flag; they are installed for the training loop and the previous ones are restored
-after it, also when the loop raises. A second Ctrl-C is the user insisting: it goes to the previous handler
+The handlers are installed by the entry point before the trainer is built and kept until the process ends
+(``run.py``), so a signal is never lost because the run was elsewhere than the loop. While the run starts
+(building the token store, the model, loading the checkpoint: ``immediate``) a signal raises ``StopRequested`` at
+once, since nothing has been trained that a checkpoint would keep (a store build keeps its finished shards); from
+the loop on, the handlers only set a flag: the optimizer step in flight finishes (with its evaluation, and its
+checkpoint write, also an asynchronous one), then every rank checkpoints and stops. A signal during the final
+export lets it finish: the run is complete. The previous handlers are restored at the end, also when the run
+raises. A second Ctrl-C is the user insisting: it goes to the previous handler
 (Python's KeyboardInterrupt), so the process stops at once. SIGINTs within ``supervise.CTRL_C_WINDOW_S`` (1 s)
 of a Ctrl-C's first are that same Ctrl-C, not a second one (``supervise.CtrlC``: a wrapper that passes the
 terminal's SIGINT on to its child delivers it twice). (Under torchrun the second Ctrl-C ends the agent, and every
@@ -23,7 +29,10 @@ well inside any scheduler's grace period.
 
 from __future__ import annotations
 
+import os
 import signal
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,14 +40,54 @@ import torch.distributed as dist
 from pretrain.distributed.supervise import CtrlC
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+SIGNAL_AT_ENV = "PRETRAIN_TEST_SIGNAL"  # test hook: "<point>[:<step>[:<rank>]]" (signal_hook)
+# test hook: "<point>:<step>:<seconds>[,...]": there, every rank pauses that long after rank 0 has created the file
+# <point>-<step> in the directory PRETRAIN_TEST_PAUSE_DIR (tools/fault_harness.py signals the job meanwhile); once
+# per run (not again where that file exists)
+PAUSE_AT_ENV, PAUSE_DIR_ENV = "PRETRAIN_TEST_PAUSE", "PRETRAIN_TEST_PAUSE_DIR"
+
+
+class StopRequested(KeyboardInterrupt):
+    """A stop signal while the run starts (``StopSignals.immediate``): nothing is trained since the checkpoint the
+    run would resume from, so it stops at once (a store build keeps its finished shards)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"{signal.Signals(signum).name} while the run was starting")
+
+
+def signal_hook(point: str, step: int | None = None) -> None:
+    """The test hooks at ``point`` (data_build, first_step, evaluation, checkpoint, checkpoint_written,
+    final_model): PRETRAIN_TEST_SIGNAL sends SIGUSR1 to this process there (of ``step`` when the hook names one, on
+    ``rank`` when it names one); PRETRAIN_TEST_PAUSE pauses there. Nothing in a real run (both unset)."""
+    if pauses := os.environ.get(PAUSE_AT_ENV):
+        for pause in pauses.split(","):
+            want_point, want_step, seconds = pause.split(":")
+            marker = Path(os.environ[PAUSE_DIR_ENV]) / f"{point}-{step}"
+            if want_point == point and int(want_step) == step and not marker.exists():  # once per run
+                if os.environ.get("RANK", "0") == "0":
+                    marker.touch()
+                time.sleep(float(seconds))
+    value = os.environ.get(SIGNAL_AT_ENV)
+    if not value:
+        return
+    want_point, want_step, want_rank = (value.split(":") + ["", ""])[:3]
+    if want_point != point or (want_step and step is not None and int(want_step) != step):
+        return
+    if want_rank and int(want_rank) != int(os.environ.get("RANK", "0")):
+        return
+    os.kill(os.getpid(), signal.SIGUSR1)
 
 
 class StopSignals:
     """``with StopSignals() as stop:`` records a stop signal in ``stop.received`` instead of dying."""
 
-    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS, log=None):
+    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS, log=None, immediate: bool = False):
         self.signals = signals
         self.log = log  # the run's rank-0 log: says once what a Ctrl-C will do
+        # While the run starts (data build, model, resume load) a signal raises StopRequested at once: nothing is
+        # trained yet. The loop sets it False: from then on a signal is a flag, and the step in flight finishes.
+        self.immediate = immediate
         self.received: int | None = None
         self.ctrl_c = CtrlC()  # SIGINTs counted as Ctrl-C presses (one press may arrive twice)
         self._announced = False
@@ -54,17 +103,27 @@ class StopSignals:
         return self
 
     def __exit__(self, exc_type, *exc_info) -> None:
-        if self._pending is not None and exc_type is None:
-            self._pending[0].wait()  # every rank started it: it completes, and nothing is left in flight
+        if exc_type is None:
+            self.settle()
         self._pending = None
         for sig, handler in self._previous.items():
             # None: the previous handler was not installed from Python; the default is the closest.
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         self._previous.clear()
 
+    def settle(self) -> None:
+        """Wait for the agreement in flight, if any (every rank started it): nothing is left in flight. Called
+        after the loop, while the process group still exists."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+
     def _on_signal(self, signum, frame) -> None:
         if signum == signal.SIGINT and not self.ctrl_c.press():
             return  # the same Ctrl-C delivered again (a wrapper passing on the terminal's SIGINT): one stop
+        if self.immediate:
+            self.received = signum
+            raise StopRequested(signum)
         if signum == signal.SIGINT and self.received == signal.SIGINT:
             # A second Ctrl-C: stop now, as if pretrain had no handler (the steps since the last checkpoint are lost).
             previous = self._previous.get(signal.SIGINT)

@@ -4,7 +4,8 @@ acted on.
 The evidence is the per-rank step time the run already measures on logging steps (``diagnostics.StepTimer``: each
 rank's own part of the step before the gradient synchronisation, gathered by one all-gather): every rank holds the
 same list of times, so every rank reaches the same verdict at the same step with no further collective. A logged
-step is *slow* when the slowest rank's time is at least ``factor`` times the median of the other ranks' times; a
+step is *slow* when the slowest rank's time is at least ``factor`` times the median of the other ranks' times (and at
+least ``MIN_EXCESS_S`` more); a
 host is a straggler when the slowest rank of ``window`` slow logged steps in a row is on it. Then:
 
 - ``warn``: the log names the rank, its host and the ratio (once per confirmation, then again only if it gets worse
@@ -38,6 +39,10 @@ from pretrain.distributed.sbatch import EXCLUDE_REQUEST, EXCLUDED_HOSTS, SLURM_S
 from pretrain.recipe.config import StragglerConfig
 
 STRAGGLERS_FILE = "stragglers.jsonl"
+# A rank at most this much slower than the others' median is no straggler, whatever the ratio: steps of milliseconds
+# (a small model on CPU) differ by more than 1.5x in timer noise, and a node that costs under 50 ms a step is not
+# worth an allocation.
+MIN_EXCESS_S = 0.05
 SLOW_ENV = "PRETRAIN_TEST_SLOW"
 
 
@@ -88,7 +93,7 @@ class StragglerWatch:
         rank = max(range(len(times)), key=times.__getitem__)
         others = statistics.median(t for r, t in enumerate(times) if r != rank)
         ratio = times[rank] / others if others > 0 else float("inf")
-        if ratio < cfg.factor:
+        if ratio < cfg.factor or times[rank] - others < MIN_EXCESS_S:
             self.streak = None
             return None
         host = self.hosts[rank]

@@ -19,6 +19,7 @@ the one ``load``. ``Trainer.train`` only puts them in order.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from pretrain.data import data_identity, ensure_data, open_data
 from pretrain.data.loader import TrainData, document_masking
 from pretrain.distributed.accelerator import build_accelerator, check_shared_output_dir
 from pretrain.distributed.layout import Launch
-from pretrain.distributed.preemption import StopSignals
+from pretrain.distributed.preemption import StopSignals, signal_hook
 from pretrain.distributed.supervise import RunLock
 from pretrain.errors import TrainingDiverged, writable_dir
 from pretrain.model.optim import Schedule
@@ -55,10 +56,12 @@ from pretrain.train.tracking import Console, StepLog, build_trackers, set_resume
 
 class Trainer:
     def __init__(self, recipe: Recipe, launch: Launch | None = None, prepare_command: str | None = None,
-                 notes: list[str] | tuple[str, ...] = ()):
+                 notes: list[str] | tuple[str, ...] = (), stop: StopSignals | None = None):
         """``notes``: lines the run's log opens with (what the entry point decided: batch.micro_batch_size auto's
-        choice)."""
+        choice). ``stop``: the entry point's stop signals, installed before this is built (else ``train`` installs
+        its own for the loop)."""
         self.recipe, self.output_dir = recipe, Path(recipe.output_dir)
+        self.stop = stop
         self.launch = launch or Launch.from_env()
         self.is_main = self.launch.is_main
         self.console = Console(recipe.logging.progress, enabled=self.is_main)
@@ -85,6 +88,7 @@ class Trainer:
         # The token store exists before the process group does: no rank ever waits for data in a collective.
         prepare_command = prepare_command or f"pretrain-prepare-data --recipe <the recipe of {recipe.name!r}>"
         with self.goodput.phase("data_build"):
+            signal_hook("data_build")
             ensure_data(recipe.data, self.launch, prepare_command, log=self.log)
 
         self.trackers = build_trackers(recipe, self.output_dir, self.resume.step, self.is_main)
@@ -170,6 +174,7 @@ class Trainer:
             on_peak_raised=peak_warning(self.parts.peak, self.log),
         )
         self.rolled_back = False  # the step after a rollback is always logged
+        self.saved_step: int | None = None  # the step of this run's newest save
         self.preempted = self.interrupted = False  # interrupted: the stop was a Ctrl-C (SIGINT): run.py exits 130
 
     @property
@@ -213,11 +218,18 @@ class Trainer:
     def train(self) -> dict[str, float]:
         """Optimizer steps up to the horizon, or until a stop signal; returns the last logged train metrics."""
         last_metrics: dict[str, float] = {}
+        if self.stop is not None:
+            self.stop.immediate = False  # from here a signal is a flag: the step in flight (or the export) finishes
         if self.step >= self.num_steps:
             self.log(f"run already complete at step {self.step}/{self.num_steps}")
+            if self.final_model is not None and self.final_model.path.is_dir():  # written whole, then renamed
+                self.log(f"export: {self.final_model.path} is there already (delete it to export again)")
+                self.final_model = None
             self.finish()
             return last_metrics
-        with StopSignals(log=self.log) as stop:  # SIGTERM / SIGUSR1 / Ctrl-C: stop after the step in flight
+        # SIGTERM / SIGUSR1 / Ctrl-C: stop after the step in flight (the entry point installed them before the build)
+        with contextlib.nullcontext(self.stop) if self.stop else StopSignals(log=self.log) as stop:
+            stop.immediate, stop.log = False, self.log
             if self.step == 0 and self.evaluator.due(0):
                 with self.goodput.phase("evaluation"):
                     self.evaluator.evaluate(self.model, 0)
@@ -238,6 +250,7 @@ class Trainer:
                     self.accelerator.end_training()
                     self.goodput.write()
                     raise TrainingDiverged(f"{exc} (newest checkpoint: {newest or 'none'})") from None
+            stop.settle()  # the stop agreement in flight, while the process group exists
             self.goodput.loop_ended()
             # Outside the loop's diagnostics: the watchdog does not time the export or the preemption checkpoint.
             if ended == "preempted":
@@ -255,10 +268,13 @@ class Trainer:
         """Optimizer steps until the horizon ("done"), an agreed stop signal ("preempted"), a straggler host to
         exclude ("straggler") or data.on_exhausted=stop ("exhausted"); the last logged train metrics."""
         last_metrics: dict[str, float] = {}
+        first_step = self.step
         while self.step < self.num_steps:
             if self.train_data.stop_step is not None and self.step >= self.train_data.stop_step:
                 return "exhausted", last_metrics
             diagnostics.step_start(self.step + 1, timed=self.step_log.due(self.step + 1))
+            if self.step == first_step:
+                signal_hook("first_step")
             # The test hook (stability.LOSS_FACTORS_ENV), keyed like the data: by the global batch this step reads
             # (batch N - 1 for step N, unless a rollback skipped batches), so a rollback skips an injected spike
             # as it skips bad data, and a resume meets the same factors.
@@ -281,6 +297,7 @@ class Trainer:
             self.goodput.step_done(self.step, kept=not (result.verdict is not None and result.verdict.skip))
             if self.evaluator.due(self.step):
                 with self.throughput.excluded(), self.goodput.phase("evaluation"):
+                    signal_hook("evaluation", self.step)
                     self.evaluator.evaluate(self.model, self.step)
             if self.diagnostics.exclude_requested:  # every rank judged the same gathered step times
                 return "straggler", last_metrics
@@ -288,7 +305,7 @@ class Trainer:
                 with self.throughput.excluded(), self.goodput.phase("checkpoint"):
                     self.save_checkpoint()
                 self.goodput.write()
-            elif stop.agreed(self.accelerator):
+            if stop.agreed(self.accelerator):  # every rank, every step; a signal during the save stops here too
                 return "preempted", last_metrics
             diagnostics.step_done()
         return "done", last_metrics
@@ -329,16 +346,20 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """A checkpoint of the step just done, unless the training state is not finite (TrainingDiverged)."""
+        signal_hook("checkpoint", self.step)
         record = TrainerState.of(self.state.state_dict(), plan=self.plan.to_dict(), recipe=self.recipe.to_dict(),
                                  layout=self.launch.to_dict(), data=data_identity(self.data),
                                  optimizer_params=self.parts.optimizer_params)
         self.checkpointer.save(record, optimizer=self.optimizer)
+        self.saved_step = self.step
+        signal_hook("checkpoint_written", self.step)  # checkpoint.async: the write is still in flight
 
     def stop_preempted(self, why: str = "") -> None:
         """A stop signal reached every rank (or, ``why="straggler"``, a straggler host is to be excluded):
         checkpoint the step just done and end; the same command resumes."""
         with self.goodput.phase("checkpoint"):
-            self.save_checkpoint()
+            if self.saved_step != self.step:  # the signal came during this step's own save: it is saved
+                self.save_checkpoint()
             self.checkpointer.wait()  # checkpoint.async: written before the run says it has it
         self.preempted = True
         self.console.close()
@@ -367,6 +388,7 @@ class Trainer:
         self.console.close()
         if self.final_model is not None:
             with self.goodput.phase("final_model"):
+                signal_hook("final_model")
                 self.final_model.save(self.model)
         self.end()
 

@@ -87,3 +87,12 @@ def test_off_and_one_rank_never_judge(tmp_path):
 ])
 def test_the_slow_rank_hook(value, rank, host, expected):
     assert slow_seconds(rank, host, {"PRETRAIN_TEST_SLOW": value}) == expected
+
+
+def test_milliseconds_of_timer_noise_are_no_straggler_whatever_the_ratio(tmp_path):
+    """A tiny model's steps take milliseconds: 1.6x there is 5 ms (measured on 2 CPU processes: a rank at 0.0128 s
+    against 0.008 s), not a host worth excluding."""
+    watch, logged = _watch(tmp_path, action="exclude", window=1)
+    assert watch.observe(22, [0.008, 0.0128, 0.008, 0.008]) is None
+    assert watch.excluded is None and not _records(tmp_path)
+    assert watch.observe(24, [0.008, 0.31, 0.008, 0.008]).ratio == pytest.approx(38.75)  # 0.3 s more: it is one
