@@ -105,7 +105,7 @@ def _main(args: argparse.Namespace) -> int:
         # Ctrl-C: checkpointed, yet not finished (130, or 0 when pretrain-launch reports the 130)
         return interrupted_exit_code() if trainer.interrupted else 0
     except ConfigError as exc:
-        from pretrain.distributed.supervise import refuse
+        from pretrain.distributed.agreement import refuse
 
         refuse(str(exc))  # a rank that refuses alone: the others, failing in their next collective, say why
         if is_main:

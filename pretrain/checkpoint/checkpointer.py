@@ -34,7 +34,7 @@ from pretrain.checkpoint.integrity import record_own, write_manifest
 from pretrain.checkpoint.reshard import ResumeSource, views
 from pretrain.checkpoint.rundir import CHECKPOINTS_DIR, LATEST_FILE, STATE_FILE, complete_checkpoints, latest_checkpoint
 from pretrain.checkpoint.state import TrainerState
-from pretrain.distributed.accelerator import merge_problems, rank_problems
+from pretrain.distributed.agreement import merge_problems, rank_problems
 from pretrain.errors import ConfigError, TrainingDiverged, disk_full_error, is_disk_full
 from pretrain.recipe.config import CheckpointConfig
 from pretrain.trust import weights_only

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
 from pydantic import BaseModel
 
 from pretrain.checkpoint.checkpointer import Checkpointer, set_aside
@@ -39,7 +38,8 @@ from pretrain.checkpoint.reshard import ResumePlan, ResumeSource, plan_resume, p
 from pretrain.checkpoint.rundir import CHECKPOINTS_DIR, STATE_FILE, complete_checkpoints, latest_checkpoint, read_state
 from pretrain.checkpoint.state import RunState, TrainerState
 from pretrain.data import data_changes, planned_data_identity
-from pretrain.distributed.accelerator import SHARED_FS_HINT, rank_problems
+from pretrain.distributed.accelerator import SHARED_FS_HINT
+from pretrain.distributed.agreement import from_rank0, rank_problems
 from pretrain.distributed.layout import Launch
 from pretrain.errors import ConfigError
 from pretrain.recipe.config import CheckpointConfig, DataConfig, Recipe, renamed_keys
@@ -266,7 +266,7 @@ def agree_on_resume(accelerator: Accelerator, choice: ResumeChoice | None, outpu
     found by any rank moves every rank on to the next fallback. The checkpoint to load, or None to start
     fresh. Any problem raises the same ConfigError on every rank. Collective: every rank calls it once the
     process group exists. Rank 0 logs the damage and moves the damaged checkpoints passed over aside."""
-    [choice] = broadcast_object_list([choice])
+    choice = from_rank0(choice)
     if choice.error is not None:
         raise ConfigError(choice.error)
     if choice.path is None:

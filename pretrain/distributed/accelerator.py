@@ -3,7 +3,7 @@
 The recipe owns precision and accumulation; the accelerate launch owns the layout (processes,
 machines, DDP / FSDP / DeepSpeed). Where the launch's config also names a precision, it must agree.
 Once the process group exists, ``check_shared_output_dir`` makes sure every process sees the one
-``output_dir`` rank 0 writes; ``rank_problems`` is how every rank learns what every other rank found.
+``output_dir`` rank 0 writes; ``agreement.rank_problems`` is how every rank learns what every other rank found.
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ from accelerate.utils import (
     GradScalerKwargs,
     InitProcessGroupKwargs,
     TorchDynamoPlugin,
-    broadcast_object_list,
-    gather_object,
 )
 
+from pretrain.distributed.agreement import from_rank0, rank_problems
 from pretrain.distributed.context_parallel import check_launch_device
 from pretrain.distributed.deepspeed import build_deepspeed_config, read_user_config
 from pretrain.distributed.layout import Launch, compile_choice  # noqa: F401  (compile_choice: its home is layout.py)
@@ -394,30 +393,6 @@ SHARED_FS_HINT = (
 PROBE_WAIT_S = 3.0
 
 
-def _ranks(ranks: list[int]) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    if ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"ranks {ranks[0]}-{ranks[-1]}"
-    return "ranks " + ", ".join(map(str, ranks))
-
-
-def rank_problems(accelerator: Accelerator, problem: str | None) -> list[str]:
-    """Every rank's problem (None: none), gathered onto every rank as ``"rank 3 (host b) <problem>"`` lines,
-    ranks with the same host and problem merged. Collective: every rank calls it, and every rank gets the
-    same list, so every rank raises (or goes on) together instead of some waiting forever for the others."""
-    return merge_problems(gather_object([(socket.gethostname(), problem)]))
-
-
-def merge_problems(gathered: list[tuple[str, str | None]]) -> list[str]:
-    """Every rank's (host, problem or None), in rank order, as rank_problems words them."""
-    merged: dict[tuple[str, str], list[int]] = {}
-    for rank, (host, found) in enumerate(gathered):
-        if found is not None:
-            merged.setdefault((host, found), []).append(rank)
-    return [f"{_ranks(ranks)} (host {host}) {found}" for (host, found), ranks in merged.items()]
-
-
 def _sees(probe: Path, token: str) -> bool:
     try:
         return probe.read_text() == token
@@ -440,7 +415,7 @@ def check_shared_output_dir(accelerator: Accelerator, output_dir: Path) -> None:
         probe = output_dir / f".shared-probe-{secrets.token_hex(8)}"
         probe.write_text(probe.name)
         written = (probe.name, socket.gethostname(), str(probe.resolve()))
-    [(name, host, where)] = broadcast_object_list([written])
+    name, host, where = from_rank0(written)
     probe = output_dir / name
     deadline = time.monotonic() + PROBE_WAIT_S
     while not (seen := _sees(probe, name)) and time.monotonic() < deadline:

@@ -82,6 +82,8 @@ def run_worker(body: Callable[[], int]) -> int:
     try:
         code = body()
     except Exception:  # a defect: its traceback, then exit 1 (not the teardown's SIGABRT)
+        from pretrain.distributed.agreement import peer_refusal
+
         refused = peer_refusal()
         if refused is None:
             traceback.print_exc()
@@ -91,49 +93,6 @@ def run_worker(body: Callable[[], int]) -> int:
                 print(f"error: {refused}", file=sys.stderr)
             code = EXIT_USAGE
     leave(code)
-
-
-REFUSAL_KEY = "pretrain/refusal"
-"""The key of the process group's store that holds the first refusal of a run, ``rank N (host h) <message>``."""
-
-
-def _store():
-    """The default process group's key-value store (torchrun's TCPStore), or None without one."""
-    if "torch.distributed" not in sys.modules:
-        return None
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return None
-    return dist.distributed_c10d._get_default_store()
-
-
-def refuse(message: str) -> None:
-    """This rank stops the run with ``message`` (a ConfigError: exit 2): recorded in the process group's store,
-    the first refusal of the run kept, so that a rank whose next collective fails because this one has left
-    says the same thing instead of its backend's traceback (``run_worker``). A refusal that every rank reaches
-    together is decided before any collective (``pretrain.distributed.accelerator.rank_problems``); this is
-    for the rest. Nothing is recorded without a process group, and a store that cannot be reached is passed
-    over: the refusal is still this rank's exit 2 and message."""
-    try:
-        store = _store()
-        if store is not None:
-            import torch.distributed as dist
-
-            store.compare_set(REFUSAL_KEY, "", f"rank {dist.get_rank()} (host {socket.gethostname()}) {message}")
-    except Exception:  # noqa: BLE001 - the store lives in a peer that may have left too
-        pass
-
-
-def peer_refusal() -> str | None:
-    """The run's refusal another rank recorded (``refuse``), or None."""
-    try:
-        store = _store()
-        if store is not None and store.check([REFUSAL_KEY]):
-            return store.get(REFUSAL_KEY).decode()
-    except Exception:  # noqa: BLE001 - unreachable: no refusal known
-        return None
-    return None
 
 
 def leave(code: int) -> NoReturn:

@@ -6,9 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from accelerate.utils import broadcast_object_list
-
 from pretrain.data import sample_val_texts
+from pretrain.distributed.agreement import from_rank0
 from pretrain.errors import ConfigError
 from pretrain.model.build import save_pretrained_model
 from pretrain.model.export_checks import check_tokenizer_round_trip
@@ -36,7 +35,7 @@ class FinalModel:
                 check_tokenizer_round_trip(config, self.tokenizer, texts)
             except ConfigError as exc:
                 problem = str(exc)
-        [problem] = broadcast_object_list([problem])
+        problem = from_rank0(problem)
         if problem is not None:
             raise ConfigError(f"{problem} (checkpoint.save_final_model=false trains without the final export)")
         return texts

@@ -20,10 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from accelerate.utils import broadcast_object_list
-
 from pretrain.checkpoint.resume import ResumeChoice
 from pretrain.checkpoint.rundir import ROLLBACKS_FILE, append_record, read_rollbacks, timeline_rollbacks
+from pretrain.distributed.agreement import from_rank0
 from pretrain.errors import TrainingDiverged
 from pretrain.recipe.config import RollbackConfig
 from pretrain.train.stability import TooManySkips
@@ -90,7 +89,7 @@ class Rollback:
         first = stop.first_skipped_step
         run.checkpointer.wait()  # checkpoint.async: a write in flight is finished (and listed) before the choice
         choice = ResumeChoice.before(run.output_dir, first) if run.is_main else None
-        [choice] = broadcast_object_list([choice])
+        choice = from_rank0(choice)
         if choice.path is None and choice.error is None:
             raise TrainingDiverged(f"{stop}. stability.rollback: no checkpoint was saved before step {first}, the "
                                    "first skip of the streak (checkpoint.every_steps)") from None

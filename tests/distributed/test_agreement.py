@@ -19,7 +19,8 @@ SCRIPT = """
 import os, sys
 import torch
 import torch.distributed as dist
-from pretrain.distributed.supervise import refuse, run_worker
+from pretrain.distributed.agreement import refuse
+from pretrain.distributed.supervise import run_worker
 from pretrain.errors import ConfigError
 
 ALONE = os.environ["REFUSING_RANK"]

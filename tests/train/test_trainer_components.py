@@ -15,7 +15,7 @@ import pytest
 from pydantic import BaseModel
 
 import pretrain.checkpoint.resume as checkpoint
-import pretrain.distributed.accelerator as runtime
+import pretrain.distributed.agreement as agreement
 from pretrain.checkpoint.checkpointer import Checkpointer
 from pretrain.checkpoint.reshard import ResumeSource
 from pretrain.checkpoint.resume import (
@@ -160,11 +160,11 @@ def test_every_rank_follows_rank_0_or_every_rank_raises(tmp_path):
 def test_rank_problems_merge_ranks_with_the_same_host_and_problem(monkeypatch):
     views = [("a", None), ("a", None), ("b", "does not see it"), ("b", "does not see it"), ("c", "does not see it"),
              ("b", "sees step 2"), ("d", None), ("b", "does not see it")]
-    monkeypatch.setattr(runtime, "gather_object", lambda local: views)
-    assert runtime.rank_problems(None, None) == [
+    monkeypatch.setattr(agreement, "gather_object", lambda local: views)
+    assert agreement.rank_problems(None, None) == [
         "ranks 2, 3, 7 (host b) does not see it", "rank 4 (host c) does not see it", "rank 5 (host b) sees step 2"]
-    monkeypatch.setattr(runtime, "gather_object", lambda local: [("a", None)] + [("b", "x")] * 8)
-    assert runtime.rank_problems(None, None) == ["ranks 1-8 (host b) x"]
+    monkeypatch.setattr(agreement, "gather_object", lambda local: [("a", None)] + [("b", "x")] * 8)
+    assert agreement.rank_problems(None, None) == ["ranks 1-8 (host b) x"]
 
 
 @pytest.mark.parametrize(
