@@ -78,6 +78,7 @@ def _main(args: argparse.Namespace) -> int:
         from pretrain.data.prepare import prepare_commands
         from pretrain.distributed.preemption import StopRequested, StopSignals
         from pretrain.distributed.supervise import interrupted_exit_code
+        from pretrain.train.goodput import process_start_time
         from pretrain.train.trainer import Trainer
 
         notes = []
@@ -91,7 +92,8 @@ def _main(args: argparse.Namespace) -> int:
         # from the loop on it stops after the step in flight with a checkpoint (distributed/preemption.py).
         with StopSignals(immediate=True) as stop:
             try:
-                trainer = Trainer(recipe, launch, prepare_command, notes=notes, stop=stop)
+                trainer = Trainer(recipe, launch, prepare_command, notes=notes, stop=stop,
+                                  started=process_start_time())  # goodput: imports are start-up too
                 trainer.train()
             except KeyboardInterrupt as exc:  # StopRequested, or a store build's BuildInterrupted that it became
                 if not stop.immediate or stop.received in (None, signal.SIGINT):

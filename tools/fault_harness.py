@@ -43,13 +43,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from pretrain.checkpoint import rundir
+from pretrain.cli.slurm import queue_intervals
+from pretrain.distributed.preemption import PAUSE_AT_ENV, PAUSE_DIR_ENV
+from pretrain.train.goodput import read_goodput, summarise, summary_line
 
-from pretrain.checkpoint import rundir  # noqa: E402
-from pretrain.cli.slurm import queue_intervals  # noqa: E402
-from pretrain.distributed.preemption import PAUSE_AT_ENV, PAUSE_DIR_ENV  # noqa: E402
-from pretrain.train.goodput import read_goodput, summarise, summary_line  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 TINY = ROOT / "recipes" / "tiny.yaml"
 # The smallest shape that still trains: 2 blocks of width 64, 64-token sequences, GBS 8.
@@ -298,11 +297,14 @@ def run_one(args: argparse.Namespace, output: Path, faults: bool) -> dict:
 @contextlib.contextmanager
 def local_cluster():
     """The tests' private SLURM cluster (two one-CPU nodes on 127.0.0.1), its SLURM_CONF in this environment."""
+    import importlib.util
     import shutil
     import tempfile
 
-    from tests.slurm_cluster import SlurmCluster, ensure_installed
-
+    spec = importlib.util.spec_from_file_location("slurm_cluster", ROOT / "tests" / "slurm_cluster.py")
+    slurm_cluster = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(slurm_cluster)
+    SlurmCluster, ensure_installed = slurm_cluster.SlurmCluster, slurm_cluster.ensure_installed
     ensure_installed()
     root = Path(tempfile.mkdtemp(prefix="pretrain-slurm-"))  # short: the munge socket path must fit
     cluster = SlurmCluster(root)

@@ -82,7 +82,7 @@ class Goodput:
         self.id = f"{int(self.started)}-{os.getpid()}"
 
     @classmethod
-    def open(cls, output_dir: str | Path, *, write: bool, log) -> Goodput:
+    def open(cls, output_dir: str | Path, *, write: bool, log, started: float | None = None) -> Goodput:
         """This attempt's accounting, after the earlier attempts in ``output_dir`` (read on rank 0, ``write``). A
         goodput.json that is not what a run writes is set aside (renamed, never deleted) and a new account starts."""
         previous: list[dict[str, Any]] = []
@@ -94,7 +94,7 @@ class Goodput:
                 aside = path.with_name(f"{GOODPUT_FILE}.unreadable-{int(time.time())}")
                 os.replace(path, aside)
                 log(f"warning: goodput: {exc}; set aside as {aside.name}, the account starts again with this attempt")
-        return cls(output_dir, write=write, previous=previous)
+        return cls(output_dir, write=write, previous=previous, started=started)
 
     # ---- the clock ----------------------------------------------------------------------------------------
     def _accrue(self) -> float:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from pathlib import Path
 
 from accelerate.utils import set_seed
@@ -56,10 +57,13 @@ from pretrain.train.tracking import Console, StepLog, build_trackers, set_resume
 
 class Trainer:
     def __init__(self, recipe: Recipe, launch: Launch | None = None, prepare_command: str | None = None,
-                 notes: list[str] | tuple[str, ...] = (), stop: StopSignals | None = None):
+                 notes: list[str] | tuple[str, ...] = (), stop: StopSignals | None = None,
+                 started: float | None = None):
         """``notes``: lines the run's log opens with (what the entry point decided: batch.micro_batch_size auto's
         choice). ``stop``: the entry point's stop signals, installed before this is built (else ``train`` installs
-        its own for the loop)."""
+        its own for the loop). ``started``: when the attempt started, for its goodput (run.py: the process's start,
+        imports included); else now."""
+        started = time.time() if started is None else started
         self.recipe, self.output_dir = recipe, Path(recipe.output_dir)
         self.stop = stop
         self.launch = launch or Launch.from_env()
@@ -76,7 +80,7 @@ class Trainer:
         # rank 0 that stops takes its launch down with it).
         self.lock = RunLock.acquire(self.output_dir, log=self.log) if self.is_main else None
         # Where this attempt's wall time goes, from the process's start (pretrain/train/goodput.py).
-        self.goodput = Goodput.open(self.output_dir, write=self.is_main, log=self.log)
+        self.goodput = Goodput.open(self.output_dir, write=self.is_main, log=self.log, started=started)
         # The resume (pretrain/checkpoint/resume.py): decided, its data checked and its layout converted (or refused)
         # now, before any process group exists; loaded once the model and optimizer are prepared (``load``).
         self.resume = Resume.prepare(recipe, self.launch, log=self.log)

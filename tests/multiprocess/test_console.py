@@ -13,10 +13,11 @@ from tests.helpers import FAST, ROOT, TINY, check_ok, metrics, run_cmd
 pytestmark = pytest.mark.slow
 
 # Every line a run may print, by its start: the launcher's command, the data set-up (a fresh cache also trains
-# the tokenizer and builds the store), the start banner, evaluations, step lines, checkpoints, the export.
+# the tokenizer and builds the store), the start banner, evaluations, step lines, checkpoints, the export, the
+# goodput summary.
 OWN_LINES = re.compile(
     r"^(launch: |tokenizer: |data: |pretrain: |perf: |compile: |loss: |eval step \d+: |step \d+/30 \| |"
-    r"checkpoint: saved step |"
+    r"checkpoint: saved step |goodput [\d.]+% of |"
     r"export: )"
 )
 STEP_LINE = re.compile(r"^step (\d+)/30 \| .* \| elapsed \d+:\d\d:\d\d \| eta \d+:\d\d:\d\d$")
