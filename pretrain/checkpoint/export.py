@@ -10,6 +10,7 @@ into place: a view either exists whole or not at all.
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -87,7 +88,7 @@ def prepare_init_from(recipe, launch: Launch, log=print, poll_s: float = 1.0, ti
     downloaded into the Hugging Face cache (every process; the hub's own file locks share one download), a pretrain
     checkpoint's transformers view written by global rank 0 while the others wait for it on the shared filesystem.
     Nothing to do for a local model directory, or when the run resumes its own checkpoint (``resuming``)."""
-    from pretrain.recipe.init_from import CONFIG_FILE, hf_view, is_local, pretrain_checkpoint
+    from pretrain.recipe.init_from import HF_VIEW, hf_view, is_local, pretrain_checkpoint
 
     init_from = recipe.model.init_from
     if init_from is None:
@@ -99,15 +100,28 @@ def prepare_init_from(recipe, launch: Launch, log=print, poll_s: float = 1.0, ti
 
             log(f"init_from: {init_from} in the Hugging Face cache: {model_dir(init_from)}")
         return
+    from pretrain.checkpoint.reshard import stamp_view, view_problem
+
     view = hf_view(checkpoint)
-    if (view / CONFIG_FILE).is_file():
-        return
     if launch.is_main:
-        log(f"init_from: writing {checkpoint}'s weights and tokenizer as a transformers model in {view} (once)")
+        # Reused only while it is what this very checkpoint gave (its stamp: the source's manifest, the view's own
+        # checksums); anything else is pretrain's own derived data, written again (model.init_from's weights are
+        # read from it: a changed file would start the run from other weights).
+        problem = view_problem(checkpoint, view, HF_VIEW)
+        if problem is None:
+            return
+        if view.exists():
+            log(f"init_from: {view} {problem}; writing it again from {checkpoint}")
+            shutil.rmtree(view)
+        else:
+            log(f"init_from: writing {checkpoint}'s weights and tokenizer as a transformers model in {view} (once)")
         export(checkpoint, view, log=log)
+        stamp_view(checkpoint, view, HF_VIEW)
         return
+    # The others wait for a view whose stamp holds (sizes); they read it after rank 0 has joined the process group,
+    # so after its check or rewrite.
     deadline = time.monotonic() + timeout_s
-    while not (view / CONFIG_FILE).is_file():
+    while view_problem(checkpoint, view, HF_VIEW, checksums=False) is not None:
         if time.monotonic() > deadline:
             raise ConfigError(f"waited {timeout_s / 3600:.1f} h for rank 0 to write {view}; check rank 0's log, or "
                               f"write it once with pretrain-export {checkpoint} {view}")

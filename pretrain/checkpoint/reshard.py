@@ -352,6 +352,21 @@ def _stale(view: Path, made_from: dict[str, Any], checksums: bool = True) -> str
     return None
 
 
+def view_problem(checkpoint: Path, view: Path, kind: str, checksums: bool = True) -> str | None:
+    """Why ``view`` (a view of ``checkpoint`` of ``kind``: a resume's, or model.init_from's transformers view) cannot
+    be used, in words that follow its name, or None when it can (``_stale``)."""
+    return _stale(view, _made_from(checkpoint, kind), checksums)
+
+
+def stamp_view(checkpoint: Path, view: Path, kind: str) -> None:
+    """Record in ``view`` what it was made from and what it holds (its STAMP_FILE, written atomically, last)."""
+    stamp = {**_made_from(checkpoint, kind), "algorithm": ALGORITHM, "segment_bytes": SEGMENT_BYTES,
+             "files": record_files(view, [f for f in checkpoint_files(view) if f != STAMP_FILE])}
+    tmp = view / f".{STAMP_FILE}.tmp"
+    tmp.write_text(json.dumps(stamp, indent=1, sort_keys=True))
+    os.replace(tmp, view / STAMP_FILE)
+
+
 def _failure_marker(view: Path) -> Path:
     return view.with_name(f".{view.name}.failed")
 
