@@ -21,6 +21,11 @@ def pytest_configure(config):
     starts use one thread, so that two workers share the cores instead of oversubscribing them (torch's idle threads
     spin). Set before torch is imported."""
     os.environ["PRETRAIN_RUNS_DIR"] = tempfile.mkdtemp(prefix="pretrain-test-runs-")
+    # No hub at run time in the tests (the processes they start get it from tests/helpers.env): in-process checks of
+    # a hub tokenizer's recipe (recipes/7b.yaml) would otherwise retry an unreachable hub for tens of seconds. Before
+    # huggingface_hub is imported (it reads the variable once).
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     # DeepSpeed's ops (its CPU collectives: a minute to build) in one directory of this environment for the whole
     # suite, also for the tests that give their runs a cache of their own (PRETRAIN_CACHE_DIR, data.cache_dir): built
     # once, where tools/install.sh builds it under the suite's cache (pretrain/system/environment.py). Inherited by
@@ -40,9 +45,10 @@ def pytest_configure(config):
 # The files whose shared runs take longest (CI's durations: minutes each), in that order. Under xdist's --dist loadfile
 # a worker takes the next file when it is free, in collection order: these go first, so that the suite does not end
 # with one worker alone on a long file while the other idles (longest-first scheduling). Other files keep their order.
-LONGEST_FIRST = ("test_run.py", "test_distributed.py", "test_reduce_dtype.py", "test_reshard.py",
+LONGEST_FIRST = ("test_readme.py", "test_run.py", "test_distributed.py", "test_fault_harness.py", "test_reduce_dtype.py", "test_reshard.py",
                  "test_memory_validation.py", "test_slurm.py", "test_install.py", "test_architectures.py",
-                 "test_tensor_parallel.py", "test_moe.py", "test_init_from.py", "test_rollback.py", "test_tools.py")
+                 "test_tensor_parallel.py", "test_moe.py", "test_init_from.py", "test_rollback.py", "test_tools.py",
+                 "test_preemption_phases.py")
 
 
 def pytest_unconfigure(config):
