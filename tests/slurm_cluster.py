@@ -150,7 +150,7 @@ class SlurmCluster:
             f"SlurmUser={getpass.getuser()}",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket},cred_expire=10",
+            f"AuthInfo=socket={self.munge_socket},cred_expire=5",
             f"StateSaveLocation={r / 'state'}",
             f"SlurmdSpoolDir={r / 'spool' / '%n'}",
             f"SlurmctldPidFile={r / 'run' / 'slurmctld.pid'}",

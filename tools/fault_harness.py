@@ -14,13 +14,15 @@ every 8, with ``runtime.straggler.action=exclude``. The schedule (``--faults all
 
 1. **a straggler**: rank 1 is slowed by ``--slow-s`` per step on the job's first node; the run names it after
    ``straggler.window`` slow logged steps, checkpoints, and the job submits itself again without that node;
-2. **a preemption during an evaluation**: the evaluation of step 16 pauses while the harness sends USR1 to the
+2. **a preemption while an attempt starts**: USR1 to the new job's batch script while its processes import and
+   build the store and the model: the run stops before any step, the job requeues;
+3. **a preemption during an evaluation**: the evaluation of step 16 pauses while the harness sends USR1 to the
    batch script (``scancel --signal=USR1 --batch``): every rank checkpoints and the job requeues;
-3. **a loss spike**: the loss of 3 global batches in a row is multiplied by 1e3 (the stability test hook): every
+4. **a loss spike**: the loss of 3 global batches in a row is multiplied by 1e3 (the stability test hook): every
    update is skipped, and stability.rollback reloads the checkpoint before them and skips their window;
-4. **a preemption during an asynchronous checkpoint write**: the background write of step 28 is held while the
+5. **a preemption during an asynchronous checkpoint write**: the background write of step 28 is held while the
    harness sends USR1;
-5. **a corrupted newest checkpoint and a killed rank**, in the attempt after that: once step 40's checkpoint is
+6. **a corrupted newest checkpoint and a killed rank**, in the attempt after that: once step 40's checkpoint is
    complete (the ranks pause there for the harness) the harness flips bytes of its model file, then kills rank 1
    with SIGKILL; the job requeues after the failure and the resume
    passes over the damaged checkpoint to the one before.
@@ -122,10 +124,10 @@ class Harness:
             self.node = first_idle_node()
             env.update(spike_environment())
             env["PRETRAIN_TEST_SLOW"] = f"1:{self.slow_s}:{self.node}"
-            env[PAUSE_AT_ENV] = (f"evaluation:{EVAL_PAUSE_STEP}:4,checkpoint_written:{ASYNC_WRITE_STEP}:0,"
-                                 f"checkpoint_written:{CORRUPT_STEP}:8")  # the last: the rank to kill is still there
+            env[PAUSE_AT_ENV] = (f"evaluation:{EVAL_PAUSE_STEP}:2,checkpoint_written:{ASYNC_WRITE_STEP}:0,"
+                                 f"checkpoint_written:{CORRUPT_STEP}:3")  # the last: the rank to kill is still there
             env[PAUSE_DIR_ENV] = str(self.pause_dir)
-            env["PRETRAIN_TEST_SLOW_CHECKPOINT_WRITE"] = f"{ASYNC_WRITE_STEP}:4"
+            env["PRETRAIN_TEST_SLOW_CHECKPOINT_WRITE"] = f"{ASYNC_WRITE_STEP}:2"
             self.pause_dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "pretrain.cli.slurm", "submit", "--recipe", str(TINY), "--accelerate-config",
                str(ROOT / "accelerate_configs" / self.config), "--nodes", "1", "--processes-per-node",
@@ -152,23 +154,33 @@ class Harness:
 
     # ---- the schedule ---------------------------------------------------------------------------------------------
     def drive(self) -> dict[str, str]:
-        """Inject the faults as the run reaches them; return the last job's fields once every job has ended."""
+        """Inject the faults as the run reaches them, one per attempt (steps of milliseconds outrun a signal's way
+        through slurmctld, the batch script and srun: each fault waits for the attempt after the one before);
+        return the last job's fields once every job has ended."""
         deadline = time.monotonic() + self.timeout_s
-        starts_then = 0
-        pending = {"evaluation", "async_write", "corrupt_and_kill"} if self.faults else set()
+        schedule = ["start", "evaluation", "async_write", "corrupt_and_kill"] if self.faults else []
+        armed_at, seen_starting = 0, None  # the allocations started when the last fault was injected
         while time.monotonic() < deadline:
-            if "evaluation" in pending and (self.pause_dir / f"evaluation-{EVAL_PAUSE_STEP}").exists():
-                pending.discard("evaluation")
+            fault = schedule[0] if schedule and self.starts() > armed_at else None
+            done = False
+            if fault == "start" and len(self.jobs()) > 1:  # the job resubmitted without the straggler's node
+                pid = rank_pid(self.output, rank=0)
+                seen_starting = (seen_starting or time.monotonic()) if pid is not None else None
+                # the process has installed its handlers (its first second: the interpreter and pretrain's imports)
+                if seen_starting is not None and time.monotonic() - seen_starting > 1.5:
+                    self.preempt("the start of an attempt (imports, the store, the model)")
+                    done = True
+            elif fault == "evaluation" and (self.pause_dir / f"evaluation-{EVAL_PAUSE_STEP}").exists():
                 self.preempt(f"the evaluation of step {EVAL_PAUSE_STEP}")
-            if "async_write" in pending and (self.pause_dir / f"checkpoint_written-{ASYNC_WRITE_STEP}").exists():
-                pending.discard("async_write")
+                done = True
+            elif fault == "async_write" and (self.pause_dir / f"checkpoint_written-{ASYNC_WRITE_STEP}").exists():
                 self.preempt(f"the asynchronous write of step {ASYNC_WRITE_STEP}'s checkpoint")
-                starts_then = self.starts()
-            # one fault per attempt: the last waits for the attempt after the preemption (steps of milliseconds
-            # outrun a signal's way through slurmctld, the batch script and srun)
-            if ("corrupt_and_kill" in pending and "async_write" not in pending and self.starts() > starts_then
-                    and self.corrupt_and_kill()):
-                pending.discard("corrupt_and_kill")
+                done = True
+            elif fault == "corrupt_and_kill":
+                done = self.corrupt_and_kill()
+            if done:
+                schedule.pop(0)
+                armed_at = self.starts()
             job = self.current_job()
             fields = job_fields(job)
             # a job that resubmitted itself (a straggler host) appended its successor before it ended

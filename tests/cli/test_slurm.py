@@ -25,17 +25,13 @@ import pytest
 from pretrain.checkpoint.reshard import CheckpointLayout
 from pretrain.cli import slurm
 from pretrain.distributed.layout import Launch
-from pretrain.train.goodput import read_goodput, summarise, summary_line
 from tests.helpers import (
     FAST,
     ROOT,
     TINY,
-    OneThread,
     accelerate_launch,
     check_ok,
     env,
-    metrics,
-    train_here,
     train_losses,
 )
 from tests.slurm_cluster import SlurmCluster
@@ -490,73 +486,6 @@ def test_two_node_job_trains_like_a_local_two_process_run(cluster, six_step_refe
     for step, loss in losses.items():
         assert loss == pytest.approx(six_step_reference[step], rel=1e-4), (step, loss, six_step_reference[step])
     assert (out / "final_model").is_dir()
-
-
-@pytest.mark.slow
-def test_usr1_checkpoints_requeues_and_the_job_continues_the_same_curve(cluster, tmp_path):
-    steps = 40
-    args = [*CURVE, f"train.max_steps={steps}", "checkpoint.every_steps=100"]
-    start = time.perf_counter()
-    # The uninterrupted curve, trained on one process in this process (seconds, no launch): DDP's curve is the
-    # same on any process count up to reduction order (1e-5, tests/checkpoint/test_reshard.py), well inside 1e-4.
-    with OneThread():
-        train_here([*args, f"output_dir={tmp_path / 'local'}"])
-    reference = train_losses(tmp_path / "local")
-    reference_s = time.perf_counter() - start
-
-    out = tmp_path / "run"
-    start = time.perf_counter()
-    job_id = submit(cluster, "cpu_ddp.yaml", [*args, f"output_dir={out}"])
-    log = out / "slurm" / f"slurm-{job_id}.out"
-    deadline = time.monotonic() + 240
-    while not ((out / "metrics.jsonl").exists() and '"step": 3,' in (out / "metrics.jsonl").read_text()):
-        assert cluster.job(job_id).get("JobState") not in FINAL_STATES, read(log)[-6000:]
-        assert time.monotonic() < deadline, f"no step 3 within 240s\n{read(log)[-6000:]}"
-        time.sleep(0.2)
-    signal_proc = cluster.run("scancel", "--signal=USR1", "--batch", job_id)
-    assert signal_proc.returncode == 0, signal_proc.stderr
-    fields = wait_for_job(cluster, job_id, log)
-    text = read(log)
-    print(f"\nlocal reference {reference_s:.0f}s; SLURM job {job_id}: {fields['JobState']}, restarts "
-          f"{fields['Restarts']}, {time.perf_counter() - start:.0f}s")
-    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", text[-6000:]
-
-    stopped = re.search(r"preempted: stopped after step (\d+)/40", text)
-    assert stopped, text[-6000:]
-    stopped_at = int(stopped.group(1))
-    assert 3 <= stopped_at < steps
-    assert f"requeueing job {job_id}" in text
-    assert f"resume: continuing from {out / 'checkpoints' / f'step_{stopped_at:08d}'} at step {stopped_at}" in text
-    assert text.count(f"pretrain-slurm: job {job_id} start ") == 2
-    state = json.loads((out / "checkpoints" / f"step_{stopped_at:08d}" / "trainer_state.json").read_text())
-    assert state["step"] == stopped_at
-
-    losses = train_losses(out)
-    assert sorted(losses) == list(range(1, steps + 1))
-    logged = [m["step"] for m in metrics(out) if "train/loss" in m]
-    assert len(logged) == len(set(logged))
-    print(f"stopped after step {stopped_at}; step | local | SLURM, preempted and requeued")
-    for step in range(stopped_at - 1, steps + 1):
-        print(f"{step:4d} | {reference[step]:.7f} | {losses[step]:.7f}")
-    for step in range(1, steps + 1):
-        assert losses[step] == pytest.approx(reference[step], rel=1e-4), (step, losses[step], reference[step])
-
-    status = subprocess.run([sys.executable, *SLURM_TOOL, "status", str(out)], env=cluster.env(env()), cwd=ROOT,
-                            capture_output=True, text=True, timeout=60)
-    check_ok(status)
-    assert "COMPLETED (restarts 1" in status.stdout and "(1 requeue(s)); preemptions 1" in status.stdout
-    assert f"step_{steps:08d} (step {steps}/{steps}" in status.stdout
-    # Goodput across the requeue: two attempts, nothing done twice (the stop checkpointed its step), the time
-    # between them is the batch script's requeue-to-start (queue) and the relaunch (restart); every second counted.
-    first, second = read_goodput(out)
-    assert first["step"] == stopped_at and second["step"] == steps and second["seconds"]["lost"] == 0
-    events = [json.loads(line)["event"] for line in (out / "slurm" / "allocations.jsonl").read_text().splitlines()]
-    assert events == ["start", "requeue", "start", "end"]
-    totals = summarise([first, second], slurm.queue_intervals(out / "slurm"))
-    assert totals["seconds"]["queue"] > 0 and totals["seconds"]["productive"] > 0
-    assert sum(totals["seconds"].values()) == pytest.approx(totals["wall_s"], rel=0.01)
-    assert totals["wall_s"] == pytest.approx(second["updated"] - first["started"])
-    assert f"goodput        {summary_line(totals)}" in status.stdout
 
 
 # ---- pretrain-prepare-data --slurm: the token store as an array job -------------------------------

@@ -238,7 +238,7 @@ def test_each_environment_builds_its_ops_in_a_directory_of_its_own(tmp_path, mon
     assert here.name.endswith(f"-torch{environment.installed_version('torch')}")
     monkeypatch.setattr(sys, "prefix", str(tmp_path / "other-venv"))
     other_venv = op_build_dir(cache)
-    monkeypatch.setattr(environment, "installed_version", lambda package: "2.11.0")
+    monkeypatch.setattr(environment, "installed_version", lambda package: "0.0.1")  # no torch the floors install
     other_torch = op_build_dir(cache)
     assert len({here, other_venv, other_torch}) == 3 and other_venv.name.startswith("other-venv-")
     assert op_build_dir({}).parent == Path("~/.cache/pretrain/torch_extensions").expanduser().absolute()
