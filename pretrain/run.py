@@ -49,10 +49,19 @@ def main(argv: list[str] | None = None) -> int:
     return run_worker(lambda: _main(args))
 
 
-STARTING = "building the token store, the model or the resume"
+STARTING = "imports, the token store, the model or the resume"
 
 
 def _main(args: argparse.Namespace) -> int:
+    from pretrain.distributed.preemption import StopSignals
+
+    # The stop signals from the start to the end: while the run starts a signal stops it at once (StopRequested), from
+    # the training loop on it stops after the step in flight with a checkpoint (distributed/preemption.py).
+    with StopSignals(immediate=True) as stop:
+        return _run(args, stop)
+
+
+def _run(args: argparse.Namespace, stop) -> int:
     is_main = True
     try:
         from pretrain.recipe.config import AUTO, load_recipe
@@ -76,7 +85,6 @@ def _main(args: argparse.Namespace) -> int:
         # The recipe's packages, and GPUs that torch cannot see (unless accelerate launch --cpu / use_cpu).
         check_environment(recipe, launch, gpu_launch=os.environ.get("ACCELERATE_USE_CPU", "").lower() != "true")
         from pretrain.data.prepare import prepare_commands
-        from pretrain.distributed.preemption import StopRequested, StopSignals
         from pretrain.distributed.supervise import interrupted_exit_code
         from pretrain.train.goodput import process_start_time
         from pretrain.train.trainer import Trainer
@@ -88,22 +96,9 @@ def _main(args: argparse.Namespace) -> int:
             recipe, note = auto_batch.resolve(recipe, launch, *auto_batch.this_process_device(launch))
             notes.append(note)
         prepare_command = prepare_commands(args.recipe, args.overrides, launch.num_nodes)
-        # The stop signals from here to the end: while the run starts a signal stops it at once (StopRequested),
-        # from the loop on it stops after the step in flight with a checkpoint (distributed/preemption.py).
-        with StopSignals(immediate=True) as stop:
-            try:
-                trainer = Trainer(recipe, launch, prepare_command, notes=notes, stop=stop,
-                                  started=process_start_time())  # goodput: imports are start-up too
-                trainer.train()
-            except KeyboardInterrupt as exc:  # StopRequested, or a store build's BuildInterrupted that it became
-                if not stop.immediate or stop.received in (None, signal.SIGINT):
-                    raise  # Ctrl-C: interrupted (130), as before the loop always was
-                if is_main:
-                    name = signal.Signals(stop.received).name
-                    kept = "" if isinstance(exc, StopRequested) else f" ({exc})"
-                    print(f"preempted: {name} while the run was starting ({STARTING}){kept}; nothing was trained "
-                          "since the checkpoint it resumes from: the same command resumes", flush=True)
-                return 0
+        trainer = Trainer(recipe, launch, prepare_command, notes=notes, stop=stop,
+                          started=process_start_time())  # goodput: imports are start-up too
+        trainer.train()
         # Ctrl-C: checkpointed, yet not finished (130, or 0 when pretrain-launch reports the 130)
         return interrupted_exit_code() if trainer.interrupted else 0
     except ConfigError as exc:
@@ -117,8 +112,18 @@ def _main(args: argparse.Namespace) -> int:
         if is_main:
             print(f"error: {exc}", file=sys.stderr)
         return EXIT_DIVERGED
-    except KeyboardInterrupt as exc:  # Ctrl-C outside the loop, or a second one inside it: no checkpoint
-        print(f"interrupted: {exc}" if str(exc) else "interrupted", file=sys.stderr)  # a store build says what it kept
+    except KeyboardInterrupt as exc:  # StopRequested, a store build's BuildInterrupted, or a second Ctrl-C
+        if stop.immediate and stop.received not in (None, signal.SIGINT):  # SIGUSR1/SIGTERM while starting
+            if is_main:
+                from pretrain.distributed.preemption import StopRequested
+
+                name = signal.Signals(stop.received).name
+                kept = "" if isinstance(exc, StopRequested) else f" ({exc})"
+                print(f"preempted: {name} while the run was starting ({STARTING}){kept}; nothing was trained "
+                      "since the checkpoint it resumes from: the same command resumes", flush=True)
+            return 0
+        # Ctrl-C outside the loop, or a second one inside it: no checkpoint (a store build says what it kept)
+        print(f"interrupted: {exc}" if str(exc) else "interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 

@@ -33,11 +33,13 @@ import os
 import signal
 import time
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from pretrain.distributed.supervise import CtrlC
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 SIGNAL_AT_ENV = "PRETRAIN_TEST_SIGNAL"  # test hook: "<point>[:<step>[:<rank>]]" (signal_hook)
@@ -158,6 +160,9 @@ class StopSignals:
             stop = total.item() > 0  # a host tensor: no device synchronisation
             self._pending = None
         if not stop:
+            import torch  # here, not at import: the entry point installs the handlers before it imports torch
+            import torch.distributed as dist
+
             if self._group is None:
                 self._group = dist.new_group(backend="gloo")  # collective: every rank is here at this step
             total = torch.tensor([flag])
