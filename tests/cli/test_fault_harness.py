@@ -38,8 +38,10 @@ def test_the_run_finishes_by_itself_through_every_fault_on_the_uninterrupted_cur
     [slow_host] = report["excluded_hosts"]
     assert later and all(json.loads(line).get("exclude") == slow_host
                          for line in (out / "slurm" / "jobs.jsonl").read_text().splitlines()[1:])
+    # stragglers.jsonl has every slow logged step (a loaded machine adds some); the verdicts are the slowed rank's
     stragglers = [json.loads(line) for line in (out / "stragglers.jsonl").read_text().splitlines()]
-    assert stragglers[-1]["host"] == slow_host and stragglers[-1]["rank"] == 1
+    verdicts = [(r["host"], r["rank"]) for r in stragglers if r["in_a_row"] >= r["window"]]
+    assert verdicts and set(verdicts) == {(slow_host, 1)}, stragglers
     # The preemption while an attempt started stopped it before any step (or, had the signal come before the
     # handlers, the batch script's TERM after its grace did); the others checkpointed their step.
     log = "".join(path.read_text() for path in sorted((out / "slurm").glob("slurm-*.out")))
