@@ -233,7 +233,7 @@ class Trainer:
             return last_metrics
         # SIGTERM / SIGUSR1 / Ctrl-C: stop after the step in flight (the entry point installed them before the build)
         with contextlib.nullcontext(self.stop) if self.stop else StopSignals(log=self.log) as stop:
-            stop.immediate, stop.log = False, self.log
+            stop.log = self.log  # immediate already off (above; a StopSignals of its own starts so)
             if self.step == 0 and self.evaluator.due(0):
                 with self.goodput.phase("evaluation"):
                     self.evaluator.evaluate(self.model, 0)
