@@ -1,7 +1,8 @@
 """pretrain-data which: the data a run read at an optimizer step, or the steps that read a document.
 
-    pretrain-data which --run runs/tiny --step 40 [--rank R] [--micro M] [--json]
-    pretrain-data which --run runs/tiny --document json:00000.train.ds:12 [--json]
+    pretrain-data which --run runs/tiny --step 40 [--rank R] [--micro M] [--text] [--json]
+    pretrain-data which --run runs/tiny --document corpus/part-0001.jsonl:17 [--text] [--json]
+    pretrain-data which --run runs/tiny --document json:00000.train.ds:12      (the store's coordinates)
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from pretrain.errors import EXIT_USAGE, ConfigError
 
 
 def _documents(sequence, only: tuple[str, int] | None = None) -> str:
-    return " ".join(f"{s.file}:{s.document}[{s.start}:{s.stop}/{s.document_tokens}]" for s in sequence.spans
+    """Each document of a sequence as its source (FILE:LINE, FILE, hf:NAME:ROW), or its store coordinates
+    (FILE.ds:INDEX) where the store does not record sources, with the token range the sequence holds."""
+    return " ".join(f"{s.origin if s.origin is not None else f'{s.file}:{s.document}'}"
+                    f"[{s.start}:{s.stop}/{s.document_tokens}]" for s in sequence.spans
                     if only is None or (s.file, s.document) == only)
 
 
@@ -34,39 +38,54 @@ def which(args: argparse.Namespace) -> int:
     from pretrain.data.lookup import RunData  # torch and transformers: after the arguments are read
 
     if (args.step is None) == (args.document is None):
-        raise ConfigError("pretrain-data which takes one of --step N or --document SOURCE:FILE:INDEX")
+        raise ConfigError("pretrain-data which takes one of --step N or --document FILE:LINE (or SOURCE:FILE:INDEX)")
     if args.document is not None and (args.rank is not None or args.micro is not None):
         raise ConfigError("--rank and --micro narrow --step; --document lists every rank and micro-step")
     run = RunData.open(read_run(args.run))
+    notes = run.notes()
     if args.step is not None:
-        sequences = run.sequences(args.step, args.rank, args.micro)
+        sequences = run.sequences(args.step, args.rank, args.micro, with_text=args.text)
         if args.json:
             print(json.dumps([s.to_dict() for s in sequences], indent=1))
             return 0
+        for note in notes:
+            print(note)
         p = run.plan_at(args.step)
         split = (f"rank/micro: world {p.world_size}, MBS {p.micro_batch_size}, GAS {p.grad_accum_steps}" if p else
                  f"rank/micro: not recorded before the resume at step {run.resume_step}")
         print(f"step {args.step} of {args.run}: {len(sequences)} of {run.plan.global_batch_size} sequences of "
               f"{run.plan.seq_len + 1} tokens (seed {run.recipe.train.seed}; {split}); documents as "
-              "FILE:INDEX[start:stop/length]")
-        print(f"  {'rank/micro':>10} {'#':>3}  {'source:row':<18} documents  \"preview\"")
+              "FILE:LINE[start:stop/length] (tokens of the document; --json adds the store's coordinates)")
+        print(f"  {'rank/micro':>10} {'#':>3}  {'source:row':<18} documents  " + ("" if args.text else "\"preview\""))
         for s in sequences:
             rank = "?" if s.rank is None else f"{s.rank}/{s.micro}"
-            print(f"  {rank:>10} {s.position:>3}  {f'{s.source}:{s.row}':<18} {_documents(s)}  {_one_line(s.preview)}")
+            line = f"  {rank:>10} {s.position:>3}  {f'{s.source}:{s.row}':<18} {_documents(s)}"
+            print(line if args.text else f"{line}  {_one_line(s.preview)}")
+            if args.text:
+                print(s.text, end="" if s.text.endswith("\n") else "\n")
         return 0
-    rows, reads = run.document_reads(args.document)
+    source, file, index = run.resolve_document(args.document)
+    rows, reads = run.document_reads(f"{source}:{file}:{index}")
+    text = run.document_text(source, file, index) if args.text else None
     if args.json:
-        print(json.dumps({"document": args.document, "rows": [rows.start, rows.stop],
-                          "reads": [s.to_dict() for s in reads]}, indent=1))
+        origin = next((s.origin for r in reads for s in r.spans if (s.file, s.document) == (file, index)), None)
+        print(json.dumps({"document": args.document, "source": source, "file": file, "index": index,
+                          "origin": origin.to_dict() if origin is not None else None,
+                          "rows": [rows.start, rows.stop], "reads": [s.to_dict() for s in reads],
+                          **({"text": text} if text is not None else {})}, indent=1))
         return 0
+    for note in notes:
+        print(note)
+    named = f"{args.document} ({source}:{file}:{index} in the store)"
     if not rows:
-        print(f"{args.document}: in no row of its source (tokens past the last whole row are never read)")
-        return 0
-    print(f"{args.document}: rows {rows.start}..{rows.stop - 1} of its source; read {len(reads)} time(s) in steps "
-          f"1..{run.num_steps}")
-    _, file, index = args.document.rsplit(":", 2)
+        print(f"{named}: in no row of its source (tokens past the last whole row are never read)")
+    else:
+        print(f"{named}: rows {rows.start}..{rows.stop - 1} of its source; read {len(reads)} time(s) in steps "
+              f"1..{run.num_steps}")
     for s in reads:
-        print(f"  {_where(s)} #{s.position}: row {s.row} {_documents(s, (file, int(index)))}")
+        print(f"  {_where(s)} #{s.position}: row {s.row} {_documents(s, (file, index))}")
+    if text is not None:
+        print(text, end="" if text.endswith("\n") else "\n")
     return 0
 
 
@@ -82,8 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--rank", type=count(0), help="only this data-parallel rank's micro-batches (under tensor or context parallelism: the global rank "
                                          "// (tp x cp); the ranks of one group read the same)")
     w.add_argument("--micro", type=count(0), help="only this micro-step (0 .. GAS - 1)")
-    w.add_argument("--document", metavar="SOURCE:FILE:INDEX",
-                   help="list the steps that read any token of this document (a single source is named 'data')")
+    w.add_argument("--document", metavar="FILE:LINE",
+                   help="list the steps that read any token of this document: an input file and its line (jsonl, "
+                   "1-based) or record / row (JSON list, parquet; 0-based), a text file alone, hf:NAME:ROW, each "
+                   "optionally after SOURCE: (a mixture's source name); or the store's SOURCE:FILE.ds:INDEX (a "
+                   "single source is named 'data')")
+    w.add_argument("--text", action="store_true", help="print each sequence's whole decoded text (with --document: "
+                   "the document's)")
     w.add_argument("--json", action="store_true", help="print JSON for scripts")
     args = parser.parse_args(argv)
     try:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from pretrain.data.cache import cache_root
-from pretrain.data.readers import _generate_documents
+from pretrain.data.readers import _generate_documents, located_documents
 from pretrain.data.sources import _Corpus, _resolve_corpus
 from pretrain.data.split import _doc_hash, _val_mask, _val_threshold
 from pretrain.errors import DataError
@@ -163,9 +163,8 @@ def load_documents(data_cfg: DataConfig, log: Log = print):
 def _file_documents(files: Sequence[tuple[str, str]], data_cfg: DataConfig) -> Iterator[tuple[str, bool]]:
     """(text, had non-UTF-8 bytes) of each document of these files, in order; a document skipped for its
     bytes (data.on_decode_error=skip) comes as ("", True) so that it is counted, and empty ones not at all."""
-    for row in _generate_documents(list(files), data_cfg.text_field, data_cfg.on_decode_error):
-        if row["text"] or row["decode_error"]:
-            yield row["text"], row["decode_error"]
+    for _, _, _, text, bad in located_documents(list(files), data_cfg.text_field, data_cfg.on_decode_error):
+        yield text, bad
 
 
 def _hf_stream(data_cfg: DataConfig):
@@ -223,33 +222,44 @@ def _hf_shards(data_cfg: DataConfig) -> list[tuple[str, int, int]]:
     return [(files[i] if len(files) == num else "", i, num) for i in range(num)]
 
 
-def _hf_documents(data_cfg: DataConfig, index: int, num_shards: int) -> Iterator[tuple[str, bool]]:
-    """The non-empty documents of shard ``index`` of ``num_shards`` of an ``hf:`` stream, in order."""
+def _hf_documents(data_cfg: DataConfig, index: int, num_shards: int, rows: list[int] | None = None
+                  ) -> Iterator[tuple[int, str, int, str, bool]]:
+    """The non-empty documents of shard ``index`` of ``num_shards`` of an ``hf:`` stream, in order, located like a
+    file's (``readers.located_documents``): (0, "row", the row within the shard, text, False). ``rows``: [0] is set
+    to the number of rows the shard holds, empty ones included (the store adds the earlier shards' to name a row of
+    the split)."""
     ds, _ = _hf_stream(data_cfg)
     if ds.n_shards != num_shards:
         raise DataError(f"data.source = {data_cfg.source!r} now has {ds.n_shards} data files, not {num_shards} as "
                         "when its shards were planned; the dataset changed: prepare the store again")
-    yield from _stream_documents(ds.shard(num_shards=num_shards, index=index, contiguous=True), data_cfg)
+    for row, text in _stream_documents(ds.shard(num_shards=num_shards, index=index, contiguous=True), data_cfg,
+                                       rows):
+        yield 0, "row", row, text, False
 
 
-def _stream_documents(ds, data_cfg: DataConfig) -> Iterator[tuple[str, bool]]:
+def _stream_documents(ds, data_cfg: DataConfig, rows: list[int] | None = None) -> Iterator[tuple[int, str]]:
+    """(row, text) of every non-empty row, the row counted over all of them (``rows[0]``: how many there were)."""
     field = data_cfg.text_field
     if ds.features is not None:
         ds = ds.select_columns([field])
-    for row in ds:
+    count = 0
+    for number, row in enumerate(ds):
+        count = number + 1
         if field not in row:
             raise DataError(f"data.source = {data_cfg.source!r}: a row has no field {field!r} (data.text_field); "
                             f"its fields: {', '.join(row)}. Set data.text_field to the field that holds the text")
         text = row[field]
         if isinstance(text, str) and text.strip():
-            yield text, False
+            yield number, text
         elif text is not None and not isinstance(text, str):
             raise DataError(f"data.source = {data_cfg.source!r}: field {field!r} holds {type(text).__name__}, not text")
+    if rows is not None:
+        rows[:] = [count]
 
 
 def _hf_texts(data_cfg: DataConfig) -> Iterator[str]:
     """Every non-empty document of an ``hf:`` stream, in order."""
-    for text, _ in _stream_documents(_hf_stream(data_cfg)[0], data_cfg):
+    for _, text in _stream_documents(_hf_stream(data_cfg)[0], data_cfg):
         yield text
 
 

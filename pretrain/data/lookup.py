@@ -18,6 +18,7 @@ rank and micro-step, and asking for a rank or micro-step there is refused.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,13 +28,20 @@ import numpy as np
 from pretrain.data import MixtureData, PackedData, open_store
 from pretrain.data.loader import RankBatchSampler, build_train_loader, data_horizon
 from pretrain.data.mixture import SINGLE, MixtureRows, data_changes, data_identity
-from pretrain.data.provenance import document_rows, row_spans
+from pretrain.data.provenance import (
+    NO_PROVENANCE,
+    document_rows,
+    find_source_document,
+    has_provenance,
+    row_spans,
+)
 from pretrain.errors import ConfigError, DataError
 from pretrain.recipe.batching import BatchPlan
 from pretrain.recipe.config import Recipe
 
 PREVIEW_CHARS = 60
 PREVIEW_TOKENS = 64  # decoded for the preview: ~60 characters of text need far fewer tokens
+STORE_FILE = re.compile(r"^\d{5}\.train\.ds$")  # a split file of the store: the store form of --document
 PLAN_KEYS = ("global_batch_size", "micro_batch_size", "grad_accum_steps", "world_size", "seq_len")
 
 
@@ -50,11 +58,13 @@ class SequenceRead:
     spans: list  # provenance.Span: the documents the row holds, in order
     preview: str = ""  # the first PREVIEW_CHARS characters of the decoded row
     tokens: Any = field(default=None, repr=False)  # the row's seq_len + 1 token ids, as the loader reads them
+    text: str | None = None  # the whole row decoded (``--text``)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "rank": self.rank, "micro": self.micro, "position": self.position,
-                "source": self.source, "row": self.row, "documents": [s.to_dict() for s in self.spans],
-                "preview": self.preview}
+        out = {"step": self.step, "rank": self.rank, "micro": self.micro, "position": self.position,
+               "source": self.source, "row": self.row, "documents": [s.to_dict() for s in self.spans],
+               "preview": self.preview}
+        return out if self.text is None else {**out, "text": self.text}
 
 
 def _plan(config: dict[str, Any], where: str) -> BatchPlan:
@@ -94,6 +104,7 @@ class RunData:
         # (from_step, plan) of each launch, oldest first: step s ran on the last one that started before it
         self.launches = [(int(r["from_step"]), BatchPlan(**{k: int(r["plan"][k]) for k in PLAN_KEYS}))
                          for r in launches]
+        # The run's own construction of the loader: the dataset it reads and the order behind its batch sampler.
         # The run's own construction of the loader: the dataset it reads and the order behind its batch sampler.
         # Global batches skipped by rollbacks (stability.rollback) are skipped here too.
         skipped = [(int(r["batches"][0]), int(r["batches"][1])) for r in rollbacks]
@@ -136,8 +147,19 @@ class RunData:
                               "train.max_steps or max_tokens, or where data.on_exhausted=stop ends it); pass a step "
                               "in that range")
 
+    def notes(self) -> list[str]:
+        """One line per store that cannot name source documents (built before provenance was recorded)."""
+        out = []
+        for name, part in zip(self.names, self.parts, strict=True):
+            if not has_provenance(part):
+                store = part.files[0].parent.parent if part.files else Path("?")
+                label = f"source {name!r}: " if name != SINGLE else ""
+                out.append(f"note: {label}the token store at {store} "
+                           + NO_PROVENANCE.format(manifest=store / "manifest.json"))
+        return out
+
     def sequences(self, step: int, rank: int | None = None, micro: int | None = None,
-                  with_tokens: bool = False) -> list[SequenceRead]:
+                  with_tokens: bool = False, with_text: bool = False) -> list[SequenceRead]:
         """Every sequence of optimizer step ``step`` (1-based), narrowed to a rank and/or micro-step."""
         self.check_step(step)
         plan = self.plan_at(step)
@@ -148,7 +170,7 @@ class RunData:
                     "record the layout that ran it (its checkpoints hold different world sizes or batch splits): "
                     "the step's sequences are known, not their ranks; drop --rank and --micro")
             indices = self.order.global_batch(step - 1)
-            return [self._sequence(step, None, None, p, int(i), with_tokens) for p, i in enumerate(indices)]
+            return [self._sequence(step, None, None, p, int(i), with_tokens, with_text) for p, i in enumerate(indices)]
         for name, value, limit in (("--rank", rank, plan.world_size), ("--micro", micro, plan.grad_accum_steps)):
             if value is not None and not 0 <= value < limit:
                 raise ConfigError(f"{name} {value}: step {step} ran on {plan.world_size} process(es) with "
@@ -157,23 +179,80 @@ class RunData:
         for r in range(plan.world_size) if rank is None else [rank]:
             micro_batches = RankBatchSampler(self.order, plan, r).micro_batch_indices(step - 1)
             for m in range(plan.grad_accum_steps) if micro is None else [micro]:
-                out += [self._sequence(step, r, m, p, i, with_tokens) for p, i in enumerate(micro_batches[m])]
+                out += [self._sequence(step, r, m, p, i, with_tokens, with_text)
+                        for p, i in enumerate(micro_batches[m])]
         return out
 
-    def _sequence(self, step: int, rank, micro, position: int, index: int, with_tokens: bool) -> SequenceRead:
+    def _sequence(self, step: int, rank, micro, position: int, index: int, with_tokens: bool,
+                  with_text: bool = False) -> SequenceRead:
         source = int(np.searchsorted(self.offsets, index, side="right")) - 1
         row = index - int(self.offsets[source])
         tokens = self.dataset[index]
         text = self.tokenizer.decode(tokens[:PREVIEW_TOKENS].tolist())
         return SequenceRead(step, rank, micro, position, self.names[source], row, row_spans(self.parts[source], row),
-                        text[:PREVIEW_CHARS], tokens if with_tokens else None)
+                            text[:PREVIEW_CHARS], tokens if with_tokens else None,
+                            self.tokenizer.decode(tokens.tolist()) if with_text else None)
+
+    def document_text(self, source: str, file: str, document: int) -> str:
+        """A training document's whole text, decoded from the store's tokens (its eos included)."""
+        part = self.parts[self.names.index(source)]
+        shard = [path.name for path in part.files].index(file)
+        ends = np.memmap(Path(f"{part.files[shard]}.index"), dtype="<u8", mode="r")
+        base = int(part.offsets[shard])
+        start, stop = base + (int(ends[document - 1]) if document else 0), base + int(ends[document])
+        return self.tokenizer.decode(part.tokens(start, stop).tolist())
 
     # ---- document -> steps --------------------------------------------------------------------------------
 
+    def resolve_document(self, text: str) -> tuple[str, str, int]:
+        """(source, split file, document index) of a document named in the store's form ``SOURCE:FILE:INDEX`` (as
+        ``--step`` prints it in ``--json``) or the corpus's: ``[SOURCE:]FILE:LINE`` (a jsonl line, 1-based; a JSON
+        record or parquet row, 0-based), ``[SOURCE:]FILE`` (a whole text file) or ``hf:NAME:ROW``. A lookup in each
+        store's provenance; one ConfigError naming what was not found."""
+        parts = text.rsplit(":", 2)
+        if len(parts) == 3 and STORE_FILE.match(parts[1]) and parts[2].isdigit():
+            return parse_document(text, self.names)
+        named, rest = None, text
+        head, sep, tail = text.partition(":")
+        if sep and head in self.names and head != "hf":
+            named, rest = head, tail
+        if rest.startswith("hf:"):
+            dataset, _, row = rest[3:].rpartition(":")
+            if not dataset or not row.isdigit():
+                raise ConfigError(f"--document {text!r}: write an hf: dataset's row as hf:NAME:ROW (0-based, empty "
+                                  "rows counted), e.g. hf:roneneldan/TinyStories:1234")
+            candidates = [n for n, p in zip(self.names, self.parts, strict=True)
+                          if (p.provenance or {}).get("hf", {}).get("dataset") == dataset]
+            file, index = "", int(row)
+        else:
+            file, _, number = rest.rpartition(":")
+            file, index = (file, int(number)) if file and number.isdigit() else (rest, None)
+            candidates = [n for n, p in zip(self.names, self.parts, strict=True) if not (p.provenance or {}).get("hf")]
+        if named is not None:
+            candidates = [n for n in candidates if n == named]
+        for name in candidates:
+            found = find_source_document(self.parts[self.names.index(name)], file, index)
+            if found is not None:
+                return name, found[0], found[1]
+        for name in candidates:  # the validation split: named so, not "not found"
+            val = self.data.sources[name].val if isinstance(self.data, MixtureData) else self.data.val
+            found = find_source_document(val, file, index)
+            if found is not None:
+                label = f" of source {name!r}" if name != SINGLE else ""
+                raise ConfigError(f"--document {text!r} is in the validation split{label} (document {found[1]} of "
+                                  f"{found[0]}): training never read it; evaluation does")
+        missing = [n for n in self.names if not has_provenance(self.parts[self.names.index(n)])]
+        hint = (f"; the store(s) of {', '.join(missing)} were built before sources were recorded: name the document "
+                "as SOURCE:FILE:INDEX (see --json), or rebuild them" if missing else "")
+        where = ("a jsonl line is FILE:LINE (1-based), a JSON record or parquet row FILE:ROW (0-based), a text "
+                 "file FILE alone, relative to the source's directory; empty lines hold no document")
+        raise ConfigError(f"--document {text!r}: no training document of the run's source(s) "
+                          f"{', '.join(candidates) or '(none of that kind)'} came from there ({where}){hint}")
+
     def document_reads(self, document: str) -> tuple[range, list[SequenceRead]]:
-        """(The rows of its source that hold the document ``SOURCE:FILE:INDEX``, every read of them in steps
-        1..num_steps.) Scans the run's steps through the order, so it costs one global batch per step."""
-        source, file, index = parse_document(document, self.names)
+        """(The rows of its source that hold the document (``resolve_document``'s forms), every read of them in
+        steps 1..num_steps.) Scans the run's steps through the order, so it costs one global batch per step."""
+        source, file, index = self.resolve_document(document)
         part = self.names.index(source)
         try:
             rows = document_rows(self.parts[part], file, index)

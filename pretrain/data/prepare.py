@@ -17,6 +17,7 @@ import numpy as np
 
 from pretrain.data.cache import STORE_FIX, _hash, cache_root
 from pretrain.data.documents import Log, _default_num_proc
+from pretrain.data.provenance import provenance_header
 from pretrain.data.sources import _Corpus, _resolve_corpus
 from pretrain.data.store import (
     BUILD,
@@ -229,7 +230,8 @@ def _finish(target: StoreTarget, spec: BuildSpec, records: list[dict[str, Any]],
     build = {**target.build, "dtype": dtype.name, "byte_order": "little",
              "tokenizer": {**target.build["tokenizer"], "vocab_size": spec.vocab_size,
                            "eos_token_id": spec.eos_token_id},
-             "split": "val when sha1(text)[:8] as a fraction of 2**64 < val_fraction (pretrain/data/split.py)"}
+             "split": "val when sha1(text)[:8] as a fraction of 2**64 < val_fraction (pretrain/data/split.py)",
+             "provenance": provenance_header(target.corpus, spec.data_cfg)}
     m = write_manifest(target.path, build, records)
     log(f"data: {m['num_documents']:,} documents ({m['num_train_documents']:,} train / "
         f"{m['num_val_documents']:,} val), {_count_words(m['num_train_tokens'])} train / "

@@ -1,20 +1,153 @@
-"""Where a row of a split comes from in its store: shard file, document, token offsets; and the reverse.
+"""Where a row of a split comes from: in its store (shard file, document, token offsets) and in the corpus (the
+input file and line, record or row; for ``hf:``, the dataset's row); and the reverse.
 
 A split's rows are cut from its shards' token files concatenated in order (``TokenRows``: row i is tokens
 [i x row_len, (i+1) x row_len) of that stream), and each file's ``.ds.index`` holds its cumulative document
 ends. So a row's documents follow from the store alone, with no corpus and no tokenizer: the answer names
 what the store holds, which is what a run read. Memory: one memory map of an index file at a time.
+
+The source document (``Origin``) is the store's too: each split file's record lists the runs of documents that came
+from one input file (``origin.runs``) and its ``.ds.origin`` file holds each document's line, record or row
+(``pretrain/data/store.py``). Both directions are lookups: a document's origin is one read of 4 bytes, and a source
+line is found by a binary search in the one run of the one shard that read its file (the manifest names it).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from pretrain.data.store import TokenRows
 from pretrain.errors import DataError
+
+PROVENANCE_VERSION = 1
+NO_PROVENANCE = ("was built before pretrain recorded each document's source (no origins in its manifest), so "
+                 "documents are named by store coordinates only; to name input files and lines, rebuild it: delete "
+                 "{manifest} and run pretrain-prepare-data with the run's recipe (every shard is tokenized again into "
+                 "the same tokens; checkpoints and run directories stay valid)")
+
+
+def provenance_header(corpus, data_cfg) -> dict[str, Any]:
+    """The manifest's ``provenance``: what input files are named relative to (local and stdlib sources), or the
+    ``hf:`` dataset, config and split a row number refers to."""
+    if corpus.kind == "hf":
+        return {"version": PROVENANCE_VERSION,
+                "hf": {"dataset": corpus.root, "config": data_cfg.hf_config, "split": data_cfg.hf_split}}
+    return {"version": PROVENANCE_VERSION, "root": corpus.root}
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a document came from: its input file (relative to the source's root) and its place there, as the reader
+    counted (``readers.UNITS``: a whole file; a line, 1-based; a record or row, 0-based); for ``hf:``, the row of the
+    dataset's split (``dataset``, ``config``, ``split``), empty rows counted."""
+
+    file: str  # relative to the source root; hf: the data file the shard streamed ("" when not known)
+    unit: str  # file | line | record | row
+    index: int  # the line, record or row (0 for a whole file); hf: the row of the split
+    path: str = ""  # the input file's absolute path when the store was built (local and stdlib sources)
+    dataset: str = ""  # hf: the dataset name, and its config and split
+    config: str | None = None
+    split: str = ""
+
+    def __str__(self) -> str:
+        if self.dataset:
+            return f"hf:{self.dataset}:{self.index}"
+        return self.file if self.unit == "file" else f"{self.file}:{self.index}"
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.dataset:
+            return {"dataset": self.dataset, "config": self.config, "split": self.split, "row": self.index,
+                    "data_file": self.file}
+        return {"file": self.file, **({} if self.unit == "file" else {self.unit: self.index}), "path": self.path}
+
+
+def _shard_index(rows: TokenRows, file: str) -> int:
+    names = [path.name for path in rows.files]
+    if file not in names:
+        shown = ", ".join(names[:4]) + (f", ... ({len(names)} files)" if len(names) > 4 else "")
+        raise DataError(f"the split has no file {file!r}; its files are {shown} (the store's shards/ directory)")
+    return names.index(file)
+
+
+def _locators(rows: TokenRows, shard: int) -> np.ndarray:
+    origin = rows.shards[shard]["origin"]
+    path = Path(f"{rows.files[shard]}.origin")
+    try:
+        return np.memmap(path, dtype=np.dtype(origin["dtype"]), mode="r") if path.stat().st_size else np.zeros(0)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"data: cannot read the document origins {path} ({exc}); the store is damaged: check it "
+                        "with pretrain-prepare-data --verify") from None
+
+
+def has_provenance(rows: TokenRows) -> bool:
+    """Whether the store records its documents' sources (every shard of a store built since it did)."""
+    return all(shard is not None and shard["origin"] is not None for shard in rows.shards)
+
+
+def _origin(rows: TokenRows, shard: int, document: int, locators: np.ndarray) -> Origin:
+    info = rows.shards[shard]
+    runs = info["origin"]["runs"]
+    run = int(np.searchsorted([r[0] for r in runs], document, side="right")) - 1
+    _, source, unit = runs[run]
+    locator = int(locators[document])
+    where = rows.provenance or {}
+    hf = where.get("hf")
+    entry = info["inputs"][source]
+    if hf:  # an hf: shard's one input: ["hf", data file, index, count]
+        return Origin(entry[1], "row", info["first_row"] + locator, "", hf["dataset"], hf["config"], hf["split"])
+    path = entry[0]
+    root = where.get("root", "")
+    inside = root and (path == root or path.startswith(root.rstrip(os.sep) + os.sep))
+    return Origin(os.path.relpath(path, root) if inside else path, unit, locator, path)
+
+
+def document_origin(rows: TokenRows, file: str, document: int) -> Origin | None:
+    """The source of document ``document`` of split file ``file``; None for a store built before provenance was
+    recorded (``NO_PROVENANCE`` says how to rebuild it)."""
+    shard = _shard_index(rows, file)
+    if rows.shards[shard] is None or rows.shards[shard]["origin"] is None:
+        return None
+    return _origin(rows, shard, document, _locators(rows, shard))
+
+
+def find_source_document(rows: TokenRows, file: str, index: int | None) -> tuple[str, int] | None:
+    """(split file, document index) of the document read from input ``file`` at line / record / row ``index`` (None:
+    a whole text file; hf: ``file`` is "" and ``index`` the row of the split), or None when this split holds no such
+    document. ``file`` matches an input by its name relative to the source root or its absolute path. A lookup: the
+    manifest's inputs name the shard, a binary search in that run's locators finds the document."""
+    root = (rows.provenance or {}).get("root", "")
+    hf = bool((rows.provenance or {}).get("hf"))
+    for shard, info in enumerate(rows.shards):
+        if info is None or info["origin"] is None:
+            continue
+        if hf:
+            if index is None:
+                continue
+            wanted, source = index - info["first_row"], 0
+            if wanted < 0:
+                continue
+        else:
+            names = [entry[0] for entry in info["inputs"]]
+            matches = [k for k, name in enumerate(names)
+                       if name == file or (root and os.path.relpath(name, root) == os.path.normpath(file))]
+            if not matches:
+                continue
+            source, wanted = matches[0], 0 if index is None else index
+        runs = info["origin"]["runs"]
+        locators = _locators(rows, shard)
+        for k, (first, run_source, unit) in enumerate(runs):
+            if run_source != source:
+                continue
+            stop = runs[k + 1][0] if k + 1 < len(runs) else len(locators)
+            found = first + int(np.searchsorted(locators[first:stop], wanted))
+            if found < stop and int(locators[found]) == wanted and (index is not None or unit == "file"):
+                return rows.files[shard].name, found
+    return None
 
 
 @dataclass(frozen=True)
@@ -26,9 +159,12 @@ class Span:
     start: int  # token offsets within the document, stop exclusive
     stop: int
     document_tokens: int  # the document's length (its eos included)
+    origin: Origin | None = None  # the source document (None: a store built before provenance was recorded)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out["origin"] = self.origin.to_dict() if self.origin is not None else None
+        return out
 
 
 def _document_ends(rows: TokenRows, shard: int) -> np.ndarray:
@@ -48,13 +184,16 @@ def stream_spans(rows: TokenRows, start: int, stop: int) -> list[Span]:
     while position < stop:
         base, end = int(rows.offsets[shard]), int(rows.offsets[shard + 1])
         ends = _document_ends(rows, shard)
+        known = rows.shards[shard] is not None and rows.shards[shard]["origin"] is not None
+        locators = _locators(rows, shard) if known else None
         local, local_stop = position - base, min(stop, end) - base
         document = int(np.searchsorted(ends, local, side="right"))
         while local < local_stop:
             begin = int(ends[document - 1]) if document else 0
             doc_end = int(ends[document])
             take = min(doc_end, local_stop)
-            spans.append(Span(rows.files[shard].name, document, local - begin, take - begin, doc_end - begin))
+            origin = _origin(rows, shard, document, locators) if known else None
+            spans.append(Span(rows.files[shard].name, document, local - begin, take - begin, doc_end - begin, origin))
             local, document = take, document + 1
         position = min(stop, end)
         shard += 1
@@ -72,11 +211,7 @@ def document_rows(rows: TokenRows, file: str, document: int) -> range:
     """The rows of a split that hold any token of ``document`` of ``file`` (empty: its tokens lie in the tail
     beyond the last whole row, or beyond data.train_subset, and are never read). An unknown file or index is one
     DataError naming what the split holds."""
-    names = [path.name for path in rows.files]
-    if file not in names:
-        shown = ", ".join(names[:4]) + (f", ... ({len(names)} files)" if len(names) > 4 else "")
-        raise DataError(f"the split has no file {file!r}; its files are {shown} (the store's shards/ directory)")
-    shard = names.index(file)
+    shard = _shard_index(rows, file)
     ends = _document_ends(rows, shard)
     if not 0 <= document < len(ends):
         raise DataError(f"{file} holds documents 0..{len(ends) - 1}; there is no document {document}")

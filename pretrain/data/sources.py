@@ -27,6 +27,7 @@ class _Corpus:
     files: tuple[tuple[str, str], ...]  # (path, format) in sorted path order; empty for hf
     key: str  # hash of everything that determines the documents
     description: str
+    root: str = ""  # what a document's input file is named relative to: the source directory (a file's, a glob's)
 
 
 def _stdlib_files(subdir: str = "") -> list[Path]:
@@ -118,18 +119,36 @@ def _resolve_corpus(data_cfg: DataConfig) -> _Corpus:
         if not name:
             raise DataError("data.source = 'hf:' names no dataset; write it like hf:roneneldan/TinyStories")
         key = _hash({**common, "hf": name, "config": data_cfg.hf_config, "split": data_cfg.hf_split})
-        return _Corpus("hf", (), key, f"hf:{name} (config {data_cfg.hf_config}, split {data_cfg.hf_split})")
+        return _Corpus("hf", (), key, f"hf:{name} (config {data_cfg.hf_config}, split {data_cfg.hf_split})", name)
     if source == "stdlib" or source.startswith("stdlib:"):
         subdir = source.partition(":")[2]
         kind, paths, fmt = "stdlib", _stdlib_files(subdir), "text"
         description = f"Python {sys.version_info.major}.{sys.version_info.minor} standard library"
         description += f": {subdir}/" if subdir else ""
+        root = Path(sysconfig.get_paths()["stdlib"])
     else:
         kind, paths, fmt = "local", _local_files(data_cfg), data_cfg.format
         description = source
+        root = _source_root(source)
     files = tuple((str(p.absolute()), _file_format(p, fmt)) for p in paths)
     stats = []
     for path, file_fmt in files:
         st = os.stat(path)
         stats.append((path, file_fmt, st.st_size, st.st_mtime_ns))
-    return _Corpus(kind, files, _hash({**common, "files": stats}), description)
+    return _Corpus(kind, files, _hash({**common, "files": stats}), description, str(root.absolute()))
+
+
+def _source_root(source: str) -> Path:
+    """The directory a local source's files are named relative to: itself, a file's directory, or the part of a
+    glob before its first wildcard."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file():
+        return path.parent
+    parts = []
+    for part in Path(os.path.expanduser(source)).parts:
+        if glob.has_magic(part):
+            break
+        parts.append(part)
+    return Path(*parts) if parts else Path(".")

@@ -8,11 +8,20 @@
     <store>/shards/NNNNN.SPLIT.ds          tokens, little-endian uint16 (vocab <= 65536) or uint32
     <store>/shards/NNNNN.SPLIT.ds.index    little-endian uint64 cumulative document ends, in tokens
     <store>/shards/NNNNN.SPLIT.ds.metadata tokenizer name, token count, the count in words
+    <store>/shards/NNNNN.SPLIT.ds.origin   each document's place in its input file (line, record or row):
+                                           little-endian uint32 (uint64 past 2**32); the record's origin.runs say
+                                           which input file each run of documents came from
 
 The ``.ds`` / ``.ds.index`` / ``.ds.metadata`` triple is datatrove's tokenized-file layout (its
 DocumentTokenizer writes it and nanotron reads it), so a split's shard files can be read by that
 tooling. Every document ends with the tokenizer's eos token. Every file is written under a temporary
 ``.tmp-`` name and renamed when complete.
+
+Provenance (``pretrain/data/provenance.py``): a document's input file is one entry per run of documents from one
+file in the split's record (``origin.runs``: [first document, index into the shard's inputs, unit]), its place in
+that file 4 bytes in the ``.ds.origin`` file, checksummed with the others. A store built before provenance was
+recorded has no ``origin`` in its records and trains as before; only the lookup of source documents says it is
+missing.
 
 Reading keeps O(number of shards) memory: each split is the concatenation of its shards' token files
 in shard order, and a row of ``row_len`` tokens is cut from that stream at ``i x row_len`` (a row may
@@ -78,6 +87,14 @@ def shard_name(index: int) -> str:
     return f"{index:05d}"
 
 
+Origin = tuple[int, str, int]  # a document's (index into its shard's inputs, unit, locator): readers.located_documents
+
+
+def origin_dtype(locators) -> np.dtype:
+    """uint32 while every locator fits (a line number of a 4-billion-line file does not), else uint64."""
+    return np.dtype("<u4") if max(locators, default=0) < 2**32 else np.dtype("<u8")
+
+
 class SplitWriter:
     """One split of one shard: appends documents' tokens to ``.tmp-`` files; ``commit`` renames them."""
 
@@ -88,20 +105,30 @@ class SplitWriter:
         self.sha = hashlib.sha256()
         self.doc_ends: list[int] = []
         self.num_tokens = 0
+        self.locators: list[int] = []  # each document's place in its input file
+        self.runs: list[list] = []  # [first document, input index, unit] where the input file or unit changes
 
-    def write(self, tokens: np.ndarray, doc_lengths: np.ndarray) -> None:
-        """Append documents (their concatenated tokens and each one's length)."""
+    def write(self, tokens: np.ndarray, doc_lengths: np.ndarray, origins: list[Origin]) -> None:
+        """Append documents: their concatenated tokens, each one's length and where each came from."""
         data = np.ascontiguousarray(tokens, dtype=self.dtype).tobytes()
         self.file.write(data)
         self.sha.update(data)
+        for source, unit, locator in origins:
+            if not self.runs or self.runs[-1][1:] != [source, unit]:
+                self.runs.append([len(self.locators), source, unit])
+            self.locators.append(locator)
         self.doc_ends.extend((self.num_tokens + np.cumsum(doc_lengths)).tolist())
         self.num_tokens += int(np.sum(doc_lengths))
 
     def commit(self) -> dict[str, Any]:
-        """Write the index and metadata, rename all three into place; the split's record."""
+        """Write the index, origins and metadata, rename all four into place; the split's record."""
         self.file.close()
+        assert len(self.locators) == len(self.doc_ends), "a document without its origin"
         index = np.asarray(self.doc_ends, dtype="<u8").tobytes()
         _write_atomic(self.directory / f"{self.name}.ds.index", index)
+        dtype = origin_dtype(self.locators)
+        origin = np.asarray(self.locators, dtype=dtype).tobytes()
+        _write_atomic(self.directory / f"{self.name}.ds.origin", origin)
         metadata = f"{self.tokenizer_name}\n{self.num_tokens}\n{_count_words(self.num_tokens)}T"
         _write_atomic(self.directory / f"{self.name}.ds.metadata", metadata.encode())
         os.replace(self.tmp, self.directory / f"{self.name}.ds")
@@ -112,6 +139,7 @@ class SplitWriter:
             "num_bytes": self.num_tokens * self.dtype.itemsize,
             "sha256": self.sha.hexdigest(),
             "index_sha256": hashlib.sha256(index).hexdigest(),
+            "origin": {"dtype": dtype.str, "sha256": hashlib.sha256(origin).hexdigest(), "runs": self.runs},
         }
 
     def abort(self) -> None:
@@ -128,12 +156,34 @@ def read_split_documents(shards_dir: Path, record: dict[str, Any], dtype: np.dty
     return tokens, ends
 
 
+def read_split_origins(shards_dir: Path, record: dict[str, Any]) -> list[Origin]:
+    """Every document's origin of one split file, read whole (used only to re-split tiny corpora)."""
+    locators = np.fromfile(shards_dir / f"{record['file']}.origin", dtype=record["origin"]["dtype"]).tolist()
+    runs = record["origin"]["runs"]
+    out = []
+    for k, (first, source, unit) in enumerate(runs):
+        stop = runs[k + 1][0] if k + 1 < len(runs) else len(locators)
+        out += [(source, unit, locator) for locator in locators[first:stop]]
+    return out
+
+
+def _split_files(record: dict[str, Any]) -> list[tuple[str, int, str]]:
+    """(file name, size in bytes, SHA-256) of each file of one split: tokens, document index, origins (a store built
+    before provenance was recorded has none)."""
+    files = [(record["file"], record["num_bytes"], record["sha256"]),
+             (f"{record['file']}.index", 8 * record["num_documents"], record["index_sha256"])]
+    if "origin" in record:
+        size = np.dtype(record["origin"]["dtype"]).itemsize * record["num_documents"]
+        files.append((f"{record['file']}.origin", size, record["origin"]["sha256"]))
+    return files
+
+
 def split_files_intact(shards_dir: Path, record: dict[str, Any]) -> bool:
-    """Whether a split's files exist with the sizes its record gives (a cheap check: no reading)."""
-    path = shards_dir / record["file"]
-    index = shards_dir / f"{record['file']}.index"
+    """Whether a split's files exist with the sizes its record gives (a cheap check: no reading). A record without
+    origins (a shard written before provenance was recorded) is not: a build tokenizes it again."""
     try:
-        return path.stat().st_size == record["num_bytes"] and index.stat().st_size == 8 * record["num_documents"]
+        return "origin" in record and all((shards_dir / name).stat().st_size == size
+                                          for name, size, _ in _split_files(record))
     except OSError:
         return False
 
@@ -147,9 +197,8 @@ def _file_sha256(path: Path) -> str:
 
 
 def store_bytes(manifest: dict[str, Any]) -> int:
-    """Bytes of the shard files (tokens and document indexes) the manifest promises."""
-    return sum(shard[split]["num_bytes"] + 8 * shard[split]["num_documents"] for shard in manifest["shards"]
-               for split in SPLITS)
+    """Bytes of the shard files (tokens, document indexes, origins) the manifest promises."""
+    return sum(size for shard in manifest["shards"] for split in SPLITS for _, size, _ in _split_files(shard[split]))
 
 
 def damaged_files(store_dir: Path, manifest: dict[str, Any], checksums: bool) -> list[str]:
@@ -158,10 +207,7 @@ def damaged_files(store_dir: Path, manifest: dict[str, Any], checksums: bool) ->
     shards_dir, problems = store_dir / "shards", []
     for shard in manifest["shards"]:
         for split in SPLITS:
-            record = shard[split]
-            for name, size, digest in ((record["file"], record["num_bytes"], record["sha256"]),
-                                       (f"{record['file']}.index", 8 * record["num_documents"],
-                                        record["index_sha256"])):
+            for name, size, digest in _split_files(shard[split]):
                 path = shards_dir / name
                 try:
                     found = path.stat().st_size
@@ -205,10 +251,15 @@ class TokenRows:
     (i+1) x row_len) of its shards' files concatenated in order. Indexing returns int64 arrays."""
 
     def __init__(self, files: list[Path], num_tokens: list[int], dtype: np.dtype, row_len: int, limit: int = 0,
-                 vocab_size: int = 0):
+                 vocab_size: int = 0, shards: list[dict[str, Any]] | None = None,
+                 provenance: dict[str, Any] | None = None):
         self.vocab_size = vocab_size  # > 0: a token id at or above it is refused (not an IndexError in the embedding)
         keep = [i for i, n in enumerate(num_tokens) if n > 0]
         self.files = [files[i] for i in keep]
+        # Where each file's documents came from (pretrain/data/provenance.py): its shard's inputs, the split's origin
+        # record (None: built before provenance was recorded) and, for hf:, the shard's first row of the dataset.
+        self.shards = [shards[i] for i in keep] if shards is not None else [None] * len(keep)
+        self.provenance = provenance  # the manifest's: the source root, or the hf: dataset, config and split
         self.offsets = np.concatenate([[0], np.cumsum([num_tokens[i] for i in keep], dtype=np.int64)])
         self.dtype, self.row_len = np.dtype(dtype), row_len
         num_rows = int(self.offsets[-1]) // row_len
@@ -352,5 +403,9 @@ def split_rows(store_dir: Path, manifest: dict[str, Any], split: str, row_len: i
     shards = manifest["shards"]
     files = [store_dir / "shards" / shard[split]["file"] for shard in shards]
     dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
+    first_rows = np.concatenate([[0], np.cumsum([shard.get("input_rows", 0) for shard in shards])]).tolist()
+    where = [{"inputs": shard["inputs"], "origin": shard[split].get("origin"), "first_row": first}
+             for shard, first in zip(shards, first_rows, strict=False)]
     return TokenRows(files, [shard[split]["num_tokens"] for shard in shards], dtype, row_len, limit,
-                     vocab_size=manifest["tokenizer"]["vocab_size"])
+                     vocab_size=manifest["tokenizer"]["vocab_size"], shards=where,
+                     provenance=manifest.get("provenance"))

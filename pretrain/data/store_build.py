@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from pretrain.data.documents import Log, _file_documents, _hf_documents, _hf_shards
+from pretrain.data.documents import Log, _hf_documents, _hf_shards
+from pretrain.data.readers import located_documents
 from pretrain.data.sources import _Corpus
 from pretrain.data.split import _doc_hash, _val_threshold
 from pretrain.data.store import (
@@ -35,6 +36,7 @@ from pretrain.data.store import (
     _read_json,
     _write_json,
     read_split_documents,
+    read_split_origins,
     shard_name,
     split_files_intact,
 )
@@ -140,16 +142,17 @@ def tokenize_shard(spec: BuildSpec, shard: ShardPlan, report: Report) -> dict[st
     extreme: dict[str, list] = {"train": [None, -1], "val": [None, -1]}
     num_decode_errors = 0
     pending_docs = pending_tokens = 0
-    documents = (_hf_documents(data_cfg, *shard.hf_shard[1:]) if shard.hf_shard is not None
-                 else _file_documents([f[:2] for f in shard.files], data_cfg))
+    input_rows: list[int] = []  # hf: the rows of the shard's stream, empty ones included
+    documents = (_hf_documents(data_cfg, *shard.hf_shard[1:], rows=input_rows) if shard.hf_shard is not None
+                 else located_documents([f[:2] for f in shard.files], data_cfg.text_field, data_cfg.on_decode_error))
 
-    def flush(texts: list[str]):
+    def flush(texts: list[str], origins: list[tuple[int, str, int]]):
         nonlocal pending_docs, pending_tokens
         encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
         hashes = [_doc_hash(text) for text in texts]
         for split in SPLITS:
-            ids, lengths = [], []
-            for h, encoding in zip(hashes, encodings, strict=True):
+            ids, lengths, where = [], [], []
+            for h, encoding, origin in zip(hashes, encodings, origins, strict=True):
                 if (h < threshold) != (split == "val"):
                     continue
                 best, position = extreme[split]
@@ -159,9 +162,10 @@ def tokenize_shard(spec: BuildSpec, shard: ShardPlan, report: Report) -> dict[st
                 doc.append(eos)
                 ids.append(doc)
                 lengths.append(len(doc))
+                where.append(origin)
             if lengths:
                 writers[split].write(np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64,
-                                                 count=sum(lengths)), np.asarray(lengths, dtype=np.int64))
+                                                 count=sum(lengths)), np.asarray(lengths, dtype=np.int64), where)
                 pending_tokens += int(sum(lengths))
         pending_docs += len(texts)
         if pending_docs >= PROGRESS_EVERY_DOCS:
@@ -170,16 +174,18 @@ def tokenize_shard(spec: BuildSpec, shard: ShardPlan, report: Report) -> dict[st
 
     try:
         batch: list[str] = []
-        for text, bad in documents:
+        origins: list[tuple[int, str, int]] = []
+        for source, unit, locator, text, bad in documents:
             num_decode_errors += bad
             if not text:
                 continue
             batch.append(text)
+            origins.append((source, unit, locator))
             if len(batch) == ENCODE_BATCH_DOCS:
-                flush(batch)
-                batch = []
+                flush(batch, origins)
+                batch, origins = [], []
         if batch:
-            flush(batch)
+            flush(batch, origins)
         splits = {split: writers[split].commit() for split in SPLITS}
     except BaseException:
         for writer in writers.values():
@@ -191,6 +197,7 @@ def tokenize_shard(spec: BuildSpec, shard: ShardPlan, report: Report) -> dict[st
         "num_decode_errors": num_decode_errors,
         "min_train_hash": extreme["train"],  # [hash, position of the document in the shard's train file]
         "max_val_hash": extreme["val"],
+        **({"input_rows": input_rows[0]} if input_rows else {}),
         **splits,
     }
     _write_json(shards_dir / f"{name}.json", record)
@@ -309,10 +316,10 @@ def _run_pool(spec: BuildSpec, todo: list[ShardPlan], num_workers: int, bar: Pro
 
 
 def _rewrite_split(spec: BuildSpec, record: dict[str, Any], split: str, tokens: np.ndarray,
-                   lengths: list[int]) -> dict[str, Any]:
+                   lengths: list[int], origins: list) -> dict[str, Any]:
     writer = SplitWriter(Path(spec.store_dir) / "shards", f"{record['name']}.{split}", np.dtype(spec.dtype),
                          spec.tokenizer_name)
-    writer.write(tokens, np.asarray(lengths, dtype=np.int64))
+    writer.write(tokens, np.asarray(lengths, dtype=np.int64), origins)
     return writer.commit()
 
 
@@ -340,14 +347,16 @@ def apply_split_rules(spec: BuildSpec, records: list[dict[str, Any]]) -> list[di
         (index, record, split), = [(i, r, s) for i, r in enumerate(records) for s in SPLITS
                                    if r[s]["num_documents"]]
         tokens, _ = read_split_documents(shards_dir, record[split], dtype)
+        origin = read_split_origins(shards_dir, record[split])  # both parts come from the one document
         # The one document's stream (text tokens + eos) is cut before its last val_fraction of text tokens.
         num_text = len(tokens) - 1
         num_val_text = max(1, round(num_text * spec.data_cfg.val_fraction)) if num_text >= 2 else 0
         cut = num_text - num_val_text
         train = np.concatenate([tokens[:cut], tokens[-1:]])
         new = dict(record)
-        new["train"] = _rewrite_split(spec, record, "train", train, [len(train)])
-        new["val"] = _rewrite_split(spec, record, "val", tokens[cut:], [len(tokens) - cut] if num_val_text else [])
+        new["train"] = _rewrite_split(spec, record, "train", train, [len(train)], origin)
+        new["val"] = _rewrite_split(spec, record, "val", tokens[cut:], [len(tokens) - cut] if num_val_text else [],
+                                    origin if num_val_text else [])
         _write_json(shards_dir / f"{record['name']}.json", new)
         return [new if i == index else r for i, r in enumerate(records)]
     for empty, donor, key, better in (("val", "train", "min_train_hash", lambda a, b: a < b),
@@ -362,12 +371,12 @@ def apply_split_rules(spec: BuildSpec, records: list[dict[str, Any]]) -> list[di
         record = records[index]
         position = record[key][1]
         tokens, ends = read_split_documents(shards_dir, record[donor], dtype)
-        docs = _documents(tokens, ends)
-        moved = docs.pop(position)
+        docs, origins = _documents(tokens, ends), read_split_origins(shards_dir, record[donor])
+        moved, moved_origin = docs.pop(position), origins.pop(position)
         new = dict(record)
-        new[empty] = _rewrite_split(spec, record, empty, moved, [len(moved)])
+        new[empty] = _rewrite_split(spec, record, empty, moved, [len(moved)], [moved_origin])
         new[donor] = _rewrite_split(spec, record, donor, np.concatenate(docs) if docs else tokens[:0],
-                                    [len(d) for d in docs])
+                                    [len(d) for d in docs], origins)
         new[key] = [None, -1]
         _write_json(shards_dir / f"{record['name']}.json", new)
         records = [new if i == index else r for i, r in enumerate(records)]
@@ -383,7 +392,7 @@ def write_manifest(store_dir: Path, build: dict[str, Any], records: list[dict[st
         "num_documents": counts["num_train_documents"] + counts["num_val_documents"],
         **counts,
         "num_decode_errors": sum(r["num_decode_errors"] for r in records),
-        "shards": [{k: r[k] for k in ("name", "inputs", "train", "val")} for r in records],
+        "shards": [{k: r[k] for k in ("name", "inputs", "input_rows", "train", "val") if k in r} for r in records],
     }
     _write_json(store_dir / MANIFEST, manifest)
     return manifest

@@ -220,14 +220,34 @@ E2E = [*FAST, "data.tokenizer_vocab_size=512", "data.val_fraction=0.2", "eval.ev
        "eval.batches=1", "checkpoint.every_steps=4", "checkpoint.keep_last=0"]
 
 
+def web_corpus(root: Path) -> Path:
+    """A directory of jsonl files (a blank line and a record without text among them): the mixture's local source."""
+    words = make_docs(1, seed=3)[0].split()
+    for part in range(2):
+        lines = []
+        for i in range(24):
+            if i == 5:
+                lines.append("")  # a blank line holds no document, and is still counted
+            elif i == 9:
+                lines.append(json.dumps({"text": None, "id": i}))  # a record without text: no document either
+            else:
+                start = (part * 24 + i) * 7 % max(1, len(words) - 40)
+                lines.append(json.dumps({"text": f"web page {part}-{i}: " + " ".join(words[start:start + 40]),
+                                         "id": i}))
+        (root / "web" / f"part-{part}").mkdir(parents=True, exist_ok=True)
+        (root / "web" / f"part-{part}" / "pages.jsonl").write_text("\n".join(lines) + "\n")
+    return root / "web"
+
+
 def e2e_recipe(tmp_path: Path) -> str:
-    """Three small standard-library packages, the first read several times over 8 steps."""
+    """Two small standard-library packages, the first read several times over 8 steps, and a jsonl directory."""
     path = tmp_path / "mixture.yaml"
+    web = web_corpus(tmp_path)
     path.write_text("base: " + str(Path(RUN).parents[1] / "recipes" / "tiny.yaml") + "\n"
                     "data:\n  mixture:\n"
                     "    - {name: json, source: 'stdlib:json', weight: 0.5}\n"
                     "    - {name: http, source: 'stdlib:http', weight: 0.3}\n"
-                    "    - {name: concurrent, source: 'stdlib:concurrent', weight: 0.2}\n")
+                    f"    - {{name: web, source: '{web}', weight: 0.2}}\n")
     return str(path)
 
 
@@ -263,12 +283,12 @@ def test_mixture_run_one_and_two_processes_agree_and_kill_9_resumes_exactly(tmp_
     for step, m in rows.items():  # every step's tokens are split by the weights (within a row of 65 tokens)
         per_source = {k.split("/")[-1]: v for k, v in m.items() if k.startswith("data/tokens/")}
         assert sum(per_source.values()) == m["train/tokens_seen"] == step * 8 * 64
-        for name, weight in (("json", 0.5), ("http", 0.3), ("concurrent", 0.2)):
+        for name, weight in (("json", 0.5), ("http", 0.3), ("web", 0.2)):
             assert abs(per_source[name] - weight * m["train/tokens_seen"]) <= 64 * 1.5, (step, name)
     evals = [m for m in metrics(single) if "val/loss" in m]
     assert [m["step"] for m in evals] == [0, 4, 8]
     for m in evals:
-        weighted = 0.5 * m["val/loss/json"] + 0.3 * m["val/loss/http"] + 0.2 * m["val/loss/concurrent"]
+        weighted = 0.5 * m["val/loss/json"] + 0.3 * m["val/loss/http"] + 0.2 * m["val/loss/web"]
         assert m["val/loss"] == pytest.approx(weighted, rel=1e-12)
     config = json.loads((single / "run_config.json").read_text())
     assert config["data/mixture/json/weight"] == 0.5 and json.loads(config["recipe/data/mixture"])[1]["name"] == "http"
@@ -344,7 +364,7 @@ def test_pretrain_data_which_names_the_documents_each_rank_trained_on(two_proces
             trained[batch["step"], rank, batch["micro"]] = batch["rows"]
     assert sorted({k[0] for k in trained}) == list(range(1, 9)) and len(trained) == 8 * 2 * 2
     config = json.loads((out / "run_config.json").read_text())
-    stores = {name: Path(config[f"data/mixture/{name}/cache_dir"]) for name in ("json", "http", "concurrent")}
+    stores = {name: Path(config[f"data/mixture/{name}/cache_dir"]) for name in ("json", "http", "web")}
 
     for step in (1, 5, 8):
         code, text, _ = which(capsys, "--run", str(out), "--step", str(step), "--json")
@@ -354,13 +374,13 @@ def test_pretrain_data_which_names_the_documents_each_rank_trained_on(two_proces
         for s in sequences:  # the named documents' tokens, read back from the store, are the ids the rank trained on
             ids = [t for span in s["documents"] for t in store_tokens(stores[s["source"]], span)]
             assert ids == trained[step, s["rank"], s["micro"]][s["position"]], (step, s)
-        assert {s["source"] for s in sequences} == {"json", "http", "concurrent"}  # 4 / 2.4 / 1.6 rows a step
+        assert {s["source"] for s in sequences} == {"json", "http", "web"}  # 4 / 2.4 / 1.6 rows a step
 
     code, text, _ = which(capsys, "--run", str(out), "--step", "5", "--rank", "1", "--micro", "0")
     assert code == 0
     lines = text.splitlines()
     assert lines[0].startswith("step 5 of ") and "2 of 8 sequences of 65 tokens" in lines[0] and len(lines) == 4
-    assert all(line.split()[0] == "1/0" and ".train.ds:" in line for line in lines[2:])
+    assert all(line.split()[0] == "1/0" and (".py[" in line or ".jsonl:" in line) for line in lines[2:])
 
     # The reverse: a document consumed at step 5 is listed with every read of it, step 5 (rank 1, micro 0) among them.
     step5 = json.loads(which(capsys, "--run", str(out), "--step", "5", "--rank", "1", "--micro", "0", "--json")[1])
@@ -380,14 +400,86 @@ def test_pretrain_data_which_names_the_documents_each_rank_trained_on(two_proces
         (["--run", str(out / "nope"), "--step", "1"], "no run directory at"),
         (["--run", str(out), "--step", "9"], "has steps 1..8"),
         (["--run", str(out), "--step", "2", "--rank", "2"], "pass --rank from 0 to 1"),
-        (["--run", str(out), "--document", "web:00000.train.ds:0"], "its sources are json, http, concurrent"),
+        (["--run", str(out), "--document", "news:00000.train.ds:0"], "its sources are json, http, web"),
         (["--run", str(out), "--document", f"json:{span['file']}:100000"], "there is no document 100000"),
     ):
         code, _, err = which(capsys, *args)
         assert code == 2 and message in err and "Traceback" not in err, (args, err)
 
 
+def source_text(origin: dict, root: Path) -> str:
+    """The document an origin names, read from its input file as a person would open it."""
+    path = Path(origin["path"])
+    assert path == root / origin["file"] and path.is_file(), origin
+    if "line" in origin:
+        return json.loads(path.read_text().splitlines()[origin["line"] - 1])["text"]
+    return path.read_text(encoding="utf-8")
+
+
 @pytest.mark.slow
+def test_pretrain_data_which_names_the_source_file_and_line_of_every_document(two_process_run, capsys):
+    """Issue 37: every sequence's documents are named by their source, an input file relative to the source's
+    directory and its line (jsonl) or the whole file (stdlib .py): the named line's text is the document the rank
+    trained on (decoded from the store), and --document accepts that form, with or without the source's name."""
+    from transformers import PreTrainedTokenizerFast
+
+    out, _ = two_process_run
+    config = json.loads((out / "run_config.json").read_text())
+    stores = {name: Path(config[f"data/mixture/{name}/cache_dir"]) for name in ("json", "http", "web")}
+    roots = {name: Path(json.loads((store / "manifest.json").read_text())["provenance"]["root"])
+             for name, store in stores.items()}
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(stores["web"] / "tokenizer"))
+    seen = {"line": 0, "file": 0}
+    for step in (2, 7):
+        code, text, _ = which(capsys, "--run", str(out), "--step", str(step), "--json")
+        assert code == 0
+        for s in json.loads(text):
+            for span in s["documents"]:
+                origin = span["origin"]
+                whole = tokenizer.decode(store_tokens(stores[s["source"]], {**span, "start": 0,
+                                                                            "stop": span["document_tokens"] - 1}))
+                assert whole == source_text(origin, roots[s["source"]]), (step, s["source"], origin)
+                seen["line" if "line" in origin else "file"] += 1
+                if s["source"] == "web":
+                    assert origin["file"].startswith("part-") and origin["file"].endswith("/pages.jsonl")
+    assert seen["line"] and seen["file"]  # both kinds of source met
+
+    # --document in the source's form, resolved to the same store document (with and without the source's name)
+    step = json.loads(which(capsys, "--run", str(out), "--step", "7", "--json")[1])
+    web = next(span for s in step if s["source"] == "web" for span in s["documents"])
+    named = f"{web['origin']['file']}:{web['origin']['line']}"
+    for form in (named, f"web:{named}"):
+        code, text, err = which(capsys, "--run", str(out), "--document", form, "--json", "--text")
+        assert code == 0, err
+        answer = json.loads(text)
+        assert (answer["source"], answer["file"], answer["index"]) == ("web", web["file"], web["document"])
+        assert answer["text"].startswith(source_text(web["origin"], roots["web"]))
+        assert any(r["step"] == 7 for r in answer["reads"])
+    code, text, _ = which(capsys, "--run", str(out), "--document", named)
+    assert code == 0 and text.startswith(f"{named} (web:{web['file']}:{web['document']} in the store): rows ")
+    code, text, _ = which(capsys, "--run", str(out), "--step", "7", "--rank", "0", "--micro", "1", "--text")
+    assert code == 0 and "preview" not in text.splitlines()[1] and len(text.splitlines()) > 6
+
+    # A document of the validation split is named so: training never read it
+    manifest = json.loads((stores["web"] / "manifest.json").read_text())
+    shard = next(s for s in manifest["shards"] if s["val"]["num_documents"])
+    first, source, _ = shard["val"]["origin"]["runs"][0]
+    line = np.fromfile(stores["web"] / "shards" / f"{shard['val']['file']}.origin", dtype=shard["val"]["origin"]["dtype"])
+    held_out = f"{Path(shard['inputs'][source][0]).relative_to(roots['web'])}:{int(line[first])}"
+    code, _, err = which(capsys, "--run", str(out), "--document", held_out)
+    assert code == 2 and "is in the validation split of source 'web'" in err and "training never read it" in err
+
+    part = web["origin"]["file"].split("/")[0]
+    for document, message in (
+        (f"{part}/pages.jsonl:6", "no training document of the run's source(s)"),  # the blank line
+        (f"{part}/pages.jsonl:10", "empty lines hold no document"),  # the record without text
+        ("web:nope.jsonl:1", "no training document of the run's source(s) web came from there"),
+        ("hf:someone/data:3", "(none of that kind)"),
+    ):
+        code, _, err = which(capsys, "--run", str(out), "--document", document)
+        assert code == 2 and message in err and "Traceback" not in err, (document, err)
+
+
 @pytest.mark.slow
 def test_pretrain_data_which_refuses_a_store_changed_at_the_same_size(two_process_run, tmp_path, capsys):
     """Issue 36: training refuses a store whose shard changed at the same size (its checksums); the lookup answered
