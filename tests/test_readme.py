@@ -14,6 +14,7 @@ The test command of README's quick start must be the one CI (.ci/run) runs.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -79,9 +80,8 @@ SKIPPED = {
                                                                       "tests/multiprocess/test_distributed.py runs pretrain-eval",
     "pretrain-eval --model runs/tiny/final_model": "needs the demo's final model; tests/multiprocess/test_distributed.py scores one",
     "pretrain-launch --config_file accelerate_configs/cpu_ddp.yaml --recipe recipes/mixture-tiny.yaml":
-        "a 2-process training (a minute); tests/data/test_mixture.py runs a 2-process mixture",
-    "pretrain-data which --run runs/mixture-tiny": "needs that run; tests/data/test_mixture.py runs pretrain-data which on "
-                                                   "a 2-process mixture run",
+        "run in order with the lookups after it by test_the_which_walkthrough_as_written",
+    "pretrain-data which --run runs/mixture-tiny": "run in order after its run by test_the_which_walkthrough_as_written",
     "pretrain-sweep --recipe recipes/tiny.yaml": "measures real runs per MBS (minutes; machine-dependent numbers)",
     "pretrain-bench --recipe recipes/tiny.yaml": "times training steps (a minute)",
     "pretrain-slurm submit --recipe recipes/7b.yaml --accelerate-config accelerate_configs/zero3.yaml "
@@ -319,6 +319,40 @@ def test_the_demo_then_the_second_step_as_written(tmp_path):
             assert "converted through the neutral form" in proc.stdout, shown
     # ~3.5 minutes on a 2-core machine (0.7 s per step); twice that is a regression, not noise.
     assert elapsed < 420, f"the demo took {elapsed:.0f}s on this machine (it takes ~3.5 minutes on 2 cores)"
+
+
+WALKTHROUGH = "## Which data a step read"
+
+
+@pytest.mark.slow
+def test_the_which_walkthrough_as_written(tmp_path):
+    """docs/data.md's pretrain-data walkthrough, its commands in order from a directory of links to the checkout (its
+    own runs/): the 2-process run, then each lookup exits 0 and prints what the page says it prints (the shown
+    outputs are ```text blocks: the standard library's files differ between Python versions)."""
+    page = ROOT / "docs" / "data.md"
+    text = page.read_text()
+    start = text.count("\n", 0, text.index(WALKTHROUGH)) + 1
+    commands = [c.text for c in page_commands(page)[0] if start < c.line < start + 16]
+    assert len(commands) == 4 and commands[0].startswith("pretrain-launch"), commands
+    root = tmp_path / "checkout"
+    root.mkdir()
+    for entry in ROOT.iterdir():
+        if entry.name != "runs":
+            (root / entry.name).symlink_to(entry)
+    environment = env(PATH=f"{VENV_BIN}:{env()['PATH']}", PRETRAIN_RUNS_DIR=None)
+    printed = []
+    for command in commands:
+        proc = subprocess.run(["bash", "-c", command], cwd=root, env=environment, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, (command, proc.stdout[-2000:], proc.stderr[-3000:])
+        printed.append(proc.stdout)
+    step, document, as_json = printed[1:]
+    lines = step.splitlines()
+    assert lines[0].startswith("step 3 of runs/mixture-tiny: 8 of 32 sequences of 129 tokens") and len(lines) == 10
+    assert all(line.split()[0] == "1/0" and ".py[" in line for line in lines[2:]), step
+    assert document.startswith("json/decoder.py (json:00000.train.ds:") and " in steps 1..4" in document.splitlines()[0]
+    answer = json.loads(as_json)
+    assert answer["origin"]["file"].startswith("json/") and answer["reads"]
 
 
 def test_the_sample_slurm_script_is_what_the_tool_writes(monkeypatch):
