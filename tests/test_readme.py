@@ -44,6 +44,8 @@ SKIPPED = {
         "a CP 2 x FSDP 4 launch on 8 GPUs (R: any recipe; CUDA only); tests/distributed/test_context_parallel.py checks it up to "
         "the launch, tests/test_gpu.py runs CP 2 on 2 GPUs",
     "python -m cProfile pretrain/run.py": "a profiled training run on a GPU (tools/gpu_visit.sh STARTUP_PROFILE=1)",
+    "python tools/poison_bench.py --seeds 20": "20 poisoned trainings (a minute); tests/train/test_quarantine.py runs "
+                                               "two of its trials",
     "python tools/fault_harness.py": "a run under injected faults on a SLURM cluster (minutes); "
                                      "tests/cli/test_fault_harness.py runs it on the tests' private cluster",
     "bash tools/install.sh": "installs packages (network, minutes); CI's fresh-clone job runs it, tests/test_install.py "

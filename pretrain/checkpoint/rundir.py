@@ -113,6 +113,16 @@ def _rollback_problem(record: Any) -> str | None:
             return f"{key} = {pair!r} is not a range [first, last] of steps or batches"
     if not _is_int(record.get("to_step")) or record["to_step"] < 0:
         return f"to_step = {record.get('to_step')!r} is not a step"
+    positions = record.get("positions")
+    if positions is not None and not (isinstance(positions, list) and len(positions) == 2
+                                      and all(_is_int(v) and v >= 0 for v in positions) and positions[0] <= positions[1]):
+        return f"positions = {positions!r} is not a range [start, stop) of the order's stream"
+    quarantine = record.get("quarantine")
+    if quarantine is not None and not (
+            isinstance(quarantine, dict) and _is_int(quarantine.get("from")) and quarantine["from"] >= 0
+            and isinstance(quarantine.get("samples"), list)
+            and all(_is_int(v) and v >= 0 for v in quarantine["samples"])):
+        return "quarantine is not {from: a position, samples: [sample indices]}"
     factor = record.get("lr_factor")
     if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
         return f"lr_factor = {factor!r} is not in (0, 1]"
@@ -192,10 +202,16 @@ def timeline_rollbacks(saved: dict[str, Any] | None, logged: list[dict[str, Any]
 
 
 def run_rollbacks(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The rollbacks of a run directory's timeline, as a resume would restore them (``pretrain-data which``'s)."""
+    """The rollbacks of a run directory's timeline, as a resume would restore them (``pretrain-data which``'s); led,
+    when the run resolved a data.exclude, by ``{"excluded": its resolution}`` (the rows it left out from step 0:
+    ``loader.removals_of`` reads both)."""
     newest = latest_checkpoint(run_dir)
     state = read_state(newest) if newest is not None else None
-    return [] if state is None else timeline_rollbacks(saved_rollbacks(state), read_rollbacks(run_dir))
+    if state is None:
+        return []
+    saved = saved_rollbacks(state)
+    excluded = [{"excluded": saved["excluded"]}] if saved.get("excluded") else []
+    return [*excluded, *timeline_rollbacks(saved, read_rollbacks(run_dir))]
 
 
 def read_run(run_dir: str | Path) -> RunRecord:

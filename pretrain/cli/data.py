@@ -1,8 +1,10 @@
-"""pretrain-data which: the data a run read at an optimizer step, or the steps that read a document.
+"""pretrain-data which: the data a run read at an optimizer step, or the steps that read a document; pretrain-data
+quarantine: the documents a run left out (stability.rollback.skip=documents, data.exclude).
 
     pretrain-data which --run runs/tiny --step 40 [--rank R] [--micro M] [--text] [--json]
     pretrain-data which --run runs/tiny --document corpus/part-0001.jsonl:17 [--text] [--json]
     pretrain-data which --run runs/tiny --document json:00000.train.ds:12      (the store's coordinates)
+    pretrain-data quarantine --run runs/tiny [--add corpus/part-0001.jsonl:17 | --remove data:00000.train.ds:12]
 """
 
 from __future__ import annotations
@@ -89,6 +91,52 @@ def which(args: argparse.Namespace) -> int:
     return 0
 
 
+def quarantine(args: argparse.Namespace) -> int:
+    """List a run's quarantine.json, or add / remove one document (atomically)."""
+    from pretrain.data import quarantine as lists
+
+    if args.add is not None and args.remove is not None:
+        raise ConfigError("pretrain-data quarantine takes one of --add or --remove")
+    path = lists.list_path(args.run)
+    if args.add is not None:
+        from pretrain.checkpoint.rundir import read_run
+        from pretrain.data.lookup import RunData  # torch and transformers: after the arguments are read
+        from pretrain.errors import DataError
+
+        run = RunData.open(read_run(args.run))
+        source, file, index = run.resolve_document(args.add)  # the source's form (FILE:LINE) or the store's
+        data = run.data
+        try:
+            tokens = len(lists.document_samples(data, source, file, index))
+        except DataError as exc:
+            raise ConfigError(f"--add {args.add}: {exc}") from None
+        added = lists.add_entries(args.run, [lists.entry(data, source, file, index, rollback=None,
+                                                         loss_per_token=None, tokens=None, added="by hand")])
+        print(f"{args.add}: {'added to' if added else 'already in'} {path} ({tokens} training row(s))")
+        return 0
+    listed = lists.read_list(args.run, missing_ok=args.remove is None)
+    if args.remove is not None:
+        lists.parse_document(args.remove)
+        kept = [e for e in listed["documents"] if lists.key(e) != args.remove]
+        if len(kept) == len(listed["documents"]):
+            raise ConfigError(f"--remove {args.remove}: not in {path}; it lists "
+                              f"{', '.join(lists.key(e) for e in listed['documents']) or 'nothing'}")
+        lists.write_list(args.run, {**listed, "documents": kept})
+        print(f"{args.remove}: removed from {path}")
+        return 0
+    if args.json:
+        print(json.dumps(listed, indent=1))
+        return 0
+    print(f"{path}: {len(listed['documents'])} quarantined document(s)")
+    for e in listed["documents"]:
+        loss = e.get("loss_per_token")
+        why = (f"rollback {e['rollback']}, {loss:.3g} nats/token over {e.get('tokens')} tokens"
+               if e.get("rollback") is not None and loss is not None else e.get("added") or "")
+        origin = (e.get("origin") or {}).get("name")
+        print(f"  {origin or lists.key(e)}  ({lists.key(e)} in the store; {why})" if origin else f"  {lists.key(e)}  {why}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pretrain-data", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -109,9 +157,18 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--text", action="store_true", help="print each sequence's whole decoded text (with --document: "
                    "the document's)")
     w.add_argument("--json", action="store_true", help="print JSON for scripts")
+    q = commands.add_parser("quarantine", help="a run's quarantined documents: list, add, remove",
+                            description="The documents a run quarantined (output_dir/quarantine.json, written by "
+                            "stability.rollback.skip=documents; data.exclude reads it): listed, or one added or "
+                            "removed. Each edit replaces the file atomically.")
+    q.add_argument("--run", required=True, help="the run's output_dir (or a quarantine.json)")
+    q.add_argument("--add", metavar="FILE:LINE", help="quarantine this document: as --document of which takes it (an "
+                   "input file and line, hf:NAME:ROW, or the store's SOURCE:FILE:INDEX)")
+    q.add_argument("--remove", metavar="SOURCE:FILE:INDEX", help="take this document off the list")
+    q.add_argument("--json", action="store_true", help="print JSON for scripts")
     args = parser.parse_args(argv)
     try:
-        return which(args)
+        return quarantine(args) if args.command == "quarantine" else which(args)
     except ConfigError as exc:  # DataError is one: a store gone or damaged
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

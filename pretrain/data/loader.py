@@ -17,6 +17,7 @@ permutation drawn from (seed, step), so micro-batches and ranks see the mixture 
 
 from __future__ import annotations
 
+import bisect
 import math
 import zlib
 from collections.abc import Iterator, Sequence
@@ -231,33 +232,165 @@ def data_horizon(order: GlobalSampleOrder | MixtureSampleOrder, num_steps: int, 
                   "(`stop` would end the run there)")
 
 
-class SkippingOrder:
-    """A sample order with whole global batches left out (``stability.rollback``): optimizer step k reads the k-th
-    global batch (0-based) of the order that is not skipped, so the stream stays a pure function of (seed, step,
-    the skipped batches) and a resume that knows the skipped batches reads what the run read.
+@dataclass(frozen=True)
+class Window:
+    """Flat positions [start, stop) of the base order's stream left out (a ``skip: window`` rollback's window: its
+    global batches [first, last] are positions [first x GBS, (last + 1) x GBS))."""
 
-    ``skipped``: (first, last) global batch indices of the order, inclusive, each range one rollback's window.
-    Everything else (epochs, steps available, per-source metrics) is the wrapped order's, at the batch read."""
+    start: int
+    stop: int
 
-    def __init__(self, order: GlobalSampleOrder | MixtureSampleOrder, skipped: Sequence[tuple[int, int]]):
+
+@dataclass(frozen=True, eq=False)
+class Quarantine:
+    """Every occurrence of the global sample indices ``samples`` left out of the base order's stream from flat
+    position ``start`` on (a ``skip: documents`` rollback's quarantined rows; ``data.exclude``'s, from 0)."""
+
+    start: int
+    samples: np.ndarray  # sorted, unique int64
+
+    @classmethod
+    def of(cls, start: int, samples: Sequence[int]) -> Quarantine:
+        return cls(int(start), np.unique(np.asarray(list(samples), dtype=np.int64)))
+
+
+def as_removal(item: Window | Quarantine | tuple[int, int], global_batch_size: int) -> Window | Quarantine:
+    """A removal; a (first, last) pair of global batches (an older rollback record's ``batches``) as its Window."""
+    if isinstance(item, (Window, Quarantine)):
+        return item
+    first, last = (int(v) for v in item)
+    return Window(first * global_batch_size, (last + 1) * global_batch_size)
+
+
+def _merged(windows: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for start, stop in sorted(w for w in windows if w[1] > w[0]):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
+        else:
+            out.append((start, stop))
+    return out
+
+
+class FilteredOrder:
+    """A sample order with elements of its stream left out (``stability.rollback``, ``data.exclude``).
+
+    The base order's stream is the concatenation of its global batches (flat position p = base batch u x GBS +
+    the position in the batch). A ``Window`` leaves out a range of positions; a ``Quarantine`` every occurrence of its
+    samples from its start on; optimizer step k reads elements [k x GBS, (k+1) x GBS) of what is left. So the stream
+    stays a pure function of (seed, step, the removals), a resume that knows them reads what the run read, and the
+    slots a quarantine frees are filled by the next samples of the stream (the global batch size stays).
+
+    Windows alone (``skip: window`` rollbacks) are arithmetic: whole base batches left out, nothing scanned, exactly
+    what the order read before quarantines existed. A quarantine's occurrences are found by scanning base batches
+    forward from its start (``np.isin``), once: each scanned base batch's kept count is cached, so training, which
+    reads steps in order, scans one base batch per step, and a resume scans once from the quarantine's start."""
+
+    def __init__(self, order: GlobalSampleOrder | MixtureSampleOrder,
+                 removals: Sequence[Window | Quarantine | tuple[int, int]]):
         self.order = order
-        self.skipped = sorted((int(first), int(last)) for first, last in skipped)
-        self.global_batch_size = order.global_batch_size
+        gbs = self.global_batch_size = order.global_batch_size
+        removals = [as_removal(r, gbs) for r in removals]
+        self.windows = _merged([(r.start, r.stop) for r in removals if isinstance(r, Window)])
+        self.quarantines = sorted((r for r in removals if isinstance(r, Quarantine) and len(r.samples)),
+                                  key=lambda q: q.start)
+        if self.quarantines:
+            total = order.num_samples if isinstance(order, GlobalSampleOrder) else int(order.offsets[-1])
+            if len(np.unique(np.concatenate([q.samples for q in self.quarantines]))) >= total:
+                raise DataError(f"every one of the {total} training sequences is left out (data.exclude and the "
+                                "quarantines of stability.rollback.skip=documents); shorten data.exclude's lists")
+        # Base batches before scan_from hold no position a quarantine acts on: windows alone decide there.
+        self.scan_from = self.quarantines[0].start // gbs if self.quarantines else None
+        self._cumulative = [0]  # kept elements of base batches [scan_from, scan_from + i), for each i scanned
+        self._masks: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # the last base batches: (elements, kept mask)
 
+    # ---- the base stream ----------------------------------------------------------------------------------------
+    def _windowed(self, lo: int, hi: int) -> int:
+        """Positions of [lo, hi) inside a window."""
+        return sum(max(0, min(stop, hi) - max(start, lo)) for start, stop in self.windows)
+
+    def _batch(self, batch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Base batch ``batch``'s elements and the mask of those kept."""
+        if batch not in self._masks:
+            gbs = self.global_batch_size
+            lo, hi = batch * gbs, (batch + 1) * gbs
+            elements = self.order.global_batch(batch)
+            keep = np.ones(gbs, dtype=bool)
+            for start, stop in self.windows:
+                if start < hi and stop > lo:
+                    keep[max(start, lo) - lo : min(stop, hi) - lo] = False
+            for q in self.quarantines:
+                if q.start < hi:
+                    hit = np.isin(elements, q.samples)
+                    hit[: max(0, q.start - lo)] = False
+                    keep &= ~hit
+            if len(self._masks) >= 4:  # steps move forward: a step spans a few base batches
+                self._masks.pop(next(iter(self._masks)))
+            self._masks[batch] = elements, keep
+        return self._masks[batch]
+
+    def _kept_before(self, batch: int) -> int:
+        """Kept elements of base batches [0, batch)."""
+        gbs = self.global_batch_size
+        if self.scan_from is None or batch <= self.scan_from:
+            return batch * gbs - self._windowed(0, batch * gbs)
+        while len(self._cumulative) <= batch - self.scan_from:
+            scanned = self.scan_from + len(self._cumulative) - 1
+            self._cumulative.append(self._cumulative[-1] + int(self._batch(scanned)[1].sum()))
+        return self._kept_before(self.scan_from) + self._cumulative[batch - self.scan_from]
+
+    def locate(self, element: int) -> tuple[int, int]:
+        """(base batch, index among its kept elements) of the ``element``-th kept element of the stream (0-based)."""
+        gbs = self.global_batch_size
+        head = None if self.scan_from is None else self._kept_before(self.scan_from)
+        if head is None or element < head:
+            position = element
+            for start, stop in self.windows:  # merged and sorted: each one at or before the position moves it on
+                if start > position:
+                    break
+                position += stop - start
+            batch = position // gbs
+            return batch, position - batch * gbs - self._windowed(batch * gbs, position)
+        rest = element - head
+        while self._cumulative[-1] <= rest:  # scan on: one base batch per step read in order
+            self._kept_before(self.scan_from + len(self._cumulative))
+        index = bisect.bisect_right(self._cumulative, rest) - 1
+        return self.scan_from + index, rest - self._cumulative[index]
+
+    # ---- what the loader and the loop read ---------------------------------------------------------------------
     def batch_index(self, step: int) -> int:
-        """The global batch of the order that optimizer step ``step`` (0-based) reads."""
-        index = step
-        for first, last in self.skipped:  # sorted and disjoint: each range at or before the index moves it on
-            if first <= index:
-                index += last - first + 1
-        return index
+        """The base global batch holding the first element optimizer step ``step`` (0-based) reads."""
+        return self.locate(step * self.global_batch_size)[0]
+
+    def base_position(self, step: int) -> int:
+        """The flat position in the base stream of the first element optimizer step ``step`` reads (where a
+        quarantine made at that step starts)."""
+        batch, index = self.locate(step * self.global_batch_size)
+        return batch * self.global_batch_size + int(np.flatnonzero(self._batch(batch)[1])[index])
 
     def global_batch(self, step: int) -> np.ndarray:
-        return self.order.global_batch(self.batch_index(step))
+        gbs = self.global_batch_size
+        batch, index = self.locate(step * gbs)
+        parts, have = [], 0
+        while have < gbs:
+            elements, keep = self._batch(batch)
+            part = elements[keep][index : index + gbs - have]
+            parts.append(part)
+            have += len(part)
+            batch, index = batch + 1, 0
+        return np.concatenate(parts)
 
     def steps_available(self) -> tuple[int, str]:
+        """The base order's steps, less the elements removed before its horizon (GBS elements a step): windows
+        exactly; a quarantine exactly once the scan has passed the horizon, else estimated as one occurrence of each
+        of its samples (a row is read once an epoch; rows of another source or epoch make it off by their count)."""
         steps, name = self.order.steps_available()
-        return max(0, steps - sum(min(last, steps - 1) - first + 1 for first, last in self.skipped if first < steps)), name
+        gbs = self.global_batch_size
+        if self.scan_from is not None and len(self._cumulative) - 1 + self.scan_from >= steps:
+            return self._kept_before(steps) // gbs, name
+        removed = self._windowed(0, steps * gbs) + sum(len(q.samples) for q in self.quarantines
+                                                      if q.start < steps * gbs)
+        return max(0, (steps * gbs - removed) // gbs), name
 
     def epochs_read(self, step: int) -> dict[str, float]:
         return self.order.epochs_read(self.batch_index(step))
@@ -266,10 +399,28 @@ class SkippingOrder:
         return self.order.metrics(self.batch_index(step))
 
 
+def removals_of(records: Sequence[dict], excluded: dict | None = None) -> list[Window | Quarantine]:
+    """What a run's records leave out of its order: data.exclude's rows (``excluded``, its resolution) from 0, then
+    each rollback's quarantine (``skip: documents``) or window (``positions``, else the older ``batches``: a pair of
+    global batches, turned into positions by the order)."""
+    out: list = [Quarantine.of(0, excluded["samples"])] if excluded and excluded.get("samples") else []
+    for record in records:
+        if "excluded" in record:  # rundir.run_rollbacks' entry for data.exclude's resolution
+            if record["excluded"] and record["excluded"].get("samples"):
+                out.append(Quarantine.of(0, record["excluded"]["samples"]))
+        elif record.get("quarantine"):
+            out.append(Quarantine.of(record["quarantine"]["from"], record["quarantine"]["samples"]))
+        elif record.get("positions"):
+            out.append(Window(int(record["positions"][0]), int(record["positions"][1])))
+        else:
+            out.append((int(record["batches"][0]), int(record["batches"][1])))
+    return out
+
+
 def batch_index(order, step: int) -> int:
-    """The global batch of ``order`` that optimizer step ``step`` (0-based) reads: ``step`` unless batches are
-    skipped (``SkippingOrder``)."""
-    return order.batch_index(step) if isinstance(order, SkippingOrder) else step
+    """The base global batch of ``order`` holding optimizer step ``step``'s (0-based) first element: ``step`` unless
+    elements are left out (``FilteredOrder``)."""
+    return order.batch_index(step) if isinstance(order, FilteredOrder) else step
 
 
 class RankBatchSampler:
@@ -407,10 +558,11 @@ def _loader(dataset: Dataset, batch_sampler, data_cfg: DataConfig, pin_memory: b
 
 def build_train_loader(
     data: PackedData | MixtureData, data_cfg: DataConfig, plan: BatchPlan, rank: int, seed: int, start_step: int,
-    pin_memory: bool, masking: DocumentMasking | None = None, skipped: Sequence[tuple[int, int]] = (),
-) -> tuple[DataLoader, GlobalSampleOrder | MixtureSampleOrder | SkippingOrder]:
-    """The training loader from optimizer step ``start_step`` on, and its order; ``skipped``: global batches left
-    out by rollbacks ((first, last) ranges, ``SkippingOrder``)."""
+    pin_memory: bool, masking: DocumentMasking | None = None,
+    skipped: Sequence[Window | Quarantine | tuple[int, int]] = (),
+) -> tuple[DataLoader, GlobalSampleOrder | MixtureSampleOrder | FilteredOrder]:
+    """The training loader from optimizer step ``start_step`` on, and its order; ``skipped``: what rollbacks and
+    data.exclude leave out of the stream (``FilteredOrder``; a (first, last) pair: global batches)."""
     if isinstance(data, MixtureData):
         order = MixtureSampleOrder(data.train.rows_per_source, {m.name: m.weight for m in data_cfg.mixture},
                                    plan.global_batch_size, seed, data_cfg.shuffle, data_cfg.seq_len)
@@ -418,7 +570,7 @@ def build_train_loader(
         order = GlobalSampleOrder(len(data.train), plan.global_batch_size, seed, data_cfg.shuffle,
                                   data_cfg.drop_last)
     if skipped:
-        order = SkippingOrder(order, skipped)
+        order = FilteredOrder(order, skipped)
     sampler = RankBatchSampler(order, plan, rank, start_step)
     return _loader(PackedSequences(data.train), sampler, data_cfg, pin_memory, masking), order
 
@@ -478,12 +630,12 @@ class TrainData:
         self.data, self.data_cfg, self.plan, self.rank, self.seed = data, data_cfg, plan, rank, seed
         self.num_steps, self.pin_memory, self.masking = num_steps, pin_memory, masking
         self.loader: DataLoader | None = None
-        self.order: GlobalSampleOrder | MixtureSampleOrder | SkippingOrder | None = None
+        self.order: GlobalSampleOrder | MixtureSampleOrder | FilteredOrder | None = None
         self.stop_step: int | None = None  # data.on_exhausted=stop: the step that ends the run (None: never)
         self.batches: Iterator | None = None
 
-    def reposition(self, step: int, skipped: Sequence[tuple[int, int]] = ()) -> str:
-        """The stream from optimizer step ``step`` on, without the ``skipped`` global batches; the line that says
+    def reposition(self, step: int, skipped: Sequence[Window | Quarantine | tuple[int, int]] = ()) -> str:
+        """The stream from optimizer step ``step`` on, without what ``skipped`` leaves out; the line that says
         how many epochs of each source the run reads."""
         self.loader, self.order = build_train_loader(self.data, self.data_cfg, self.plan, self.rank, self.seed, step,
                                                      self.pin_memory, self.masking, skipped=skipped)

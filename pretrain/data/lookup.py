@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from pretrain.data import MixtureData, PackedData, open_store
-from pretrain.data.loader import RankBatchSampler, build_train_loader, data_horizon
+from pretrain.data.loader import RankBatchSampler, build_train_loader, data_horizon, removals_of
 from pretrain.data.mixture import SINGLE, MixtureRows, data_changes, data_identity
 from pretrain.data.provenance import (
     NO_PROVENANCE,
@@ -105,11 +105,9 @@ class RunData:
         self.launches = [(int(r["from_step"]), BatchPlan(**{k: int(r["plan"][k]) for k in PLAN_KEYS}))
                          for r in launches]
         # The run's own construction of the loader: the dataset it reads and the order behind its batch sampler.
-        # The run's own construction of the loader: the dataset it reads and the order behind its batch sampler.
-        # Global batches skipped by rollbacks (stability.rollback) are skipped here too.
-        skipped = [(int(r["batches"][0]), int(r["batches"][1])) for r in rollbacks]
+        # What rollbacks (stability.rollback) and data.exclude left out is left out here too.
         loader, self.order = build_train_loader(data, recipe.data, plan, 0, recipe.train.seed, 0, pin_memory=False,
-                                                skipped=skipped)
+                                                skipped=removals_of(rollbacks))
         # data.on_exhausted=stop ends a run before its horizon, at the step training itself computes
         stop_step, _ = data_horizon(self.order, num_steps, recipe.data.on_exhausted)
         self.num_steps = stop_step if stop_step is not None else num_steps

@@ -333,6 +333,13 @@ class DataConfig(Section):
                          description=f"Sequence length of a training sample (tokens, at most 2**24 = {MAX_SEQ_LEN:,}).")
     train_subset: int = Field(0, ge=0, description="Use only this many training sequences (of each source); 0 = all.")
     val_subset: int = Field(0, ge=0, description="Use only this many validation sequences (of each source); 0 = all.")
+    exclude: list[str] = Field(
+        default_factory=list,
+        description="Quarantine lists whose documents' rows are left out of the training stream from step 0: paths "
+        "to quarantine.json files, or run directories holding one (stability.rollback.skip: documents writes them; "
+        "`pretrain-data quarantine` edits them). Documents of another store are ignored; a resume keeps what its "
+        "checkpoint resolved.",
+    )
     val_fraction: float = Field(
         0.05, gt=0, lt=1, description="Fraction of documents held out for validation (documents, not tokens)."
     )
@@ -704,6 +711,22 @@ class RollbackConfig(Section):
     )
     lr_factor_steps: int = Field(
         0, ge=0, description="Updates after a rollback whose lr is multiplied by lr_factor; 0 = none."
+    )
+    skip: Literal["window", "documents"] = Field(
+        "window",
+        description="What a rollback leaves out when it retrains from the checkpoint: `window`, every global batch "
+        "from the checkpoint's step to the stop; `documents`, only the rows (packed sequences) holding a token of the "
+        "num_quarantined documents with the highest loss per token on the window (scored by the reloaded model), "
+        "from the window's start on, the freed slots filled by the next samples (output_dir/quarantine.json; "
+        "refused under tensor or context parallelism). Either way every document of the window is scored "
+        "(output_dir/rollback_scores/).",
+    )
+    num_quarantined: int = Field(
+        3,
+        ge=1,
+        le=1000,
+        description="How many of the window's top-ranked documents each rollback quarantines (skip: documents; "
+        "skip: window quarantines none).",
     )
 
 

@@ -45,6 +45,10 @@ def check_layout(recipe: Recipe, launch: Launch) -> RunPlan:
     from pretrain.distributed.accelerator import check_precision, deepspeed_config
     from pretrain.model.optim import scaled_lr
 
+    if recipe.stability.rollback.skip == "documents" and (launch.tp_size > 1 or launch.cp_size > 1):
+        raise ConfigError(f"stability.rollback.skip=documents scores each document of a window on its whole rows, "
+                          f"which a rank under tensor or context parallelism (tp_size {launch.tp_size}, cp_size "
+                          f"{launch.cp_size}) does not hold; use skip=window here")
     if launch.tp_size > 1:
         check_tensor_parallel(recipe, launch)
     if launch.cp_size > 1:

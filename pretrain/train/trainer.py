@@ -33,6 +33,7 @@ from pretrain.checkpoint.rundir import latest_checkpoint
 from pretrain.checkpoint.state import RunState, Stateful, TrainerState, TrainProgress
 from pretrain.data import data_identity, ensure_data, open_data
 from pretrain.data.loader import TrainData, document_masking
+from pretrain.data.quarantine import resolve_exclude
 from pretrain.distributed.accelerator import build_accelerator, check_shared_output_dir
 from pretrain.distributed.layout import Launch
 from pretrain.distributed.preemption import StopSignals, signal_hook
@@ -129,7 +130,9 @@ class Trainer:
         recipe, parts = self.recipe, self.parts
         self.policy = SkipPolicy(recipe.stability, fp16=fp16)
         self.gate = StepGate(self.policy) if recipe.stability.checks_steps else None
-        self.rollback = Rollback(recipe.stability.rollback, self.output_dir)
+        # data.exclude's lists read now (one ConfigError before training); a resume keeps its checkpoint's reading.
+        excluded = resolve_exclude(recipe.data.exclude, self.data, self.log)
+        self.rollback = Rollback(recipe.stability.rollback, self.output_dir, excluded, log=self.log)
         # The rollbacks' lr factors are part of the schedule itself (without rollbacks every factor is 1).
         self.schedule = Schedule(self.scheduler, self.lr, self.rollback.lr_factor, log=self.log)
         # Packed sequences have no padding: every position of a global batch is a target (with document masking
@@ -157,7 +160,7 @@ class Trainer:
         masking = document_masking(recipe.data, recipe.model.attention, self.tokenizer)
         self.train_data = TrainData(self.data, recipe.data, self.plan, self.launch.data_rank, recipe.train.seed,
                                     self.num_steps, pin, masking)
-        self.log(self.train_data.reposition(self.step, self.rollback.skipped))
+        self.log(self.train_data.reposition(self.step, self.rollback.removals))
         downstream = DownstreamEvaluator.for_run(self.accelerator, tasks, self.tokenizer, recipe, self.plan,
                                                  self.launch, self.num_steps, self.console)
         self.evaluator = Evaluator(self.accelerator, self.train_data.val_loaders(recipe.eval.batches),

@@ -17,7 +17,7 @@ import torch
 from pretrain.checkpoint.background import SLOW_WRITE_ENV
 from pretrain.checkpoint.integrity import checkpoint_files, verify_all
 from pretrain.checkpoint.rundir import read_state, run_rollbacks
-from pretrain.data.loader import GlobalSampleOrder, SkippingOrder
+from pretrain.data.loader import FilteredOrder, GlobalSampleOrder
 from pretrain.errors import ConfigError, TrainingDiverged
 from pretrain.recipe.config import RollbackConfig, load_recipe
 from pretrain.train.goodput import read_goodput
@@ -43,7 +43,7 @@ from tests.model.test_optim import _lrs  # every optimizer step's lr of a schedu
 
 def test_skipped_batches_are_left_out_of_the_order_and_nothing_else_moves():
     order = GlobalSampleOrder(num_samples=64, global_batch_size=4, seed=0, shuffle=True, drop_last=True)
-    skipping = SkippingOrder(order, [(9, 10), (3, 5)])  # two rollbacks' windows, in any order
+    skipping = FilteredOrder(order, [(9, 10), (3, 5)])  # two rollbacks' windows, in any order
     assert [skipping.batch_index(s) for s in range(8)] == [0, 1, 2, 6, 7, 8, 11, 12]
     assert np.array_equal(skipping.global_batch(3), order.global_batch(6))
     assert skipping.steps_available() == (16 - 5, "")  # 16 batches per epoch, 5 of them skipped
@@ -62,7 +62,7 @@ def test_a_resume_restores_the_rollbacks_of_its_own_timeline_only(tmp_path):
     (tmp_path / "rollbacks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in logged))
     history = Rollback(RollbackConfig(), tmp_path)
     history.load_state_dict({"records": saved, "saved_at": 2.0})  # the save of step 12 resumed
-    assert history.skipped == [(4, 8), (16, 19)]
+    assert history.removals == [(4, 8), (16, 19)]  # older records: their batches
     assert [history.lr_factor(s) for s in (3, 4, 5, 6, 12, 13)] == [1.0, 0.5, 0.5, 1.0, 0.25, 1.0]
     assert history.attempts(12) == 1 and history.attempts(4) == 1
 
