@@ -1,5 +1,7 @@
-"""pretrain-data which: the data a run read at an optimizer step, or the steps that read a document; pretrain-data
-quarantine: the documents a run left out (stability.rollback.skip=documents, data.exclude).
+"""pretrain-data: the data a run read at a step and the source of each document (which), what it left out (quarantine).
+
+which: the data a run read at an optimizer step, or the steps that read a document; quarantine: the documents a run
+left out (stability.rollback.skip=documents, data.exclude).
 
     pretrain-data which --run runs/tiny --step 40 [--rank R] [--micro M] [--text] [--json]
     pretrain-data which --run runs/tiny --document corpus/part-0001.jsonl:17 [--text] [--json]
