@@ -263,6 +263,17 @@ def test_readme_command_runs_as_written(command, tmp_path_factory):
             + proc.stdout + proc.stderr)
 
 
+def linked_checkout(tmp_path: Path) -> Path:
+    """A directory of links to every top-level entry of the checkout but runs/: commands run there as written, and
+    the runs they start are their own."""
+    root = tmp_path / "checkout"
+    root.mkdir()
+    for entry in ROOT.iterdir():
+        if entry.name != "runs":
+            (root / entry.name).symlink_to(entry)
+    return root
+
+
 DEMO = "accelerate launch --config_file accelerate_configs/cpu.yaml pretrain/run.py --recipe recipes/tiny.yaml"
 SECOND_STEP = "**2. Several processes on one node"
 
@@ -282,11 +293,7 @@ def test_the_demo_then_the_second_step_as_written(tmp_path):
     directory of links to the checkout (its own runs/): the demo learns (>= 3 nats below the untrained model's val
     loss, its downstream task above chance), and each command of the second step exits 0 and trains steps of its
     own: no "already complete", no refusal (two of them continue the demo's checkpoint on other layouts)."""
-    root = tmp_path / "checkout"
-    root.mkdir()
-    for entry in ROOT.iterdir():
-        if entry.name != "runs":
-            (root / entry.name).symlink_to(entry)
+    root = linked_checkout(tmp_path)
     environment = env(PATH=f"{VENV_BIN}:{env()['PATH']}", PRETRAIN_RUNS_DIR=None)
     demo = next(c for c in page_commands(README)[0] if c.text == DEMO)
     start = time.perf_counter()
@@ -336,11 +343,7 @@ def test_the_which_walkthrough_as_written(tmp_path):
     start = text.count("\n", 0, text.index(WALKTHROUGH)) + 1
     commands = [c.text for c in page_commands(page)[0] if start < c.line < start + 16]
     assert len(commands) == 4 and commands[0].startswith("pretrain-launch"), commands
-    root = tmp_path / "checkout"
-    root.mkdir()
-    for entry in ROOT.iterdir():
-        if entry.name != "runs":
-            (root / entry.name).symlink_to(entry)
+    root = linked_checkout(tmp_path)
     environment = env(PATH=f"{VENV_BIN}:{env()['PATH']}", PRETRAIN_RUNS_DIR=None)
     printed = []
     for command in commands:

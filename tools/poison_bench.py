@@ -26,7 +26,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 VAL_FRACTION = 0.1
 # The tests' small model (tests/helpers.py FAST) on 64-token rows; the spike rule judges from the 3rd update, and

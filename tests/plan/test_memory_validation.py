@@ -177,6 +177,18 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def probes():
+    """(ds_memory_probe, fsdp_memory_probe), imported by the plain names they use for each other (they are scripts in
+    tests/), without leaving tests/ on sys.path: there `import multiprocess` (datasets') finds tests/multiprocess."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        import ds_memory_probe
+        import fsdp_memory_probe
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    return ds_memory_probe, fsdp_memory_probe
+
+
 @pytest.mark.slow
 def test_deepspeed_model_states_match_estimate(tmp_path):
     """Two gloo ranks on CPU run a real DeepSpeed step for ZeRO 0-3 in fp32 and bf16 (tests/ds_memory_probe.py);
@@ -195,8 +207,7 @@ def test_deepspeed_model_states_match_estimate(tmp_path):
     worst rank (states._kept_large_grads): 10,511,936 B. The probe keeps the tensors it excludes as "before
     DeepSpeed" alive, so that no gradient can take a freed one's address and drop out of the count."""
     pytest.importorskip("deepspeed")
-    sys.path.insert(0, str(ROOT / "tests"))
-    import ds_memory_probe as probe
+    probe, _ = probes()
 
     env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                WORLD_SIZE="2", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
@@ -269,9 +280,7 @@ def test_fsdp_model_states_match_estimate(tmp_path):
     backward, between these points."""
     from tests.helpers import run_cmd
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    import ds_memory_probe
-    import fsdp_memory_probe as probe
+    ds_memory_probe, probe = probes()
 
     cfg = ModelConfig(**ds_memory_probe.MODEL)
     shape = ModelShape.from_model_config(cfg, ds_memory_probe.MODEL["vocab_size"], ds_memory_probe.SEQ_LEN)
@@ -315,9 +324,7 @@ def test_tp_model_states_match_estimate(tmp_path):
     gradients (unsharded TP-local during no_sync, reduce-scattered shards before the step). Within 1%."""
     from tests.helpers import run_cmd
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    import ds_memory_probe
-    import fsdp_memory_probe as probe
+    ds_memory_probe, probe = probes()
 
     cfg = ModelConfig(**ds_memory_probe.MODEL)
     shape = ModelShape.from_model_config(cfg, ds_memory_probe.MODEL["vocab_size"], ds_memory_probe.SEQ_LEN)
