@@ -14,6 +14,7 @@ line is found by a binary search in the one run of the one shard that read its f
 
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -122,15 +123,18 @@ def find_source_document(rows: TokenRows, file: str, index: int | None) -> tuple
     manifest's inputs name the shard, a binary search in that run's locators finds the document."""
     root = (rows.provenance or {}).get("root", "")
     hf = bool((rows.provenance or {}).get("hf"))
-    for shard, info in enumerate(rows.shards):
+    shards = list(enumerate(rows.shards))
+    if hf:  # the one shard whose rows hold it: the last that starts at or before it
+        if index is None:
+            return None
+        starts = [info["first_row"] if info is not None else -1 for info in rows.shards]
+        at = bisect.bisect_right(starts, index) - 1
+        shards = shards[at:at + 1] if at >= 0 else []
+    for shard, info in shards:
         if info is None or info["origin"] is None:
             continue
         if hf:
-            if index is None:
-                continue
             wanted, source = index - info["first_row"], 0
-            if wanted < 0:
-                continue
         else:
             names = [entry[0] for entry in info["inputs"]]
             matches = [k for k, name in enumerate(names)

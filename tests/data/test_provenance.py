@@ -170,3 +170,11 @@ def test_an_hf_dataset_names_the_row_of_its_split_across_data_files(tmp_path):
         return split_rows[origin.index]
 
     assert opened(source_text, store, manifest, data, data.tokenizer) == 30
+    # pretrain-data which --document hf:NAME:ROW: the form parsed and looked up (a row of the third data file)
+    from pretrain.data.lookup import RunData
+
+    run = type("Run", (), {"names": ["data"], "parts": [data.train], "data": data})()
+    row = next(r for r in range(23, 33) if find_source_document(data.train, "", r) is not None)
+    assert RunData.resolve_document(run, f"hf:{hf['dataset']}:{row}") == ("data",
+                                                                           *find_source_document(data.train, "", row))
+    assert find_source_document(data.train, "", 22) is None  # the third file's empty first row
