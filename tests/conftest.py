@@ -21,6 +21,11 @@ def pytest_configure(config):
     starts use one thread, so that two workers share the cores instead of oversubscribing them (torch's idle threads
     spin). Set before torch is imported."""
     os.environ["PRETRAIN_RUNS_DIR"] = tempfile.mkdtemp(prefix="pretrain-test-runs-")
+    # --dist loadfile hands out files in the collection's order only without xdist's reorder (on by default since
+    # 3.6: by number of tests per file, which put the long files of one or two tests, the fault harness and the
+    # install, last, and the suite ended with one worker idle for a minute): LONGEST_FIRST decides.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     # No hub at run time in the tests (the processes they start get it from tests/helpers.env): in-process checks of
     # a hub tokenizer's recipe (recipes/7b.yaml) would otherwise retry an unreachable hub for tens of seconds. Before
     # huggingface_hub is imported (it reads the variable once).
@@ -42,13 +47,15 @@ def pytest_configure(config):
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-# The files whose shared runs take longest (CI's durations: minutes each), in that order. Under xdist's --dist loadfile
-# a worker takes the next file when it is free, in collection order: these go first, so that the suite does not end
-# with one worker alone on a long file while the other idles (longest-first scheduling). Other files keep their order.
-LONGEST_FIRST = ("test_readme.py", "test_run.py", "test_distributed.py", "test_fault_harness.py", "test_reduce_dtype.py", "test_reshard.py",
-                 "test_memory_validation.py", "test_slurm.py", "test_install.py", "test_architectures.py",
-                 "test_tensor_parallel.py", "test_moe.py", "test_init_from.py", "test_rollback.py", "test_tools.py",
-                 "test_preemption_phases.py")
+# The files whose runs take longest (their tests' durations summed, a full run on 2 cores: 449 s down to 31 s), in that
+# order. Under xdist's --dist loadfile a worker takes the next file when it is free, in collection order (the reorder
+# is off: pytest_configure): these go first, so that the suite does not end with one worker alone on a long file while
+# the other idles (longest-first scheduling). Other files keep their order.
+LONGEST_FIRST = ("test_readme.py", "test_distributed.py", "test_reshard.py", "test_memory_validation.py", "test_run.py",
+                 "test_fault_harness.py", "test_init_from.py", "test_tools.py", "test_install.py", "test_reduce_dtype.py",
+                 "test_slurm.py", "test_rollback.py", "test_preemption_phases.py", "test_architectures.py",
+                 "test_trust.py", "test_hybrid.py", "test_launch.py", "test_long_runs.py", "test_stability.py",
+                 "test_tensor_parallel.py", "test_moe.py", "test_store.py")
 
 
 def pytest_unconfigure(config):
