@@ -132,10 +132,14 @@ class Rollback:
         positions = [_base_position(order, back_to), _base_position(order, stop.step)]
         schedule_step = run.schedule.step
         number = len(self.records) + 1
-        # The reloaded model scores the window's documents (one forward per micro-batch, every rank alike).
-        scores = score_window(run.model, run.accelerator, run.data, order, run.plan, run.launch.data_rank, back_to,
-                              stop.step, run.train_data.masking)
-        name_sources(run.data, scores)
+        # The reloaded model scores the window's documents (one forward per micro-batch, every rank alike). Not under
+        # tensor or context parallelism, where a rank's forward is not one of whole rows (skip=documents is refused
+        # there before the run starts).
+        scores = []
+        if run.launch.tp_size == 1 and run.launch.cp_size == 1:
+            scores = score_window(run.model, run.accelerator, run.data, order, run.plan, run.launch.data_rank,
+                                  back_to, stop.step, run.train_data.masking)
+            name_sources(run.data, scores)
         record = {
             "rollback": number, "stopped_at_step": stop.step, "first_skipped_step": first,
             "rule": stop.verdict.rule, "reason": stop.verdict.reason,
@@ -161,7 +165,8 @@ class Rollback:
         if run.is_main:
             # The record first, made durable: a run killed from here on resumes with this rollback applied.
             append_record(run.output_dir / ROLLBACKS_FILE, record)
-            write_scores(run.output_dir, number, scores)
+            if scores:
+                write_scores(run.output_dir, number, scores)
             if quarantined:
                 add_entries(run.output_dir, [
                     entry(run.data, d["source"], d["file"], d["document"], rollback=number,
@@ -171,8 +176,9 @@ class Rollback:
             rewind_trackers(run.trackers, back_to)
         run.accelerator.wait_for_everyone()
         run.train_data.reposition(back_to, self.removals)
-        run.log(f"stability: rollback {number} scored {len(scores)} document(s) of steps {back_to + 1}-{stop.step} by "
-                f"loss per token, highest: {describe(scores) or 'none'} ({SCORES_DIR}/rollback-{number:04d}.jsonl)")
+        if scores:
+            run.log(f"stability: rollback {number} scored {len(scores)} document(s) of steps {back_to + 1}-{stop.step} "
+                    f"by loss per token, highest: {describe(scores)} ({SCORES_DIR}/rollback-{number:04d}.jsonl)")
         lr_text = (f"; lr x{cfg.lr_factor:g} for the next {cfg.lr_factor_steps} updates (now {lr_now:.4g})"
                    if cfg.lr_factor != 1 and cfg.lr_factor_steps else "")
         aside = f"; set aside: {', '.join(p.name for p in moved)}" if moved else ""
