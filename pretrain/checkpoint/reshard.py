@@ -102,6 +102,7 @@ class CheckpointLayout:
     zero_stage: int | None = None  # DeepSpeed only; None: recorded by no one (older checkpoint, ZeRO-1 or 2)
     offload_optimizer: str = "none"
     tp_size: int = 1  # FSDP2 x TP: the DCP files hold DTensors over a (dp_shard, tp) mesh
+    ep_size: int = 1  # FSDP2 x EP: the expert weights' DTensors are over an (efsdp, ep) mesh; DCP reshards them
 
     @classmethod
     def of(cls, launch: Launch) -> CheckpointLayout:
@@ -112,7 +113,7 @@ class CheckpointLayout:
         return cls(engine=values["engine"], world_size=int(values["world_size"]),
                    zero_stage=values.get("zero_stage") if values["engine"] == "deepspeed" else None,
                    offload_optimizer=values.get("offload_optimizer") or "none",
-                   tp_size=int(values.get("tp_size") or 1))
+                   tp_size=int(values.get("tp_size") or 1), ep_size=int(values.get("ep_size") or 1))
 
     def describe(self) -> str:
         processes = f"{self.world_size} process{'es' if self.world_size > 1 else ''}"
@@ -120,7 +121,9 @@ class CheckpointLayout:
             stage = "1 or 2" if self.zero_stage is None else self.zero_stage
             return f"DeepSpeed ZeRO-{stage} on {processes}"
         if self.engine == "fsdp":
-            return f"FSDP x TP {self.tp_size} on {processes}" if self.tp_size > 1 else f"FSDP on {processes}"
+            parallel = "".join(f" x {name} {size}" for name, size in (("TP", self.tp_size), ("EP", self.ep_size))
+                               if size > 1)
+            return f"FSDP{parallel} on {processes}"
         return f"DDP on {processes}" if self.world_size > 1 else "one process"
 
 

@@ -128,6 +128,7 @@ def report(recipe, recipe_path: str, overrides: list[str], launch: Launch, gpu, 
     from pretrain.plan.planner import calibration, plan, throughput
     from pretrain.train.preflight import check_run
 
+    launch = launch.for_recipe(recipe)
     run_plan = check_run(recipe, launch)
     if launch.cp_size > 1:  # as pretrain-launch refuses it: a plan for CPU processes (no GPU named or found)
         from pretrain.distributed.context_parallel import check_launch_device

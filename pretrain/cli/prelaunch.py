@@ -194,6 +194,7 @@ def preflight(accelerate_args: list[str], run_args: list[str], options: argparse
     recipe_path, overrides = run_args[1] if len(run_args) > 1 else "", run_args[2:]
     recipe_overrides = [o for o in overrides if not o.startswith("--")]
     recipe = load_recipe(recipe_path, recipe_overrides)
+    launch = launch.for_recipe(recipe)  # model.moe.ep_size (expert parallelism is the recipe's: see Launch.ep_size)
     cpu = "--cpu" in accelerate_args or _config_uses_cpu(option_value(accelerate_args, "--config_file"))
     check_environment(recipe, launch, gpu_launch=not cpu)
     if launch.cp_size > 1:  # the processes start on this machine: CP needs its GPUs

@@ -439,7 +439,7 @@ class ModelPlacement:
     shard: Callable[[torch.nn.Module], torch.nn.Module] | None = None
 
 
-def model_placement(accelerator: Accelerator) -> ModelPlacement:
+def model_placement(accelerator: Accelerator, launch: Launch | None = None) -> ModelPlacement:
     """The run's device, so a GPU run never holds a full fp32 copy of the model in host memory.
 
     FSDP2 shards the model while it is still on the meta device (``shard_fsdp2``), so each rank allocates
@@ -451,13 +451,14 @@ def model_placement(accelerator: Accelerator) -> ModelPlacement:
         from torch.distributed.fsdp import CPUOffloadPolicy
 
         offload = isinstance(accelerator.state.fsdp_plugin.cpu_offload, CPUOffloadPolicy)
-        return ModelPlacement(torch.device("cpu") if offload else accelerator.device, partial(shard_fsdp2, accelerator))
+        return ModelPlacement(torch.device("cpu") if offload else accelerator.device,
+                              partial(shard_fsdp2, accelerator, ep_launch=launch if launch and launch.ep_size > 1 else None))
     if accelerator.distributed_type == DistributedType.FSDP:
         return ModelPlacement(torch.device("cpu"))
     return ModelPlacement(accelerator.device)
 
 
-def shard_fsdp2(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+def shard_fsdp2(accelerator: Accelerator, model: torch.nn.Module, ep_launch: Launch | None = None) -> torch.nn.Module:
     """accelerate's own FSDP2 wrapping (``fsdp2_prepare_model``: the auto-wrap policy, the embedding and
     output groups, mixed-precision and offload policies, the device mesh) applied to the model on the meta
     device; ``accelerator.prepare`` then finds an FSDP module and keeps its sharding.
@@ -473,6 +474,16 @@ def shard_fsdp2(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Mo
         # DTensors over dp_shard, as accelerate's own TP + FSDP2 path does.
         model = parallelize(model, accelerator.torch_device_mesh["tp"])
     plugin = accelerator.state.fsdp_plugin
+    if ep_launch is not None:
+        # EP first, on the meta model: the experts split over ep and sharded over their copies; accelerate's
+        # wrapping below then leaves them to their own FSDP group (pretrain/distributed/expert_parallel.py)
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        from pretrain.distributed.expert_parallel import parallelize_experts
+
+        model = parallelize_experts(model, ep_launch, {
+            "reshard_after_forward": plugin.reshard_after_forward,
+            "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy()})
     loading = plugin.cpu_ram_efficient_loading
     plugin.cpu_ram_efficient_loading = False
     try:

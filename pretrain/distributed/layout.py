@@ -20,7 +20,7 @@ import os
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -108,11 +108,27 @@ class Launch:
     """Context parallelism (FSDP2 only, accelerate's parallelism_config cp_size): each group of cp_size x tp_size ranks
     reads the same micro-batches and splits every sequence of them over its cp ranks (pretrain/distributed/
     context_parallel.py); FSDP shards over dp_shard x cp (accelerate's dp_shard_cp)."""
+    ep_size: int = 1
+    """Expert parallelism (FSDP2 only; the recipe's model.moe.ep_size, set by ``for_recipe``: accelerate's
+    parallelism_config has no expert dimension): each group of ep_size consecutive ranks holds the experts split
+    between them; the world stays data parallel, and the dense part is FSDP over it (pretrain/distributed/
+    expert_parallel.py)."""
 
     def __post_init__(self):
         check_launch(self)
 
+    def for_recipe(self, recipe) -> Launch:
+        """This launch with the layout choices the recipe makes (model.moe.ep_size), checked against it."""
+        moe = recipe.model.moe
+        ep_size = moe.ep_size if moe is not None else 1
+        return self if ep_size == self.ep_size else replace(self, ep_size=ep_size)
+
     # ---- derived ------------------------------------------------------------------------------
+    @property
+    def efsdp_size(self) -> int:
+        """Copies of each expert (one per group of ep_size ranks), FSDP-sharded among themselves: world / ep_size."""
+        return self.world_size // self.ep_size
+
     @property
     def world_size(self) -> int:
         return self.num_nodes * self.gpus_per_node
@@ -161,6 +177,9 @@ class Launch:
             if self.tp_size > 1 or self.cp_size > 1:
                 what += "".join(f" x {name} {size}" for name, size in (("TP", self.tp_size), ("CP", self.cp_size))
                                 if size > 1) + f" ({self.data_parallel_size}-way data parallel)"
+            if self.ep_size > 1:
+                what += f" x EP {self.ep_size}" + (f" ({self.efsdp_size} copies of each expert)"
+                                                   if self.efsdp_size > 1 else "")
             if self.offload_params != "none":
                 what += f" (offload params -> {self.offload_params})"
         else:
@@ -182,6 +201,7 @@ class Launch:
             "fsdp_sharding": self.fsdp_sharding, "offload_optimizer": self.offload_optimizer,
             "offload_params": self.offload_params, "world_size": self.world_size, "num_machines": self.num_nodes,
             "hybrid_shard_size": self.hybrid_shard_size, "tp_size": self.tp_size, "cp_size": self.cp_size,
+            "ep_size": self.ep_size,
         }  # fmt: skip
 
     # ---- built from the environment of a launched process ---------------------------------------
@@ -456,8 +476,37 @@ def check_launch(launch: Launch) -> None:
                         f"(TP {launch.tp_size} x FSDP 2)")
     if launch.hybrid_shard_size is not None and not problems:
         problems += _hybrid_problems(launch)
+    if launch.ep_size > 1 and not problems:
+        problems += _expert_parallel_problems(launch)
     if problems:
         raise ConfigError(problems)
+
+
+def _expert_parallel_problems(launch: Launch) -> list[str]:
+    """What expert parallelism (model.moe.ep_size) cannot run on: one message each, with the fix."""
+    ep = launch.ep_size
+    if launch.engine == "deepspeed":
+        return [f"model.moe.ep_size = {ep} with DeepSpeed ZeRO: pretrain's expert parallelism is EP x FSDP2 (DeepSpeed's "
+                "own MoE layers are not transformers' models); use accelerate_configs/fsdp2_ep.yaml, or set "
+                "model.moe.ep_size=1"]
+    if launch.engine != "fsdp":
+        return [f"model.moe.ep_size = {ep} needs FSDP2 (the dense part is sharded over every rank while the experts "
+                "are split by EP); use accelerate_configs/fsdp2_ep.yaml, or set model.moe.ep_size=1"]
+    if launch.world_size % ep:
+        return [f"model.moe.ep_size = {ep} does not divide the {launch.world_size} processes: each group of ep_size "
+                "consecutive ranks holds every expert once; use an ep_size that divides the world (and "
+                "model.moe.num_experts)"]
+    if launch.tp_size > 1 or launch.cp_size > 1:
+        return [f"model.moe.ep_size = {ep} with tp_size {launch.tp_size} x cp_size {launch.cp_size}: pretrain has not "
+                "verified transformers' expert plan composed with its tensor or context plan against one process; use "
+                "EP alone (accelerate_configs/fsdp2_ep.yaml) or TP/CP alone"]
+    if launch.hybrid_shard_size:
+        return [f"model.moe.ep_size = {ep} with HSDP (dp_replicate_size): the expert mesh would need a replicate "
+                "dimension pretrain has not verified; use full sharding (accelerate_configs/fsdp2_ep.yaml)"]
+    if launch.offload_params != "none":
+        return [f"model.moe.ep_size = {ep} with FSDP parameter offload: the experts' all-to-all runs on the GPUs' "
+                "copies; set fsdp_offload_params: false"]
+    return []
 
 
 def _hybrid_problems(launch: Launch) -> list[str]:
@@ -602,7 +651,7 @@ def compile_choice(requested: str, device_type: str, launch: Launch) -> tuple[st
     """``model.compile`` resolved for the device and layout the run trains on, and why: the one place ``auto``
     is decided (the run, its log, ``--dry-run`` and tools/bench_gpu.py all ask here).
 
-    ``auto`` is regional on CUDA, except under DeepSpeed ZeRO-3 and context parallelism, and none elsewhere. On CPU inductor spends
+    ``auto`` is regional on CUDA, except under DeepSpeed ZeRO-3, context and expert parallelism, and none elsewhere. On CPU inductor spends
     minutes compiling C++ for a small gain. Under ZeRO-3 DeepSpeed gathers and releases each module's
     parameters in hooks it marks compiler-disabled, so every block breaks into small graphs at each hook: a
     long compile for little fused code. Until a measurement says otherwise, ZeRO-3 runs eager. The other
@@ -615,6 +664,10 @@ def compile_choice(requested: str, device_type: str, launch: Launch) -> tuple[st
         return "none", ("auto: none under context parallelism (torch's context_parallel swaps SDPA for ring attention "
                         "by patching it around every step, which compiled blocks have not been verified to follow; "
                         "model.compile=regional forces it)")
+    if launch.ep_size > 1:
+        return "none", ("auto: none under expert parallelism (transformers' all-to-all reads each layer's split sizes "
+                        "back to the host: every block breaks its graph there, unverified compiled); model.compile="
+                        "regional forces it")
     if launch.uses_deepspeed and launch.zero_stage == 3:
         return "none", ("auto: none under DeepSpeed ZeRO-3 (its parameter gather hooks are compiler-disabled: each "
                         "block breaks into small graphs, a long compile for little gain); model.compile=regional "

@@ -82,12 +82,25 @@ class MoEConfig(Section):
         "per micro-batch over all layers) added to the training objective; 0 = none. OLMoE used 0.01, "
         "Qwen3-MoE and Mixtral 0.001.",
     )
+    ep_size: int = Field(
+        1, gt=0,
+        description="Expert parallelism (FSDP2 launches): each group of ep_size consecutive ranks holds the experts "
+        "split between them (num_experts / ep_size whole experts each) and sends every token to its experts' ranks "
+        "by all-to-all; the dense part stays FSDP over all ranks, and the copies of an expert across groups are "
+        "FSDP-sharded among themselves. Here, not in the accelerate config: accelerate's parallelism_config has no "
+        "expert dimension. Must divide num_experts and the number of processes; 1 = no EP. docs/distributed.md: "
+        "Expert parallelism.",
+    )
 
     @model_validator(mode="after")
     def _top_k_fits(self) -> MoEConfig:
         if self.experts_per_token > self.num_experts:
             raise ValueError(f"model.moe.experts_per_token ({self.experts_per_token}) must be at most "
                              f"model.moe.num_experts ({self.num_experts})")
+        if self.num_experts % self.ep_size:
+            raise ValueError(f"model.moe.ep_size ({self.ep_size}) must divide model.moe.num_experts "
+                             f"({self.num_experts}): every expert-parallel rank holds the same number of whole experts; "
+                             f"use one of {', '.join(str(d) for d in range(1, self.num_experts + 1) if not self.num_experts % d)}")
         return self
 
 

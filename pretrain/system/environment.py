@@ -195,9 +195,18 @@ TP_TRANSFORMERS = "5.23"
 style) came with 5.23; pyproject's floor (5.17) runs every other layout."""
 
 
+EP_PACKAGES = (("transformers", "5.24"), ("accelerate", "1.15"))
+"""What expert parallelism (model.moe.ep_size) needs: transformers' expert plan, expert mesh and all-to-all dispatch
+(``transformers.distributed``: ``DistributedConfig(ep_size=...)``, ``initialize_distributed_mesh``,
+``apply_expert_parallelism``) and accelerate's gradient clipping over parameters on two device meshes (the dense
+part's and the experts'), as verified (tests/multiprocess/test_expert_parallel.py); the pyproject floors run every
+other layout."""
+
+
 def package_problems(recipe: Recipe | None, launch: Launch | None, version_of=None) -> list[str]:
     """Every core dependency below its floor or missing, every extra this run needs that is, and a transformers
-    older than a feature of the launch needs (tensor parallelism: ``TP_TRANSFORMERS``)."""
+    older than a feature of the launch needs (tensor parallelism: ``TP_TRANSFORMERS``; expert parallelism:
+    ``EP_PACKAGES``)."""
     version_of = version_of or installed_version
     problems = [package_problem(req, "pretrain", version_of) for req in requirements() if req.extra is None]
     for extra, why in needed_extras(recipe, launch):
@@ -205,6 +214,11 @@ def package_problems(recipe: Recipe | None, launch: Launch | None, version_of=No
     if launch is not None and launch.tp_size > 1 and not any(problems):
         problems.append(package_problem(Requirement("transformers", TP_TRANSFORMERS, None),
                                         f"tensor parallelism (the launch's tp_size {launch.tp_size})", version_of))
+    moe = recipe.model.moe if recipe is not None else None
+    ep_size = moe.ep_size if moe is not None else (launch.ep_size if launch is not None else 1)
+    if ep_size > 1 and not any(problems):
+        problems += [package_problem(Requirement(name, version, None), f"expert parallelism (model.moe.ep_size "
+                                     f"{ep_size})", version_of) for name, version in EP_PACKAGES]
     return [p for p in problems if p]
 
 

@@ -9,6 +9,7 @@ still shows. What a run prints (tests/multiprocess/test_console.py counts the li
 - ``TiedWeightsSaved``: accelerate's "Removed shared tensor" warning, for the weights the model ties;
 - ``no_progress_bars()``: transformers' "Writing model shards" bar while pretrain saves a model;
 - ``dropping_stdout_lines()``: DeepSpeed's "... built successfully" print while the process group starts;
+- ``drop_expert_mesh_messages()``: DTensor's notes on the expert mesh's two-step collectives (``EXPERT_MESH``);
 - torchrun's "Setting OMP_NUM_THREADS environment variable for each process to be 1" warning is answered,
   not hidden: pretrain-launch sets the threads per process (``launch.threads_per_process``).
 """
@@ -140,6 +141,29 @@ def drop_torchao_import_messages() -> None:
     """The messages of ``TORCHAO_IMPORT`` dropped in this process (once; any other message of those loggers
     still shows). Installed by ``install_warning_filters`` and before pretrain imports torchao itself."""
     for name, pattern, _why in TORCHAO_IMPORT:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Dropping) and f.pattern.pattern == pattern for f in logger.filters):
+            logger.addFilter(_Dropping(re.compile(pattern)))
+
+
+# (logger, message regex, why nobody acts on it): what DTensor logs for expert parallelism's 2-D (efsdp, ep) mesh.
+EXPERT_MESH: tuple[tuple[str, str, str], ...] = (
+    ("torch.distributed.tensor._redistribute",
+     r"from \(_NormPartial\(\S+\), _NormPartial\(\S+\)\) to \(Replicate\(\), Replicate\(\)\), 2 sequential all_reduce",
+     "the experts' gradient norm (accelerate's clip_grad_norm_, one per mesh) is summed over efsdp, then ep: two "
+     "all-reduces of one scalar per optimizer step instead of one"),
+    ("torch.distributed.tensor._redistribute",
+     r"from \(_StridedShard\(dim=0, sf=\d+\), Shard\(dim=0\)\) to \(Replicate\(\), Replicate\(\)\), 2 sequential "
+     r"all_gather",
+     "an expert weight gathered whole (the final model's and the export's full state dict, once per save) over "
+     "efsdp, then ep: two all-gathers instead of one, outside the training step"),
+)
+
+
+def drop_expert_mesh_messages() -> None:
+    """The messages of ``EXPERT_MESH`` dropped in this process (once); installed where the experts are split
+    (pretrain/distributed/expert_parallel.py)."""
+    for name, pattern, _why in EXPERT_MESH:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Dropping) and f.pattern.pattern == pattern for f in logger.filters):
             logger.addFilter(_Dropping(re.compile(pattern)))

@@ -50,7 +50,7 @@ def build_model_parts(recipe: Recipe, run_plan: RunPlan, accelerator, setup: Acc
     device, launch = accelerator.device, run_plan.launch
     vocab = resolve_vocab_size(recipe.model, vocab_size)
     # Built on the run's device (or partitioned, or sharded first): never a full fp32 copy per rank on CPU.
-    placement = model_placement(accelerator)
+    placement = model_placement(accelerator, launch)
     converted: list[float8.Float8Report] = []
 
     def to_float8(meta_model):  # on the meta model, before FSDP2 shards it (pretrain/model/float8.py)
@@ -60,6 +60,10 @@ def build_model_parts(recipe: Recipe, run_plan: RunPlan, accelerator, setup: Acc
     model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed, device=placement.device,
                         shard=placement.shard, convert=to_float8 if recipe.precision.float8 != "off" else None,
                         pretrained=pretrained, log=log_every_rank)
+    if launch.ep_size > 1:
+        from pretrain.distributed.expert_parallel import describe
+
+        log(describe(model, launch))
     f8 = converted[0] if converted else None
     if f8 is not None:
         log(f8.line())

@@ -19,6 +19,7 @@ def check_run(recipe: Recipe, launch: Launch) -> RunPlan:
     from pretrain.model.optim import check_optimizer_args, check_schedule
     from pretrain.train.downstream import read_tasks
 
+    launch = launch.for_recipe(recipe)  # model.moe.ep_size: checked against the launch here
     layout = check_layout(recipe, launch)
     num_steps = num_training_steps(recipe.train.max_steps, recipe.train.max_tokens, layout.batch)
     check_optimizer_args(recipe.optim, layout.lr)
@@ -45,6 +46,7 @@ def check_layout(recipe: Recipe, launch: Launch) -> RunPlan:
     from pretrain.distributed.accelerator import check_precision, deepspeed_config
     from pretrain.model.optim import scaled_lr
 
+    launch = launch.for_recipe(recipe)
     if recipe.stability.rollback.skip == "documents" and (launch.tp_size > 1 or launch.cp_size > 1):
         raise ConfigError(f"stability.rollback.skip=documents scores each document of a window on its whole rows, "
                           f"which a rank under tensor or context parallelism (tp_size {launch.tp_size}, cp_size "
@@ -53,6 +55,8 @@ def check_layout(recipe: Recipe, launch: Launch) -> RunPlan:
         check_tensor_parallel(recipe, launch)
     if launch.cp_size > 1:
         check_context_parallel(recipe, launch)
+    if launch.ep_size > 1:
+        check_expert_parallel(recipe, launch)
     batch = plan_batches(recipe.batch, launch.data_parallel_size, recipe.data.seq_len)
     lr = scaled_lr(recipe.optim, batch.global_batch_size)
     mixed_precision = check_precision(recipe, launch)
@@ -76,6 +80,18 @@ def check_tensor_parallel(recipe: Recipe, launch: Launch) -> None:
     model = recipe.model
     problem = tp_plan_problem(config, model.arch, launch.tp_size) or tp_shape_problem(
         model.num_heads, model.num_kv_heads or model.num_heads, model.intermediate_size or 0, launch.tp_size)
+    if problem:
+        raise ConfigError(problem)
+
+
+def check_expert_parallel(recipe: Recipe, launch: Launch) -> None:
+    """An EP launch of an architecture transformers has no expert plan for (or a transformers without EP) is refused
+    before anything starts; the layout's own refusals (engine, world, TP/CP) are check_launch's."""
+    from transformers import CONFIG_MAPPING
+
+    from pretrain.distributed.expert_parallel import ep_plan_problem
+
+    problem = ep_plan_problem(CONFIG_MAPPING[recipe.model.arch], recipe.model.arch, launch.ep_size)
     if problem:
         raise ConfigError(problem)
 

@@ -113,7 +113,8 @@ def start_run_record(trainer: Trainer) -> None:
             and dist["distributed_type"] != "DEEPSPEED")
     trainer.log(
         f"pretrain: {recipe.name} | world size {dist['world_size']} "
-        f"({dist['distributed_type']}, {dist['device']}, {recipe.precision.dtype}, grads accumulated in "
+        f"({dist['distributed_type']}{f' x EP {trainer.launch.ep_size}' if trainer.launch.ep_size > 1 else ''}, "
+        f"{dist['device']}, {recipe.precision.dtype}, grads accumulated in "
         f"{config['dtypes']['grad_accum']}, reduced in {config['dtypes']['reduce']}"
         f"{' after every micro-batch' if each else ''}) | "
         f"{trainer.parts.num_params:,} params{active_text(trainer)} | GBS {p.global_batch_size} = MBS {p.micro_batch_size} x GAS "

@@ -67,7 +67,7 @@ class Trainer:
         started = time.time() if started is None else started
         self.recipe, self.output_dir = recipe, Path(recipe.output_dir)
         self.stop = stop
-        self.launch = launch or Launch.from_env()
+        self.launch = (launch or Launch.from_env()).for_recipe(recipe)
         self.is_main = self.launch.is_main
         self.console = Console(recipe.logging.progress, enabled=self.is_main)
         for note in notes:

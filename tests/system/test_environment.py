@@ -303,3 +303,30 @@ def test_the_suite_builds_the_ops_once_in_one_directory_whatever_cache_a_test_gi
     assert env(PRETRAIN_CACHE_DIR=str(tmp_path / "cache"))[OP_BUILDS_ENV] == suite
     if suite.startswith(str(SUITE_CACHE)):  # set by the conftest (not the user's own), as the README and CI run it
         assert suite == str(op_build_dir({"PRETRAIN_CACHE_DIR": str(SUITE_CACHE)}))
+
+
+def test_an_expert_parallel_run_needs_the_transformers_and_accelerate_it_was_verified_with():
+    """model.moe.ep_size calls transformers' expert plan and mesh (transformers.distributed) and accelerate's clipping
+    over two device meshes: on older packages the run is refused before anything starts, naming both versions; the
+    same recipe without EP runs on the floors. With the installed packages the check refuses exactly when older."""
+    from pretrain.system.environment import EP_PACKAGES, installed_version
+    from tests.helpers import make_recipe
+
+    moe = ["model.arch=olmoe", "model.intermediate_size=null",
+           "model.moe={num_experts: 4, experts_per_token: 2, expert_intermediate_size: 64}"]
+    ep, plain = make_recipe(*moe, "model.moe.ep_size=2"), make_recipe(*moe)
+    fsdp = Launch("fsdp", gpus_per_node=4)
+    (_, transformers), (_, accelerate) = EP_PACKAGES
+    [problem] = package_problems(ep, fsdp, version_of=versions(transformers="5.17.0", accelerate=accelerate))
+    assert problem == (f"transformers 5.17.0 is installed; expert parallelism (model.moe.ep_size 2) needs transformers "
+                       f">= {transformers}. Install it: pip install 'transformers>={transformers}'")
+    [problem] = package_problems(ep, fsdp, version_of=versions(transformers=transformers, accelerate="1.14.0"))
+    assert problem.startswith(f"accelerate 1.14.0 is installed; expert parallelism (model.moe.ep_size 2) needs "
+                              f"accelerate >= {accelerate}.")
+    assert package_problems(ep, fsdp, version_of=versions(transformers=transformers, accelerate=accelerate)) == []
+    assert package_problems(plain, fsdp, version_of=versions(transformers="5.17.0", accelerate="1.14.0")) == []
+    if any(not meets(installed_version(name), version) for name, version in EP_PACKAGES):
+        with pytest.raises(ConfigError, match="expert parallelism"):
+            check_environment(ep, fsdp)
+    else:
+        check_environment(ep, fsdp)
