@@ -133,7 +133,10 @@ LAYOUTS = {  # name: (accelerate config, launch options, source arch)
     "ZeRO-2 2": ("zero2.yaml", ["--num_processes", "2"], "qwen3"),
     "ZeRO-3 2": ("zero3.yaml", ["--num_processes", "2"], "llama"),
     "TP 2 x FSDP 2": ("fsdp2_tp2.yaml", ["--num_processes", "4", "--parallelism_config_dp_shard_size", "2"], "llama"),
+    # each rank holds (and reads) 2 of the 4 experts; the EP degree is the recipe's
+    "FSDP2 x EP 2": ("fsdp2_ep.yaml", ["--num_processes", "2"], "qwen3_moe"),
 }
+RECIPE_ARGS = {"FSDP2 x EP 2": ["model.moe.ep_size=2"]}
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +145,8 @@ def layout_runs(sources, tmp_path_factory):
     runs = {}
     for name, (config, options, arch) in LAYOUTS.items():
         out = root / re.sub(r"\W+", "_", name)
-        proc = accelerate_launch(config, [f"model.init_from={sources[arch]}", *ARGS, f"output_dir={out}"],
+        proc = accelerate_launch(config, [f"model.init_from={sources[arch]}", *ARGS, *RECIPE_ARGS.get(name, []),
+                                          f"output_dir={out}"],
                                  recipe=RECIPE, extra=["--main_process_port", str(free_port()), *options],
                                  extra_env={"OMP_NUM_THREADS": "1"})
         check_ok(proc)
@@ -168,7 +172,7 @@ def size_bytes(text: str) -> float:
     return float(value) * UNITS[unit]
 
 
-@pytest.mark.parametrize("name", ["FSDP2 2", "ZeRO-3 2"])
+@pytest.mark.parametrize("name", ["FSDP2 2", "ZeRO-3 2", "FSDP2 x EP 2"])
 def test_sharded_ranks_read_their_share_plus_at_most_one_tensor(name, sources, layout_runs):
     """Each rank copies out of the files its shard of every tensor (an MoE's experts: only those in its rows):
     about half of the checkpoint, never the whole, and at most one tensor at a time."""
