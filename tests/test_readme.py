@@ -44,6 +44,9 @@ SKIPPED = {
     "pretrain-launch --config_file accelerate_configs/fsdp2_cp2.yaml --recipe R":
         "a CP 2 x FSDP 4 launch on 8 GPUs (R: any recipe; CUDA only); tests/distributed/test_context_parallel.py checks it up to "
         "the launch, tests/test_gpu.py runs CP 2 on 2 GPUs",
+    "pretrain-launch --config_file accelerate_configs/fsdp2_ep.yaml --recipe recipes/olmoe-1b-7b.yaml model.moe.ep_size=8":
+        "OLMoE-1B-7B on 8 GPUs as EP 8; tests/multiprocess/test_expert_parallel.py runs EP 2 on 2 and 4 CPU processes, "
+        "and the page's --dry-run of this launch runs here",
     "python -m cProfile pretrain/run.py": "a profiled training run on a GPU (tools/gpu_visit.sh STARTUP_PROFILE=1)",
     "python tools/poison_bench.py --seeds 20": "20 poisoned trainings (a minute); tests/train/test_quarantine.py runs "
                                                "two of its trials",

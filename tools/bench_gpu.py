@@ -57,6 +57,12 @@ with a 32k BPE (nothing downloaded: GPU machines often have no network; throughp
 text, and the model keeps the recipe's 128,256-row vocabulary); ``--data recipe`` keeps FineWeb-Edu and the
 Llama tokenizer (prepared beforehand, ``pretrain-prepare-data``).
 
+Expert parallelism (8 GPUs, transformers >= 5.24 in the wheelhouse): the whole OLMoE-1B-7B on FSDP2 against EP 8 and
+EP 4, the same launch otherwise::
+
+    python tools/bench_gpu.py --accelerate-config accelerate_configs/fsdp2_ep.yaml --budget 600 \
+        --rows olmoe-1b-7b/default,olmoe-1b-7b/ep-8,olmoe-1b-7b/ep-4
+
 Not here (this benchmark is one GPU by design): tensor- and context-parallel rows, which split a model or a sequence
 over 2+ GPUs. Owed to a 2+ GPU machine (docs/performance.md#gpu-acceptance-benchmark): llama-1b at seq 8192 and 32768
 as CP 2 (accelerate_configs/fsdp2_cp2.yaml --num_processes 2 --parallelism_config_dp_shard_size 1) against FSDP on
@@ -139,6 +145,11 @@ MODELS = {
         "model.hidden_size=4096", "model.num_layers=16", "model.num_heads=32", "model.num_kv_heads=8",
         "model.intermediate_size=14336", "model.tie_embeddings=false", "model.activation_checkpointing=full",
     )),
+    # OLMoE-1B-7B (64 experts, top-8) at half its depth (8 layers, 3.5B parameters of which 0.7B active): the MoE
+    # row of one GPU, where every expert is local (no EP, no all-to-all); its MFU counts active parameters only.
+    "olmoe-1b-7b-8l": Model("recipes/olmoe-1b-7b.yaml", ("model.num_layers=8",)),
+    # The whole OLMoE-1B-7B: the multi-GPU rows (8 GPUs, accelerate_configs/fsdp2_ep.yaml), plain FSDP against EP 8.
+    "olmoe-1b-7b": Model("recipes/olmoe-1b-7b.yaml"),
 }
 # --reduced: recipes/tiny.yaml at pretrain-sweep's test shape (2 layers, 64 wide, 64-token sequences), fp32 on CPU.
 REDUCED_MODELS = {
@@ -180,6 +191,9 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     # (and no rollback, which acts on the updates they skip: the recipe check refuses one without the other)
     "no-step-checks": ("stability.skip_nonfinite=false", "stability.spike_sigma=null",
                        "stability.rollback.enabled=false"),
+    # expert parallelism (MoE recipes on 2+ GPUs of an FSDP2 config): whole experts per GPU, tokens by all-to-all
+    "ep-8": ("model.moe.ep_size=8",),
+    "ep-4": ("model.moe.ep_size=4",),
 }
 PRIORITY_SETTINGS = ("default", "float8-tensorwise", "float8-lm-head", "float8-rowwise", "compile-none", "compile-regional", "ac-full", "ac-selective", "ac-selective-eager",
                      "ac-full-eager", "ac-every_2", "ac-none",
@@ -270,23 +284,24 @@ def plan_row(model_name: str, model: Model, setting: str, args: argparse.Namespa
     run_dir = args.out / model_name / setting
     try:
         first = load_recipe(ROOT / model.recipe, overrides)
+        launch = args.launch.for_recipe(first)  # model.moe.ep_size (the ep-N settings), checked against the launch
         # micro_batch_size auto (the shipped GPU recipes): the size the run chooses on this GPU (a CPU process's
         # share of the host with --reduced), made explicit so the row says what it measured
-        first, auto_note = auto_batch.resolve(first, args.launch, args.gpu if args.device_type == "cuda" else None,
+        first, auto_note = auto_batch.resolve(first, launch, args.gpu if args.device_type == "cuda" else None,
                                               args.device_type)
         mbs = plan_batches(first.batch, 1, 1).micro_batch_size
         # The setting's and the user's overrides last: they win over the measurement's (MBS agrees by construction).
         run_overrides = [*sweep_overrides(mbs, 1, args.steps, args.warmup_steps, run_dir), *overrides]
         recipe = load_recipe(ROOT / model.recipe, run_overrides)
-        plan = check_run(recipe, args.launch).batch  # the run's own checks, before any process starts
-        mode = compile_mode(recipe.model.compile, args.device_type, args.launch)
-        loss = resolve_loss(recipe, args.launch, cuda=args.device_type == "cuda")
+        plan = check_run(recipe, launch).batch  # the run's own checks, before any process starts
+        mode = compile_mode(recipe.model.compile, args.device_type, launch)
+        loss = resolve_loss(recipe, launch, cuda=args.device_type == "cuda")
     except ConfigError as exc:  # a setting this checkout cannot run (liger missing, say): a row, the others run
         return {**row, "status": "refused", "detail": str(exc)}
     row.update(micro_batch_size=mbs, seq_len=recipe.data.seq_len, dtype=recipe.precision.dtype, loss=loss,
                compile=mode, **({"auto_micro_batch": auto_note} if auto_note else {}))
     try:
-        est = memory.estimate(recipe, plan, args.launch, gpu=args.gpu, device=args.device_type, loss=loss)
+        est = memory.estimate(recipe, plan, launch, gpu=args.gpu, device=args.device_type, loss=loss)
         row.update(estimated_total_gib=est.total_gib, estimated_gib=est.tensor_peak_gib)
     except ConfigError as exc:
         est = None

@@ -71,9 +71,9 @@ tests_s="${GPU_TESTS_S:-120}"
 # The owed rows, most important first (docs/performance.md, "Still owed"): llama-1b as shipped (MBS auto: 8 on an
 # H100, 16 on an H200) against OLMo-core's 55k tokens/s; float8 at that larger micro-batch; selective recompute
 # since its placement fix (MBS auto 16 on an H100); Llama-3.1-8B's matmuls at half depth (MBS 16 on an H200, 1 on
-# an H100) in bf16 and float8; float8 with the LM head; the earlier MBS 4; the eager selective/full pair.
+# an H100) in bf16 and float8; the MoE row (OLMoE-1B-7B at half depth, every expert local); float8 with the LM head; the earlier MBS 4; the eager selective/full pair.
 # VISIT_ROWS replaces the list; BENCH_ARGS (e.g. --reduced) replaces it too.
-rows="${VISIT_ROWS:-llama-1b/default,llama-1b/float8-tensorwise,llama-1b/ac-selective,llama-8b-16l/default,llama-8b-16l/float8-tensorwise,llama-1b/float8-lm-head,llama-1b/mbs-4,llama-1b/ac-selective-eager,llama-1b/ac-full-eager,llama-1b/compile-none}"
+rows="${VISIT_ROWS:-llama-1b/default,llama-1b/float8-tensorwise,llama-1b/ac-selective,llama-8b-16l/default,llama-8b-16l/float8-tensorwise,olmoe-1b-7b-8l/default,llama-1b/float8-lm-head,llama-1b/mbs-4,llama-1b/ac-selective-eager,llama-1b/ac-full-eager,llama-1b/compile-none}"
 # shellcheck disable=SC2086  # BENCH_ARGS holds several options
 "$py" tools/bench_gpu.py --budget $(( $(left) - tests_s - 10 )) --out "$work/bench" ${BENCH_ARGS:---rows $rows} 2>&1 | tee "$out/bench.log"
 cp "$work/bench/bench_gpu.md" "$work/bench/bench_gpu.json" "$work/bench/bench_gpu.jsonl" "$work/bench/calibration.json" "$out/" 2>/dev/null
