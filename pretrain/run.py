@@ -82,6 +82,7 @@ def _run(args: argparse.Namespace, stop) -> int:
             from pretrain.cli.dry_run import dry_run
 
             return dry_run(recipe, args, launch) if is_main else 0
+        launch = launch.for_recipe(recipe)  # model.moe.ep_size: expert parallelism is the recipe's (Launch.ep_size)
         # The recipe's packages, and GPUs that torch cannot see (unless accelerate launch --cpu / use_cpu).
         check_environment(recipe, launch, gpu_launch=os.environ.get("ACCELERATE_USE_CPU", "").lower() != "true")
         from pretrain.data.prepare import prepare_commands

@@ -191,7 +191,7 @@ def dry_run(recipe, args: argparse.Namespace, started_by: Launch) -> int:
     from pretrain.plan import auto_batch
     from pretrain.system.environment import INSTALL_HINT, package_problems
 
-    launch = planned_launch(args, started_by)
+    launch = planned_launch(args, started_by).for_recipe(recipe)  # model.moe.ep_size: the recipe's part of the layout
     # The packages the run would need (an hf: source's datasets, wandb, Liger, torchao, the planned launch's
     # DeepSpeed): a plan made on a laptop for a cluster is not refused for them; the report names each to install
     # where the run starts (which refuses without them). The core packages were checked before the recipe was read.
