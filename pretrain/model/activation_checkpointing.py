@@ -12,12 +12,18 @@ from pretrain.recipe.recompute import every_n
 
 @cache
 def _saved_ops() -> frozenset:
-    """The ops whose outputs selective checkpointing keeps: matmuls and every attention kernel this torch
-    build (and flash-attn, when installed) registers."""
+    """The ops whose outputs selective checkpointing keeps: matmuls (a mixture of experts' grouped GEMM too, which
+    transformers' experts run on CPU and GPU alike), every attention kernel this torch build (and flash-attn, when
+    installed) registers, and expert parallelism's token all-to-all (as torchtitan keeps it: a recompute would send
+    every routed token across the GPUs again)."""
     import torch
 
     aten = torch.ops.aten
     ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+    for packet in (getattr(aten, "_grouped_mm", None),
+                   getattr(getattr(torch.ops, "_c10d_functional", None), "all_to_all_single", None)):
+        if packet is not None:
+            ops.update(getattr(packet, overload) for overload in packet.overloads())
     for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
                  "_flash_attention_forward", "_efficient_attention_forward"):

@@ -152,6 +152,38 @@ def test_selective_checkpointing_keeps_the_sdpa_kernel_output():
         assert len(kernels) == runs, (policy, kernels)
 
 
+def test_selective_checkpointing_keeps_an_moe_s_grouped_gemm_output():
+    """transformers' experts run one grouped GEMM per projection (on CPU too): selective keeps its output as it keeps
+    every other matmul's, so its backward recomputes none of the experts' matmuls (before: as many as full's), and
+    the FLOPs model's "selective recomputes no matmul" holds for a mixture of experts."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pretrain.recipe.config import MoEConfig
+
+    grouped = []
+
+    class CountGroupedGemm(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.startswith("_grouped_mm"):
+                grouped.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for policy in ("none", "full", "selective"):
+        model = build_model(ModelConfig(arch="olmoe", hidden_size=64, num_layers=2, num_heads=4, intermediate_size=None,
+                                        activation_checkpointing=policy,
+                                        moe=MoEConfig(num_experts=4, experts_per_token=2, expert_intermediate_size=32)),
+                            256, 64, seed=0)
+        grouped.clear()
+        ids = torch.randint(0, 256, (2, 64))
+        with CountGroupedGemm():
+            model(input_ids=ids, labels=ids).loss.backward()
+        counts[policy] = len(grouped)
+    # forward: 2 per block (gate_up, down); backward: 2 per weight gradient and input gradient each
+    assert counts["none"] > 0 and counts["full"] == counts["none"] + 4
+    assert counts["selective"] == counts["none"], counts
+
+
 def test_convention_and_unknown_arch():
     flops = flops_per_token(AutoConfig.for_model("llama", **LLAMA), 64)
     assert flops.convention == CONVENTION and "6 x N" in CONVENTION
