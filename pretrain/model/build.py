@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import difflib
+import functools
 import hashlib
 import itertools
 import os
@@ -168,6 +169,20 @@ def dropout_attributes(config: PreTrainedConfig) -> list[str]:
                   if is_dropout_attribute(key) and isinstance(value, int | float) and not isinstance(value, bool))
 
 
+@functools.cache
+def reads_head_dim(arch: str) -> bool:
+    """Whether ``arch``'s attention takes its head size from ``config.head_dim`` although its config class has no such
+    field (transformers' qwen3_moe and olmoe read ``getattr(config, "head_dim", hidden_size // heads)``: Qwen3-30B-A3B's
+    config.json sets 128 on a 2048-wide model of 32 heads). Asked of a one-block model on the meta device."""
+    config = AutoConfig.for_model(arch, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                  num_key_value_heads=4, vocab_size=128, head_dim=32,
+                                  **_foreign_token_ids(AutoConfig.for_model(arch), 128))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    projection = next((m for n, m in model.named_modules() if n.endswith("self_attn.q_proj")), None)
+    return projection is not None and projection.weight.shape[0] == 4 * 32
+
+
 def _mapped_fields(
     model_cfg: ModelConfig, default: PreTrainedConfig, vocab_size: int, seq_len: int
 ) -> tuple[dict, list[str]]:
@@ -207,6 +222,8 @@ def _mapped_fields(
             continue  # multi-head attention is what an arch without GQA does anyway
         elif field == "head_dim" and value == model_cfg.hidden_size // model_cfg.num_heads:
             continue  # the head size such an arch has anyway
+        elif field == "head_dim" and reads_head_dim(arch):
+            kwargs["head_dim"] = value  # an attribute its attention reads though the config class has no field
         elif field in _NULLABLE:
             what = _MEANING.get(field, f"`{names[0]}`")
             problems.append(f"model.{field} = {value}, but the {arch} config has no {what}; set model.{field} to null")

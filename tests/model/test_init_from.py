@@ -48,8 +48,10 @@ ARCHS = {
               "rope_parameters": ROPE_SCALING},
     "qwen3": {"intermediate_size": 96, "num_key_value_heads": 2, "head_dim": 32},
     "mistral": {"intermediate_size": 96, "num_key_value_heads": 2, "sliding_window": 16},  # < seq_len: a real window
+    # heads wider than hidden / heads, as Qwen3-30B-A3B's (128 on 2048 / 32): its config class has no head_dim field,
+    # the attention reads the config.json's
     "qwen3_moe": {"num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                  "decoder_sparse_step": 1, "mlp_only_layers": []},
+                  "decoder_sparse_step": 1, "mlp_only_layers": [], "head_dim": 32},
 }
 
 

@@ -195,3 +195,22 @@ def test_an_moe_architecture_pretrain_does_not_build_is_refused_not_built_dense(
     with pytest.raises(ConfigError, match="qwen2_moe is not one of the mixture-of-experts architectures"):
         make_recipe("model.arch=qwen2_moe", "model.intermediate_size=null",
                     "model.moe={num_experts: 4, experts_per_token: 2, expert_intermediate_size: 64}")
+
+
+def test_a_head_dim_of_its_own_builds_where_the_attention_reads_it_and_is_refused_where_not():
+    """Qwen3-30B-A3B's heads are 128 wide on a 2048-wide model of 32 heads; transformers' qwen3_moe config class has no
+    head_dim field, but its attention reads config.head_dim: model.head_dim reaches it (recipes/qwen3-30b-a3b.yaml is
+    the hub model's 30.5B). An architecture whose attention ignores it (gpt2) is still refused, naming the field."""
+    from pretrain.errors import ConfigError
+    from pretrain.model.build import build_model, count_parameters
+    from pretrain.recipe.shape import ModelShape
+    from tests.helpers import make_recipe
+
+    recipe = make_recipe("model.arch=qwen3_moe", "model.intermediate_size=null", "model.head_dim=32",
+                         "model.moe={num_experts: 4, experts_per_token: 2, expert_intermediate_size: 32}")
+    model = build_model(recipe.model, 256, 64, seed=0, meta=True)
+    assert model.model.layers[0].self_attn.q_proj.weight.shape == (recipe.model.num_heads * 32, recipe.model.hidden_size)
+    assert count_parameters(model) == ModelShape.from_recipe(recipe.model_copy(update={
+        "model": recipe.model.model_copy(update={"vocab_size": 256})})).num_params
+    with pytest.raises(ConfigError, match="model.head_dim = 32, but the gpt2 config has no head size of its own"):
+        hf_config(make_recipe("model.arch=gpt2", "model.head_dim=32").model, 256, 64)
