@@ -8,6 +8,7 @@
     pretrain-estimate --recipe recipes/7b.yaml --accelerate-config accelerate_configs/fsdp.yaml --explain
     pretrain-estimate --recipe recipes/7b.yaml --nodes 8 --gpus-per-node 8 --zero 3 --hybrid   # ZeRO++ hpZ
     pretrain-estimate --recipe recipes/70b.yaml --nodes 4 --gpus-per-node 8 --fsdp --tp 8 --explain   # FSDP2 x TP
+    pretrain-estimate --recipe recipes/olmoe-1b-7b.yaml --num-gpus 8 --fsdp --ep 8 --explain       # FSDP2 x EP
 
 Without --zero, --fsdp or --accelerate-config the layout is PyTorch DDP (accelerate's MULTI_GPU). Arithmetic
 only: no weights are allocated and transformers is not imported (pretrain/memory has the formulas,
@@ -65,6 +66,9 @@ def build_parser(prog: str = "pretrain-estimate") -> argparse.ArgumentParser:
     lay.add_argument("--cp", type=count(), metavar="N",
                      help="context parallel size (FSDP2; accelerate's parallelism_config_cp_size): every sequence "
                      "split N ways (sdpa, no document masking)")
+    lay.add_argument("--ep", type=count(), metavar="N",
+                     help="expert parallel size (FSDP2, a mixture of experts; with a recipe the same as the override "
+                     "model.moe.ep_size=N): each rank holds num_experts / N whole experts")
     lay.add_argument("--offload-optimizer", nargs="?", const="cpu", choices=("cpu", "nvme"),
                      help="offload the optimizer partition (cpu unless nvme is given; ZeRO >= 1)")
     lay.add_argument("--offload-params", nargs="?", const="cpu", choices=("cpu", "nvme"),
@@ -170,6 +174,8 @@ def recipe_overrides(args) -> list[str]:
         extra.append(f"model.activation_checkpointing={args.activation_checkpointing}")
     if args.attention:
         extra.append(f"model.attention={args.attention}")
+    if args.ep is not None:
+        extra.append(f"model.moe.ep_size={args.ep}")
     return extra
 
 
@@ -200,6 +206,7 @@ class Problem:
             self.recipe = load_recipe(args.recipe, recipe_overrides(args))
             self.buffers = memory.DeepSpeedBuffers.from_recipe(self.recipe).overrides(args.ds)
             self.shape = ModelShape.from_recipe(self.recipe)
+            self.layout = self.layout.for_recipe(self.recipe)  # model.moe.ep_size (or --ep): the launch's EP
         else:
             if args.overrides:
                 raise ConfigError(f"key.path=value overrides ({args.overrides[0]}) need --recipe")
@@ -208,6 +215,8 @@ class Problem:
             self.recipe = None
             self.buffers = memory.DeepSpeedBuffers().overrides(args.ds)
             self.shape = ModelShape.from_hf_config(*_read_hf_config(args.model_config))
+            if args.ep is not None:
+                self.layout = replace(self.layout, ep_size=args.ep)
 
     def workload(self, micro_batch_size: int | None, world_size: int) -> memory.Workload:
         args = self.args
@@ -259,9 +268,10 @@ def sweep_mbs_values(problem: Problem) -> list[int]:
 
 def sweep(problem: Problem) -> tuple[list[dict], str]:
     base = problem.layout
-    if base.tp_size > 1 or base.cp_size > 1:
-        raise ConfigError("--sweep compares DDP, ZeRO and FSDP without tensor or context parallelism; drop --tp / --cp "
-                          "(or the accelerate config's parallelism_config), or rank TP / CP layouts with pretrain-plan")
+    if base.tp_size > 1 or base.cp_size > 1 or base.ep_size > 1:
+        raise ConfigError("--sweep compares DDP, ZeRO and FSDP without tensor, context or expert parallelism; drop --tp "
+                          "/ --cp / --ep (or the accelerate config's parallelism_config, or model.moe.ep_size), or rank "
+                          "TP / CP / EP layouts with pretrain-plan")
     world = dict(num_nodes=base.num_nodes, gpus_per_node=base.gpus_per_node)
     offload = dict(offload_optimizer=base.offload_optimizer, offload_params=base.offload_params)
     candidates = [("DDP", Launch("ddp", **world))]

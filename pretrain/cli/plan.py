@@ -20,6 +20,7 @@ from pretrain.plan import memory
 from pretrain.plan.planner import (
     CALIBRATION_FILE,
     DEFAULT_BASE_MFU,
+    EP_CONFIG,
     HYBRID_CONFIGS,
     accelerate_config,
     calibration,
@@ -36,7 +37,7 @@ from pretrain.system import hardware
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="pretrain-plan",
-        description="Feasible layouts (DDP, ZeRO stage, FSDP, HSDP, FSDP x TP, HSDP x TP, CP, offload, activation checkpointing, MBS, GAS) for a recipe on a "
+        description="Feasible layouts (DDP, ZeRO stage, FSDP, HSDP, FSDP x TP, HSDP x TP, CP, EP for a mixture of experts, offload, activation checkpointing, MBS, GAS) for a recipe on a "
         "cluster, ranked by expected throughput; writes the best as an accelerate config.",
     )
     add_recipe_arguments(parser, "recipes/7b.yaml")
@@ -98,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                          "activation_checkpointing": c.checkpointing, "micro_batch_size": c.micro_batch_size,
                          "grad_accum_steps": c.grad_accum_steps, "total_gib": round(c.estimate.total_gib, 3),
                          "tight": c.tight, "host_gib_per_node": round(c.estimate.host_bytes_per_node / memory.GIB, 1),
-                         "tp_size": c.layout.tp_size, "cp_size": c.layout.cp_size, "runs": c.runs,
+                         "tp_size": c.layout.tp_size, "cp_size": c.layout.cp_size, "ep_size": c.layout.ep_size,
+                         "runs": c.runs,
                          "tokens_per_s_per_gpu": round(c.tokens_per_s, 1), "why": c.describe()}
                         for i, c in enumerate(ranked[: args.top])],
             "explanation": explain_choice(ranked, skipped),
@@ -116,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     if best.layout.hybrid_shard_size:
         print(f"hybrid sharding ({best.layout.hybrid_text()}), written above; the shipped "
               f"{HYBRID_CONFIGS[best.layout.engine]} is its 2 x 8 GPU template")
+    if best.layout.ep_size > 1:
+        print(f"expert parallelism: the shipped {EP_CONFIG} (FSDP2 full shard, as written above) with "
+              f"model.moe.ep_size={best.layout.ep_size}, the recipe's (accelerate's parallelism_config has no expert "
+              "dimension)")
     print(f"launch{' (on every node)' if args.nodes > 1 else ''}:\n  {command}")
     return 0
 

@@ -2,7 +2,8 @@
 --dry-run and pretrain-launch ask it; pretrain/cli/plan.py is the command).
 
 Every combination of DDP / ZeRO stage / FSDP (FULL_SHARD, SHARD_GRAD_OP), on more than one node also hybrid
-sharding (ZeRO-3 with ZeRO++ hpZ, FSDP2 HSDP: sharded within a node, replicated across nodes), offload,
+sharding (ZeRO-3 with ZeRO++ hpZ, FSDP2 HSDP: sharded within a node, replicated across nodes), for a mixture of
+experts also FSDP2 x EP (FULL_SHARD, every EP size that divides both the experts and the world), offload,
 activation checkpointing policy (none, selective, every_2, full: pretrain/recipe/recompute.py) and micro batch
 size that divides the recipe's global batch is estimated with
 pretrain/memory; those that fit the GPU are
@@ -33,8 +34,20 @@ Step time = compute + exposed communication + offload traffic, per optimizer ste
   sharding keeps gathers inside a node: ZeRO-3 hpZ gathers for backward from its node-local secondary partition (the forward gather and the
   reduce-scatter still span every GPU); HSDP gathers and reduce-scatters within the node, and only
   all-reduces each gradient shard across the nodes' replicas once per reduce-scatter (2 x Ψ / GPUs per
-  node). Bandwidth: NVLink for a collective inside a node, the network per GPU for one across nodes. DDP overlaps half of it with backward, ZeRO-3 and FSDP half (prefetch),
-  ZeRO-0/1/2 none (DeepSpeed's defaults).
+  node). Expert parallelism (FSDP2 x EP: pretrain/distributed/expert_parallel.py) splits FSDP's traffic in two: the
+  dense part Ψ_dense = Ψ - X (X: every block's experts, E x 3 d f each) is gathered and reduce-scattered over the
+  world as above, each rank's experts X / EP over their world / EP copies only (none when EP is the world; across
+  nodes unless one node holds the world, the copies being EP ranks apart). Bandwidth: NVLink for a collective
+  inside a node, the network per GPU for one across nodes. DDP overlaps half of it with backward, ZeRO-3 and FSDP
+  half (prefetch), ZeRO-0/1/2 none (DeepSpeed's defaults).
+- EP's token all-to-alls (``expert_parallel_comm``): 4 per MoE layer and micro-batch (dispatch and combine in
+  forward, both again in backward), 2 more per block whose forward full or every_N recomputes (selective keeps the
+  all-to-alls' outputs, as torchtitan does: pretrain/model/activation_checkpointing.py), each
+  T x top-k x d x b bytes of which (EP - 1) / EP leave the rank (T = MBS x seq): GAS x (4 L + 2 x recomputed) x
+  (EP - 1)/EP x T k d b per step, on NVLink when an EP group fits a node (EP divides the GPUs per node), else all
+  of it at the network's bandwidth (conservative: part of it stays inside a node), exposed in full (the experts
+  wait for their tokens). Compute is unchanged: the model does not credit EP's larger per-expert matmuls (every
+  expert's tokens from EP ranks at once), nor charge the imbalance of tokens between experts.
 - offload: the optimizer step on the CPU, 1e9 parameters/s per node shared by its GPUs' partitions
   (the recipe's torch optimizer runs there; DeepSpeed's CPU Adam is faster), plus PCIe copies
   (gradients down every micro-step, parameters up, 25 GB/s); parameter offload re-reads the partition
@@ -46,7 +59,7 @@ estimate's error bars are a few GiB. Offload comes after every layout without it
 the host (cores, memory bandwidth, NUMA) far more than this model knows, and it needs host memory.
 Within those groups layouts are ranked by the model's tokens/s; ties go to less recompute (none before
 selective: selective's recomputed norms and elementwise ops are not in the FLOPs count), then to less
-communication, then to the larger micro-batch. The model ranks layouts; it does not predict absolute throughput.
+communication, then to EP groups inside a node, then to the larger micro-batch. The model ranks layouts; it does not predict absolute throughput.
 """
 
 from __future__ import annotations
@@ -78,6 +91,9 @@ HPZ_JSON = "accelerate_configs/zero3_hpz.json"
 """The shipped DeepSpeed JSON of ZeRO-3 + hpZ (partition size "auto": the GPUs per node)."""
 HYBRID_CONFIGS = {"deepspeed": "accelerate_configs/multinode_zero3_hpz.yaml", "fsdp": "accelerate_configs/multinode_hsdp.yaml"}
 """The shipped accelerate configs of the hybrid layouts."""
+EP_CONFIG = "accelerate_configs/fsdp2_ep.yaml"
+"""The shipped accelerate config of FSDP2 x EP (FSDP2 full shard; the EP size is the recipe's model.moe.ep_size:
+accelerate's parallelism_config has no expert dimension)."""
 CALIBRATION_FILE = "calibration.json"
 """The calibration file pretrain-plan reads from the cache root (``$PRETRAIN_CACHE_DIR``, data.cache_dir or
 ~/.cache/pretrain) when --calibration is not given."""
@@ -103,6 +119,7 @@ def layout_name(lay: Launch) -> str:
     if lay.engine == "fsdp":
         return (f"FSDP {lay.fsdp_sharding}" + (" (HSDP)" if lay.hybrid_shard_size else "")
                 + (f" x TP {lay.tp_size}" if lay.tp_size > 1 else "") + (f" x CP {lay.cp_size}" if lay.cp_size > 1 else "")
+                + (f" x EP {lay.ep_size}" if lay.ep_size > 1 else "")
                 + (" +offload params" if lay.offload_params != "none" else ""))
     hpz = " (hpZ)" if lay.hybrid_shard_size else ""
     if lay.offload_params != "none":
@@ -128,6 +145,8 @@ class Candidate:
     """Of comm_s: TP's activation all-reduces (and the LM head's gather), exposed."""
     cp_comm_s: float = 0.0
     """Of comm_s: CP's K/V exchange, exposed."""
+    ep_comm_s: float = 0.0
+    """Of comm_s: EP's token all-to-alls, exposed."""
     runs: bool = True
     """False for a layout pretrain's launch refuses (``cp_runs``: context parallelism, were the layout parser to
     refuse it again): ranked, never chosen."""
@@ -156,14 +175,17 @@ class Candidate:
             f"~{self.tokens_per_s:,.0f} tok/s/GPU: "
             f"compute {self.compute_s:.2f} s ({tokens:,} tokens/micro-batch -> {eff:.0%} of the efficient rate"
             f"{'' if self.checkpointing == 'none' else ', + ' + recompute}) + comm {self.comm_s:.2f} s exposed "
-            f"({self.comm_volume:g} B x {'Ψ_TP' if self.layout.tp_size > 1 else 'Ψ'} per step"
+            f"({round(self.comm_volume, 2):g} B x {'Ψ_TP' if self.layout.tp_size > 1 else 'Ψ'} per step"
             + (f"; of it TP {self.tp_comm_s:.2f} s" if self.tp_comm_s else "")
-            + (f"; CP {self.cp_comm_s:.2f} s" if self.cp_comm_s else "") + f"){offload}"
+            + (f"; CP {self.cp_comm_s:.2f} s" if self.cp_comm_s else "")
+            + (f"; EP all-to-all {self.ep_comm_s:.2f} s" if self.ep_comm_s else "") + f"){offload}"
             + ("" if self.runs else " [not chosen: pretrain's launch refuses parallelism_config_cp_size today]")
         )
 
 
-def layouts(nodes: int, gpus: int) -> list[Launch]:
+def layouts(nodes: int, gpus: int, num_experts: int = 0) -> list[Launch]:
+    """Every layout the planner weighs on ``nodes`` x ``gpus`` (``num_experts``: a mixture of experts' experts per
+    block, which EP layouts split; 0 for a dense model: none)."""
     out = [Launch("ddp", 0, num_nodes=nodes, gpus_per_node=gpus)]
     for stage in range(4):
         out.append(Launch("deepspeed", stage, num_nodes=nodes, gpus_per_node=gpus))
@@ -178,7 +200,16 @@ def layouts(nodes: int, gpus: int) -> list[Launch]:
         for sharding in ("FULL_SHARD", "SHARD_GRAD_OP"):
             out.append(Launch("fsdp", num_nodes=nodes, gpus_per_node=gpus, fsdp_sharding=sharding,
                               hybrid_shard_size=gpus))
-    return out + parallel_layouts(nodes, gpus)
+    return out + parallel_layouts(nodes, gpus) + expert_layouts(nodes, gpus, num_experts)
+
+
+def expert_layouts(nodes: int, gpus: int, num_experts: int) -> list[Launch]:
+    """FSDP2 (FULL_SHARD) x EP for every EP size > 1 that divides both the experts and the world (what the recipe's
+    schema and check_launch accept); none for a dense model (``num_experts`` 0). EP groups larger than a node are
+    weighed too: their all-to-alls cross the network, which the step-time model charges."""
+    world = nodes * gpus
+    return [Launch("fsdp", num_nodes=nodes, gpus_per_node=gpus, fsdp_sharding="FULL_SHARD", ep_size=ep)
+            for ep in range(2, world + 1) if num_experts and not num_experts % ep and not world % ep]
 
 
 MODEL_PARALLEL_SIZES = (2, 4, 8)
@@ -253,6 +284,32 @@ def model_parallel_comm(est: memory.MemoryEstimate, gpu: hardware.GpuSpec) -> tu
     return tp_s, cp_s
 
 
+def all_to_alls_per_micro_batch(shape: ModelShape, policy: str) -> int:
+    """EP's all-to-alls of one micro-batch: dispatch and combine of every MoE layer in forward and in backward, and
+    again in every forward full or every_N recomputes (selective keeps their outputs, with those of the matmuls and
+    attention: pretrain/model/activation_checkpointing.py)."""
+    from pretrain.recipe.recompute import checkpointed_blocks
+
+    L = shape.num_layers
+    recomputed = 0 if policy == "selective" else checkpointed_blocks(policy, L)
+    return 4 * L + 2 * recomputed
+
+
+def expert_parallel_comm(est: memory.MemoryEstimate, gpu: hardware.GpuSpec) -> float:
+    """EP's exposed token all-to-alls per optimizer step, per GPU, in seconds (the module docstring): GAS x
+    ``all_to_alls_per_micro_batch`` x (EP - 1)/EP x T k d b, on NVLink when an EP group fits a node, else the
+    network; exposed in full."""
+    w, lay, shape = est.workload, est.layout, est.shape
+    ep = lay.ep_size
+    if ep == 1:
+        return 0.0
+    b = memory.workload.PRECISION_BYTES[w.precision]
+    one = memory.parallel.all_to_all_bytes(shape, w.micro_batch_size * w.seq_len, b)
+    volume = all_to_alls_per_micro_batch(shape, w.activation_checkpointing) * (ep - 1) / ep * one
+    bandwidth = gpu.intra_node_gb_s if lay.gpus_per_node % ep == 0 else gpu.inter_node_gb_s
+    return (w.grad_accum_steps or 1) * volume / (bandwidth * 1e9)
+
+
 def throughput(est: memory.MemoryEstimate, gpu: hardware.GpuSpec, base_mfu: float = DEFAULT_BASE_MFU
                ) -> tuple[float, float, float, float, float]:
     """(compute s, exposed comm s, comm volume in Ψ units, offload s, tokens/s per GPU) per optimizer step."""
@@ -273,7 +330,8 @@ def throughput(est: memory.MemoryEstimate, gpu: hardware.GpuSpec, base_mfu: floa
     # gradients travel in the dtype they are reduced in: fp32 for bf16 recipes unless precision.reduce_dtype=bf16
     r = 4 if w.precision == "fp32" or w.fp32_grads else b
     G = lay.hybrid_shard_size * lay.cp_size if lay.hybrid_shard_size else None
-    # (bytes per parameter per step, ranks in the collective, whether they share a node: NVLink, else the network)
+    # (bytes per parameter per step, ranks in the collective, whether they share a node: NVLink, else the network[,
+    # the parameters it moves: P unless given])
     single, in_node = lay.num_nodes == 1, bool(G) and G * lay.tp_size <= lay.gpus_per_node
     if lay.engine == "ddp":
         # DDP's gradients are fp32 under autocast; precision.reduce_dtype=bf16 compresses the all-reduce
@@ -283,9 +341,14 @@ def throughput(est: memory.MemoryEstimate, gpu: hardware.GpuSpec, base_mfu: floa
         key = "fsdp"
         gathers = 2.0 * gas if lay.fsdp_sharding == "FULL_SHARD" else float(gas)
         reduces = float(gas) if w.sync_each_micro_batch else 1.0  # no_sync: once per optimizer step
+        ep = memory.parallel.expert_parallel(shape, lay.ep_size)
         if G:  # HSDP: gathers and the reduce-scatter inside the group, then the shard all-reduced across replicas
             collectives = [(gathers * b, G, in_node), (reduces * r, G, in_node),
                            (reduces * 2.0 * r / G, lay.num_replicas, False)]
+        elif ep is not None:  # EP: the dense part over the world, each rank's experts over their copies only
+            experts = ep.num_layers * ep.expert_block
+            collectives = [(gathers * b + reduces * r, N, single, P - experts),
+                           (gathers * b + reduces * r, lay.efsdp_size, single, experts // ep.size)]
         else:
             collectives = [(gathers * b + reduces * r, N, single)]
     else:
@@ -297,14 +360,15 @@ def throughput(est: memory.MemoryEstimate, gpu: hardware.GpuSpec, base_mfu: floa
             collectives = [(reduces * r + gathers / 2 * b, N, single), (gathers / 2 * b, G, in_node)]
         else:
             collectives = [(reduces * r + gathers * b, N, single)]
-    volume = sum(v for v, _, _ in collectives)  # bytes per parameter per step
+    collectives = [(v, ranks, inside, *(moved or (P,))) for v, ranks, inside, *moved in collectives]
+    volume = sum(v * params for v, _, _, params in collectives) / P  # bytes per parameter per step
     comm = 0.0
-    for v, ranks, inside in collectives:
+    for v, ranks, inside, params in collectives:
         if ranks > 1:
             bandwidth = (gpu.intra_node_gb_s if inside else gpu.inter_node_gb_s) * 1e9
-            comm += v * P * (ranks - 1) / ranks / bandwidth * _EXPOSED[key]
+            comm += v * params * (ranks - 1) / ranks / bandwidth * _EXPOSED[key]
     tp_s, cp_s = model_parallel_comm(est, gpu)
-    comm += tp_s + cp_s
+    comm += tp_s + cp_s + expert_parallel_comm(est, gpu)
     offload = 0.0
     part = P / N
     params_on_host = lay.offload_params != "none"
@@ -414,9 +478,10 @@ def calibration(recipe, gpu: hardware.GpuSpec, path: str | Path | None = None) -
 
 
 def _model_parallel_problem(shape: ModelShape, workload: memory.Workload, layout: Launch) -> str | None:
-    """Why the recipe cannot run this TP / CP layout (the estimator's refusal, which is the launch's), or None."""
+    """Why the recipe cannot run this TP / CP / EP layout (the estimator's refusal, which is the launch's), or None."""
     try:
         memory.parallel.tensor_parallel(shape, layout.tp_size)
+        memory.parallel.expert_parallel(shape, layout.ep_size)
         memory.parallel.check_context_parallel(workload.seq_len, layout.cp_size, workload.attention,
                                                workload.document_masking)
     except ConfigError as exc:
@@ -427,17 +492,18 @@ def _model_parallel_problem(shape: ModelShape, workload: memory.Workload, layout
 def _estimates(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: memory.DeepSpeedBuffers | None = None,
                skipped: dict[str, list[str]] | None = None):
     """(layout, recompute, MBS, GAS, estimate) for every combination the planner considers, fitting or not.
-    ``skipped`` collects the TP / CP layouts the recipe cannot run, by reason."""
+    ``skipped`` collects the TP / CP / EP layouts the recipe cannot run, by reason. The layouts are the planner's
+    (``layouts``), whatever model.moe.ep_size the recipe sets: a pick whose EP differs says so in its overrides."""
     shape = ModelShape.from_recipe(recipe)
     buffers = buffers or memory.DeepSpeedBuffers.from_recipe(recipe)
     world = nodes * gpus
     gbs = local_batch_size(recipe.batch, world) * world
     # The recipe's workload (one home: Workload.from_recipe); each candidate below varies its batch split and policy.
     base = memory.Workload.from_recipe(recipe, BatchPlan(gbs, gbs // world, 1, world, recipe.data.seq_len))
-    for layout in layouts(nodes, gpus):
+    for layout in layouts(nodes, gpus, shape.num_experts):
         if layout.uses_deepspeed and layout.zero_stage == 0 and base.fp32_grads:
             continue  # ZeRO-0 cannot accumulate bf16 gradients in fp32 (the launch refuses it)
-        if layout.tp_size > 1 or layout.cp_size > 1:
+        if layout.tp_size > 1 or layout.cp_size > 1 or layout.ep_size > 1:
             why = _model_parallel_problem(shape, base, layout)
             if why:
                 if skipped is not None:
@@ -475,19 +541,21 @@ def plan(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, buffers: memory.D
         compute, comm, volume, offload, rate = throughput(est, gpu, base_mfu)
         tp_s, cp_s = model_parallel_comm(est, gpu)
         feasible.append(Candidate(layout, ckpt, mbs, gas, est, compute, comm, volume, offload, rate, tp_s, cp_s,
-                                  runs=cp_ok or layout.cp_size == 1))
+                                  expert_parallel_comm(est, gpu), runs=cp_ok or layout.cp_size == 1))
     # ties (selective's recompute is elementwise work the FLOPs model does not count) go to less recompute
     feasible.sort(key=lambda c: (not c.runs, c.tight, c.offload_s > 0, -round(c.tokens_per_s, 6),
-                                 PLANNER_POLICIES.index(c.checkpointing), c.comm_volume, -c.micro_batch_size))
+                                 PLANNER_POLICIES.index(c.checkpointing), c.comm_volume,
+                                 c.layout.gpus_per_node % c.layout.ep_size != 0, -c.micro_batch_size))
     return feasible, considered
 
 
 def family(c: Candidate) -> str:
-    """The layout family the explanation compares: ZeRO / FSDP / HSDP (data parallel only), then TP and CP ones."""
+    """The layout family the explanation compares: ZeRO / FSDP / HSDP (data parallel only), then TP, CP and EP ones."""
     lay = c.layout
-    if lay.engine != "fsdp" or (lay.tp_size == 1 and lay.cp_size == 1):
+    if lay.engine != "fsdp" or (lay.tp_size == 1 and lay.cp_size == 1 and lay.ep_size == 1):
         return "DDP" if lay.engine == "ddp" else "ZeRO" if lay.uses_deepspeed else "FSDP / HSDP"
-    dims = (["HSDP" if lay.hybrid_shard_size else "FSDP"] + ["TP"] * (lay.tp_size > 1) + ["CP"] * (lay.cp_size > 1))
+    dims = (["HSDP" if lay.hybrid_shard_size else "FSDP"] + ["TP"] * (lay.tp_size > 1) + ["CP"] * (lay.cp_size > 1)
+            + ["EP"] * (lay.ep_size > 1))
     return " x ".join(dims)
 
 
@@ -513,7 +581,9 @@ def explain_choice(ranked: list[Candidate], skipped: dict[str, list[str]] | None
             why.append(f"TP all-reduces {c.tp_comm_s:.0f} s")
         if c.cp_comm_s:
             why.append(f"CP K/V exchange {c.cp_comm_s:.0f} s")
-        fsdp_s = c.comm_s - c.tp_comm_s - c.cp_comm_s
+        if c.ep_comm_s:
+            why.append(f"EP all-to-alls {c.ep_comm_s:.1f} s")
+        fsdp_s = c.comm_s - c.tp_comm_s - c.cp_comm_s - c.ep_comm_s
         if fsdp_s > 0.01:
             why.append(f"sharding collectives {fsdp_s:.0f} s")
         if not c.runs:
@@ -530,7 +600,44 @@ def explain_choice(ranked: list[Candidate], skipped: dict[str, list[str]] | None
     for reason, names in (skipped or {}).items():
         lines.append(f"  not considered: {', '.join(sorted(set(names))[:3])}{' ...' if len(set(names)) > 3 else ''}: "
                      f"{reason}")
-    return lines
+    return lines + explain_expert_parallel(ranked)
+
+
+def _sharding_s(c: Candidate) -> float:
+    """Of a candidate's exposed communication: the sharding collectives (FSDP's or ZeRO's gathers and reductions)."""
+    return c.comm_s - c.tp_comm_s - c.cp_comm_s - c.ep_comm_s
+
+
+def explain_expert_parallel(ranked: list[Candidate]) -> list[str]:
+    """A mixture of experts: why the best EP layout wins or loses against the best without EP, in seconds per step
+    (its all-to-alls against the expert traffic it saves) and GiB per GPU. Nothing for a dense model (no EP
+    layout is ranked)."""
+    ep = next((c for c in ranked if c.layout.ep_size > 1), None)
+    other = next((c for c in ranked if c.layout.ep_size == 1), None)
+    if ep is None or other is None:
+        return []
+    lay, shape, w = ep.layout, ep.estimate.shape, ep.estimate.workload
+    b = memory.workload.PRECISION_BYTES[w.precision]
+    tokens = w.micro_batch_size * w.seq_len
+    a2a = memory.parallel.all_to_all_bytes(shape, tokens, b)
+    where = "inside a node (NVLink)" if lay.gpus_per_node % lay.ep_size == 0 else "across nodes (the network)"
+    local, E = shape.num_experts // lay.ep_size, shape.num_experts
+    other_comm = f"communication {other.comm_s:.2f} s" + (f" + offload {other.offload_s:.2f} s" if other.offload_s else "")
+    return [
+        f"expert parallelism {'wins' if ranked[0] is ep else 'loses'}: {ep.name}, MBS {ep.micro_batch_size}, "
+        f"{recompute_label(ep.checkpointing)}: ~{ep.tokens_per_s:,.0f} tok/s/GPU against ~{other.tokens_per_s:,.0f} "
+        f"({ep.tokens_per_s / other.tokens_per_s:.0%}) for {other.name}, MBS {other.micro_batch_size}, the best "
+        "without EP",
+        f"  per step: compute {ep.compute_s:.2f} s + EP all-to-alls {ep.ep_comm_s:.2f} s + sharding collectives "
+        f"{_sharding_s(ep):.2f} s, against compute {other.compute_s:.2f} s + {other_comm}",
+        f"  EP {lay.ep_size}'s all-to-alls {where}: {all_to_alls_per_micro_batch(shape, w.activation_checkpointing)} per "
+        f"micro-batch (4 per MoE layer, 2 more per recomputed one) x GAS {ep.grad_accum_steps}, each T {tokens:,} x "
+        f"top-{shape.experts_per_token} x d {shape.hidden_size:,} x {b} B = {a2a / 1e9:.2f} GB of which "
+        f"{lay.ep_size - 1}/{lay.ep_size} leave the GPU; its sharding collectives move each GPU's {local} of {E} "
+        f"experts among their {lay.efsdp_size} cop{'ies' if lay.efsdp_size > 1 else 'y'}, not every expert to every GPU",
+        f"  memory: {ep.estimate.total_gib:.1f} GiB per GPU against {other.estimate.total_gib:.1f}: the shards are Ψ/N "
+        f"with or without EP, but what a GPU unshards holds {local} of each block's {E} experts",
+    ]
 
 
 MAX_SEARCH_GPUS = 16384
@@ -576,7 +683,8 @@ def nothing_fits(recipe, nodes: int, gpus: int, gpu: hardware.GpuSpec, considere
     if est.host:
         lowest += f" and {est.host_bytes_per_node / memory.GIB:,.0f} GiB of CPU memory per node"
     lines = [f"no layout of {recipe.name} fits {nodes} x {gpus} {gpu.name} ({gpu.memory_gib:,.1f} GiB; {considered} "
-             f"considered: DDP, ZeRO-0 to 3, FSDP, FSDP and HSDP x TP, FSDP x CP, CPU offload with {host_memory_gib:g} "
+             f"considered: DDP, ZeRO-0 to 3, FSDP, FSDP and HSDP x TP, FSDP x CP, "
+             + ("FSDP x EP, " if recipe.model.moe is not None else "") + f"CPU offload with {host_memory_gib:g} "
              "GiB of CPU memory per node, "
              "every power-of-two MBS down to 1, activation checkpointing none, selective, every_2 and full). The "
              "smallest is "
@@ -632,6 +740,9 @@ def accelerate_config(c: Candidate, recipe_path: str) -> str:
         f"activation checkpointing {c.checkpointing}.",
         f"# Estimated {c.estimate.total_gib:.1f} GiB per GPU of {c.estimate.gpu.memory_gib:.1f} ({c.estimate.gpu.name}).",
         "# The recipe owns precision and batch sizes: keep mixed_precision 'no' here.",
+        *([f"# EP {lay.ep_size} is the recipe's: launch with model.moe.ep_size={lay.ep_size} (accelerate's "
+           f"parallelism_config has no expert dimension); {EP_CONFIG} is this layout's 8-GPU config."]
+          if lay.ep_size > 1 else []),
         "compute_environment: LOCAL_MACHINE",
     ]
     if lay.engine == "ddp":
@@ -676,6 +787,9 @@ def accelerate_config(c: Candidate, recipe_path: str) -> str:
 
 def recipe_overrides(recipe, c: Candidate) -> list[str]:
     batch, out = recipe.batch, []
+    moe = recipe.model.moe
+    if moe is not None and c.layout.ep_size != moe.ep_size:  # EP's size is the recipe's (no accelerate dimension)
+        out.append(f"model.moe.ep_size={c.layout.ep_size}")
     if batch.local_batch_size is not None:
         if c.micro_batch_size != batch.local_batch_size:
             out += ["batch.local_batch_size=null", f"batch.global_batch_size={c.estimate.workload.global_batch_size}",
@@ -693,8 +807,14 @@ def recipe_overrides(recipe, c: Candidate) -> list[str]:
 
 
 def launch_command(c: Candidate, config_path: str, recipe_path: str, overrides: list[str]) -> str:
-    node_args = []
-    if c.layout.num_nodes > 1:
-        node_args = ["--machine_rank", "$NODE_RANK", "--main_process_ip", "$MASTER_ADDR", "--main_process_port", "29500"]
+    """The launch of ``c``: ``config_path`` (the config pretrain-plan wrote), or for FSDP2 x EP the shipped EP_CONFIG
+    with this world's processes (its EP size is in ``overrides``: model.moe.ep_size)."""
+    lay, node_args = c.layout, []
+    if lay.ep_size > 1:
+        config_path = EP_CONFIG
+        node_args = (["--num_machines", str(lay.num_nodes)] if lay.num_nodes > 1 else []) + [
+            "--num_processes", str(lay.world_size)]
+    if lay.num_nodes > 1:
+        node_args += ["--machine_rank", "$NODE_RANK", "--main_process_ip", "$MASTER_ADDR", "--main_process_port", "29500"]
     return shell_join(accelerate_command(recipe_path, overrides, config_file=config_path, accelerate_args=node_args,
                                          launcher=["accelerate", "launch"], run_py="pretrain/run.py"))

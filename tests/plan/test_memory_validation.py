@@ -20,6 +20,7 @@ import os
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -370,4 +371,83 @@ def test_tp_model_states_match_estimate(tmp_path):
     table = _print_table("TP 2 x FSDP 2 model states per rank (4 ranks, GAS 2, fp32): measured vs estimated",
                          ["rank", "at", "term", "measured B", "estimated B", "error"], rows)
     assert len(rows) == 24
+    assert not bad, f"more than 1% off:\n{table}\n" + "\n".join(map(str, bad))
+
+
+EP_PROBE = ROOT / "tests" / "ep_memory_probe.py"
+
+
+@pytest.mark.slow
+def test_ep_model_states_match_estimate(tmp_path):
+    """EP 2 x FSDP2 on 2 CPU processes (fsdp.yaml with model.moe.ep_size=2, gloo; tests/ep_memory_probe.py, moe-tiny's
+    OLMoE with 4 experts, fp32, GAS 2). Each rank holds whole experts, 2 of the 4, not the other rank's, and its expert
+    gradients and AdamW moments have the same local shapes; what it holds is the estimate's EP terms within 1%: the
+    parameter, gradient and optimizer shards Ψ/N as without EP, and no_sync's unsharded gradients Ψ_EP = Ψ - L x (1 -
+    1/EP) x E x 3 d f (the dense part and this rank's experts), which without EP would be all of Ψ."""
+    from pretrain.recipe.batching import plan_batches
+    from pretrain.recipe.config import load_recipe
+    from tests.helpers import run_cmd
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        import ep_memory_probe as probe
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    out = tmp_path / "ep"
+    proc = run_cmd([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                    str(ROOT / "accelerate_configs" / "fsdp.yaml"), "--num_processes", str(probe.WORLD),
+                    "--main_process_port", str(_free_port()), str(EP_PROBE), str(out)], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    results = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(probe.WORLD)]
+    recipe = load_recipe(probe.RECIPE, probe.OVERRIDES)
+    shape = ModelShape.from_recipe(recipe)
+    E, ep = shape.num_experts, probe.EP_SIZE
+    assert results[0]["num_params"] == shape.num_params
+    assert results[0]["layout"] == "FSDP FULL_SHARD x EP 2 on 2 CPU processes"
+
+    # whole experts: E / EP of them per rank, each rank its own, every expert on one rank
+    held = []
+    for result in results:
+        shards = result["expert_shards"]
+        assert len(shards) == 2 * shape.num_layers, shards  # gate_up and down of every block
+        assert {count for _, count in shards.values()} == {E // ep}, shards
+        firsts = {first for first, _ in shards.values()}
+        assert len(firsts) == 1, shards  # the same experts in every layer
+        first = firsts.pop()
+        held.append(set(range(first, first + E // ep)))
+        for name, local in result["experts"].items():
+            assert local["param"][0] == E // ep, (name, local)
+            assert local["grad"] == local["exp_avg"] == local["exp_avg_sq"] == local["param"], (name, local)
+    assert set.union(*held) == set(range(E)) and not set.intersection(*held), held
+
+    plan = plan_batches(recipe.batch, probe.WORLD, recipe.data.seq_len)
+    # the recipe's model.moe.ep_size gives the launch its EP (Launch.for_recipe), as in the run
+    est = memory.estimate(recipe, plan, Launch("fsdp", gpus_per_node=probe.WORLD, fsdp_sharding="FULL_SHARD"),
+                          device="cpu")
+    assert est.layout.ep_size == ep and "all_to_all" in est.terms
+    plain = memory.estimate_shape(shape, est.workload, replace(est.layout, ep_size=1), device="cpu")
+    # the shards are the same with and without EP; the unsharded gradients are not (which the measurement tells apart)
+    assert [plain.terms[k].bytes for k in ("params", "optimizer")] == [est.terms[k].bytes for k in ("params", "optimizer")]
+    ep_block = shape.num_experts * 3 * shape.hidden_size * shape.intermediate_size
+    assert (plain.terms["grads"].at("backward") - est.terms["grads"].at("backward")
+            == 4 * shape.num_layers * ep_block * (ep - 1) // ep)
+    rows, bad = [], []
+    for rank, result in enumerate(results):
+        for point, phase in (("after_no_sync_backward", "backward"), ("before_optimizer_step", "step")):
+            by_label = result["snapshots"][point]["by_label"]
+            measured = {"params": by_label["params (fp32 shards)"], "optimizer": by_label["optimizer states"],
+                        "grads": sum(v for k, v in by_label.items() if "grads" in k)}
+            measured["params + grads + optimizer"] = sum(measured.values())
+            expected = {"params": est.terms["params"].bytes, "optimizer": est.terms["optimizer"].bytes,
+                        "grads": est.terms["grads"].at(phase)}
+            expected["params + grads + optimizer"] = sum(expected.values())
+            for term in measured:
+                error = expected[term] / measured[term] - 1
+                row = [rank, point, term, f"{measured[term]:,}", f"{expected[term]:,}", f"{error:+.2%}"]
+                rows.append(row)
+                if abs(error) > 0.01:
+                    bad.append([*row, _breakdown(results, point)])
+    table = _print_table("EP 2 x FSDP2 model states per rank (2 ranks, GAS 2, fp32): measured vs estimated",
+                         ["rank", "at", "term", "measured B", "estimated B", "error"], rows)
+    assert len(rows) == 16
     assert not bad, f"more than 1% off:\n{table}\n" + "\n".join(map(str, bad))

@@ -21,6 +21,7 @@ EXPECTED_NUM_PARAMS = {
     "llama-1b": 1_235_814_400,  # = Llama-3.2-1B
     "gpt2-124m": 124_475_904,  # GPT-2 small with the vocabulary padded to 50,304
     "continue-qwen3-1.7b": 1_720_574_976,  # Qwen3-1.7B from its config.json (tests/assets), tied embedding once
+    "qwen3-30b-a3b": 30_532_122_624,  # Qwen/Qwen3-30B-A3B's 30.5B (heads of 128: model.head_dim)
 }
 
 

@@ -34,11 +34,13 @@ term's own peak. Each term is reported at its own peak.
 The estimate is for one rank. Under tensor parallelism (FSDP2 x TP) its parameters, gradients and optimizer
 states are those of one TP rank (the modules transformers' TP plan splits divided by TP, the rest whole) sharded
 over the data-parallel ranks, its attention and MLP activations are divided by TP; under context parallelism every
-per-token term is that of seq / CP tokens; float8 adds torchao's transient casts (``parallel``). No pipeline
-parallelism.
+per-token term is that of seq / CP tokens; under expert parallelism (EP x FSDP2) its shards are Ψ/N as under FSDP,
+but what it unshards (a block in forward and backward, its gradient, no_sync's accumulated gradients) holds only its
+own E / EP experts of each block, and the tokens' all-to-all adds its send and receive buffers; float8 adds torchao's
+transient casts (``parallel``). No pipeline parallelism.
 
 Modules: ``workload`` (what a rank computes, DeepSpeed's buffer sizes), ``activations``, ``states``
-(parameters, gradients, optimizer states and buffers per engine), ``parallel`` (TP, CP, float8), ``terms`` (a term's bytes, formula and
+(parameters, gradients, optimizer states and buffers per engine), ``parallel`` (TP, CP, EP, float8), ``terms`` (a term's bytes, formula and
 phases), ``estimate`` (the sum by phase and its report). The model's shape is ``pretrain.recipe.shape``'s, the
 GPU table ``pretrain.system.hardware``'s.
 """

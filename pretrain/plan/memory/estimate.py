@@ -9,10 +9,16 @@ from pretrain.distributed.layout import Launch, check_offload, compile_choice
 from pretrain.errors import ConfigError
 from pretrain.plan.memory import calibration
 from pretrain.plan.memory.activations import ActivationEstimate, activation_memory, activation_terms
-from pretrain.plan.memory.parallel import check_context_parallel, float8_term, tensor_parallel
+from pretrain.plan.memory.parallel import (
+    all_to_all_term,
+    check_context_parallel,
+    expert_parallel,
+    float8_term,
+    tensor_parallel,
+)
 from pretrain.plan.memory.states import AUTOCAST_NOTE, CLASSIC_EXAMPLE, model_states
 from pretrain.plan.memory.terms import GIB, PHASES, Term, gib
-from pretrain.plan.memory.workload import DeepSpeedBuffers, Workload
+from pretrain.plan.memory.workload import PRECISION_BYTES, DeepSpeedBuffers, Workload
 from pretrain.recipe.shape import COUNTED_ARCHS, ModelShape
 from pretrain.system.hardware import GpuSpec
 
@@ -185,7 +191,8 @@ class MemoryEstimate:
 
     def explain(self) -> str:
         out = [self.summary(), "", "How each term is computed (Ψ parameters, N data-parallel ranks"
-               + (", Ψ_TP one TP rank's parameters" if self.layout.tp_size > 1 else "") + "):", ""]
+               + (", Ψ_TP one TP rank's parameters" if self.layout.tp_size > 1 else "")
+               + (", Ψ_EP the parameters one EP rank unshards" if self.layout.ep_size > 1 else "") + "):", ""]
         out.append(f"Ψ = {self.num_params:,}: {self.shape.formula()}")
         for term in (*self.terms.values(), self.allowance):
             out.append(f"{term.label}: {gib(term.bytes)}")
@@ -247,8 +254,11 @@ def estimate_shape(shape: ModelShape, workload: Workload, layout: Launch, *,
             # the calibration replaces the DDP-with-autocast caveat (its rows ran autocast)
             notes = tuple(n for n in notes if not n.startswith(AUTOCAST_NOTE)) + (f"activations {fitted.text}",)
     float8 = float8_term(w.float8, shape, local.micro_batch_size * local.seq_len, tp)
+    # EP: the tokens' all-to-all buffers (pretrain/plan/memory/parallel.py)
+    all_to_all = all_to_all_term(shape, local.micro_batch_size * local.seq_len, PRECISION_BYTES[w.precision],
+                                 expert_parallel(shape, layout.ep_size))
     terms = {t.key: t for t in (states.params, states.grads, states.optimizer, activations, logits, states.comm,
-                                states.accumulate, states.autocast, float8) if t is not None}
+                                all_to_all, states.accumulate, states.autocast, float8) if t is not None}
     # The terms do not all peak together: each phase sums what is alive in it.
     phases = {phase: sum(t.at(phase) for t in terms.values() if phase == "backward" or t.key not in _ONLY_AT_BACKWARD)
               for phase in PHASES}
@@ -277,6 +287,7 @@ def estimate(recipe, plan, layout: Launch, *, gpu: GpuSpec | None = None, buffer
     ``memory/estimated_gib`` and ``tensor_peak_gib`` as ``memory/estimated_tensors_gib`` beside the measured
     ``memory/peak_gib``.
     """
+    layout = layout.for_recipe(recipe)  # model.moe.ep_size: the recipe's, as the launch takes it
     if plan.world_size != layout.data_parallel_size:  # TP and CP ranks share their micro-batches
         raise ConfigError(
             f"the batch plan is for {plan.world_size} data-parallel ranks but the layout has {layout.data_parallel_size} "

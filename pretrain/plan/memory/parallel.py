@@ -1,5 +1,6 @@
-"""What tensor parallelism, context parallelism and float8 change in the estimate: which parameters the TP plan
-splits, which activations shrink, and torchao's float8 casts.
+"""What tensor parallelism, context parallelism, expert parallelism and float8 change in the estimate: which
+parameters the TP plan splits, which activations shrink, which experts a rank unshards, the all-to-all buffers, and
+torchao's float8 casts.
 
 - **TP** (accelerate's tp_size, transformers' TP plan: pretrain/distributed/tensor_parallel.py). The plan is the
   architecture's own: its config's ``base_model_tp_plan`` (the blocks' q/k/v/gate/up colwise, o/down rowwise) and
@@ -12,6 +13,19 @@ splits, which activations shrink, and torchao's float8 casts.
   (colwise_gather_output): whole.
 - **CP** (cp_size): every sequence is split over the CP ranks, so every per-token activation and the logits are
   those of seq / CP tokens; K/V of the other chunks are exchanged inside the attention and not kept for backward.
+- **EP** (model.moe.ep_size: pretrain/distributed/expert_parallel.py, EP x FSDP2 as transformers and torchtitan lay
+  it out). Every rank stays data parallel. The dense part (attention, router, embeddings, norms, LM head) is FSDP
+  over the whole world; each group of EP consecutive ranks holds every expert once, E / EP whole experts per rank,
+  and the world / EP copies of each expert (efsdp) are FSDP-sharded among themselves. So a rank's shards are
+  Ψ_dense / N + (X / EP) / (N / EP) = Ψ / N, as under plain FSDP (X: every block's experts, E x 3 d f each): the
+  parameters, gradients and optimizer states per rank do not change. What a rank unshards does: plain FSDP gathers a
+  block with all E of its experts, EP the dense part and its own E / EP experts (over efsdp only), so one unsharded
+  block is ``block - (1 - 1/EP) x E x 3 d f`` and every unsharded gradient (a unit's on its way to the
+  reduce-scatter, no_sync's accumulated ones) shrinks the same way: Ψ_EP = Ψ - L x (1 - 1/EP) x E x 3 d f. Tokens
+  reach their experts by all-to-all: each carries the micro-batch's T x top-k (token, expert) rows of d in the
+  compute dtype, (EP - 1) / EP of them to other ranks; one is in flight at a time (dispatch or combine, forward or
+  backward), its send and receive buffers 2 x T k d b (the average: a rank whose experts the router favours
+  receives more).
 - **float8** (precision.float8, torchao's Float8Linear): torchao saves the high-precision input and weight for
   backward (``matmul_with_hp_or_float8_args`` in torchao/float8/float8_linear.py) and casts them again there, so
   no float8 copy outlives the matmul that made it. The extra is transient: the float8 copies of the running
@@ -84,12 +98,17 @@ def read_tp_plan(arch: str) -> tuple[dict[str, str], dict[str, str]]:
     import torch
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
+    from pretrain.model.build import _foreign_token_ids
+
     config_class = CONFIG_MAPPING[arch]
     base = dict(getattr(config_class, "base_model_tp_plan", None) or {})
     if not base:
         return {}, {}
+    # special-token ids of the architecture's own tokenizer lie past this vocabulary (OLMoE's eos 50279): None, as
+    # pretrain.model.build does, so that transformers prints no warning into a plan's output
     config = config_class(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
-                          intermediate_size=128, vocab_size=128, tie_word_embeddings=False)
+                          intermediate_size=128, vocab_size=128, tie_word_embeddings=False,
+                          **_foreign_token_ids(config_class(), 128))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return {name.removeprefix("model."): style for name, style in model.tp_plan.items()}, base
@@ -179,6 +198,102 @@ def tensor_parallel(shape: ModelShape, size: int) -> TensorParallel | None:
     plain = (all(styles.get(n) == "colwise" for n in _COLWISE_OUTPUTS)
              and all(styles.get(n) == "rowwise" for n in _ROWWISE_OUTPUTS))
     return TensorParallel(size, split_block, whole_block, split_rest, whole_rest, plain, tuple(styles))
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """How a mixture of experts divides over ``size`` EP ranks (EP x FSDP2; the module docstring)."""
+
+    size: int
+    num_experts: int
+    expert_block: int
+    """Elements of one block's experts, all of them: E x 3 d f (fused gate_up E x 2f x d, down E x d x f)."""
+    num_layers: int
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.size
+
+    @property
+    def elsewhere_block(self) -> int:
+        """Elements of one block's experts that live on the other EP ranks: (1 - 1/EP) x E x 3 d f."""
+        return self.expert_block - self.expert_block // self.size
+
+    def block_local(self, block: int) -> int:
+        """One block's unsharded elements on one rank: the dense part and its E / EP experts."""
+        return block - self.elsewhere_block
+
+    def local(self, shape: ModelShape) -> int:
+        """Ψ_EP: the parameters one rank ever unshards (the dense part and its experts of every block)."""
+        return shape.num_params - self.num_layers * self.elsewhere_block
+
+    def formula(self, shape: ModelShape) -> str:
+        E, T = self.num_experts, self.size
+        return (f"Ψ_EP = Ψ - {self.num_layers} x (1 - 1/{T}) x {num(self.expert_block)} (each block's {E} experts, "
+                f"of which this rank holds {self.local_experts}) = {num(self.local(shape))} unsharded at most")
+
+
+NO_EP = None
+
+
+def expert_parallel(shape: ModelShape, size: int) -> ExpertParallel | None:
+    """The EP division of ``shape`` over ``size`` ranks (None for size 1). Refuses what the recipe's schema and the
+    launch refuse: a dense model, experts that do not divide."""
+    if size <= 1:
+        return NO_EP
+    if not shape.num_experts:
+        raise ConfigError(f"model.moe.ep_size = {size} (expert parallelism) needs a mixture of experts; "
+                          f"model.arch = {shape.arch} here is dense: set model.moe.ep_size=1")
+    if shape.num_experts % size:
+        raise ConfigError(f"model.moe.ep_size ({size}) must divide model.moe.num_experts ({shape.num_experts}): every "
+                          "expert-parallel rank holds the same number of whole experts")
+    problem = ep_environment_problem(size)
+    if problem:
+        raise ConfigError(problem)
+    expert_block = shape.num_experts * 3 * shape.hidden_size * shape.intermediate_size
+    return ExpertParallel(size, shape.num_experts, expert_block, shape.num_layers)
+
+
+def ep_environment_problem(size: int) -> str | None:
+    """Why this environment's transformers cannot run expert parallelism (None: it can), found without importing it
+    (the planner answers in well under two seconds): its ``distributed/expert_parallel.py``, which the launch imports
+    (pretrain.distributed.expert_parallel.ep_plan_problem, which also checks the architecture's plan: every
+    architecture in pretrain.recipe.shape.MOE_ARCHS has one in transformers 5.24)."""
+    from importlib.metadata import PackageNotFoundError, version
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    spec = find_spec("transformers")
+    if spec is not None and spec.origin and (Path(spec.origin).parent / "distributed" / "expert_parallel.py").is_file():
+        return None
+    try:
+        installed = version("transformers")
+    except PackageNotFoundError:
+        installed = "none"
+    return (f"model.moe.ep_size = {size} needs transformers' expert parallelism (transformers.distributed."
+            f"expert_parallel, verified with transformers 5.24); this environment has transformers {installed}: "
+            "upgrade it, or set model.moe.ep_size=1")
+
+
+def all_to_all_bytes(shape: ModelShape, tokens: int, precision_bytes: int) -> int:
+    """One all-to-all's rows: the micro-batch's ``tokens`` x top-k (token, expert) pairs of d in the compute dtype
+    (what a rank sends, and on average receives, in one dispatch or combine)."""
+    return tokens * shape.experts_per_token * shape.hidden_size * precision_bytes
+
+
+def all_to_all_term(shape: ModelShape, tokens: int, precision_bytes: int, ep: ExpertParallel | None) -> Term | None:
+    """EP's send and receive buffers of the all-to-all in flight (the module docstring), or None without EP.
+    ``tokens``: one rank's micro-batch."""
+    if ep is None:
+        return None
+    one = all_to_all_bytes(shape, tokens, precision_bytes)
+    total = 2 * one
+    return Term.phased(
+        "all_to_all", "EP all-to-all buffers", Phases(total, total, 0),
+        f"one all-to-all in flight (dispatch or combine, forward or backward), its send and receive buffers: "
+        f"2 x T {num(tokens)} x top-{shape.experts_per_token} x d {num(shape.hidden_size)} x {precision_bytes} B; "
+        f"(EP {ep.size} - 1) / {ep.size} of the rows leave the rank; the average: the rank of an expert the router "
+        "favours receives more")
 
 
 def check_context_parallel(seq_len: int, cp_size: int, attention: str, document_masking: bool) -> None:

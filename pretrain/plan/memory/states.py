@@ -13,7 +13,7 @@ from functools import cached_property
 
 from pretrain.distributed.layout import Launch
 from pretrain.errors import ConfigError
-from pretrain.plan.memory.parallel import tensor_parallel
+from pretrain.plan.memory.parallel import expert_parallel, tensor_parallel
 from pretrain.plan.memory.terms import PHASES, Phases, Term, gib, num
 from pretrain.plan.memory.workload import PRECISION_BYTES, DeepSpeedBuffers, Workload, optimizer_state_bytes
 from pretrain.recipe.shape import ModelShape
@@ -379,12 +379,21 @@ def fsdp_states(run: _Run) -> ModelStates:
     ranks, sharding = _fsdp_ranks(layout, strategy)
     block, embed = shape.block_params, 0 if shape.tie_embeddings else shape.vocab_size * shape.hidden_size
     tp = tensor_parallel(shape, layout.tp_size)
+    ep = expert_parallel(shape, layout.ep_size)
     psi = "Ψ"
     if tp is not None:  # every count below is one TP rank's: the split modules' 1/TP and the whole ones
         P, psi, block = tp.local(shape), "Ψ_TP", tp.block_local
         embed = -(-embed // tp.size) if "embed_tokens" in tp.split_modules else embed
     offload, part = layout.offload_params == "cpu", run.part(P, ranks)
     kept = P - shape.num_layers * block - embed  # the LM-head group and the root's leftovers
+    # What a rank unshards: every parameter, or under EP the dense part and its own E / EP experts (the shards stay
+    # Ψ/N: parallel.py's docstring). Measured by tests/plan/test_memory_validation.py::test_ep_model_states_match_estimate.
+    unsharded, upsi = P, psi
+    if ep is not None:
+        unsharded, upsi, block = ep.local(shape), "Ψ_EP", ep.block_local(block)
+        sharding += (f"; EP {ep.size}: the dense part over the N ranks, each rank's {ep.local_experts} of "
+                     f"{ep.num_experts} experts per block over their {layout.efsdp_size} "
+                     f"cop{'ies' if layout.efsdp_size > 1 else 'y'}: Ψ/N as without EP")
     unit = max(block, kept, embed)
     gas = w.grad_accum_steps or 1
 
@@ -401,7 +410,8 @@ def fsdp_states(run: _Run) -> ModelStates:
     else:
         params = _term("params", 4 * part, f"4 B x {frac} = 4 x {num(P)}{f' / {ranks}' if ranks > 1 else ''} "
                                            f"(fp32 {shards}; {sharding})"
-                       + (f"\n{tp.formula(shape)}" if tp is not None else ""))
+                       + (f"\n{tp.formula(shape)}" if tp is not None else "")
+                       + (f"\n{ep.formula(shape)}" if ep is not None else ""))
         optimizer = _term("optimizer", k * part, f"{k} B x {frac} ({opt_text}); no master copy: the fp32 {shards} "
                                                  "are the master")
 
@@ -417,8 +427,8 @@ def fsdp_states(run: _Run) -> ModelStates:
         backward_text = (f"backward: the fp32 {shards} of the micro-steps so far (batch.sync_each_micro_batch: a "
                          f"{reduce} after every micro-batch, no unsharded gradient kept between them)")
     elif gas > 1:
-        backward = r * P
-        backward_text = (f"backward: {r} B x {psi} unsharded{' (fp32 accumulation)' if r != b else ''} (accelerate "
+        backward = r * unsharded
+        backward_text = (f"backward: {r} B x {upsi} unsharded{' (fp32 accumulation)' if r != b else ''} (accelerate "
                          f"skips the {reduce} on the {gas - 1} micro-steps before the last: no_sync keeps every "
                          "gradient full size until then; batch.sync_each_micro_batch=true shards them)")
     else:
@@ -429,14 +439,16 @@ def fsdp_states(run: _Run) -> ModelStates:
                   f"after the {reduce}: fp32 {shards} 4 B x {frac} = {gib(reduced)}")
 
     if strategy in _GATHERS_EVERY_UNIT:
-        gathered, gathered_text = b * P, f"every unit gathered from its forward to its backward {b} B x {psi}"
+        gathered, gathered_text = b * unsharded, f"every unit gathered from its forward to its backward {b} B x {upsi}"
     elif strategy == "NO_SHARD" and not run.mixed:
         gathered, gathered_text = 0, "nothing gathered (NO_SHARD computes on its fp32 copy)"
     else:
         gathered = b * (kept + 2 * block)
         gathered_text = (f"gathered {w.precision} units: LM head, final norm and the root's own parameters, kept "
                          f"from forward to backward, {num(kept)} + the block in backward and the next one "
-                         f"prefetched 2 x {num(block)}, x {b} B")
+                         f"prefetched 2 x {num(block)}"
+                         + (f" (its dense part and this rank's {ep.local_experts} experts)" if ep is not None else "")
+                         + f", x {b} B")
     buffers = gathered + b * unit + (4 * unit if r != b else 0)
     comm = _term("comm", Phases(buffers, buffers, 0),
                  f"{gathered_text} + one unit's unsharded gradient before its {reduce} {num(unit)} x {b} B"
