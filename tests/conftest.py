@@ -55,7 +55,7 @@ LONGEST_FIRST = ("test_readme.py", "test_distributed.py", "test_reshard.py", "te
                  "test_fault_harness.py", "test_init_from.py", "test_tools.py", "test_install.py", "test_reduce_dtype.py",
                  "test_slurm.py", "test_rollback.py", "test_preemption_phases.py", "test_architectures.py",
                  "test_trust.py", "test_hybrid.py", "test_launch.py", "test_long_runs.py", "test_stability.py",
-                 "test_tensor_parallel.py", "test_moe.py", "test_store.py")
+                 "test_tensor_parallel.py", "test_expert_parallel.py", "test_moe.py", "test_store.py")
 
 
 def pytest_unconfigure(config):

@@ -3,6 +3,8 @@ processes against one process, the resume on the same layout and without EP, and
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pretrain.distributed.layout import Launch
@@ -16,6 +18,7 @@ from tests.helpers import (
     check_ok,
     free_port,
     make_recipe,
+    metrics,
     train_here,
     train_losses,
 )
@@ -128,11 +131,20 @@ def test_ep2_trains_the_one_process_curve_on_2_and_4_processes(ep_runs):
     assert "Warning" not in logs["ep2"] and "sequential all_" not in logs["ep2"]  # the expert mesh's notes dropped
     one = train_losses(base / "one")
     assert sorted(one) == list(range(1, STEPS + 1))
+    router = ["train/router_aux_loss", "moe/load_max_share/layer_0", "moe/load_cv/layer_1"]
+    one_router = [m[k] for m in metrics(base / "one") if "train/loss" in m for k in router]
+    one_config = json.loads((base / "one" / "run_config.json").read_text())
     for name in ("ep2", "ep2x2"):
         ep = train_losses(base / name)
         assert sorted(ep) == sorted(one)
         for step in one:
             assert ep[step] == pytest.approx(one[step], rel=1e-5), (name, step, ep[step], one[step])
+        # the router's loss and the experts' load, logged as without EP; the active parameters (MFU's N) the same
+        ep_router = [m[k] for m in metrics(base / name) if "train/loss" in m for k in router]
+        assert ep_router == pytest.approx(one_router, rel=1e-5), name
+        config = json.loads((base / name / "run_config.json").read_text())
+        assert (config["model/num_params"], config["model/num_active_params"]) == (
+            one_config["model/num_params"], one_config["model/num_active_params"])
 
 
 @pytest.mark.slow
