@@ -110,12 +110,15 @@ def ep_runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("ep")
     with OneThread():
         train_here([*EP_ARGS, f"output_dir={base / 'one'}"], recipe=MOE_TINY)
+    # only what a test reads is written: ep2's checkpoints and final model; the others' losses
+    losses_only = ["checkpoint.save_final_model=false", "checkpoint.save_last=false", "checkpoint.every_steps=0",
+                   "eval.at_start=false"]
     logs = {"ep2": ep_launch(2, ["model.moe.ep_size=2", f"output_dir={base / 'ep2'}"]),
-            "ep2x2": ep_launch(4, ["model.moe.ep_size=2", f"output_dir={base / 'ep2x2'}"])}
+            "ep2x2": ep_launch(4, ["model.moe.ep_size=2", f"output_dir={base / 'ep2x2'}", *losses_only])}
     step2 = base / "ep2" / "checkpoints" / "step_00000002"
     for name, ep_size in (("resumed", 2), ("no_ep", 1)):
         logs[name] = ep_launch(2, [f"model.moe.ep_size={ep_size}", f"checkpoint.resume={step2}",
-                                   f"output_dir={base / name}"])
+                                   f"output_dir={base / name}", *losses_only])
     return base, logs
 
 
