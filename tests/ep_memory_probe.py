@@ -13,8 +13,6 @@ gradient and AdamW's exp_avg / exp_avg_sq. Writes ``rank<N>.json``: {"num_params
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -24,7 +22,8 @@ for path in (str(_ROOT), str(_ROOT / "tests")):
         sys.path.insert(0, path)
 
 RECIPE = _ROOT / "recipes" / "moe-tiny.yaml"
-MICRO_BATCH_SIZE, GRAD_ACCUM_STEPS, WORLD, EP_SIZE = 2, 2, 2, 2
+WORLD, EP_SIZE = 2, 2
+MICRO_BATCH_SIZE, GRAD_ACCUM_STEPS = 2, 2  # fsdp_memory_probe.measure's (asserted in main)
 OVERRIDES = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.vocab_size=1024",
              "model.moe.num_experts=4", "model.moe.expert_intermediate_size=64", "data.seq_len=64",
              "precision.dtype=fp32", f"batch.micro_batch_size={MICRO_BATCH_SIZE}",
@@ -42,9 +41,9 @@ def local_shape(tensor) -> list[int] | None:
 
 
 def main() -> None:
+    import fsdp_memory_probe
     import torch
-    from ds_memory_probe import settled
-    from fsdp_memory_probe import labels, live
+    from fsdp_memory_probe import live, measure, write_result
 
     from pretrain.distributed.accelerator import build_accelerator, model_placement
     from pretrain.distributed.expert_parallel import expert_shards
@@ -53,6 +52,8 @@ def main() -> None:
     from pretrain.recipe.config import load_recipe
     from pretrain.train.preflight import check_run
 
+    assert (MICRO_BATCH_SIZE, GRAD_ACCUM_STEPS) == (fsdp_memory_probe.MICRO_BATCH_SIZE,
+                                                    fsdp_memory_probe.GRAD_ACCUM_STEPS)
     out_dir = Path(sys.argv[1])
     recipe = load_recipe(RECIPE, OVERRIDES)
     run_plan = check_run(recipe, Launch.from_env())
@@ -63,25 +64,13 @@ def main() -> None:
     # taken by a model state and wrongly excluded.
     baseline = {ptr: tensor for ptr, (_, tensor) in live(torch.nn.Module()).items()}
     placement = model_placement(acc, launch)
-    vocab = recipe.model.vocab_size
-    model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=0, device=placement.device,
+    model = build_model(recipe.model, recipe.model.vocab_size, recipe.data.seq_len, seed=0, device=placement.device,
                         shard=placement.shard)
     num_params = count_parameters(model)
     model, optimizer = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    snapshots: dict[str, dict] = {}
     experts: dict[str, dict] = {}
 
-    def snapshot(name: str) -> None:
-        live_now, passing = settled(lambda: live(model))
-        held = {ptr: v for ptr, v in live_now.items() if ptr not in baseline}
-        names = labels(model, optimizer)
-        by_label: dict[str, int] = {}
-        for ptr, (nbytes, _) in held.items():
-            label = names.get(ptr, "other")
-            by_label[label] = by_label.get(label, 0) + nbytes
-        snapshots[name] = {"bytes": sum(n for n, _ in held.values()), "by_label": by_label, "passing": passing}
-
-    def expert_states() -> None:
+    def expert_states() -> None:  # the reduced gradients, and AdamW's states since the first step
         for name, param in model.named_parameters():
             if ".experts." in name:
                 state = optimizer.state.get(param, {})
@@ -89,28 +78,9 @@ def main() -> None:
                                  "exp_avg": local_shape(state.get("exp_avg")),
                                  "exp_avg_sq": local_shape(state.get("exp_avg_sq"))}
 
-    generator = torch.Generator().manual_seed(acc.process_index)
-    for step in range(2):
-        for _ in range(GRAD_ACCUM_STEPS):
-            ids = torch.randint(0, vocab, (MICRO_BATCH_SIZE, recipe.data.seq_len), generator=generator)
-            with acc.accumulate(model):
-                loss = model(input_ids=ids, labels=ids).loss
-                acc.backward(loss)
-                del loss
-                if step == 1 and not acc.sync_gradients:
-                    snapshot("after_no_sync_backward")
-                if step == 1 and acc.sync_gradients:
-                    snapshot("before_optimizer_step")
-                    expert_states()  # the reduced gradients, and AdamW's states since the first step
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-    result = {"num_params": num_params, "layout": launch.describe("CPU process"), "snapshots": snapshots,
-              "expert_shards": expert_shards(model), "experts": experts}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"rank{acc.process_index}.json").write_text(json.dumps(result))
-    acc.end_training()
-    sys.stdout.flush()
-    os._exit(0)
+    snapshots = measure(acc, model, optimizer, recipe.model.vocab_size, recipe.data.seq_len, baseline, expert_states)
+    write_result(acc, out_dir, {"num_params": num_params, "layout": launch.describe("CPU process"),
+                                "snapshots": snapshots, "expert_shards": expert_shards(model), "experts": experts})
 
 
 if __name__ == "__main__":

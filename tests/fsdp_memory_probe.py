@@ -102,9 +102,55 @@ def fsdp_params(model) -> list:
             for group in module._get_fsdp_state()._fsdp_param_groups for fp in group.fsdp_params]
 
 
-def main() -> None:
+def measure(acc, model, optimizer, vocab: int, seq_len: int, baseline: dict, before_step=None) -> dict[str, dict]:
+    """Two optimizer steps of GAS_STEPS micro-batches; during the second, the bytes alive (less ``baseline``) after the
+    no_sync micro-step's backward and just before the optimizer step, by label; ``before_step`` is called there too
+    (the EP probe reads its expert states)."""
     import torch
     from ds_memory_probe import settled
+
+    snapshots: dict[str, dict] = {}
+
+    def snapshot(name: str) -> None:
+        live_now, passing = settled(lambda: live(model))
+        held = {ptr: v for ptr, v in live_now.items() if ptr not in baseline}
+        names = labels(model, optimizer)
+        by_label: dict[str, int] = {}
+        for ptr, (nbytes, _) in held.items():
+            label = names.get(ptr, "other")
+            by_label[label] = by_label.get(label, 0) + nbytes
+        snapshots[name] = {"bytes": sum(n for n, _ in held.values()), "by_label": by_label, "passing": passing,
+                           "unsharded_grads": unsharded_grads(model)}
+
+    generator = torch.Generator().manual_seed(acc.process_index)
+    for step in range(2):
+        for _ in range(GRAD_ACCUM_STEPS):
+            ids = torch.randint(0, vocab, (MICRO_BATCH_SIZE, seq_len), generator=generator)
+            with acc.accumulate(model):
+                loss = model(input_ids=ids, labels=ids).loss
+                acc.backward(loss)
+                del loss
+                if step == 1 and not acc.sync_gradients:
+                    snapshot("after_no_sync_backward")
+                if step == 1 and acc.sync_gradients:
+                    snapshot("before_optimizer_step")
+                    if before_step is not None:
+                        before_step()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    return snapshots
+
+
+def write_result(acc, out_dir: Path, result: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"rank{acc.process_index}.json").write_text(json.dumps(result))
+    acc.end_training()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def main() -> None:
+    import torch
 
     from pretrain.distributed.accelerator import build_accelerator, model_placement
     from pretrain.distributed.layout import Launch
@@ -129,40 +175,9 @@ def main() -> None:
                         shard=placement.shard)
     num_params = count_parameters(model)
     model, optimizer = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    snapshots: dict[str, dict] = {}
-
-    def snapshot(name: str) -> None:
-        live_now, passing = settled(lambda: live(model))
-        held = {ptr: v for ptr, v in live_now.items() if ptr not in baseline}
-        names = labels(model, optimizer)
-        by_label: dict[str, int] = {}
-        for ptr, (nbytes, _) in held.items():
-            label = names.get(ptr, "other")
-            by_label[label] = by_label.get(label, 0) + nbytes
-        snapshots[name] = {"bytes": sum(n for n, _ in held.values()), "by_label": by_label, "passing": passing,
-                           "unsharded_grads": unsharded_grads(model)}
-
-    generator = torch.Generator().manual_seed(acc.process_index)
-    for step in range(2):
-        for _ in range(GRAD_ACCUM_STEPS):
-            ids = torch.randint(0, vocab, (MICRO_BATCH_SIZE, recipe.data.seq_len), generator=generator)
-            with acc.accumulate(model):
-                loss = model(input_ids=ids, labels=ids).loss
-                acc.backward(loss)
-                del loss
-                if step == 1 and not acc.sync_gradients:
-                    snapshot("after_no_sync_backward")
-                if step == 1 and acc.sync_gradients:
-                    snapshot("before_optimizer_step")
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-    result = {"num_params": num_params, "dtype": dtype, "reduce_dtype": recipe.precision.reduce_dtype,
-              "snapshots": snapshots}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"rank{acc.process_index}.json").write_text(json.dumps(result))
-    acc.end_training()
-    sys.stdout.flush()
-    os._exit(0)
+    snapshots = measure(acc, model, optimizer, vocab, recipe.data.seq_len, baseline)
+    write_result(acc, out_dir, {"num_params": num_params, "dtype": dtype, "reduce_dtype": recipe.precision.reduce_dtype,
+                                "snapshots": snapshots})
 
 
 if __name__ == "__main__":

@@ -172,6 +172,30 @@ def _breakdown(results: list[dict], point: str) -> str:
                      for rank, r in enumerate(results))
 
 
+def _states_against_estimate(results: list[dict], est, total: bool = False) -> tuple[list[list], list[list]]:
+    """Each FSDP probe rank's parameters, gradients and optimizer states (``total``: and their sum) after the no_sync
+    backward and before the optimizer step, against the estimate's terms of that phase: the table's rows, and those
+    more than 1% off."""
+    rows, bad = [], []
+    for rank, result in enumerate(results):
+        for point, phase in (("after_no_sync_backward", "backward"), ("before_optimizer_step", "step")):
+            by_label = result["snapshots"][point]["by_label"]
+            measured = {"params": by_label["params (fp32 shards)"], "optimizer": by_label["optimizer states"],
+                        "grads": sum(v for k, v in by_label.items() if "grads" in k)}
+            expected = {"params": est.terms["params"].bytes, "optimizer": est.terms["optimizer"].bytes,
+                        "grads": est.terms["grads"].at(phase)}
+            if total:
+                measured["params + grads + optimizer"] = sum(measured.values())
+                expected["params + grads + optimizer"] = sum(expected.values())
+            for term in measured:
+                error = expected[term] / measured[term] - 1
+                row = [rank, point, term, f"{measured[term]:,}", f"{expected[term]:,}", f"{error:+.2%}"]
+                rows.append(row)
+                if abs(error) > 0.01:
+                    bad.append([*row, _breakdown(results, point)])
+    return rows, bad
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -354,20 +378,7 @@ def test_tp_model_states_match_estimate(tmp_path):
     whole = memory.estimate_shape(shape, workload, Launch("fsdp", gpus_per_node=2, fsdp_sharding="FULL_SHARD"),
                                   device="cpu")
     assert est.terms["params"].bytes < whole.terms["params"].bytes
-    rows, bad = [], []
-    for rank, result in enumerate(results):
-        for point, phase in (("after_no_sync_backward", "backward"), ("before_optimizer_step", "step")):
-            by_label = result["snapshots"][point]["by_label"]
-            measured = {"params": by_label["params (fp32 shards)"], "optimizer": by_label["optimizer states"],
-                        "grads": sum(v for k, v in by_label.items() if "grads" in k)}
-            expected = {"params": est.terms["params"].bytes, "optimizer": est.terms["optimizer"].bytes,
-                        "grads": est.terms["grads"].at(phase)}
-            for term in measured:
-                error = expected[term] / measured[term] - 1
-                row = [rank, point, term, f"{measured[term]:,}", f"{expected[term]:,}", f"{error:+.2%}"]
-                rows.append(row)
-                if abs(error) > 0.01:
-                    bad.append([*row, _breakdown(results, point)])
+    rows, bad = _states_against_estimate(results, est)
     table = _print_table("TP 2 x FSDP 2 model states per rank (4 ranks, GAS 2, fp32): measured vs estimated",
                          ["rank", "at", "term", "measured B", "estimated B", "error"], rows)
     assert len(rows) == 24
@@ -431,22 +442,7 @@ def test_ep_model_states_match_estimate(tmp_path):
     ep_block = shape.num_experts * 3 * shape.hidden_size * shape.intermediate_size
     assert (plain.terms["grads"].at("backward") - est.terms["grads"].at("backward")
             == 4 * shape.num_layers * ep_block * (ep - 1) // ep)
-    rows, bad = [], []
-    for rank, result in enumerate(results):
-        for point, phase in (("after_no_sync_backward", "backward"), ("before_optimizer_step", "step")):
-            by_label = result["snapshots"][point]["by_label"]
-            measured = {"params": by_label["params (fp32 shards)"], "optimizer": by_label["optimizer states"],
-                        "grads": sum(v for k, v in by_label.items() if "grads" in k)}
-            measured["params + grads + optimizer"] = sum(measured.values())
-            expected = {"params": est.terms["params"].bytes, "optimizer": est.terms["optimizer"].bytes,
-                        "grads": est.terms["grads"].at(phase)}
-            expected["params + grads + optimizer"] = sum(expected.values())
-            for term in measured:
-                error = expected[term] / measured[term] - 1
-                row = [rank, point, term, f"{measured[term]:,}", f"{expected[term]:,}", f"{error:+.2%}"]
-                rows.append(row)
-                if abs(error) > 0.01:
-                    bad.append([*row, _breakdown(results, point)])
+    rows, bad = _states_against_estimate(results, est, total=True)
     table = _print_table("EP 2 x FSDP2 model states per rank (2 ranks, GAS 2, fp32): measured vs estimated",
                          ["rank", "at", "term", "measured B", "estimated B", "error"], rows)
     assert len(rows) == 16
