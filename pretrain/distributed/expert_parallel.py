@@ -39,19 +39,33 @@ EP_IMPLEMENTATION = "all_to_all"
 """transformers' token exchange (``EPImplementationInterface``): in training every rank holds its own batch."""
 
 
+def transformers_problem(ep_size: int) -> str | None:
+    """Why this environment's transformers cannot run expert parallelism (None: it can), found without importing it
+    (the planner answers in well under two seconds): its ``distributed/expert_parallel.py``."""
+    from importlib.metadata import PackageNotFoundError, version
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    spec = find_spec("transformers")
+    if spec is not None and spec.origin and (Path(spec.origin).parent / "distributed" / "expert_parallel.py").is_file():
+        return None
+    try:
+        installed = version("transformers")
+    except PackageNotFoundError:
+        installed = "none"
+    return (f"model.moe.ep_size = {ep_size} needs transformers' expert parallelism (transformers.distributed."
+            f"expert_parallel, verified with transformers 5.24); this environment has transformers {installed}: "
+            "upgrade it, or set model.moe.ep_size=1")
+
+
 def ep_plan_problem(config: Any, arch: str, ep_size: int) -> str | None:
     """Why this architecture cannot run expert parallel in this environment (None: it can). ``config`` is its
     transformers config."""
     if ep_size <= 1:
         return None
-    try:
-        from transformers.distributed import expert_parallel  # noqa: F401
-    except ImportError:
-        import transformers
-
-        return (f"model.moe.ep_size = {ep_size} needs transformers' expert parallelism (transformers.distributed."
-                f"expert_parallel, verified with transformers 5.24); this environment has transformers "
-                f"{transformers.__version__}: upgrade it, or set model.moe.ep_size=1")
+    problem = transformers_problem(ep_size)
+    if problem:
+        return problem
     plan = getattr(config, "base_model_ep_plan", None) or {}
     if "ep_dispatch_experts" not in plan.values():
         return (f"model.arch = {arch} has no expert-parallel plan with a token dispatch in transformers (its config's "

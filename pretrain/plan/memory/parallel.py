@@ -247,32 +247,13 @@ def expert_parallel(shape: ModelShape, size: int) -> ExpertParallel | None:
     if shape.num_experts % size:
         raise ConfigError(f"model.moe.ep_size ({size}) must divide model.moe.num_experts ({shape.num_experts}): every "
                           "expert-parallel rank holds the same number of whole experts")
-    problem = ep_environment_problem(size)
+    from pretrain.distributed.expert_parallel import transformers_problem
+
+    problem = transformers_problem(size)  # the launch's own refusal (the architecture's plan: every MOE_ARCHS has one)
     if problem:
         raise ConfigError(problem)
     expert_block = shape.num_experts * 3 * shape.hidden_size * shape.intermediate_size
     return ExpertParallel(size, shape.num_experts, expert_block, shape.num_layers)
-
-
-def ep_environment_problem(size: int) -> str | None:
-    """Why this environment's transformers cannot run expert parallelism (None: it can), found without importing it
-    (the planner answers in well under two seconds): its ``distributed/expert_parallel.py``, which the launch imports
-    (pretrain.distributed.expert_parallel.ep_plan_problem, which also checks the architecture's plan: every
-    architecture in pretrain.recipe.shape.MOE_ARCHS has one in transformers 5.24)."""
-    from importlib.metadata import PackageNotFoundError, version
-    from importlib.util import find_spec
-    from pathlib import Path
-
-    spec = find_spec("transformers")
-    if spec is not None and spec.origin and (Path(spec.origin).parent / "distributed" / "expert_parallel.py").is_file():
-        return None
-    try:
-        installed = version("transformers")
-    except PackageNotFoundError:
-        installed = "none"
-    return (f"model.moe.ep_size = {size} needs transformers' expert parallelism (transformers.distributed."
-            f"expert_parallel, verified with transformers 5.24); this environment has transformers {installed}: "
-            "upgrade it, or set model.moe.ep_size=1")
 
 
 def all_to_all_bytes(shape: ModelShape, tokens: int, precision_bytes: int) -> int:
