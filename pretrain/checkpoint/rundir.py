@@ -5,6 +5,11 @@ this module reads are the constants below.
 
 One rule for ``metrics.jsonl``: a last line that is not complete JSON was cut off by a killed run and is
 skipped; any other line that is not a JSON object with an integer ``step`` means the file is damaged.
+The logs a run appends to grow with its steps (``metrics.jsonl``: ~2 KB a logged step, gigabytes at 1e6 steps), so
+nothing here reads one whole into memory: ``iter_metrics`` streams it a line at a time (a plot, which needs every
+point), and ``read_tail`` reads from the end in fixed blocks only the lines asked for (the last K, those after a
+step: a resume's and a rollback's rewind, ``pretrain-slurm status``). Lines are in step order: every resume and
+rollback drops the later steps before the run appends again (``tracking.JSONLTracker``).
 A checkpoint is complete when its ``trainer_state.json`` reads; the newest is found through ``latest``,
 else by the step recorded inside each (never by folder name).
 """
@@ -13,6 +18,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,30 +39,168 @@ ROLLBACKS_FILE = "rollbacks.jsonl"
 LAUNCHES_FILE = "launches.jsonl"
 
 
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Every record of ``<run_dir>/metrics.jsonl`` in file order ([] when the file does not exist yet)."""
+TAIL_BLOCK = 1 << 20  # bytes read at a time from a log's end: the reader's memory, whatever the file's size
+
+
+def _damaged(path: Path, where: str, what: str) -> ConfigError:
+    return ConfigError(f"{path}:{where} is not JSON ({what}); the file is damaged")
+
+
+def _metrics_record(path: Path, where: str, record: Any) -> dict[str, Any]:
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+        raise ConfigError(f"{path}:{where}: expected a JSON object with an integer 'step'")
+    return record
+
+
+def _not_utf8(path: Path, byte: int) -> ConfigError:
+    return ConfigError(f"{path} is not UTF-8 text (byte {byte:,}): not a metrics file a run wrote, or damaged")
+
+
+def iter_metrics(run_dir: str | Path) -> Iterator[dict[str, Any]]:
+    """Every record of ``<run_dir>/metrics.jsonl`` in file order, streamed: one line in memory at a time (nothing
+    when the file does not exist yet)."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
-        return []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path} is not UTF-8 text (byte {exc.start:,}): not a metrics file a run wrote, or "
-                          "damaged") from None
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if number == len(lines):
-                continue  # cut off mid-write by a killed run
-            raise ConfigError(f"{path}:{number} is not JSON ({exc.msg}); the file is damaged") from None
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise ConfigError(f"{path}:{number}: expected a JSON object with an integer 'step'")
-        records.append(record)
-    return records
+        return
+    with open(path, "rb") as f:
+        offset, torn = 0, None  # torn: a line that is not JSON, damage unless it is the last
+        for number, raw in enumerate(f, start=1):
+            if torn is not None:
+                raise _damaged(path, str(torn[0]), torn[1])
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise _not_utf8(path, offset + exc.start) from None
+            offset += len(raw)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                torn = (number, exc.msg)  # the last line, cut off mid-write by a killed run, is skipped
+                continue
+            yield _metrics_record(path, str(number), record)
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every record of ``<run_dir>/metrics.jsonl`` in file order ([] when the file does not exist yet). For a short
+    run's file (a sweep's, a test's): a long run's is streamed (``iter_metrics``) or read from the end
+    (``read_tail``)."""
+    return list(iter_metrics(run_dir))
+
+
+@dataclass(frozen=True)
+class Tail:
+    """What ``read_tail`` read from a JSON-lines file's end."""
+
+    records: list[dict[str, Any]]  # oldest first
+    offset: int  # the byte where the lines returned start: the file cut here keeps exactly the lines before them
+    ends_line: bool  # whether the bytes before ``offset`` end with a newline (or are none)
+    bytes_read: int  # what it cost
+
+
+class _Counted:
+    """A binary file's seek and read, counting the bytes read (``Tail.bytes_read``)."""
+
+    def __init__(self, f):
+        self.f, self.bytes_read = f, 0
+
+    def seek(self, offset: int) -> None:
+        self.f.seek(offset)
+
+    def read(self, n: int) -> bytes:
+        data = self.f.read(n)
+        self.bytes_read += len(data)
+        return data
+
+
+def _lines_from_end(f, size: int, block: int) -> Iterator[tuple[int, bytes]]:
+    """(offset, line without its newline) of each line of ``f[:size]``, the last first, read backwards ``block`` bytes
+    at a time: memory is one block and the longest line, time the lines yielded (not the file)."""
+    end, carry = size, b""  # carry: the start of a line whose beginning is in a block not read yet
+    while end > 0:
+        start = max(end - block, 0)
+        f.seek(start)
+        data = f.read(end - start) + carry
+        lines = data.split(b"\n")
+        carry = lines[0]  # may begin before ``start``
+        position = start + len(data)
+        for line in reversed(lines[1:]):
+            position -= len(line)
+            yield position, line
+            position -= 1  # its newline
+        end = start
+    yield 0, carry
+
+
+def read_tail(path: str | Path, *, last: int | None = None, after_step: int | None = None,
+              select: Callable[[dict[str, Any]], bool] | None = None, metrics: bool = True,
+              block: int | None = None) -> Tail:
+    """Records of a JSON-lines file a run appends to, read from its end (the run directory's one way to read a long
+    log): the last ``last`` records (those ``select`` keeps, when given), and/or every record after step
+    ``after_step`` (lines are in step order: reading stops at the first, from the end, at or before it). The rules of
+    ``read_metrics``: blank lines are skipped, a last line that is not complete JSON (a killed run's) is not a record,
+    any other line that is not JSON is damage; with ``metrics`` every record must have an integer ``step``. Reads
+    ``block`` bytes (default ``TAIL_BLOCK``) at a time: memory is bounded by the block (and the longest line), time by the lines read."""
+    path = Path(path)
+    if last is None and after_step is None:
+        raise ValueError("read_tail: give last or after_step (a whole file is read by streaming it)")
+    if after_step is not None and not metrics:
+        raise ValueError("read_tail: after_step reads records with a step (metrics=True)")
+    if (last is not None and last <= 0) or not path.is_file():
+        size = path.stat().st_size if path.is_file() else 0
+        return Tail([], size, True, 0)
+
+    block = block or TAIL_BLOCK
+    with open(path, "rb") as raw:
+        size = os.fstat(raw.fileno()).st_size
+        f = _Counted(raw)
+        records: list[dict[str, Any]] = []
+        offset, newest = size, True  # newest: no complete line seen yet from the end (the torn line's place)
+        for start, line in _lines_from_end(f, size, block):
+            if not line.strip():
+                continue
+            end_of_line = start + len(line)
+            try:
+                record = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                if newest:
+                    newest = False
+                    offset = start
+                    continue  # a torn last line, as below (a crash can leave any bytes in a file's last block)
+                raise _not_utf8(path, start + exc.start) from None
+            except json.JSONDecodeError as exc:
+                if newest:
+                    newest = False
+                    offset = start  # cut off mid-write by a killed run: never a record, dropped with what follows
+                    continue
+                raise _damaged(path, f"byte {start:,}", exc.msg) from None
+            newest = False
+            if metrics:
+                _metrics_record(path, f"byte {start:,}", record)
+            if after_step is not None and record["step"] <= after_step:
+                # the first record to keep: the cut goes right after its line (its newline, if it has one)
+                offset = min(end_of_line + 1, size)
+                break
+            if select is None or select(record):
+                records.append(record)
+            offset = start
+            if last is not None and len(records) >= last:
+                break
+        else:
+            offset = 0 if after_step is not None else offset  # every line read: nothing before them is kept
+        ends_line = True
+        if offset > 0:
+            raw.seek(offset - 1)
+            ends_line = raw.read(1) == b"\n"
+    records.reverse()
+    return Tail(records, offset, ends_line, f.bytes_read)
+
+
+def metrics_tail(run_dir: str | Path, *, last: int | None = None, after_step: int | None = None,
+                 select: Callable[[dict[str, Any]], bool] | None = None) -> Tail:
+    """``read_tail`` of ``<run_dir>/metrics.jsonl``."""
+    return read_tail(Path(run_dir) / METRICS_FILE, last=last, after_step=after_step, select=select)
 
 
 def read_run_config(run_dir: str | Path) -> dict[str, Any] | None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from accelerate.tracking import GeneralTracker, TensorBoardTracker, WandBTracker, on_main_process
 
-from pretrain.checkpoint.rundir import METRICS_FILE, RUN_CONFIG_FILE, read_metrics
+from pretrain.checkpoint.rundir import METRICS_FILE, RUN_CONFIG_FILE, metrics_tail
 from pretrain.recipe.config import Recipe
 
 
@@ -74,11 +74,34 @@ class JSONLTracker(GeneralTracker):
         self._file = open(self.path, "a", buffering=1, encoding="utf-8")
 
     def _keep_until(self, step: int) -> None:
-        if self.path.exists():
-            kept = [r for r in read_metrics(self.path.parent) if r["step"] <= step]
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            os.replace(tmp, self.path)
+        """Drop the lines of steps after ``step`` (and a torn last line), in place from the file's end.
+
+        The lines are in step order (every resume and rollback comes through here before the run appends again), so
+        the lines to drop are the file's last ones: ``metrics_tail`` reads back from the end, in fixed blocks, to the
+        first line at or before ``step``, and the file is cut right after it. Memory is one block, time the lines
+        dropped: a rewind of a 1e6-step run does not read its gigabytes (rewriting the file read it whole, minutes on
+        rank 0 while the other ranks wait in a collective). The lines kept are the bytes the run wrote, untouched:
+        what the former rewrite (``json.dumps`` of each record read back) gave for any file a run wrote.
+
+        Why a crash cannot lose a kept line: the kept bytes are made durable first (fsync), and a truncate only
+        removes bytes past the cut, never rewrites one before it; it is one metadata change, so after a crash the
+        file has its old length or the new one (at worst the dropped lines are still there, and the next resume,
+        which comes through here, drops them again). A step below 0 (a fresh run) keeps nothing without reading.
+        """
+        if not self.path.exists():
+            return
+        offset, ends_line = 0, True
+        if step >= 0:
+            tail = metrics_tail(self.path.parent, after_step=step)
+            offset, ends_line = tail.offset, tail.ends_line
+        with open(self.path, "r+b") as f:
+            os.fsync(f.fileno())  # what is kept is on disk before anything is dropped
+            f.truncate(offset)
+            if not ends_line:  # a kept last line that lost its newline to the kill: the next line starts apart
+                f.seek(offset)
+                f.write(b"\n")
+                f.flush()
+            os.fsync(f.fileno())
 
     @on_main_process
     def rewind(self, step: int) -> None:
