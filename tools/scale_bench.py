@@ -13,8 +13,8 @@ process of its own so that the measured process touches nothing big before the c
 
 Each (path, size) is measured in a fresh interpreter (this file re-invoked with ``--one PATH SIZE``): the module is
 imported, the peak-RSS mark reset to the current RSS (``/proc/self/clear_refs``) where Linux allows, then the call is
-timed (``time.perf_counter``) and its memory is the growth of ``ru_maxrss`` (a high-water mark) over its value
-right before the call. The child prints one JSON line; the parent fits ``value ~ size^k`` by least squares on
+timed (``time.perf_counter``) and its memory is the growth of the peak RSS (a high-water mark: VmHWM, else
+``ru_maxrss``, see peak_rss) over its value right before the call. The child prints one JSON line; the parent fits ``value ~ size^k`` by least squares on
 log-log over the three points (time above a 1 ms floor, memory above 1 MiB: a value below its floor counts as the
 floor, so a path under it everywhere is "bounded"), extrapolates from the largest measured point to the target
 size with that exponent, and prints a markdown table. ``--write`` puts it, with the command, the date and the
@@ -149,7 +149,7 @@ def load(spec: str):
 
 
 def reset_peak() -> bool:
-    """Lower the peak-RSS mark (ru_maxrss, VmHWM) to the current RSS (Linux >= 4.0; False where not allowed)."""
+    """Lower the peak-RSS mark (VmHWM) to the current RSS (Linux >= 4.0; False where not allowed)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -166,9 +166,19 @@ def current_rss() -> int | None:
         return None
 
 
-def maxrss_bytes() -> int:
+def peak_rss() -> tuple[int, str]:
+    """The process's peak RSS in bytes, and where it was read. Linux: VmHWM, this address space's own high-water
+    mark. ru_maxrss is the larger of that and the peak of the image exec replaced, which for a child started by
+    fork or vfork is its parent's: under a parent of 300 MB, no call below 300 MB would show any growth."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024, "VmHWM"
+    except (OSError, ValueError, IndexError):
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # KiB on Linux, bytes on macOS
+    return (peak if sys.platform == "darwin" else peak * 1024), "ru_maxrss"  # KiB on Linux, bytes on macOS
 
 
 def one(name: str, spec: str, size: int, workdir: Path, prepare_only: bool) -> dict:
@@ -191,14 +201,14 @@ def one(name: str, spec: str, size: int, workdir: Path, prepare_only: bool) -> d
                     "error": "prepare: " + last_line(proc.stderr or proc.stdout)}
     gc.collect()
     reset = reset_peak()
-    rss_before, before = current_rss(), maxrss_bytes()
+    rss_before, (before, source) = current_rss(), peak_rss()
     start = time.perf_counter()
     counters = fn(size, workdir)
     seconds = time.perf_counter() - start
-    after = maxrss_bytes()
+    after, _ = peak_rss()
     return {"path": name, "size": size, "status": "ok", "seconds": seconds, "rss_growth": max(after - before, 0),
-            "maxrss_before": before, "maxrss_after": after, "rss_before": rss_before, "peak_reset": reset,
-            "counters": counters if isinstance(counters, dict) else {}}
+            "peak_before": before, "peak_after": after, "peak_source": source, "rss_before": rss_before,
+            "peak_reset": reset, "counters": counters if isinstance(counters, dict) else {}}
 
 
 def last_line(text: str) -> str:
