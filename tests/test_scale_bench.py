@@ -17,6 +17,7 @@ from tools.scale_bench import (
     ROWS,
     Result,
     ScalePath,
+    counters_lines,
     extrapolate,
     fit_exponent,
     main,
@@ -82,6 +83,10 @@ def test_table():
         " | 1.00 | 1.00 | 10,000 | 10.00 s | 9.77 GiB | time grows as size^1.00; memory grows as size^1.00 |" == table[2]
     assert "bounded (< 1 ms)" in table[3] and "bounded (< 1 MiB)" in table[3] and table[3].endswith("| bounded |")
     assert table[4].endswith("| not available: no module tools.x |")
+    linear.points[0]["counters"] = {"stats": 3}
+    linear.points[2]["counters"] = {"stats": 30_000, "bytes_read": 4096}
+    assert counters_lines([linear, flat, missing]) == [
+        "- `linear` at 10 / 100 / 1,000: stats 3 / - / 30,000; bytes_read - / - / 4,096"]
 
 
 DOC = """# Performance

@@ -347,13 +347,22 @@ def render_table(results: list[Result]) -> str:
 
 
 def counters_lines(results: list[Result]) -> list[str]:
+    """One line per path that returned counters: each counter's values at the sizes measured."""
     out = []
     for r in results:
-        for p in r.points:
-            if p.get("counters"):
-                items = ", ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}" for k, v in p["counters"].items())
-                out.append(f"- `{r.path.name}` at {fmt_size(p['size'])}: {items}")
+        points = [p for p in r.points if p["status"] == "ok"]
+        names = list(dict.fromkeys(k for p in points for k in p.get("counters") or {}))
+        if names:
+            values = ["{} {}".format(k, " / ".join(fmt_counter((p.get("counters") or {}).get(k)) for p in points))
+                      for k in names]
+            out.append(f"- `{r.path.name}` at {' / '.join(fmt_size(p['size']) for p in points)}: {'; '.join(values)}")
     return out
+
+
+def fmt_counter(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,}" if isinstance(value, int) else f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 # ---- docs/performance.md --------------------------------------------------------------------------
