@@ -82,6 +82,7 @@ def train(args: list[str]) -> tuple[object, str]:
     import torch
     from accelerate.state import AcceleratorState, GradientState
 
+    from pretrain.errors import TrainingDiverged
     from pretrain.recipe.config import load_recipe
     from pretrain.train.trainer import Trainer
 
@@ -90,7 +91,10 @@ def train(args: list[str]) -> tuple[object, str]:
     try:
         with contextlib.redirect_stdout(console), contextlib.redirect_stderr(console):
             trainer = Trainer(load_recipe(ROOT / "recipes" / "tiny.yaml", args))
-            trainer.train()
+            try:
+                trainer.train()
+            except TrainingDiverged as exc:  # rollback gave up (max_attempts): the trial says so, the others go on
+                trainer.gave_up = str(exc)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
@@ -119,7 +123,8 @@ def trial(work: Path, seed: int, documents: bool) -> dict:
     corpus, text = write_corpus(work / "corpus", seed)
     common = [*ARGS, f"data.source={corpus}", f"data.cache_dir={work / 'cache'}", f"train.seed={seed}"]
     trainer, console = train([*common, f"output_dir={work / 'window'}"])
-    result = {"seed": seed, "rolled_back": (work / "window" / "rollbacks.jsonl").is_file()}
+    result = {"seed": seed, "rolled_back": (work / "window" / "rollbacks.jsonl").is_file(),
+              "gave_up": hasattr(trainer, "gave_up")}
     poison = poison_document(trainer, text)
     scores = sorted((work / "window" / "rollback_scores").glob("rollback-*.jsonl"))
     ranks = []
@@ -158,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result), flush=True)
     top3 = sum(1 for r in results if r["poison_rank"] is not None and r["poison_rank"] <= 3)
     rolled = sum(1 for r in results if r["rolled_back"])
+    gave_up = sum(1 for r in results if r["gave_up"])
     print(f"rolled back: {rolled}/{len(results)} trials; poison in the top 3 of the ranking: {top3}/{len(results)} "
-          f"= {top3 / len(results):.0%}")
+          f"= {top3 / len(results):.0%}; rollback gave up (max_attempts) in {gave_up}")
     if args.documents:
         quarantined = sum(1 for r in results if r.get("quarantined"))
         finite = sum(1 for r in results if math.isfinite(r["loss_documents"]))

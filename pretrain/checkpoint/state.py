@@ -69,10 +69,13 @@ class RunState:
 
     def load_state_dict(self, states: dict[str, Any]) -> None:
         """Each part its saved state, in registration order. A part the checkpoint has no state for (it was saved
-        before the part existed) keeps the state it was built with, and says so."""
+        before the part existed) keeps the state it was built with, and says so; unless the part says what such a
+        checkpoint meant (``state_when_absent``: the sample order's version 1)."""
         for name, part in self.parts.items():
             if name in states:
                 part.load_state_dict(states[name])
+            elif getattr(part, "state_when_absent", None) is not None:
+                part.load_state_dict(part.state_when_absent)
             else:
                 self.log(f"resume: the checkpoint holds no {name!r} state (saved by an older pretrain): it starts "
                          "afresh")

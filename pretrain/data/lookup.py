@@ -26,8 +26,9 @@ from typing import Any
 import numpy as np
 
 from pretrain.data import MixtureData, PackedData, open_store
-from pretrain.data.loader import RankBatchSampler, build_train_loader, data_horizon, removals_of
+from pretrain.data.loader import RankBatchSampler, build_train_loader
 from pretrain.data.mixture import SINGLE, MixtureRows, data_changes, data_identity
+from pretrain.data.order import ORDER_VERSION, data_horizon, removals_of, steps_reading
 from pretrain.data.provenance import (
     NO_PROVENANCE,
     document_rows,
@@ -98,7 +99,7 @@ class RunData:
 
     def __init__(self, run_dir: Path, recipe: Recipe, plan: BatchPlan, num_steps: int, data: PackedData | MixtureData,
                  early_plan: BatchPlan | None, resume_step: int, rollbacks: list[dict[str, Any]],
-                 launches: list[dict[str, Any]] = ()):
+                 launches: list[dict[str, Any]] = (), order_version: int = ORDER_VERSION):
         self.run_dir, self.recipe, self.plan, self.num_steps, self.data = run_dir, recipe, plan, num_steps, data
         self.early_plan, self.resume_step = early_plan, resume_step
         # (from_step, plan) of each launch, oldest first: step s ran on the last one that started before it
@@ -107,7 +108,7 @@ class RunData:
         # The run's own construction of the loader: the dataset it reads and the order behind its batch sampler.
         # What rollbacks (stability.rollback) and data.exclude left out is left out here too.
         loader, self.order = build_train_loader(data, recipe.data, plan, 0, recipe.train.seed, 0, pin_memory=False,
-                                                skipped=removals_of(rollbacks))
+                                                skipped=removals_of(rollbacks), order_version=order_version)
         # data.on_exhausted=stop ends a run before its horizon, at the step training itself computes
         stop_step, _ = data_horizon(self.order, num_steps, recipe.data.on_exhausted)
         self.num_steps = stop_step if stop_step is not None else num_steps
@@ -126,8 +127,10 @@ class RunData:
         early_plan, resume_step = _early_plan(config, plan, record.checkpoint_plans)
         data = _open_stores(record.recipe, config)
         _check_trained_on(record, data)
+        # the run's sample order (run_config.json's data/order since it was recorded; a run begun before: numpy's)
+        order_version = int(config.get("data/order/version") or 1)
         return cls(record.run_dir, record.recipe, plan, num_steps, data, early_plan, resume_step, record.rollbacks,
-                   record.launches)
+                   record.launches, order_version)
 
     # ---- step -> sequences --------------------------------------------------------------------------------
 
@@ -249,7 +252,8 @@ class RunData:
 
     def document_reads(self, document: str) -> tuple[range, list[SequenceRead]]:
         """(The rows of its source that hold the document (``resolve_document``'s forms), every read of them in
-        steps 1..num_steps.) Scans the run's steps through the order, so it costs one global batch per step."""
+        steps 1..num_steps.) The steps are those the rows' positions in the order fall in (``order.steps_reading``:
+        inverted permutations, not one global batch per step)."""
         source, file, index = self.resolve_document(document)
         part = self.names.index(source)
         try:
@@ -258,9 +262,8 @@ class RunData:
             raise ConfigError(f"--document {document}: source {source!r}: {exc}") from None
         wanted = np.arange(rows.start, rows.stop, dtype=np.int64) + int(self.offsets[part])
         reads = []
-        for step in range(1, self.num_steps + 1):
-            if len(wanted) and np.isin(self.order.global_batch(step - 1), wanted).any():
-                reads += [s for s in self.sequences(step) if s.source == source and s.row in rows]
+        for step in steps_reading(self.order, wanted, self.num_steps).tolist() if len(wanted) else []:
+            reads += [s for s in self.sequences(step + 1) if s.source == source and s.row in rows]
         return rows, reads
 
 

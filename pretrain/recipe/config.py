@@ -680,7 +680,15 @@ class EvalConfig(Section):
 
     every_steps: int = Field(0, ge=0, description="Evaluate every N optimizer steps; 0 = only at start and end.")
     batches: int = Field(
-        0, ge=0, description="Validation global batches (GBS sequences each) per evaluation; 0 = the whole split."
+        0, ge=0, description="Validation global batches (GBS sequences each) per evaluation; 0 = as many as "
+        "eval.tokens allows."
+    )
+    tokens: int = Field(
+        10_485_760, ge=0,
+        description="Validation tokens per evaluation when eval.batches is 0: whole global batches (at least one), "
+        "the whole split if it is smaller. A budget, not a fraction: data.val_fraction of a 15T-token corpus is "
+        "750B tokens. 10,485,760 = 2,560 rows of 4,096 tokens, what recipes/gpt2-124m.yaml evaluates. 0 = the "
+        "whole validation split every time.",
     )
     at_start: bool = Field(True, description="Evaluate the untrained model at step 0 (logged like the others).")
     tasks: list[EvalTaskConfig] = Field(

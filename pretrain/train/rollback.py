@@ -30,7 +30,7 @@ from typing import Any
 
 from pretrain.checkpoint.resume import ResumeChoice
 from pretrain.checkpoint.rundir import ROLLBACKS_FILE, append_record, read_rollbacks, timeline_rollbacks
-from pretrain.data.loader import FilteredOrder, removals_of
+from pretrain.data.order import FilteredOrder, removals_of
 from pretrain.data.quarantine import QUARANTINE_FILE, add_entries, document_samples, entry
 from pretrain.distributed.agreement import from_rank0
 from pretrain.errors import TrainingDiverged

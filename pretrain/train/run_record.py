@@ -71,7 +71,9 @@ def run_config(trainer: Trainer) -> dict[str, Any]:
         "loss": {"implementation": trainer.parts.loss_implementation},  # model.loss as resolved (auto: liger or chunked)
         "memory": {"estimated_gib": memory.total_gib if memory else None,
                    "estimated_tensors_gib": memory.tensor_peak_gib if memory else None},
-        "data": trainer.data.stats,
+        # the token stores' counts, and the sample order this run reads (order.SampleOrderVersion: a run begun before
+        # the keyed order keeps numpy's)
+        "data": {**trainer.data.stats, "order": trainer.order_version.state_dict()},
         "train": {"num_steps": trainer.num_steps, "lr": trainer.lr},
         # A resume: the checkpoint, its step, the recipe changes applied (checkpoint.APPLIED_ON_RESUME) and the
         # lr in force at that step (this recipe's schedule, not the checkpoint's).

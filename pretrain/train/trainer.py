@@ -33,6 +33,7 @@ from pretrain.checkpoint.rundir import latest_checkpoint
 from pretrain.checkpoint.state import RunState, Stateful, TrainerState, TrainProgress
 from pretrain.data import data_identity, ensure_data, open_data
 from pretrain.data.loader import TrainData, document_masking
+from pretrain.data.order import SampleOrderVersion
 from pretrain.data.quarantine import resolve_exclude
 from pretrain.distributed.accelerator import build_accelerator, check_shared_output_dir
 from pretrain.distributed.layout import Launch
@@ -65,8 +66,7 @@ class Trainer:
         its own for the loop). ``started``: when the attempt started, for its goodput (run.py: the process's start,
         imports included); else now."""
         started = time.time() if started is None else started
-        self.recipe, self.output_dir = recipe, Path(recipe.output_dir)
-        self.stop = stop
+        self.recipe, self.output_dir, self.stop = recipe, Path(recipe.output_dir), stop
         self.launch = (launch or Launch.from_env()).for_recipe(recipe)
         self.is_main = self.launch.is_main
         self.console = Console(recipe.logging.progress, enabled=self.is_main)
@@ -110,8 +110,7 @@ class Trainer:
             self.data = open_data(recipe.data, log=self.log, prepare_command=prepare_command)
         self.tokenizer = self.data.tokenizer
         self.parts = build_model_parts(recipe, run_plan, self.accelerator, self.setup, len(self.tokenizer),
-                                       pretrained=init_from, log=self.log,
-                                       log_every_rank=self.log_every_rank)
+                                       pretrained=init_from, log=self.log, log_every_rank=self.log_every_rank)
         self.model, self.optimizer, self.scheduler = self.parts.model, self.parts.optimizer, self.parts.scheduler
         self.final_model = (FinalModel(self.accelerator, recipe, self.tokenizer, self.parts.config, self.log)
                             if recipe.checkpoint.save_final_model else None)
@@ -133,6 +132,7 @@ class Trainer:
         # data.exclude's lists read now (one ConfigError before training); a resume keeps its checkpoint's reading.
         excluded = resolve_exclude(recipe.data.exclude, self.data, self.log)
         self.rollback = Rollback(recipe.stability.rollback, self.output_dir, excluded, log=self.log)
+        self.order_version = SampleOrderVersion()  # a new run's sample order, or its checkpoint's once loaded
         # The rollbacks' lr factors are part of the schedule itself (without rollbacks every factor is 1).
         self.schedule = Schedule(self.scheduler, self.lr, self.rollback.lr_factor, log=self.log)
         # Packed sequences have no padding: every position of a global batch is a target (with document masking
@@ -152,18 +152,18 @@ class Trainer:
         """The run's state, registered once (in load order): what a checkpoint records besides the accelerator's,
         and what a resume and a rollback restore."""
         return {"progress": self.progress, "stability": self.policy, "rollback": self.rollback,
-                "schedule": self.schedule}
+                "schedule": self.schedule, "data_order": self.order_version}
 
     def build_loop(self, tasks) -> None:
         """The loop's parts, from the step loaded on: the data stream, evaluation, logging and throughput."""
         recipe, pin = self.recipe, self.device.type == "cuda"
         masking = document_masking(recipe.data, recipe.model.attention, self.tokenizer)
         self.train_data = TrainData(self.data, recipe.data, self.plan, self.launch.data_rank, recipe.train.seed,
-                                    self.num_steps, pin, masking)
+                                    self.num_steps, pin, masking, self.order_version.version)
         self.log(self.train_data.reposition(self.step, self.rollback.removals))
         downstream = DownstreamEvaluator.for_run(self.accelerator, tasks, self.tokenizer, recipe, self.plan,
                                                  self.launch, self.num_steps, self.console)
-        self.evaluator = Evaluator(self.accelerator, self.train_data.val_loaders(recipe.eval.batches),
+        self.evaluator = Evaluator(self.accelerator, self.train_data.val_loaders(recipe.eval),
                                    every_steps=recipe.eval.every_steps, num_steps=self.num_steps,
                                    at_start=recipe.eval.at_start, console=self.console,
                                    weights=getattr(self.data, "weights", None), cp_size=self.launch.cp_size,
@@ -332,12 +332,10 @@ class Trainer:
             except TrainingDiverged as exc:
                 diverged = exc
         skipped = result.verdict is not None and result.verdict.skip
-        logged = None
-        if self.step_log.due(self.step) or skipped or self.rolled_back:
-            logged = self.log_train(result)
-            self.rolled_back = False
-        else:
+        logged = self.log_train(result) if self.step_log.due(self.step) or skipped or self.rolled_back else None
+        if logged is None:
             self.console.advance(self.step)
+        self.rolled_back = False
         if skipped:
             self.log_skip(result.verdict)
         if diverged is not None:

@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 
 from pretrain.data import MixtureData, prepare_data
-from pretrain.data.loader import MixtureSampleOrder, RankBatchSampler, data_horizon, stream_rows
+from pretrain.data.loader import RankBatchSampler
+from pretrain.data.order import MixtureSampleOrder, data_horizon, stream_rows
 from pretrain.errors import ConfigError, DataError
 from pretrain.recipe.batching import plan_batches
 from pretrain.recipe.config import BatchConfig, DataConfig
 from tests.data.test_data import make_docs, write_corpus
+from tests.data.test_store import full_manifest
 from tests.helpers import (
     FAST,
     RUN,
@@ -461,7 +463,7 @@ def test_pretrain_data_which_names_the_source_file_and_line_of_every_document(tw
     assert code == 0 and "preview" not in text.splitlines()[1] and len(text.splitlines()) > 6
 
     # A document of the validation split is named so: training never read it
-    manifest = json.loads((stores["web"] / "manifest.json").read_text())
+    manifest = full_manifest(stores["web"])
     shard = next(s for s in manifest["shards"] if s["val"]["num_documents"])
     first, source, _ = shard["val"]["origin"]["runs"][0]
     line = np.fromfile(stores["web"] / "shards" / f"{shard['val']['file']}.origin", dtype=shard["val"]["origin"]["dtype"])

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pretrain.data.loader import GlobalSampleOrder, RankBatchSampler, eval_indices
+from pretrain.data.loader import RankBatchSampler, eval_indices
+from pretrain.data.order import GlobalSampleOrder
 from pretrain.errors import BatchConfigError, DataError
 from pretrain.recipe.batching import BatchPlan, num_training_steps, plan_batches
 from pretrain.recipe.config import BatchConfig
@@ -113,17 +114,41 @@ def test_eval_set_is_the_same_on_any_world_size(world, mbs):
     assert len(counts) == 1  # equal forwards on every rank (ZeRO-3 needs that)
 
 
-def test_epoch_order_is_numpys_permutation_held_in_half_the_memory():
-    """The epoch's order is exactly Generator(seed).permutation(n) (so a resume or another world size reads the
-    same rows), stored as uint32: at 1.2e8 rows (1 TB of text at 2048 tokens) 0.5 GB per rank, not 1 GB."""
+def test_version_1_order_is_numpys_permutation_held_in_half_the_memory():
+    """A run begun before the keyed order (its checkpoint records no order version: version 1) keeps reading its
+    epochs in exactly Generator(seed).permutation(n)'s order, stored as uint32."""
     import numpy as np
 
-    from pretrain.data.loader import epoch_permutation
+    from pretrain.data.order import epoch_permutation
 
     for n in (1, 5, 100_003):
         order = epoch_permutation(n, [11, 2], shuffle=True)
         assert order.dtype == np.uint32
         assert np.array_equal(order, np.random.default_rng([11, 2]).permutation(n))
     assert np.array_equal(epoch_permutation(6, [0, 0], shuffle=False), np.arange(6))
-    order = GlobalSampleOrder(1000, 64, seed=3, shuffle=True, drop_last=True)
+    order = GlobalSampleOrder(1000, 64, seed=3, shuffle=True, drop_last=True, version=1)
     assert np.array_equal(order.global_batch(2), np.random.default_rng([3, 0]).permutation(1000)[128:192])
+    carried = GlobalSampleOrder(10, 4, seed=3, shuffle=True, drop_last=False, version=1)
+    stream = np.concatenate([np.random.default_rng([3, e]).permutation(10) for e in range(2)])
+    assert np.array_equal(carried.global_batch(2), stream[8:12])  # the batch that spans two epochs
+
+
+def test_the_default_evaluation_is_a_token_budget_in_whole_global_batches():
+    """eval.batches 0 takes eval.tokens' budget (at least one global batch), not the whole split (5% of a 15T-token
+    corpus is 750B tokens); eval.tokens 0 asks for the whole split; eval.batches wins when set."""
+    from pretrain.data.loader import eval_batches
+    from pretrain.recipe.config import EvalConfig
+
+    plan = BatchPlan(1024, 4, 32, 8, seq_len=4096)  # 4M tokens a step
+    assert eval_batches(EvalConfig(), plan) == 2  # 10,485,760 tokens: two 4M-token global batches
+    assert eval_batches(EvalConfig(tokens=1000), plan) == 1
+    assert eval_batches(EvalConfig(tokens=0), plan) == 0
+    assert eval_batches(EvalConfig(batches=7, tokens=1000), plan) == 7
+
+
+def test_a_rank_computes_its_own_validation_rows_only():
+    plan = BatchPlan(1024, 4, 1, 256, seq_len=4096)
+    mine = eval_indices(10**9, 10**5, plan, rank=3)  # 10^8 rows evaluated: no rank lists them all
+    assert len(mine) == 10**5 and mine.__sizeof__() < 1000
+    first, second = next(iter(mine)), list(iter(mine))[1]
+    assert first == [12, 13, 14, 15] and second == [1024 + 12, 1024 + 13, 1024 + 14, 1024 + 15]

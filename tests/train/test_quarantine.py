@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pretrain.checkpoint.rundir import read_state
-from pretrain.data.loader import FilteredOrder, GlobalSampleOrder, MixtureSampleOrder, Quarantine, Window
+from pretrain.data.order import FilteredOrder, GlobalSampleOrder, MixtureSampleOrder, Quarantine, Window
 from pretrain.errors import ConfigError
 from tests.helpers import ROOT, OneThread, train_killed_at, train_losses
 

@@ -17,7 +17,7 @@ import torch
 from pretrain.checkpoint.background import SLOW_WRITE_ENV
 from pretrain.checkpoint.integrity import checkpoint_files, verify_all
 from pretrain.checkpoint.rundir import read_state, run_rollbacks
-from pretrain.data.loader import FilteredOrder, GlobalSampleOrder
+from pretrain.data.order import FilteredOrder, GlobalSampleOrder
 from pretrain.errors import ConfigError, TrainingDiverged
 from pretrain.recipe.config import RollbackConfig, load_recipe
 from pretrain.train.goodput import read_goodput
