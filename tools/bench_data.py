@@ -152,31 +152,32 @@ def bench_prepare(args) -> Path:
 def tile_store(source: Path, target: Path, size_bytes: int) -> None:
     """A store of about size_bytes of train tokens: the source store's shards repeated (copied, not linked,
     so the page cache sees size_bytes of distinct files)."""
-    from pretrain.data.store import _write_json, shard_name
+    from pretrain.data.store import _write_json, shard_name, shard_records
+    from pretrain.data.store_build import write_manifest
 
     manifest = json.loads((source / "manifest.json").read_text())
+    records = list(shard_records(source, manifest))  # a format-2 manifest lists no shards: their records
     shutil.rmtree(target, ignore_errors=True)
     (target / "shards").mkdir(parents=True)
     shutil.copytree(source / "tokenizer", target / "tokenizer")
     shutil.copy(source / "build.json", target / "build.json")
     shards, written = [], 0
     while written < size_bytes:
-        for shard in manifest["shards"]:
+        for shard in records:
             name = shard_name(len(shards))
             new = {"name": name, "inputs": shard["inputs"]}
             for split in ("train", "val"):
                 old = shard[split]["file"]
-                for suffix in ("", ".index", ".metadata"):
+                for suffix in ("", ".index", ".metadata", ".origin"):
                     shutil.copy(source / "shards" / f"{old}{suffix}", target / "shards" / f"{name}.{split}.ds{suffix}")
                 new[split] = {**shard[split], "file": f"{name}.{split}.ds"}
             shards.append(new)
+            _write_json(target / "shards" / f"{name}.json", new)
             written += shard["train"]["num_bytes"]
             if written >= size_bytes:
                 break
-    counts = {f"num_{s}_{w}": sum(x[s][f"num_{w}"] for x in shards) for s in ("train", "val")
-              for w in ("documents", "tokens")}
-    _write_json(target / "manifest.json", {**manifest, **counts, "shards": shards,
-                                           "num_documents": counts["num_train_documents"] + counts["num_val_documents"]})
+    build = {k: v for k, v in manifest.items() if not k.startswith("num_") and k not in ("shards", "index", "content")}
+    write_manifest(target, build, shards)  # the index and the manifest, as a build writes them
 
 
 def _rank(rank: int, cfg, seconds: float, queue) -> None:

@@ -82,8 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tokenizing processes on this machine (default: data.num_proc, else min(cores, 8))")
     add_slurm_arguments(parser)
     parser.add_argument("--verify", action="store_true",
-                        help="check every shard file of a complete store against its manifest's SHA-256 (a damaged "
-                        "shard is named, exit 2); opening a store checks sizes, and checksums only up to 1 GiB")
+                        help="hash every shard file of a complete store against its record's SHA-256 with --workers "
+                        "processes (a damaged shard is named, exit 2); resumable: shards recorded in "
+                        "<store>/verified.jsonl whose files are unchanged are not hashed again. Opening a store checks "
+                        "each shard's size as it is read, and every checksum only of a store up to 1 GiB")
     steps = parser.add_argument_group("the steps of an array build (what the SLURM jobs run)")
     steps.add_argument("--task", type=count(0), metavar="I", help="tokenize only the shards i with i mod --num-tasks == I")
     steps.add_argument("--num-tasks", type=count(), metavar="N", help="the number of tasks that share the shards")
@@ -132,10 +134,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.task is not None:
             prepare_store_part(recipe.data, args.task, args.num_tasks, args.workers, progress=True)
             return 0
+        # --verify: opened without the checksums of a small store, then every store hashed in parallel, resumably
+        checksums = False if args.verify else None
         if args.finish:
-            data = open_store(recipe.data, target=finish_store(recipe.data), checksums=args.verify or None)
+            data = open_store(recipe.data, target=finish_store(recipe.data), checksums=checksums)
         else:
-            data = prepare_data(recipe.data, num_workers=args.workers, progress=True, checksums=args.verify or None)
+            data = prepare_data(recipe.data, num_workers=args.workers, progress=True, checksums=checksums)
+        if args.verify:
+            from pathlib import Path
+
+            from pretrain.data.prepare import verify_stores
+
+            stores = data.sources.values() if hasattr(data, "sources") else [data]
+            verify_stores([Path(store.identity["store"]) for store in stores], args.workers)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -23,16 +23,22 @@ from pretrain.data.store import (
     BUILD,
     FORMAT,
     FORMAT_VERSION,
+    KEY_VERSION,
     MANIFEST,
+    READABLE_VERSIONS,
     STREAM_FIELDS,
     PackedData,
     _count_words,
     _read_json,
     _write_json,
     check_files,
+    is_indexed,
+    num_shards,
+    shard_records,
     split_rows,
     store_identity,
     token_dtype,
+    verify_store,
 )
 from pretrain.data.store_build import (
     BuildSpec,
@@ -75,7 +81,7 @@ def locate_store(data_cfg: DataConfig, log: Log = print, tokenizer: tuple[Any, s
         tokenizer, identity, name = None, _bpe_key(data_cfg, corpus), _tokenizer_name(data_cfg)
     else:
         tokenizer, identity, name = _get_tokenizer(data_cfg, corpus, log)
-    key = _hash({"version": FORMAT_VERSION, "documents": corpus.key, "tokenizer": identity,
+    key = _hash({"version": KEY_VERSION, "documents": corpus.key, "tokenizer": identity,
                  "val_fraction": data_cfg.val_fraction})
     path = Path(data_cfg.store).expanduser().absolute() if data_cfg.store else cache_root(data_cfg) / "stores" / key
     build = {
@@ -108,9 +114,9 @@ def _check_identity(target: StoreTarget, found: dict[str, Any], what: str, finge
     want = target.build
     where = f"the token store at {target.path}"
     fix = "point data.store at another directory (or delete this one) and run pretrain-prepare-data"
-    if found.get("format") != FORMAT or found.get("version") != FORMAT_VERSION:
+    if found.get("format") != FORMAT or found.get("version") not in READABLE_VERSIONS:
         raise DataError(f"{where} holds {found.get('format')} version {found.get('version')}, not {FORMAT} "
-                        f"version {FORMAT_VERSION}; {fix}")
+                        f"version {' or '.join(map(str, READABLE_VERSIONS))}; {fix}")
     compared = "identity" if fingerprints else "name"
     if found["tokenizer"][compared] != want["tokenizer"][compared]:
         raise DataError(
@@ -331,7 +337,8 @@ def open_store(data_cfg: DataConfig, log: Log = print, target: StoreTarget | Non
     if manifest is None:
         raise StoreMissing(f"data: no token store at {target.path} for data.source = {data_cfg.source!r} "
                            f"(tokenizer {target.build['tokenizer']['name']}); prepare it first: {prepare_command}")
-    # Every file's size (and, for a store up to VERIFY_ON_OPEN_MAX_BYTES, its SHA-256) against the manifest.
+    # A small store: every file's SHA-256 against its record. Otherwise a format-1 store has every file's size checked
+    # here; a format-2 store's shard files are checked by size when first mapped (nothing per shard at open).
     verified = check_files(target.path, manifest, checksums)
     row_len = data_cfg.seq_len + 1
     train = split_rows(target.path, manifest, "train", row_len, data_cfg.train_subset)
@@ -340,12 +347,13 @@ def open_store(data_cfg: DataConfig, log: Log = print, target: StoreTarget | Non
         if rows.num_tokens < row_len:
             raise _too_few_tokens(split, manifest, data_cfg)
     tokenizer = target.tokenizer or _load_saved_tokenizer(target.path / "tokenizer")
-    stats = {k: v for k, v in manifest.items() if k != "shards" and not isinstance(v, dict)}
+    stats = {k: v for k, v in manifest.items()
+             if k not in ("shards", "num_shards", "num_bytes", "content") and not isinstance(v, dict)}
     stats.update(
         tokenizer=manifest["tokenizer"]["name"],
         vocab_size=manifest["tokenizer"]["vocab_size"],
         eos_token_id=manifest["tokenizer"]["eos_token_id"],
-        num_shards=len(manifest["shards"]),
+        num_shards=num_shards(manifest),
         seq_len=data_cfg.seq_len,
         num_train_sequences=len(train),
         num_val_sequences=len(val),
@@ -355,12 +363,30 @@ def open_store(data_cfg: DataConfig, log: Log = print, target: StoreTarget | Non
     )
     bad = manifest.get("num_decode_errors", 0)
     log(f"data: {len(train):,} train / {len(val):,} val sequences of {row_len} tokens from the store at "
-        f"{target.path} ({len(manifest['shards'])} shard(s), "
-        f"{'checksums' if verified else 'sizes'} verified, {time.perf_counter() - start:.2f}s)"
+        f"{target.path} ({num_shards(manifest)} shard(s), "
+        f"{_checked(manifest, verified)}, {time.perf_counter() - start:.2f}s)"
         + (f"; {bad:,} document(s) had non-UTF-8 bytes ({'replaced with U+FFFD' if data_cfg.on_decode_error == 'replace' else 'skipped'}, data.on_decode_error)"
            if bad else ""))
     return PackedData(train=train, val=val, tokenizer=tokenizer, stats=stats,
                       identity=store_identity(target.path, manifest))
+
+
+def verify_stores(paths: list[Path], workers: int | None = None, log: Log = print) -> None:
+    """pretrain-prepare-data --verify: every shard file of each complete store hashed against its record by
+    ``workers`` processes, resumably (``store.verify_store``); a damaged store is one DataError naming its shards."""
+    workers = workers or _default_num_proc()
+    for path in paths:
+        try:
+            manifest = _read_json(path / MANIFEST)
+        except (OSError, ValueError) as exc:
+            raise DataError(f"{path / MANIFEST}: unreadable ({exc}); delete the store and prepare it again") from None
+        verify_store(path, manifest, workers, log)
+
+
+def _checked(manifest: dict[str, Any], verified: bool) -> str:
+    if verified:
+        return "checksums verified"
+    return "sizes checked as shards are read" if is_indexed(manifest) else "sizes verified"
 
 
 def planned_identity(target: StoreTarget) -> dict[str, Any]:
@@ -381,7 +407,11 @@ def corpus_file_changes(saved_store: str, data_cfg: DataConfig | None) -> str | 
         manifest = _read_json(Path(saved_store) / MANIFEST)
     except (OSError, ValueError):
         return None
-    old = {f[0]: (f[2], f[3]) for shard in manifest["shards"] for f in shard["inputs"] if f[0] != "hf"}
+    try:
+        old = {f[0]: (f[2], f[3]) for shard in shard_records(Path(saved_store), manifest) for f in shard["inputs"]
+               if f[0] != "hf"}
+    except DataError:
+        return None
     new = {}
     for path, _ in _resolve_corpus(data_cfg).files:
         st = Path(path).stat()

@@ -68,25 +68,51 @@ class Origin:
 
 
 def _shard_index(rows: TokenRows, file: str) -> int:
-    names = [path.name for path in rows.files]
-    if file not in names:
-        shown = ", ".join(names[:4]) + (f", ... ({len(names)} files)" if len(names) > 4 else "")
-        raise DataError(f"the split has no file {file!r}; its files are {shown} (the store's shards/ directory)")
-    return names.index(file)
+    """The shard of split file ``file`` (NNNNN.SPLIT.ds): its number, checked against the split's file of that
+    number, in O(1) (a list of every name per lookup made data.exclude O(shards) per document). Files not named by
+    number (a TokenRows made of other files) are searched."""
+    number = file.split(".", 1)[0]
+    if number.isdigit() and int(number) < len(rows.files) and rows.files[int(number)].name == file:
+        return int(number)
+    if isinstance(rows.files, list):
+        for k, path in enumerate(rows.files):
+            if path.name == file:
+                return k
+    names = [rows.files[k].name for k in range(min(4, len(rows.files)))]
+    shown = ", ".join(names) + (f", ... ({len(rows.files)} files)" if len(rows.files) > 4 else "")
+    raise DataError(f"the split has no file {file!r}; its files are {shown} (the store's shards/ directory)")
+
+
+def _checked_map(path: Path, dtype: np.dtype, count: int | None) -> np.ndarray:
+    """A shard's document index or origins, memory-mapped after its size is checked against ``count`` entries (the
+    store's index; None: not known, not checked). A missing or truncated file is one DataError."""
+    try:
+        size = path.stat().st_size
+        if count is not None and size != count * dtype.itemsize:
+            raise ValueError(f"{size:,} bytes, the store records {count * dtype.itemsize:,}")
+        return np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"data: cannot read {path} ({exc}); the store is damaged: check it with pretrain-prepare-data "
+                        "--verify") from None
+
+
+def _num_documents(rows: TokenRows, shard: int) -> int | None:
+    if rows.documents is None:
+        return None
+    return int(rows.documents[shard]) - (int(rows.documents[shard - 1]) if shard else 0)
 
 
 def _locators(rows: TokenRows, shard: int) -> np.ndarray:
     origin = rows.shards[shard]["origin"]
-    path = Path(f"{rows.files[shard]}.origin")
-    try:
-        return np.memmap(path, dtype=np.dtype(origin["dtype"]), mode="r") if path.stat().st_size else np.zeros(0)
-    except (OSError, ValueError) as exc:
-        raise DataError(f"data: cannot read the document origins {path} ({exc}); the store is damaged: check it "
-                        "with pretrain-prepare-data --verify") from None
+    return _checked_map(Path(f"{rows.files[shard]}.origin"), np.dtype(origin["dtype"]), _num_documents(rows, shard))
 
 
 def has_provenance(rows: TokenRows) -> bool:
-    """Whether the store records its documents' sources (every shard of a store built since it did)."""
+    """Whether the store records its documents' sources (every shard of a store built since it did). A format-2
+    store answers from its index (every shard's origin width), without reading a record."""
+    recorded = getattr(rows.shards, "recorded", None)
+    if recorded is not None:
+        return recorded
     return all(shard is not None and shard["origin"] is not None for shard in rows.shards)
 
 
@@ -123,14 +149,18 @@ def find_source_document(rows: TokenRows, file: str, index: int | None) -> tuple
     manifest's inputs name the shard, a binary search in that run's locators finds the document."""
     root = (rows.provenance or {}).get("root", "")
     hf = bool((rows.provenance or {}).get("hf"))
-    shards = list(enumerate(rows.shards))
+    shards = range(len(rows.files))
     if hf:  # the one shard whose rows hold it: the last that starts at or before it
         if index is None:
             return None
-        starts = [info["first_row"] if info is not None else -1 for info in rows.shards]
-        at = bisect.bisect_right(starts, index) - 1
+        if rows.first_rows is not None:
+            at = int(np.searchsorted(rows.first_rows, index, side="right")) - 1
+        else:
+            starts = [info["first_row"] if info is not None else -1 for info in rows.shards]
+            at = bisect.bisect_right(starts, index) - 1
         shards = shards[at:at + 1] if at >= 0 else []
-    for shard, info in shards:
+    for shard in shards:
+        info = rows.shards[shard]
         if info is None or info["origin"] is None:
             continue
         if hf:
@@ -172,12 +202,7 @@ class Span:
 
 
 def _document_ends(rows: TokenRows, shard: int) -> np.ndarray:
-    path = Path(f"{rows.files[shard]}.index")
-    try:
-        return np.memmap(path, dtype="<u8", mode="r")
-    except (OSError, ValueError) as exc:
-        raise DataError(f"data: cannot read the document index {path} ({exc}); the store is damaged: check it "
-                        "with pretrain-prepare-data --verify") from None
+    return _checked_map(Path(f"{rows.files[shard]}.index"), np.dtype("<u8"), _num_documents(rows, shard))
 
 
 def stream_spans(rows: TokenRows, start: int, stop: int) -> list[Span]:
@@ -187,6 +212,9 @@ def stream_spans(rows: TokenRows, start: int, stop: int) -> list[Span]:
     position = start
     while position < stop:
         base, end = int(rows.offsets[shard]), int(rows.offsets[shard + 1])
+        if end == base:  # an empty shard of this split
+            shard += 1
+            continue
         ends = _document_ends(rows, shard)
         known = rows.shards[shard] is not None and rows.shards[shard]["origin"] is not None
         locators = _locators(rows, shard) if known else None
@@ -215,10 +243,19 @@ def document_rows(rows: TokenRows, file: str, document: int) -> range:
     """The rows of a split that hold any token of ``document`` of ``file`` (empty: its tokens lie in the tail
     beyond the last whole row, or beyond data.train_subset, and are never read). An unknown file or index is one
     DataError naming what the split holds."""
+    return documents_rows(rows, file, [document])[0]
+
+
+def documents_rows(rows: TokenRows, file: str, documents: list[int]) -> list[range]:
+    """``document_rows`` of several documents of one split file: the shard found by its number (O(1)), its document
+    index mapped once (its size checked against the store's index) and each document's rows computed from it."""
     shard = _shard_index(rows, file)
     ends = _document_ends(rows, shard)
-    if not 0 <= document < len(ends):
-        raise DataError(f"{file} holds documents 0..{len(ends) - 1}; there is no document {document}")
     base = int(rows.offsets[shard])
-    start, stop = base + (int(ends[document - 1]) if document else 0), base + int(ends[document])
-    return range(start // rows.row_len, min(-(-stop // rows.row_len), len(rows)))
+    out = []
+    for document in documents:
+        if not 0 <= document < len(ends):
+            raise DataError(f"{file} holds documents 0..{len(ends) - 1}; there is no document {document}")
+        start, stop = base + (int(ends[document - 1]) if document else 0), base + int(ends[document])
+        out.append(range(start // rows.row_len, min(-(-stop // rows.row_len), len(rows))))
+    return out

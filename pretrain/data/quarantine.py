@@ -25,7 +25,7 @@ import numpy as np
 
 from pretrain.data import MixtureData, PackedData
 from pretrain.data.mixture import SINGLE
-from pretrain.data.provenance import document_origin, document_rows
+from pretrain.data.provenance import document_origin, document_rows, documents_rows
 from pretrain.errors import ConfigError, DataError
 
 QUARANTINE_FILE = "quarantine.json"
@@ -121,6 +121,15 @@ def document_samples(data: PackedData | MixtureData, source: str, file: str, doc
     return np.arange(rows.start, rows.stop, dtype=np.int64) + int(offsets[part])
 
 
+def _file_samples(data: PackedData | MixtureData, source: str, file: str, documents: list[int]) -> list[np.ndarray]:
+    """``document_samples`` of several documents of one split file: its shard found by number and its document index
+    mapped once (``provenance.documents_rows``), whatever the number of shards."""
+    names, parts, offsets, _ = source_parts(data)
+    part = names.index(source)
+    return [np.arange(rows.start, rows.stop, dtype=np.int64) + int(offsets[part])
+            for rows in documents_rows(parts[part], file, documents)]
+
+
 def origin(data: PackedData | MixtureData, source: str, file: str, document: int) -> dict[str, Any] | None:
     """The document's source (``provenance.document_origin``: its input file and line, record or row, with ``name``,
     the form ``pretrain-data which --document`` takes); None where the store does not record it."""
@@ -166,8 +175,9 @@ def resolve_exclude(paths: list[str], data: PackedData | MixtureData, log) -> di
         return None
     names, _, _, identities = source_parts(data)
     by_content = {identity.get("content"): name for name, identity in zip(names, identities, strict=True)}
-    documents, samples, foreign = [], [], 0
+    documents, foreign = [], 0
     seen = set()
+    by_file: dict[tuple[str, str], list[tuple[str, dict[str, Any]]]] = {}  # one map of each split file's index
     for path in paths:
         for item in read_list(path)["documents"]:
             source = by_content.get(item["store"]["content"])
@@ -177,16 +187,24 @@ def resolve_exclude(paths: list[str], data: PackedData | MixtureData, log) -> di
             if key(item) in seen:
                 continue
             seen.add(key(item))
-            try:
-                rows = document_samples(data, source, item["file"], item["document"])
-            except DataError as exc:
-                raise ConfigError(f"data.exclude: {list_path(path)}: {key(item)}: {exc}; {FIX}") from None
+            by_file.setdefault((source, item["file"]), []).append((path, item))
             documents.append({"source": source, "file": item["file"], "document": item["document"]})
-            samples += rows.tolist()
+    found = []
+    for (source, file), group in by_file.items():
+        try:
+            found += _file_samples(data, source, file, [item["document"] for _, item in group])
+        except DataError:
+            for path, item in group:  # the first listed document that is not there, named
+                try:
+                    document_samples(data, source, file, item["document"])
+                except DataError as exc:
+                    raise ConfigError(f"data.exclude: {list_path(path)}: {key(item)}: {exc}; {FIX}") from None
+            raise
+    samples = np.unique(np.concatenate(found)) if found else np.zeros(0, dtype=np.int64)
     if foreign:
         log(f"data.exclude: {foreign} listed document(s) of other stores ignored (their store's content differs "
             "from this run's)")
-    log(f"data.exclude: {len(documents)} document(s) left out from step 0 ({len(set(samples))} training rows), from "
+    log(f"data.exclude: {len(documents)} document(s) left out from step 0 ({len(samples)} training rows), from "
         f"{', '.join(str(list_path(p)) for p in paths)}")
     return {"lists": [str(list_path(p)) for p in paths], "documents": documents,
-            "samples": sorted(set(samples))}
+            "samples": samples.tolist()}

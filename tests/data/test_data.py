@@ -165,7 +165,8 @@ def test_second_call_is_cached_fast_and_identical_and_subsets_reuse_it(tmp_path)
 
     store = Path(first.stats["cache_dir"])
     assert [p.name for p in store.parent.iterdir() if not p.name.endswith(".lock")] == [store.name]
-    assert {p.name for p in store.iterdir()} == {"manifest.json", "build.json", "tokenizer", "shards"}
+    assert {p.name for p in store.iterdir()} == {"manifest.json", "build.json", "tokenizer", "shards", "index.train.npy",
+                                                  "index.val.npy"}
     assert not [p for p in store.rglob(".tmp-*")]  # no temporary files left behind
 
 

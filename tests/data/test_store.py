@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from pretrain.data import StoreMissing, ensure_store, open_store, prepare_data
+from pretrain.data.store import shard_records
 from pretrain.distributed.layout import Launch
 from pretrain.errors import DataError
 from pretrain.recipe.config import DataConfig
@@ -28,6 +29,25 @@ def store_config(tmp_path: Path, corpus: Path, store: Path, **kwargs) -> DataCon
     defaults = dict(cache_dir=str(tmp_path / "cache"), seq_len=32, tokenizer_vocab_size=300, num_proc=1,
                     store=str(store), store_shard_bytes=2000, val_fraction=0.2)
     return DataConfig(source=str(corpus), **{**defaults, **kwargs})
+
+
+def records(store: Path) -> list[dict]:
+    """Every shard's record of a complete store, in order (a format-2 manifest lists none: they are the
+    shards/NNNNN.json files)."""
+    return list(shard_records(store, json.loads((store / "manifest.json").read_text())))
+
+
+def full_manifest(store: Path) -> dict:
+    """A complete store's manifest with its shards' records under "shards" (as format 1 listed them)."""
+    return {**json.loads((store / "manifest.json").read_text()), "shards": records(store)}
+
+
+def legacy_manifest(store: Path) -> dict:
+    """The format-1 manifest of a store (what write_manifest wrote before the index): every shard's record in it,
+    no index; with it (and without index.*.npy) the store is what a build before format 2 left."""
+    manifest = json.loads((store / "manifest.json").read_text())
+    old = {k: v for k, v in manifest.items() if k not in ("num_shards", "num_bytes", "content", "index")}
+    return {**old, "version": 1, "shards": records(store)}
 
 
 def checksums(store: Path) -> dict[str, str]:
@@ -43,14 +63,14 @@ def test_one_and_two_workers_write_byte_identical_stores_readable_as_datatrove_f
     data = prepare_data(store_config(tmp_path, corpus, one), log=lambda _: None, num_workers=1)
     prepare_data(store_config(tmp_path, corpus, two), log=lambda _: None, num_workers=2)
     manifest = json.loads((one / "manifest.json").read_text())
-    assert len(manifest["shards"]) > 3 and manifest["dtype"] == "uint16"
+    assert len(records(one)) > 3 and manifest["dtype"] == "uint16" and manifest["num_shards"] == len(records(one))
     assert checksums(one) == checksums(two)  # every shard file, the tokenizer and the manifest
 
     # The manifest's checksums are those of the files, and a shard read the way datatrove / nanotron read
     # it (raw little-endian uint16 tokens, uint64 document ends) holds eos-terminated documents.
     eos = data.tokenizer.eos_token_id
     stream = []
-    for shard in manifest["shards"]:
+    for shard in records(one):
         path = one / "shards" / shard["train"]["file"]
         assert hashlib.sha256(path.read_bytes()).hexdigest() == shard["train"]["sha256"]
         tokens = np.fromfile(path, dtype="<u2")
@@ -90,9 +110,7 @@ def test_kill_9_mid_build_then_rerun_gives_the_uninterrupted_store(tmp_path):
 
     assert subprocess.run([*cmd, f"data.store={whole}"], cwd=ROOT, env=env(), capture_output=True,
                           timeout=300).returncode == 0
-    manifest_killed, manifest_whole = (json.loads((d / "manifest.json").read_text()) for d in (killed, whole))
-    assert [s["train"]["sha256"] for s in manifest_killed["shards"]] == [
-        s["train"]["sha256"] for s in manifest_whole["shards"]]
+    assert [s["train"]["sha256"] for s in records(killed)] == [s["train"]["sha256"] for s in records(whole)]
     assert checksums(killed) == checksums(whole)
 
 
@@ -160,8 +178,7 @@ def _prepared_store(tmp_path: Path, shard_index: int):
     store = tmp_path / "store"
     data_cfg = store_config(tmp_path, corpus, store)
     prepare_data(data_cfg, log=lambda _: None)
-    manifest = json.loads((store / "manifest.json").read_text())
-    return corpus, store, data_cfg, store / "shards" / manifest["shards"][shard_index]["train"]["file"]
+    return corpus, store, data_cfg, store / "shards" / records(store)[shard_index]["train"]["file"]
 
 
 def test_a_same_size_corrupted_shard_is_refused_naming_it(tmp_path, capsys, monkeypatch):
@@ -181,7 +198,7 @@ def test_a_same_size_corrupted_shard_is_refused_naming_it(tmp_path, capsys, monk
     monkeypatch.setattr(store_module, "VERIFY_ON_OPEN_MAX_BYTES", 0)
     logged = []
     assert len(open_store(data_cfg, log=logged.append).train) > 0
-    assert "sizes verified" in logged[-1]
+    assert "sizes checked as shards are read" in logged[-1]
     recipe = tmp_path / "r.yaml"
     recipe.write_text("batch: {global_batch_size: 8, micro_batch_size: 2}\ntrain: {max_steps: 10}\n"
                       f"data: {{source: {corpus}, store: {store}, tokenizer_vocab_size: 300, val_fraction: 0.2, "
@@ -313,7 +330,7 @@ def test_hf_source_is_streamed_shard_by_data_file_and_tokenized_like_the_same_lo
     data = prepare_data(hf, log=lambda _: None, num_workers=2)
     manifest = json.loads((tmp_path / "hf" / "manifest.json").read_text())
     files = sorted(str(p) for p in (tmp_path / "hub" / "data").glob("*.parquet"))
-    assert [s["inputs"] for s in manifest["shards"]] == [[["hf", f, i, 3]] for i, f in enumerate(files)]
+    assert [s["inputs"] for s in records(tmp_path / "hf")] == [[["hf", f, i, 3]] for i, f in enumerate(files)]
     assert manifest["num_documents"] == 45
     prepare_data(store_config(tmp_path, f"hf:{tmp_path / 'hub'}", tmp_path / "hf1", text_field="content"),
                  log=lambda _: None, num_workers=1)
