@@ -148,6 +148,8 @@ import numpy as np
 def alloc(size, workdir):
     """size bytes, touched (calloc'd zero pages would not count)."""
     block = np.ones(size, dtype=np.uint8)
+    with open(workdir / "calls", "a") as f:
+        f.write("call\\n")
     return {"bytes": int(block.sum())}
 
 def prepare_alloc(size, workdir):
@@ -168,7 +170,7 @@ def test_end_to_end_quick_run_of_a_toy_path(tmp_path, monkeypatch, capsys):
                  "--sizes", f"toy={8 * mib},{16 * mib},{32 * mib}", "--target", f"toy={128 * mib}",
                  "--add", "missing=scale_no_such_module:f", "--sizes", "missing=1,2,3",
                  "--add", "broken=scale_toy:broken", "--sizes", "broken=1,2,3",
-                 "--workdir", str(tmp_path / "work"), "--json", str(tmp_path / "out.json"),
+                 "--workdir", str(tmp_path / "work"), "--json", str(tmp_path / "out.json"), "--warm",
                  "--write", "--doc", str(doc)])
     out = capsys.readouterr().out
     assert code == 1  # the broken path failed; the others were still measured and written
@@ -181,6 +183,7 @@ def test_end_to_end_quick_run_of_a_toy_path(tmp_path, monkeypatch, capsys):
     assert toy["k_memory"] == pytest.approx(1.0, abs=0.15)
     assert toy["memory_at_target"] == pytest.approx(128 * mib, rel=0.3)
     assert (tmp_path / "work" / "toy" / str(8 * mib) / "input").is_file()  # prepare_alloc ran
+    assert (tmp_path / "work" / "toy" / str(8 * mib) / "calls").read_text() == "call\n" * 2  # --warm's, measured
     assert rows["missing"]["points"][0]["status"] == "not available"
     assert rows["broken"]["points"][0]["status"] == "failed"
     assert "RuntimeError: the toy path failed" in rows["broken"]["points"][0]["error"]

@@ -20,7 +20,8 @@ floor, so a path under it everywhere is "bounded"), extrapolates from the larges
 size with that exponent, and prints a markdown table. ``--write`` puts it, with the command, the date and the
 machine, in docs/performance.md's "## Scale" section (between its markers; the rest of the file unchanged).
 
-A path whose module is missing is "not available" in the table; one that fails or times out is "failed".
+A path's ``imports`` (REGISTRY) are imported before the call: the process that does the work in a run has them
+already. A path whose module is missing is "not available" in the table; one that fails or times out is "failed".
 ``--baseline`` adds the comparison rows (``order-numpy-permutation``: today's sample order). Sizes and targets of
 the registry can be overridden; ``--add`` measures any other function (sizes from ``--sizes``).
 """
@@ -80,6 +81,12 @@ class ScalePath:
     derivation: str  # how the target follows from the scale
     per: str  # what the figure is per
     baseline: bool = False  # a comparison row: run with --baseline or when named in --paths
+    # modules imported before the call is measured: the process doing the work in a run has them already, so a
+    # function that imports them inside its call does not count their import as the path's cost
+    imports: tuple[str, ...] = ()
+    # one unmeasured call first, in a process of its own (--warm does it for every path): for a function that writes
+    # its inputs into workdir on its first call and keeps them, so that the measured call is the path's work alone
+    warm: bool = False
 
 
 REGISTRY: list[ScalePath] = [
@@ -102,9 +109,11 @@ REGISTRY: list[ScalePath] = [
               (10, 100, 1000), "documents", EXCLUDED_ROWS, "1e5 quarantined documents' rows (as exclusion-resume)",
               "rank, at start"),
     ScalePath("rewind", "tools.scale_logs:measure_rewind", (10**4, 10**5, 10**6), (10**2, 10**3, 10**4), "log lines",
-              LOG_LINES, "3.6e6 lines: a 1e6-step run's log", "rollback"),
+              LOG_LINES, "3.6e6 lines: a 1e6-step run's log", "rollback",
+              imports=("pretrain.train.tracking", "pretrain.checkpoint.rundir"), warm=True),
     ScalePath("status", "tools.scale_logs:measure_status", (10**4, 10**5, 10**6), (10**2, 10**3, 10**4), "log lines",
-              LOG_LINES, "3.6e6 lines: a 1e6-step run's log", "command"),
+              LOG_LINES, "3.6e6 lines: a 1e6-step run's log", "command", imports=("pretrain.cli.slurm",),
+              warm=True),
     ScalePath("order-numpy-permutation", "tools.scale_bench:measure_numpy_permutation", (10**6, 10**7, 10**8),
               (10**4, 10**5, 10**6), "rows", ROWS, "15e12 tokens / 4,096-token rows = 3.66e9 rows",
               "rank, at resume", baseline=True),
@@ -118,7 +127,8 @@ def measure_numpy_permutation(size: int, workdir: Path) -> dict:
     whole permutation, held as uint32, is drawn first."""
     seed, batches_per_epoch = 0, max(size // GBS_ROWS, 1)
     epoch, index = divmod(STEPS, batches_per_epoch)
-    # epoch_permutation(n, [seed, epoch], shuffle=True), its 3 lines as of this benchmark (numpy's permutation order):
+    # epoch_permutation(n, [seed, epoch], shuffle=True), its 3 lines at ec3eb12 (numpy's permutation order), kept as
+    # the comparison row after the order that replaces it lands:
     order = np.arange(size, dtype=np.uint32 if size < 2**32 else np.int64)
     np.random.default_rng([seed, epoch]).shuffle(order)
     batch = order[index * GBS_ROWS:(index + 1) * GBS_ROWS].copy()
@@ -181,20 +191,27 @@ def peak_rss() -> tuple[int, str]:
     return (peak if sys.platform == "darwin" else peak * 1024), "ru_maxrss"  # KiB on Linux, bytes on macOS
 
 
-def one(name: str, spec: str, size: int, workdir: Path, prepare_only: bool) -> dict:
-    """Measure (or only prepare) one point in this process; the figures as a dict."""
+def one(name: str, spec: str, size: int, workdir: Path, prepare_only: bool, imports: tuple[str, ...] = (),
+        warm: bool = False) -> dict:
+    """Measure one point in this process, the figures as a dict; or, prepare_only, only its set-up: the module's
+    prepare_<function> and, when warm, one call of the function itself."""
     try:
         fn, prepare = load(spec)
     except NotAvailable as exc:
         return {"path": name, "size": size, "status": "not available", "error": str(exc)}
+    for module in imports:
+        importlib.import_module(module)
     workdir.mkdir(parents=True, exist_ok=True)
     if prepare_only:
         if prepare is not None:
             prepare(size, workdir)
+        if warm:
+            fn(size, workdir)
         return {"path": name, "size": size, "status": "prepared"}
-    if prepare is not None:  # its own process: what it allocates is not in this one's heap
+    if prepare is not None or warm:  # its own process: what it allocates is not in this one's heap
         proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one", name, str(size),
-                               "--workdir", str(workdir), "--function", spec, "--prepare-only"],
+                               "--workdir", str(workdir), "--function", spec, "--prepare-only",
+                               *(["--imports", ",".join(imports)] if imports else []), *(["--warm"] if warm else [])],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             return {"path": name, "size": size, "status": "failed",
@@ -221,7 +238,8 @@ def run_point(path: ScalePath, size: int, workdir: Path, timeout: float) -> dict
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", path.name, str(size), "--workdir", str(workdir),
-           "--function", path.function]
+           "--function", path.function, *(["--imports", ",".join(path.imports)] if path.imports else []),
+           *(["--warm"] if path.warm else [])]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -458,7 +476,7 @@ def select(args, parser) -> list[tuple[ScalePath, tuple[int, ...], int]]:
         if len(size_list) < 2 or len(set(size_list)) < 2:
             parser.error(f"{name}: give at least two different sizes (--sizes {name}=a,b,c)")
         target = targets.get(name, path.target) or max(size_list)
-        chosen.append((replace(path, target=target), tuple(sorted(size_list)), target))
+        chosen.append((replace(path, target=target, warm=path.warm or args.warm), tuple(sorted(size_list)), target))
     return chosen
 
 
@@ -504,13 +522,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="print the registry and exit")
     parser.add_argument("--one", nargs=2, metavar=("PATH", "SIZE"), help=argparse.SUPPRESS)
     parser.add_argument("--function", help=argparse.SUPPRESS)
+    parser.add_argument("--imports", default="", help=argparse.SUPPRESS)
     parser.add_argument("--prepare-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--warm", action="store_true",
+                        help="one unmeasured call of every path first, in a process of its own (some paths do it "
+                             "anyway: those whose function writes its inputs on its first call)")
     args = parser.parse_args(argv)
 
     if args.one:  # the child: one point
         name, size = args.one[0], int(args.one[1])
         spec = args.function or {p.name: p.function for p in REGISTRY}[name]
-        print(MARKER + json.dumps(one(name, spec, size, args.workdir, args.prepare_only)), flush=True)
+        imports = tuple(m for m in args.imports.split(",") if m)
+        print(MARKER + json.dumps(one(name, spec, size, args.workdir, args.prepare_only, imports, args.warm)),
+              flush=True)
         return 0
     if args.list:
         for p in REGISTRY:
