@@ -210,14 +210,17 @@ def read_run_config(run_dir: str | Path) -> dict[str, Any] | None:
         return None
 
 
-def _read_appended(path: Path) -> list[dict[str, Any]]:
-    """Every record of a JSON-lines file a run appends to, oldest first; [] when there is none. A torn last line (a
-    run killed while appending) is skipped, as in metrics.jsonl."""
+def read_appended(path: Path) -> list[dict[str, Any]]:
+    """Every record of a JSON-lines file a run appends to a line per event (a launch, a rollback, a submission), oldest
+    first; [] when there is none. A torn last line (a run killed while appending) is skipped, as in metrics.jsonl. For
+    the logs of few lines: one that grows with the steps is read from its end (``read_tail``)."""
     if not path.is_file():
         return []
     lines = path.read_text(encoding="utf-8").splitlines()
     records = []
     for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
@@ -234,7 +237,7 @@ def read_rollbacks(run_dir: str | Path) -> list[dict[str, Any]]:
     anything else (a string for a number, a factor of 1e9, a window of every batch) is one ConfigError naming the line,
     not a traceback or a run that trains on other data."""
     path = Path(run_dir) / ROLLBACKS_FILE
-    records = _read_appended(path)
+    records = read_appended(path)
     for number, record in enumerate(records, start=1):
         problem = _rollback_problem(record)
         if problem:
@@ -280,7 +283,7 @@ def _rollback_problem(record: Any) -> str | None:
 def read_launches(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every record of ``<run_dir>/launches.jsonl``, oldest first: each start of the run, the step it started from
     (``from_step``) and its batch plan and layout. Step s was run by the last launch with from_step < s."""
-    return _read_appended(Path(run_dir) / LAUNCHES_FILE)
+    return read_appended(Path(run_dir) / LAUNCHES_FILE)
 
 
 def append_record(path: Path, record: dict[str, Any]) -> None:

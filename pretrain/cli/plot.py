@@ -25,14 +25,15 @@ SMOOTHED = ("train/loss", "train/grad_norm")
 
 
 def read_metrics(path: Path) -> Series:
-    """metric key -> (steps, values), in file order, from a metrics.jsonl (read by ``pretrain.checkpoint.rundir``).
+    """metric key -> (steps, values), in file order, from a metrics.jsonl (streamed by ``pretrain.checkpoint.rundir``:
+    memory is the points plotted, not the file's lines).
 
     Where steps go backwards (a resumed run that re-logged steps), the later values replace the earlier ones.
     """
     if not path.is_file():
         raise ConfigError(f"{path} does not exist; pass a run directory that holds metrics.jsonl")
     series: Series = {}
-    for record in rundir.read_metrics(path.parent):
+    for record in rundir.iter_metrics(path.parent):
         step = record["step"]
         for key, value in record.items():
             if key in ("step", "time") or not isinstance(value, (int, float)) or isinstance(value, bool):

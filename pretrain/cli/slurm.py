@@ -531,21 +531,44 @@ def scontrol_job(job_id: str) -> dict[str, str]:
     return fields
 
 
+LOG_BLOCK = 1 << 20  # bytes of a job log read at a time (the log grows with the run's logged steps)
+ETA_WINDOW = 20  # the last logged training steps whose pace the ETA goes by
+
+
+def count_in_file(path: Path, needles: list[str], block: int = LOG_BLOCK) -> list[int]:
+    """How often each of ``needles`` occurs in ``path``, in one streaming pass: memory is one block (an occurrence
+    across two blocks is counted once, from the bytes kept of the block before). [0, ...] when there is no file."""
+    patterns = [needle.encode() for needle in needles]
+    counts = [0] * len(patterns)
+    if not path.is_file():
+        return counts
+    keep = max(len(p) for p in patterns) - 1
+    tail = b""
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            data = tail + chunk
+            for i, pattern in enumerate(patterns):
+                # those wholly inside ``tail`` were counted with the block before
+                counts[i] += data.count(pattern) - tail.count(pattern)
+            tail = data[-keep:] if keep else b""
+    return counts
+
+
 def run_status(run_dir: Path) -> str:
+    """Every submission's job (jobs.jsonl: one line a submission), its state and its log's starts and preemptions
+    (the log counted in one streaming pass: it grows with the run), then the latest checkpoint, the last logged step
+    and the ETA (read from the end of metrics.jsonl) and the goodput (goodput.json: one record an attempt). Nothing
+    read whole grows with the run's steps."""
     records_path = run_dir / SLURM_SUBDIR / "jobs.jsonl"
     if not records_path.is_file():
         raise ConfigError(f"{run_dir} has no SLURM submissions ({records_path} is missing); submit with "
                           "pretrain-slurm submit --recipe R ... (the run directory is the recipe's output_dir)")
     out = []
-    for record in (json.loads(line) for line in records_path.read_text().splitlines() if line.strip()):
+    for record in rundir.read_appended(records_path):
         job_id = record["job_id"]
         fields = scontrol_job(job_id)
         log = run_dir / SLURM_SUBDIR / f"slurm-{job_id}.out"
-        starts = preempted = 0
-        if log.is_file():
-            text = log.read_text(errors="replace")
-            starts = text.count(f"pretrain-slurm: job {job_id} start ")
-            preempted = text.count("preempted: stopped after step")
+        starts, preempted = count_in_file(log, [f"pretrain-slurm: job {job_id} start ", "preempted: stopped after step"])
         if fields:
             state = (f"{fields.get('JobState', '?')} (restarts {fields.get('Restarts', '?')}, nodes "
                      f"{fields.get('NodeList', '?')}, run time {fields.get('RunTime', '?')}, reason {fields.get('Reason', '?')})")
@@ -560,6 +583,9 @@ def run_status(run_dir: Path) -> str:
         out.append(f"  log          {log}")
     out.append(f"checkpoint     {latest_checkpoint(run_dir)}")
     out.append(f"last step      {last_logged_step(run_dir)}")
+    eta = training_eta(run_dir)
+    if eta:
+        out.append(f"eta            {eta}")
     out.append(f"goodput        {run_goodput(run_dir)}")
     return "\n".join(out)
 
@@ -568,12 +594,14 @@ def queue_intervals(slurm_dir: Path) -> list[tuple[float, float]]:
     """[requeue or end, next start) of the batch script's records: the job waiting for an allocation."""
     path = slurm_dir / ALLOCATIONS
     events = []
-    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
-        try:
-            record = json.loads(line)
-            events.append((float(record["time"]), str(record["event"])))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            continue  # a line cut off by a killed node: the interval it would open or close is left out
+    if path.is_file():
+        with open(path, encoding="utf-8", errors="replace") as lines:  # a line an allocation's event: streamed
+            for line in lines:
+                try:
+                    record = json.loads(line)
+                    events.append((float(record["time"]), str(record["event"])))
+                except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                    continue  # a line cut off by a killed node: the interval it would open or close is left out
     events.sort()
     intervals, waiting_since = [], None
     for when, event in events:
@@ -605,13 +633,36 @@ def latest_checkpoint(run_dir: Path) -> str:
     return f"{path} (step {state['step']}/{state.get('num_steps', '?')}, {state.get('tokens_seen', 0):,} tokens)"
 
 
+def _trained(record: dict) -> bool:
+    return "train/loss" in record
+
+
 def last_logged_step(run_dir: Path) -> str:
+    """The last logged training step and its loss, from the last lines of metrics.jsonl (read from its end)."""
     if not (run_dir / rundir.METRICS_FILE).is_file():
         return "nothing logged yet"
-    train = [record for record in rundir.read_metrics(run_dir) if "train/loss" in record]
+    train = rundir.metrics_tail(run_dir, last=1, select=_trained).records
     if not train:
         return "no training step logged yet"
-    return f"{train[-1]['step']} (train/loss {train[-1]['train/loss']:.4f})"
+    loss = train[-1]["train/loss"]
+    return f"{train[-1]['step']} (train/loss {loss:.4f})" if loss is not None else f"{train[-1]['step']} (train/loss -)"
+
+
+def training_eta(run_dir: Path) -> str | None:
+    """The training time left to the horizon (run_config.json's train/num_steps) at the pace of the last ETA_WINDOW
+    logged training steps (their ``time``s, read from the end of metrics.jsonl); None when it cannot be told (fewer
+    than two logged steps, no horizon, the run done). Queue time and restarts are not in it."""
+    num_steps = (rundir.read_run_config(run_dir) or {}).get("train/num_steps")
+    train = rundir.metrics_tail(run_dir, last=ETA_WINDOW, select=_trained).records
+    if not isinstance(num_steps, int) or len(train) < 2:
+        return None
+    first, last = train[0], train[-1]
+    steps, seconds = last["step"] - first["step"], (last.get("time") or 0) - (first.get("time") or 0)
+    if steps <= 0 or seconds <= 0 or last["step"] >= num_steps:
+        return None
+    left = (num_steps - last["step"]) * seconds / steps
+    return (f"{datetime.timedelta(seconds=round(left))} of training to step {num_steps} ({seconds / steps:.3g} s/step over the last "
+            f"{steps} steps logged; queue time and restarts not counted)")
 
 
 def main(argv: list[str] | None = None) -> int:
