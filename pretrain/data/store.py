@@ -241,8 +241,11 @@ def content_digest(records: list[dict[str, Any]]) -> str:
     """A digest of every shard file's checksum, in shard order (the identity's ``content``). Format 2 computes it once,
     at build time, into the manifest; format 1 at every open, from its shard list: the same formula, so that a store's
     identity (what checkpoints record) does not depend on its format."""
-    checksums = [[record[split]["sha256"], record[split]["index_sha256"]] for record in records for split in SPLITS]
-    return hashlib.sha256(json.dumps(checksums).encode()).hexdigest()[:16]
+    # json.dumps of [[sha256, index_sha256], ...] (hex digits need no escaping), written out: 3x faster at 100,000
+    # shards, and the same bytes
+    pairs = ", ".join(f'["{record[split]["sha256"]}", "{record[split]["index_sha256"]}"]'
+                      for record in records for split in SPLITS)
+    return hashlib.sha256(f"[{pairs}]".encode()).hexdigest()[:16]
 
 
 def index_arrays(records: list[dict[str, Any]]) -> dict[str, np.ndarray]:
@@ -508,6 +511,8 @@ def verify_store(store_dir: Path, manifest: dict[str, Any], workers: int = 1, lo
     hashed_bytes = sum(size for r in todo for split in SPLITS for _, size, _ in _split_files(r[split]))
     tasks = [(str(shards_dir), r) for r in todo]
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if todo else None
+    if fd is not None and os.fstat(fd).st_size and not log_path.read_bytes().endswith(b"\n"):
+        os.write(fd, b"\n")  # a line cut short by a kill ends here: the next one is whole
 
     def record_result(name: str, found: list[str], files: dict[str, list]) -> None:
         if found:
