@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import json
 import os
 import sys
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path and "pretrain" not in sys.modules:
+if importlib.util.find_spec("pretrain") is None:  # run as a script: this checkout's (PYTHONPATH may name another)
     sys.path.insert(0, str(ROOT))
 
 TOKENS_PER_SHARD = 64  # train tokens of each synthetic shard: 4 documents of 16
@@ -204,14 +205,16 @@ def prepare_measure_cleanup(num_shards: int, workdir: Path) -> None:
 
 def make_cleanup_dir(shards_dir: Path, num_shards: int) -> None:
     """A shards/ directory of num_shards complete shards' files (empty) and one interrupted shard's .tmp- files in
-    ten."""
+    ten (made again if a cleanup removed them)."""
     from pretrain.data.store import shard_name
 
     shards_dir.mkdir(parents=True, exist_ok=True)
+    complete = (shards_dir / f"{shard_name(num_shards - 1)}.json").exists()
     for k in range(num_shards):
         name = shard_name(k)
-        for suffix in (".json", ".train.ds", ".val.ds"):
-            (shards_dir / f"{name}{suffix}").touch()
+        if not complete:
+            for suffix in (".json", ".train.ds", ".val.ds"):
+                (shards_dir / f"{name}{suffix}").touch()
         if k % 10 == 0:
             (shards_dir / f".tmp-{name}.train.ds").touch()
 
@@ -225,6 +228,7 @@ def measure_cleanup(num_shards: int, workdir: Path) -> dict:
 
     shards_dir = Path(workdir) / f"cleanup-{num_shards}"
     make_cleanup_dir(shards_dir, num_shards)
+    start = time.perf_counter()
     with count_io(shards_dir) as counted:
         if hasattr(store_build, "remove_stale_files"):
             store_build.remove_stale_files(shards_dir, set(range(num_shards)))
@@ -232,7 +236,7 @@ def measure_cleanup(num_shards: int, workdir: Path) -> dict:
             for k in range(num_shards):
                 for stale in shards_dir.glob(f".tmp-{shard_name(k)}.*"):
                     stale.unlink(missing_ok=True)
-    return dict(counted)
+    return {**counted, "cleanup_s": round(time.perf_counter() - start, 3)}
 
 
 EXCLUDE_SHARDS = 10_000  # the store whose documents data.exclude lists (the cost per document grew with its shards)

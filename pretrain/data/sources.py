@@ -1,14 +1,23 @@
 """Which corpus ``data.source`` names (local files, the ``stdlib`` corpus or an ``hf:`` dataset) and its
-fingerprint, taken from (path, size, mtime_ns) without reading the files."""
+fingerprint, taken from (path, size, mtime_ns) without reading the files.
+
+The fingerprint costs a listing and two stats per input file. In a launched run (torchrun / accelerate launch: an
+elastic agent starts the node's processes) only local rank 0 computes it; it publishes the result for this launch in
+a node-local file (``shared_path``: the temporary directory, named by the agent's pid and start time and the source),
+and the node's other processes read that file instead of stat-ing the corpus (``SHARED_WAIT_S`` at most, then they
+compute it themselves). A new launch has a new agent, so a corpus changed between launches is still seen."""
 
 from __future__ import annotations
 
 import difflib
 import glob
+import json
 import os
 import sys
 import sysconfig
-from dataclasses import dataclass
+import tempfile
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pretrain.data.cache import DOCUMENTS_VERSION, _hash
@@ -106,8 +115,79 @@ def _local_files(data_cfg: DataConfig) -> list[Path]:
     )
 
 
+SHARED_WAIT_S = 300.0  # how long a local rank > 0 waits for local rank 0's fingerprint before computing its own
+SHARED_POLL_S = 0.05
+
+
+def _agent() -> str | None:
+    """This launch on this node: the elastic agent that started the process (its pid and start time, so that a reused
+    pid is another launch), or None outside a launched run."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or "LOCAL_RANK" not in os.environ:
+        return None
+    parent = os.getppid()
+    try:  # /proc/PID/stat's 22nd field, after the command in parentheses
+        start = Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        start = "0"
+    return f"{parent}-{start}"
+
+
+def shared_path(data_cfg: DataConfig) -> Path | None:
+    """Where local rank 0 of this launch publishes this source's corpus (None outside a launched run)."""
+    agent = _agent()
+    if agent is None:
+        return None
+    what = _hash({"source": data_cfg.source, "format": data_cfg.format, "text_field": data_cfg.text_field,
+                  "on_decode_error": data_cfg.on_decode_error, "hf_config": data_cfg.hf_config,
+                  "hf_split": data_cfg.hf_split, "cwd": os.getcwd()})
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return Path(tempfile.gettempdir()) / f"pretrain-corpus-{uid}-{agent}-{what}.json"
+
+
+def _read_shared(path: Path) -> _Corpus | None:
+    try:
+        fields = json.loads(path.read_text())
+        return _Corpus(**{**fields, "files": tuple(tuple(f) for f in fields["files"])})
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _publish(path: Path, corpus: _Corpus) -> None:
+    """Write this launch's corpus for the node's other processes; those of launches whose agent has exited go."""
+    prefix = path.name.split("-")[:3]  # pretrain, corpus, uid
+    for old in path.parent.glob("-".join(prefix) + "-*.json") if Path("/proc/self").exists() else ():
+        pid = old.name.split("-")[3]
+        if old != path and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            old.unlink(missing_ok=True)
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    try:
+        tmp.write_text(json.dumps(asdict(corpus)))
+        os.replace(tmp, path)
+    except OSError:  # the others compute it themselves
+        tmp.unlink(missing_ok=True)
+
+
 def _resolve_corpus(data_cfg: DataConfig) -> _Corpus:
-    """Find the corpus and fingerprint it without reading it (stat only)."""
+    """Find the corpus and fingerprint it without reading it (stat only); in a launched run, once per node (local
+    rank 0, which publishes it: see the module's docstring)."""
+    shared = shared_path(data_cfg)
+    if shared is None:
+        return _fingerprint(data_cfg)
+    if int(os.environ["LOCAL_RANK"]) > 0:
+        deadline = time.monotonic() + SHARED_WAIT_S
+        while True:
+            corpus = _read_shared(shared)
+            if corpus is not None:
+                return corpus
+            if time.monotonic() >= deadline:
+                return _fingerprint(data_cfg)
+            time.sleep(SHARED_POLL_S)
+    corpus = _fingerprint(data_cfg)
+    _publish(shared, corpus)
+    return corpus
+
+
+def _fingerprint(data_cfg: DataConfig) -> _Corpus:
     source = data_cfg.source
     common = {
         "version": DOCUMENTS_VERSION,

@@ -187,3 +187,37 @@ def test_data_exclude_finds_each_document_by_a_lookup_not_a_scan(big_store, tmp_
     with pytest.raises(DataError, match=r"holds documents 0\.\.3; there is no document 4"):
         document_rows(data.train, file, 4)
     assert data_config(big_store).store == str(big_store)
+
+
+def test_in_a_launch_local_rank_0_fingerprints_the_corpus_and_the_others_read_it(tmp_path, monkeypatch):
+    """Without data.store a store's path is a hash of the corpus's fingerprint (two stats per input file): in a launched
+    run local rank 0 computes it and the node's other ranks read it, stat-ing no input file; a new launch (another
+    agent) fingerprints the corpus anew, so a changed corpus is still found."""
+    from pretrain.data import sources
+
+    corpus = write_corpus(tmp_path / "corpus", make_docs(40, seed=52))
+    cfg = store_config(tmp_path, corpus, tmp_path / "store")
+    monkeypatch.setattr(sources.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    agent = sources._agent
+    monkeypatch.setattr(sources, "_agent", lambda: "4242-1")  # one launch's agent
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with count_io(corpus) as rank0:
+        first = sources._resolve_corpus(cfg)
+    assert rank0["stat"] >= 2 * len(first.files)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with count_io(corpus) as rank1:
+        assert sources._resolve_corpus(cfg) == first
+    assert rank1["stat"] == 0 and rank1["listdir"] == 0, rank1
+
+    (corpus / "doc_000.txt").write_text("this document changed after the store was made")
+    monkeypatch.setattr(sources, "_agent", lambda: "4243-1")  # the next launch
+    monkeypatch.setattr(sources, "SHARED_WAIT_S", 0.2)
+    assert sources._resolve_corpus(cfg).key != first.key  # rank 1 first: it waited, then looked itself
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    changed = sources._resolve_corpus(cfg)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert changed.key != first.key and sources._resolve_corpus(cfg) == changed
+    monkeypatch.setattr(sources, "_agent", agent)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")  # outside a launch: computed, nothing shared
+    assert sources.shared_path(cfg) is None and sources._resolve_corpus(cfg) == changed
