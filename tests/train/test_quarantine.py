@@ -99,7 +99,7 @@ def _bench():
     return module
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [0, 3])
 def test_a_poison_document_spikes_rolls_back_and_ranks_in_the_top_3(tmp_path, seed):
     """tools/poison_bench.py's trial (its 20 seeds are the benchmark): the step that reads the poison's rows is
     skipped by the spike rule, the run rolls back, and the reloaded model ranks the poison in the window's top 3."""

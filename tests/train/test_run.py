@@ -104,6 +104,29 @@ def test_finished_run_started_again_does_not_retrain(uninterrupted):
     assert (uninterrupted / "metrics.jsonl").read_text() == before
 
 
+def test_a_checkpoint_from_before_the_keyed_order_resumes_on_numpys_order(tmp_path, uninterrupted):
+    """A checkpoint whose trainer_state.json records no sample order (saved before the order had versions) resumes
+    on the order its run began with, numpy's permutation (version 1), and says so in its next checkpoint and in
+    run_config.json; a new run takes the keyed order (version 2)."""
+    import shutil
+
+    from pretrain.checkpoint.integrity import checkpoint_files, read_manifest, record_files, write_manifest
+
+    assert json.loads((uninterrupted / "run_config.json").read_text())["data/order/version"] == 2
+    old = tmp_path / "old"
+    shutil.copytree(uninterrupted, old)
+    (checkpoint,) = (old / "checkpoints").glob("step_*")
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["components"].pop("data_order") == {"version": 2, "kind": "keyed"}
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    write_manifest(checkpoint, record_files(checkpoint, checkpoint_files(checkpoint)),
+                   read_manifest(checkpoint)["world_size"])
+    train_here([*STOP_ARGS, "train.max_steps=31", f"output_dir={old}"])
+    resumed = json.loads((old / "checkpoints" / "step_00000031" / "trainer_state.json").read_text())
+    assert resumed["components"]["data_order"] == {"version": 1, "kind": "numpy"}
+    assert json.loads((old / "run_config.json").read_text())["data/order/version"] == 1
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
