@@ -261,7 +261,8 @@ def _exclude_list(num_docs: int, workdir: Path) -> Path:
 
         content = store_identity(store, json.loads((store / "manifest.json").read_text()))["content"]
     documents = [{"source": "data", "file": f"{shard_name((i * 7919) % EXCLUDE_SHARDS)}.train.ds",
-                  "document": i % DOCUMENTS_PER_SHARD, "store": {"content": content}} for i in range(num_docs)]
+                  "document": (i // EXCLUDE_SHARDS) % DOCUMENTS_PER_SHARD, "store": {"content": content}}
+                 for i in range(num_docs)]  # distinct up to 40,000 documents
     path.write_text(json.dumps({"version": 1, "documents": documents}))
     return path
 
