@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
 
 from pretrain.checkpoint import rundir
 from pretrain.cli import slurm
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import scale_logs  # noqa: E402  (tools/ is no package)
+from tools import scale_logs
 
 
 @pytest.mark.parametrize("block", [1, 5, 16, 1 << 20])
