@@ -82,32 +82,40 @@ class ScalePath:
     per: str  # what the figure is per
     baseline: bool = False  # a comparison row: run with --baseline or when named in --paths
     # modules imported before the call is measured: the process doing the work in a run has them already, so a
-    # function that imports them inside its call does not count their import as the path's cost
+    # function that imports them inside its call does not count their import as the path's cost ("module:name"
+    # also asks the module for a name it loads lazily)
     imports: tuple[str, ...] = ()
     # one unmeasured call first, in a process of its own (--warm does it for every path): for a function that writes
     # its inputs into workdir on its first call and keeps them, so that the measured call is the path's work alone
     warm: bool = False
 
 
+# transformers' tokenizer classes, loaded on first use (0.8 s and 30 MiB): a rank has them before it opens a store
+TOKENIZER = "transformers:PreTrainedTokenizerFast"
+ORDER = ("pretrain.data.loader", "pretrain.data.order")  # a rank's sample order, imported at start
+
 REGISTRY: list[ScalePath] = [
     ScalePath("order", "tools.scale_order:measure_order", (10**6, 10**7, 10**8), (10**4, 10**5, 10**6), "rows",
-              ROWS, "15e12 tokens / 4,096-token rows = 3.66e9 rows", "rank, at resume"),
+              ROWS, "15e12 tokens / 4,096-token rows = 3.66e9 rows", "rank, at resume", imports=ORDER),
     ScalePath("mixture-order", "tools.scale_order:measure_mixture_order", (10**6, 10**7, 10**8),
               (10**4, 10**5, 10**6), "rows", ROWS, "15e12 tokens / 4,096-token rows = 3.66e9 rows (all sources)",
-              "rank, at resume"),
+              "rank, at resume", imports=ORDER),
     ScalePath("exclusion-resume", "tools.scale_order:measure_exclusion_resume", (10**3, 10**4, 10**5),
               (10, 100, 1000), "excluded rows", EXCLUDED_ROWS, "1e5 quarantined rows at a resume at step 1e6",
-              "rank, at resume"),
+              "rank, at resume", imports=ORDER),
     ScalePath("eval-indices", "tools.scale_order:measure_eval_indices", (10**5, 10**6, 10**7), (10**3, 10**4, 10**5),
               "validation rows", VAL_ROWS, "15e12 tokens x 0.05 (data.val_fraction) / 4,096 = 1.83e8 rows",
-              "rank, per evaluation"),
+              "rank, per evaluation", imports=ORDER),
     ScalePath("store-open", "tools.scale_store:measure_open", (2_000, 10_000, 30_000), (20, 100, 300), "shards",
-              SHARDS, "100,000 shard files", "rank, at start"),
+              SHARDS, "100,000 shard files", "rank, at start",
+              imports=("pretrain.data", "pretrain.data.store", TOKENIZER)),
     ScalePath("store-cleanup", "tools.scale_store:measure_cleanup", (2_000, 10_000, 30_000), (20, 100, 300),
-              "shards", SHARDS, "100,000 shard files", "job"),
+              "shards", SHARDS, "100,000 shard files", "job",
+              imports=("pretrain.data", "pretrain.data.store", "pretrain.data.store_build", TOKENIZER)),
     ScalePath("resolve-exclude", "tools.scale_store:measure_resolve_exclude", (10**3, 10**4, 10**5),
               (10, 100, 1000), "documents", EXCLUDED_ROWS, "1e5 quarantined documents' rows (as exclusion-resume)",
-              "rank, at start"),
+              "rank, at start",
+              imports=("pretrain.data", "pretrain.data.store", "pretrain.data.quarantine", TOKENIZER)),
     ScalePath("rewind", "tools.scale_logs:measure_rewind", (10**4, 10**5, 10**6), (10**2, 10**3, 10**4), "log lines",
               LOG_LINES, "3.6e6 lines: a 1e6-step run's log", "rollback",
               imports=("pretrain.train.tracking", "pretrain.checkpoint.rundir"), warm=True),
@@ -199,8 +207,16 @@ def one(name: str, spec: str, size: int, workdir: Path, prepare_only: bool, impo
         fn, prepare = load(spec)
     except NotAvailable as exc:
         return {"path": name, "size": size, "status": "not available", "error": str(exc)}
-    for module in imports:
-        importlib.import_module(module)
+    for item in imports:  # one the checkout does not have (yet, or any more) is left to the call
+        module, _, attribute = item.partition(":")
+        try:
+            loaded = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            continue
+        if attribute:  # a lazily loaded name (transformers'): loaded by asking for it
+            getattr(loaded, attribute, None)
     workdir.mkdir(parents=True, exist_ok=True)
     if prepare_only:
         if prepare is not None:
