@@ -3,7 +3,9 @@ figure extrapolated to the advertised scale (15T tokens, 100,000 shards, 1e6 ste
 
     python tools/scale_bench.py [--paths order,store-open] [--quick] [--baseline] [--write]
                                 [--sizes PATH=1e6,1e7,1e8] [--target PATH=3.66e9] [--add NAME=module:function]
-                                [--repeats N] [--workdir D] [--json FILE] [--timeout S]
+                                [--repeats N] [--warm] [--workdir D] [--json FILE] [--timeout S]
+    python tools/scale_bench.py --list                               # the registry
+    python tools/scale_bench.py --one order 1e8 [--workdir D]        # one point in this process: its JSON line
 
 A path is a function ``fn(size: int, workdir: pathlib.Path)`` doing the work of one data path at one size on CPU,
 with synthetic stores and orders (REGISTRY below: tools/scale_order.py, tools/scale_store.py, tools/scale_logs.py).
@@ -546,11 +548,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.one:  # the child: one point
-        name, size = args.one[0], int(args.one[1])
-        spec = args.function or {p.name: p.function for p in REGISTRY}[name]
-        imports = tuple(m for m in args.imports.split(",") if m)
-        print(MARKER + json.dumps(one(name, spec, size, args.workdir, args.prepare_only, imports, args.warm)),
-              flush=True)
+        name, size = args.one[0], int(float(args.one[1]))
+        spec, imports, warm = args.function, tuple(m for m in args.imports.split(",") if m), args.warm
+        if spec is None:  # by hand: `--one order 1e8 --workdir D` measures the registry's path as the parent would
+            registered = {p.name: p for p in REGISTRY}
+            if name not in registered:
+                parser.error(f"unknown path {name!r}; known: {', '.join(registered)}")
+            spec, imports, warm = registered[name].function, registered[name].imports, warm or registered[name].warm
+        workdir = args.workdir or Path(tempfile.mkdtemp(prefix="scale-bench-one-"))
+        print(MARKER + json.dumps(one(name, spec, size, workdir, args.prepare_only, imports, warm)), flush=True)
         return 0
     if args.list:
         for p in REGISTRY:
