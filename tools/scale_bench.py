@@ -571,13 +571,18 @@ def main(argv: list[str] | None = None) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="scale-bench-") as tmp:
-        workdir = args.workdir or Path(tmp)
+    tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="scale-bench-")
+    workdir = args.workdir or Path(tmp.name)
+    try:
         results = [measure(path, sizes, target, workdir, args.repeats, args.timeout, log)
                    for path, sizes, target in chosen]
-    command = "python tools/scale_bench.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
-    text = report(results, command)
-    print(text, end="")
+        command = "python tools/scale_bench.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+        text = report(results, command)
+        print(text, end="", flush=True)  # before the clean-up: deleting 100,000s of synthetic files takes minutes
+    finally:
+        if tmp is not None:
+            log(f"deleting the synthetic inputs in {workdir}")
+            tmp.cleanup()
     if args.json:
         args.json.write_text(json.dumps([{"path": r.path.name, "function": r.path.function, "unit": r.path.unit,
                                           "per": r.path.per, "target": r.target, "points": r.points,
