@@ -4,8 +4,10 @@ fingerprint, taken from (path, size, mtime_ns) without reading the files.
 The fingerprint costs a listing and two stats per input file. In a launched run (torchrun / accelerate launch: an
 elastic agent starts the node's processes) only local rank 0 computes it; it publishes the result for this launch in
 a node-local file (``shared_path``: the temporary directory, named by the agent's pid and start time and the source),
-and the node's other processes read that file instead of stat-ing the corpus (``SHARED_WAIT_S`` at most, then they
-compute it themselves). A new launch has a new agent, so a corpus changed between launches is still seen."""
+and the node's other processes read that file instead of stat-ing the corpus. They never wait for it: local rank 0
+prepares the data first (``ensure_data``: the others poll for its store), so they usually find it, and one that does
+not (it got there first, rank 0 took another path or failed, or its working directory differs) computes its own, as
+every rank did before. A new launch has a new agent, so a corpus changed between launches is still seen."""
 
 from __future__ import annotations
 
@@ -16,7 +18,6 @@ import os
 import sys
 import sysconfig
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -115,10 +116,6 @@ def _local_files(data_cfg: DataConfig) -> list[Path]:
     )
 
 
-SHARED_WAIT_S = 300.0  # how long a local rank > 0 waits for local rank 0's fingerprint before computing its own
-SHARED_POLL_S = 0.05
-
-
 def _agent() -> str | None:
     """This launch on this node: the elastic agent that started the process (its pid and start time, so that a reused
     pid is another launch), or None outside a launched run."""
@@ -174,14 +171,8 @@ def _resolve_corpus(data_cfg: DataConfig) -> _Corpus:
     if shared is None:
         return _fingerprint(data_cfg)
     if int(os.environ["LOCAL_RANK"]) > 0:
-        deadline = time.monotonic() + SHARED_WAIT_S
-        while True:
-            corpus = _read_shared(shared)
-            if corpus is not None:
-                return corpus
-            if time.monotonic() >= deadline:
-                return _fingerprint(data_cfg)
-            time.sleep(SHARED_POLL_S)
+        corpus = _read_shared(shared)
+        return corpus if corpus is not None else _fingerprint(data_cfg)  # no wait: a rank that could hang never does
     corpus = _fingerprint(data_cfg)
     _publish(shared, corpus)
     return corpus

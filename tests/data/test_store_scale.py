@@ -212,8 +212,7 @@ def test_in_a_launch_local_rank_0_fingerprints_the_corpus_and_the_others_read_it
 
     (corpus / "doc_000.txt").write_text("this document changed after the store was made")
     monkeypatch.setattr(sources, "_agent", lambda: "4243-1")  # the next launch
-    monkeypatch.setattr(sources, "SHARED_WAIT_S", 0.2)
-    assert sources._resolve_corpus(cfg).key != first.key  # rank 1 first: it waited, then looked itself
+    assert sources._resolve_corpus(cfg).key != first.key  # rank 1 first: nothing published, it looks itself
     monkeypatch.setenv("LOCAL_RANK", "0")
     changed = sources._resolve_corpus(cfg)
     monkeypatch.setenv("LOCAL_RANK", "1")
