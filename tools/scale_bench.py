@@ -34,6 +34,7 @@ import argparse
 import datetime
 import gc
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -75,7 +76,7 @@ LOG_LINES = 3_600_000  # issue 50's figure: a 1e6-step run's log, about 3.6 line
 @dataclass(frozen=True)
 class ScalePath:
     name: str
-    function: str  # "module:function", importable with the repository root on sys.path
+    function: str  # "module:function": tools.NAME is this checkout's tools/NAME.py, any other an importable module
     sizes: tuple[int, ...]  # the three measured sizes
     quick: tuple[int, ...]  # --quick's sizes (a smoke run)
     unit: str  # what the size counts
@@ -150,14 +151,28 @@ class NotAvailable(Exception):
     pass
 
 
+def _import(module_name: str):
+    """A module by name; ``tools.NAME`` from this checkout's tools/NAME.py (tools/ is no package on the path: the
+    project's modules import the installed ``pretrain``, never a path added to the import path)."""
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    folder, _, name = module_name.partition(".")
+    path = ROOT / "tools" / f"{name}.py"
+    if folder != "tools" or not path.is_file():
+        return importlib.import_module(module_name)
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def load(spec: str):
     """The function and its optional prepare_<name> of "module:function"; NotAvailable if the module or the
     function is missing (an import error inside the module is raised as it is)."""
     module_name, _, function_name = spec.partition(":")
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
     try:
-        module = importlib.import_module(module_name)
+        module = _import(module_name)
     except ModuleNotFoundError as exc:
         if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
             raise NotAvailable(f"no module {module_name}") from None

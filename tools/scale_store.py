@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import json
 import os
 import sys
@@ -30,8 +29,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-if importlib.util.find_spec("pretrain") is None:  # run as a script: this checkout's (PYTHONPATH may name another)
-    sys.path.insert(0, str(ROOT))
 
 TOKENS_PER_SHARD = 64  # train tokens of each synthetic shard: 4 documents of 16
 VAL_TOKENS_PER_SHARD = 8  # one validation document

@@ -16,10 +16,14 @@ from pretrain.recipe.config import load_recipe
 from tests.helpers import FAST, train_here, train_losses
 
 # Per-step |float8 - bf16| / bf16 of the training loss, 50 steps of FAST (emulated float8 on CPU against bf16 autocast,
-# same seed and data), measured on this project's 2-core CPU: at GBS 4 (this test) max 1.8e-3 (tensorwise, step 42;
-# mean 4.0e-4); at GBS 8 max 1.2e-3 (tensorwise; mean 2.4e-4) and 1.3e-3 (rowwise; mean 3.9e-4). The bound leaves
-# ~2.7x for another CPU's kernels; docs/performance.md, "float8".
-RELATIVE_TOLERANCE = 5e-3
+# same seed and data), measured on this project's 2-core CPU: at GBS 4 (this test, the keyed sample order of issue 50)
+# mean 1.05e-3, median 3.9e-4, every step within 2.0e-3 but step 40: 2.9e-2, where bf16's own loss climbs from 6.65
+# to 7.11 over steps 36-40 and float8 overshoots it once (7.30); with the order before, max 1.8e-3 (step 42, mean
+# 4.0e-4). At GBS 8 max 1.2e-3 (tensorwise; mean 2.4e-4) and 1.3e-3 (rowwise; mean 3.9e-4). The bounds leave ~2x for
+# another CPU's kernels; docs/performance.md, "float8".
+RELATIVE_TOLERANCE = 5e-3  # every step but one
+MEAN_TOLERANCE = 2e-3
+OUTLIER_TOLERANCE = 5e-2  # the one step of an unstable stretch
 STEPS, RESUME_AT = 50, 45
 ARGS = [*FAST, "batch.global_batch_size=4", f"train.max_steps={STEPS}", "precision.dtype=bf16", "eval.batches=1",
         f"checkpoint.every_steps={RESUME_AT}", "checkpoint.keep_last=0"]
@@ -45,7 +49,9 @@ def test_float8_tracks_bf16_within_the_measured_tolerance(runs):
     bf16, fp8 = train_losses(runs["off"][0]), train_losses(runs["tensorwise"][0])
     assert sorted(bf16) == sorted(fp8) == list(range(1, STEPS + 1))
     relative = {step: abs(fp8[step] - bf16[step]) / bf16[step] for step in bf16}
-    assert max(relative.values()) <= RELATIVE_TOLERANCE, relative
+    ordered = sorted(relative.values())
+    assert ordered[-2] <= RELATIVE_TOLERANCE and ordered[-1] <= OUTLIER_TOLERANCE, relative
+    assert sum(ordered) / len(ordered) <= MEAN_TOLERANCE, relative
     assert max(relative.values()) > 1e-5  # float8 really rounded the matmuls: not a bf16 run under another name
     assert fp8[STEPS] < fp8[1] - 1.0  # and it learned
 
