@@ -117,9 +117,6 @@ SKIPPED = {
     "python tools/bench_startup.py": "times repeated training starts (minutes); docs/performance.md shows its output",
     "python tools/calibrate_memory.py": "refits the shipped pretrain/plan/memory/calibration.json (a GPU visit's "
                                         "rows with --add); tests/plan/test_memory_calibration.py runs it",
-    "python tools/scale_bench.py --baseline": "the scale benchmark: every path at three sizes on gigabytes of "
-    "synthetic stores and logs (tens of minutes); tests/test_scale_bench.py runs the harness, and the --quick run is "
-    "run here",
     "python tools/scale_bench.py --paths order-numpy-permutation": "the order before issue 50 at 1e6-1e8 rows (a "
     "minute and 400 MiB per point); tests/data/test_order.py checks the order that replaced it",
     "python tools/bench_data.py": "the data benchmark: a 0.5-2 GB corpus tokenized four times (tens of minutes)",
