@@ -486,6 +486,8 @@ def verify_store(store_dir: Path, manifest: dict[str, Any], workers: int = 1, lo
     DataError naming the files (``damage_error``); its damaged shards are not recorded."""
     import multiprocessing
     import time
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
 
     start = time.perf_counter()
     shards_dir = store_dir / "shards"
@@ -525,10 +527,20 @@ def verify_store(store_dir: Path, manifest: dict[str, Any], workers: int = 1, lo
             for task in tasks:
                 record_result(*_verify_shard(task))
         else:
-            ctx = multiprocessing.get_context("fork")
-            with ctx.Pool(min(workers, len(tasks)), initializer=_init_verify_worker) as pool:
-                for result in pool.imap_unordered(_verify_shard, tasks, chunksize=1):
-                    record_result(*result)
+            # forkserver, not fork: a fork of a process with threads (torch's, a test runner's) can deadlock in the
+            # child; and a worker that dies (killed, out of memory) is an error here, where multiprocessing.Pool
+            # would wait for its result forever
+            pool = ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("forkserver"),
+                                       initializer=_init_verify_worker)
+            try:
+                for future in as_completed([pool.submit(_verify_shard, task) for task in tasks]):
+                    record_result(*future.result())
+            except BrokenProcessPool:
+                raise DataError(f"data: verify: a worker process of the verification of {store_dir} died (killed, or "
+                                f"out of memory); the shards verified so far are recorded in {log_path}: run --verify "
+                                f"again to hash the rest (with fewer --workers if memory ran out)") from None
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)
     finally:
         if fd is not None:
             os.close(fd)
