@@ -2,10 +2,11 @@
 view of a pretrain checkpoint (``step_N.hf`` beside ``step_N``), written once by the run's first process before
 any process group exists while the others wait for it.
 
-``export`` reads the full fp32 weights on CPU (``reshard.full_state_dict``: ZeRO's fp32 partitions merged, FSDP's
-DCP shards merged), builds the recipe's model on the meta device for its config, and writes ``save_pretrained`` +
-the tokenizer through the final model's writer (``build.save_pretrained_model``), under a temporary name renamed
-into place: a view either exists whole or not at all.
+``export`` builds the recipe's model on the meta device for its config and writes it with the tokenizer through the
+final model's writer (``build.save_pretrained_model``), the fp32 weights read one shard at a time from the checkpoint
+(``pretrain.checkpoint.weights``: ZeRO's fp32 partitions gathered a tensor at a time, FSDP's DCP shards read by key)
+and written as they are read (``pretrain.model.hf_save``), under a temporary name renamed into place: a view either
+exists whole or not at all. Its peak memory is one shard (5 GB by default), not the model.
 """
 
 from __future__ import annotations
@@ -38,12 +39,15 @@ def check_paths(checkpoint: Path, out: Path) -> None:
                           "from a copy")
 
 
-def export(checkpoint: Path, out: Path, log=print) -> None:
+def export(checkpoint: Path, out: Path, log=print, shard_bytes: int | None = None) -> None:
+    """``checkpoint`` (any layout) as a transformers model directory ``out``, its weights read and written a shard
+    at a time (``shard_bytes``, default ``hf_save.SHARD_BYTES``): the peak memory is one shard plus the model's
+    description, whatever the model's size."""
     check_paths(checkpoint, out)
     from pydantic import ValidationError
 
-    from pretrain.checkpoint.reshard import full_state_dict
     from pretrain.checkpoint.state import TrainerState
+    from pretrain.checkpoint.weights import open_weights
     from pretrain.data import build_tokenizer, sample_val_texts
     from pretrain.model.build import build_model, resolve_vocab_size, save_pretrained_model
     from pretrain.model.export_checks import check_tokenizer_round_trip
@@ -62,17 +66,18 @@ def export(checkpoint: Path, out: Path, log=print) -> None:
     model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed, meta=True)
     texts = sample_val_texts(recipe.data)
     check_tokenizer_round_trip(model.config, tokenizer, texts)  # before any file of OUT is written
-    weights = full_state_dict(checkpoint, log=log)
-    expected = set(model.state_dict())
-    missing = expected - set(weights) - _tied(model)
-    if missing:
-        raise ConfigError(f"{checkpoint} lacks {len(missing)} of the recipe's model tensors "
-                          f"(e.g. {sorted(missing)[:3]}); is it a checkpoint of this recipe?")
-    if out.exists():
-        out.rmdir()  # empty (checked): save_pretrained_model renames its temporary directory onto it
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_pretrained_model(model, {k: v for k, v in weights.items() if k in expected}, tokenizer, out,
-                          texts)
+    with open_weights(checkpoint, log=log) as weights:
+        expected = set(model.state_dict())
+        missing = expected - set(weights.specs) - _tied(model)
+        if missing:
+            raise ConfigError(f"{checkpoint} lacks {len(missing)} of the recipe's model tensors "
+                              f"(e.g. {sorted(missing)[:3]}); is it a checkpoint of this recipe?")
+        specs = {k: v for k, v in weights.specs.items() if k in expected}
+        if out.exists():
+            out.rmdir()  # empty (checked): save_pretrained_model renames its temporary directory onto it
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_pretrained_model(model, None, tokenizer, out, texts, reader=(specs, weights.read),
+                              shard_bytes=shard_bytes)
     log(f"export: step {state.step} of {checkpoint} -> {out} (transformers model, fp32, and tokenizer; "
         f"{time.perf_counter() - start:.1f}s)")
 

@@ -40,7 +40,7 @@ that does not hold (made from another save or state of the checkpoint, a file ch
 made by an earlier pretrain that recorded no checksums) is pretrain's own, derived data: rank 0 says why in
 one line and converts it again (its record removed first, so the others wait for the new one), never loads it.
 
-``full_state_dict`` reads the full fp32 weights of a checkpoint of any layout, with no process group.
+``pretrain/checkpoint/weights.py`` reads the fp32 weights of a checkpoint of any layout, with no process group.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -503,55 +502,8 @@ def _wait_for(view: Path, made_from: dict[str, Any], timeout_s: float = WAIT_TIM
         time.sleep(poll_s)
 
 
-# ---- the full weights of any checkpoint, for pretrain-export ---------------------------------------------
-def full_state_dict(checkpoint: Path, log: Log = print) -> dict[str, Any]:
-    """The full fp32 model state dict of a checkpoint of any layout, read on CPU without a process group:
-    DeepSpeed ZeRO-1/2/3 through ``zero_to_fp32`` (the fp32 master partitions, merged), ZeRO-0 and DDP from
-    the saved module, FSDP's sharded state through accelerate's ``merge_fsdp_weights`` (DCP). Every pickle is
-    read without running it first, and loaded weights-only (pretrain/trust.py)."""
-    state = read_state(checkpoint)
-    assert state is not None
-    layout = saved_layout(checkpoint, state)
-    _refuse_crafted(checkpoint)
-    with weights_only(checkpoint):  # zero_to_fp32 and DCP load with weights_only=False
-        weights = _read_weights(checkpoint, layout)
-    log(f"export: read {len(weights)} tensors of {layout.describe()} from {checkpoint}")
-    return {k.removeprefix("module."): v.float() if v.is_floating_point() else v for k, v in weights.items()}
-
-
 def _refuse_crafted(checkpoint: Path) -> None:
     """Every pickle of ``checkpoint`` read without running it, before one process loads them all."""
     refused = check_files(checkpoint, checkpoint_files(checkpoint))
     if refused:
         raise ConfigError(refused)
-
-
-def _read_weights(checkpoint: Path, layout: CheckpointLayout) -> dict[str, Any]:
-    import torch
-    from safetensors.torch import load_file
-
-    if layout.engine == "deepspeed":
-        ds = checkpoint / DEEPSPEED_DIR
-        if layout.zero_stage == 0:
-            module = torch.load(ds / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)["module"]
-            weights = dict(module)
-        else:
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-            with contextlib.redirect_stdout(sys.stderr):
-                weights = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=DEEPSPEED_DIR)
-    elif layout.engine == "fsdp":
-        if (checkpoint / FSDP_SHARDED_DIR).is_dir():
-            from accelerate.utils import merge_fsdp_weights
-
-            with tempfile.TemporaryDirectory(dir=checkpoint.parent, prefix=".export-") as tmp:
-                merge_fsdp_weights(str(checkpoint / FSDP_SHARDED_DIR), tmp, safe_serialization=True)
-                weights = load_file(str(Path(tmp) / MODEL_FILE))
-        else:
-            weights = torch.load(checkpoint / FSDP_FULL_FILE, map_location="cpu", weights_only=True)
-    else:
-        if not (checkpoint / MODEL_FILE).is_file():
-            raise ConfigError(f"{checkpoint} has no {MODEL_FILE} (a checkpoint saved without safetensors?); "
-                              "nothing to export")
-        weights = load_file(str(checkpoint / MODEL_FILE))
-    return weights

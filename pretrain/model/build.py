@@ -712,27 +712,31 @@ def closed_form_num_params(model_cfg: ModelConfig, vocab_size: int, seq_len: int
     return ModelShape.from_hf_config(config, source="model").num_params
 
 
-def save_pretrained_model(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], tokenizer, final: Path,
-                          texts: list[str]) -> None:
-    """``final`` as a transformers model directory (``save_pretrained`` of ``model``'s config with
-    ``state_dict``'s weights, safetensors) plus the tokenizer, written under ``.tmp-<name>`` and renamed:
-    the run's final_model and pretrain-export both write it here. ``model`` may live on the meta device.
-    The config carries the tokenizer's special ids and the KV cache on, and the tokenizer is verified on
-    ``texts`` (a validation sample) to load back with the training ids (``pretrain.model.export_checks``); a
-    tokenizer that cannot is a ConfigError and nothing is written to ``final``."""
+def save_pretrained_model(model: PreTrainedModel, state_dict: dict[str, torch.Tensor] | None, tokenizer, final: Path,
+                          texts: list[str], reader: tuple | None = None, shard_bytes: int | None = None) -> None:
+    """``final`` as a transformers model directory (``model``'s config with ``state_dict``'s weights, or with
+    ``reader``'s: (specs, read), read a shard at a time; safetensors, ``pretrain.model.hf_save``) plus the tokenizer,
+    written under ``.tmp-<name>`` and renamed: the run's final_model and pretrain-export both write it here.
+    ``model`` may live on the meta device. The config carries the tokenizer's special ids and the KV cache on, and
+    the tokenizer is verified on ``texts`` (a validation sample) to load back with the training ids
+    (``pretrain.model.export_checks``); a tokenizer that cannot is a ConfigError and nothing is written to
+    ``final``."""
     from pretrain.model.export_checks import ready_for_generation, save_verified_tokenizer
+    from pretrain.model.hf_save import SHARD_BYTES, in_memory, write_pretrained
 
     tmp = final.with_name(f".tmp-{final.name}")
     if tmp.exists():
         shutil.rmtree(tmp)
     ready_for_generation(model, tokenizer)
+    specs, read = reader if reader is not None else in_memory(state_dict)
     # A tied weight once: save_pretrained drops an alias only when it shares storage with its tensor, and the
     # gathered state of a tensor-parallel run (or its checkpoint) holds the LM head as a copy of the embedding.
     aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
-    state_dict = {k: v for k, v in state_dict.items() if k not in aliases}
+    specs = {k: v for k, v in specs.items() if k not in aliases}
     try:
+        tmp.mkdir(parents=True)
         with no_progress_bars():  # the caller prints one line; a bar garbles a log file
-            model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            write_pretrained(model, specs, read, tmp, shard_bytes or SHARD_BYTES)
         save_verified_tokenizer(tokenizer, tmp, texts)
     except ConfigError:
         shutil.rmtree(tmp, ignore_errors=True)

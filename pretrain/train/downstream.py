@@ -380,15 +380,18 @@ class DownstreamEvaluator:
 # ---- one checkpoint or model, one process (pretrain-eval) ---------------------------------------------------
 
 
+LOAD_GROUP_BYTES = 2**30  # pretrain-eval reads a checkpoint's weights into its model this much at a time
+
+
 def load_checkpoint_model(checkpoint: Path, device: torch.device | str = "cpu", log=print):
     """(model in eval mode, tokenizer, window in tokens, step) of any checkpoint layout, in fp32, through
     pretrain-export's pieces: the recipe recorded in the checkpoint, its tokenizer from the data cache, the
-    full fp32 weights merged by ``reshard.full_state_dict`` (weights-only loads)."""
+    fp32 weights read a group at a time (``pretrain.checkpoint.weights``, weights-only loads)."""
     from pydantic import ValidationError
 
-    from pretrain.checkpoint.reshard import full_state_dict
     from pretrain.checkpoint.rundir import STATE_FILE, read_state
     from pretrain.checkpoint.state import TrainerState
+    from pretrain.checkpoint.weights import open_weights
     from pretrain.data import build_tokenizer
     from pretrain.model.build import build_model, resolve_vocab_size
     from pretrain.recipe.config import Recipe, renamed_keys
@@ -404,17 +407,19 @@ def load_checkpoint_model(checkpoint: Path, device: torch.device | str = "cpu", 
                           f"of pretrain ({exc.error_count()} problems); evaluate with the version that wrote it") from None
     tokenizer = build_tokenizer(recipe.data, log=log)
     vocab = resolve_vocab_size(recipe.model, len(tokenizer))
-    weights = full_state_dict(checkpoint, log=log)
-    # Built (and drawn) on the device, then overwritten: the buffers the state dict leaves out (RoPE's) are real.
-    # the checkpoint's weights replace the model's: model.init_from's are not read
+    # Built (and drawn) on the device, then overwritten a group of tensors at a time (the model, plus one group, in
+    # memory: not a second full copy): the buffers the checkpoint leaves out (RoPE's) are real. The checkpoint's
+    # weights replace the model's: model.init_from's are not read
     model = build_model(recipe.model, vocab, recipe.data.seq_len, seed=recipe.train.seed, device=device,
                         pretrained=False)
-    expected = model.state_dict()
-    missing = [k for k in expected if k not in weights and not _tied(model, k)]
-    if missing:
-        raise ConfigError(f"{checkpoint} lacks {len(missing)} of the recipe's model tensors (e.g. {missing[:3]}); "
-                          "is it a checkpoint of this recipe?")
-    model.load_state_dict({k: v for k, v in weights.items() if k in expected}, strict=False)
+    expected = set(model.state_dict())
+    with open_weights(checkpoint, log=log) as weights:
+        missing = [k for k in expected if k not in weights.specs and not _tied(model, k)]
+        if missing:
+            raise ConfigError(f"{checkpoint} lacks {len(missing)} of the recipe's model tensors (e.g. "
+                              f"{missing[:3]}); is it a checkpoint of this recipe?")
+        for group in weights.groups([k for k in weights.specs if k in expected], LOAD_GROUP_BYTES):
+            model.load_state_dict(group, strict=False)
     return model.eval(), tokenizer, recipe.data.seq_len, state.step
 
 

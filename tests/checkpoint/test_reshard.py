@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from pretrain.checkpoint import reshard
 from pretrain.checkpoint.reshard import NEUTRAL, UNIVERSAL, CheckpointLayout, conversion, prepare_resume, saved_layout
 from pretrain.checkpoint.state import TrainerState
+from pretrain.checkpoint.weights import full_state_dict
 from pretrain.cli import export
 from pretrain.distributed.layout import Launch
 from pretrain.errors import ConfigError
@@ -696,7 +697,7 @@ def test_every_kind_of_checkpoint_reads_into_the_same_neutral_state(any_layout):
     sources, _, _ = any_layout
     states = {name: neutral_state(_step(run, 3)) for name, run in sources.items()}
     for name, run in sources.items():
-        weights = reshard.full_state_dict(_step(run, 3), log=lambda _: None)
+        weights = full_state_dict(_step(run, 3), log=lambda _: None)
         for key, value in states[name].items():
             if key.startswith("param/"):
                 assert torch.equal(value, weights[key.removeprefix("param/")]), (name, key)

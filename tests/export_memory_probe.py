@@ -1,0 +1,61 @@
+"""pretrain-export of one checkpoint in this fresh process, its anonymous memory sampled (run by
+tests/checkpoint/test_export_memory.py and tools/scale_ckpt.py).
+
+Prints one JSON line: the process's anonymous resident memory (RssAnon: what the kernel cannot reclaim; a
+memory-mapped checkpoint file's pages are the page cache's, reclaimed under pressure) just before the export
+and its peak during it (sampled every millisecond), and the seconds the export took.
+
+    python tests/export_memory_probe.py CHECKPOINT OUT SHARD_BYTES
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def anon_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+def main() -> None:
+    checkpoint, out, shard_bytes = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+    # what the export imports, imported first: the baseline is the process before any weight is read
+    import deepspeed.utils.zero_to_fp32  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+    import transformers  # noqa: F401
+
+    from pretrain.checkpoint.export import export
+    from pretrain.model.build import build_model  # noqa: F401
+    from pretrain.trust import enforce
+
+    enforce()
+    baseline = anon_bytes()
+    peak = [baseline]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], anon_bytes())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    start = time.perf_counter()
+    export(checkpoint, out, log=lambda _: None, shard_bytes=shard_bytes)
+    seconds = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    peak[0] = max(peak[0], anon_bytes())
+    print(json.dumps({"baseline_bytes": baseline, "peak_bytes": peak[0], "seconds": seconds}))
+
+
+if __name__ == "__main__":
+    main()
