@@ -45,36 +45,73 @@ SHARD_BYTES = 5 * 10**9  # "5GB", the hub's usual shard (save_pretrained's own d
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def write_pretrained(model, specs: dict[str, Any], read: Callable[[list[str]], dict[str, Any]], directory: Path,
-                     shard_bytes: int = SHARD_BYTES) -> list[str]:
+def write_pretrained(model, specs: dict[str, Spec], read: Callable[[list[str]], dict[str, Any]], directory: Path,
+                     shard_bytes: int | str = SHARD_BYTES) -> list[str]:
     """``model``'s config and the weights ``specs`` names (read with ``read``, a shard at a time) as a transformers
     model directory in ``directory`` (which exists). ``model`` may live on the meta device. Returns the shard files
     written."""
+    write_config(model, directory)
+    plan = shard_plan(model, specs, shard_bytes)
+    for filename, names in plan.filename_to_tensors.items():
+        write_shard(model, read(list(names)), directory / filename)
+    write_index(model, directory, plan)
+    return list(plan.filename_to_tensors)
+
+
+def write_config(model, directory: Path) -> None:
+    """save_pretrained's files but the weights: the config, generation config (and a remote-code model's files)."""
+    import os
+    import shutil
+
+    from pretrain.system.quiet import no_progress_bars
+
+    staging = directory / ".config"
+    shutil.rmtree(staging, ignore_errors=True)
+    with no_progress_bars():
+        model.save_pretrained(staging, state_dict={}, safe_serialization=True)
+    for item in staging.iterdir():
+        if item.name != INDEX_FILE and not (item.name.startswith("model") and item.name.endswith(".safetensors")):
+            os.replace(item, directory / item.name)  # not the empty weights of the empty state dict
+    shutil.rmtree(staging)
+
+
+def shard_plan(model, specs: dict[str, Spec], shard_bytes: int | str = SHARD_BYTES):
+    """save_pretrained's shard plan (huggingface_hub's ``StateDictSplit``) of ``specs``, from shapes alone, tied
+    weights removed as save_pretrained removes them. The same on every rank given the same specs."""
     import torch
     from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-    from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    model.save_pretrained(directory, state_dict={}, safe_serialization=True)  # the config and what goes with it
-    for stale in [*directory.glob("model*.safetensors"), directory / INDEX_FILE]:
-        stale.unlink(missing_ok=True)  # the empty weights of the empty state dict
     shapes = {name: torch.empty(spec.shape, dtype=spec.dtype, device="meta") for name, spec in specs.items()}
     shapes = remove_tied_weights_from_state_dict(shapes, model)
-    split = split_torch_state_dict_into_shards(shapes, filename_pattern="model{suffix}.safetensors",
-                                               max_shard_size=shard_bytes)
+    return split_torch_state_dict_into_shards(shapes, filename_pattern="model{suffix}.safetensors",
+                                              max_shard_size=shard_bytes)
+
+
+def write_shard(model, shard: dict[str, Any], path: Path) -> None:
+    """One shard as save_pretrained writes it: converted back to the checkpoint format (an MoE's fused experts into
+    the hub's per-expert tensors, as save_pretrained converts an offloaded model's shard), save_pretrained's
+    safetensors metadata."""
+    from safetensors.torch import save_file
+    from transformers.core_model_loading import revert_weight_conversion
+
+    save_file(revert_weight_conversion(model, shard), str(path), metadata={"format": "pt"})
+
+
+def write_index(model, directory: Path, plan) -> None:
+    """save_pretrained's ``model.safetensors.index.json`` of the shards written in ``directory`` (a plan of several
+    shards; each shard's tensor names read back from its header: the converted names)."""
+    from safetensors import safe_open
+
+    if not plan.is_sharded:
+        return
     weight_map: dict[str, str] = {}
-    for filename, names in split.filename_to_tensors.items():
-        shard = read(list(names))
-        shard = revert_weight_conversion(model, shard)
-        weight_map.update(dict.fromkeys(shard, filename))
-        save_file(shard, str(directory / filename), metadata={"format": "pt"})
-        del shard
-    if split.is_sharded:
-        index = {"metadata": {"total_parameters": model.num_parameters(), **split.metadata},
-                 "weight_map": dict(sorted(weight_map.items()))}
-        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    return list(split.filename_to_tensors)
+    for filename in plan.filename_to_tensors:
+        with safe_open(str(directory / filename), framework="pt") as f:
+            weight_map.update(dict.fromkeys(f.keys(), filename))
+    index = {"metadata": {"total_parameters": model.num_parameters(), **plan.metadata},
+             "weight_map": dict(sorted(weight_map.items()))}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def in_memory(state_dict: dict[str, Any]) -> tuple[dict[str, Any], Callable[[list[str]], dict[str, Any]]]:

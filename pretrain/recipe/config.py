@@ -809,12 +809,29 @@ class CheckpointConfig(Section):
     save_final_model: bool = Field(
         True, description="Export a transformers `save_pretrained` model and tokenizer to output_dir/final_model."
     )
+    final_model_shard_size: str = Field(
+        "5GB", description="The largest safetensors file of final_model (e.g. 5GB, 500MB): the ranks write its shards "
+        "in parallel, each holding one shard at a time.",
+    )
     async_: bool = Field(
         False, alias="async",
         description="Write checkpoints in the background: the loop waits only while the states are copied to host "
         "memory (one copy of this rank's checkpoint states); the files, checksums, manifest and `latest` follow in "
         "a thread, one save in flight at a time. Same files and guarantees as a synchronous save.",
     )
+
+
+    @field_validator("final_model_shard_size")
+    @classmethod
+    def _a_size(cls, value: str) -> str:
+        from huggingface_hub.serialization._base import parse_size_to_int
+
+        try:
+            if parse_size_to_int(value) <= 0:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"{value!r} is not a size; write it like 5GB or 500MB") from None
+        return value
 
 
 class LoggingConfig(Section):

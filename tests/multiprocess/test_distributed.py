@@ -34,6 +34,8 @@ SYNC_EACH = ("FSDP resumed at 3",)
 
 # The fresh runs score the demo's downstream task at steps 0 and 6 (15 examples: ranks hold 8 and 7, so one rank
 # pads its forward calls); every layout must count what one process counts (test_downstream_counts_on_every_layout).
+# final_model in shards of 200 kB (the 1 MB embedding alone, the blocks in a few): written by both ranks at once
+FINAL_SHARD, PARALLEL_FINAL = "200KB", ("cpu_ddp, GAS 2", "ZeRO-3", "FSDP")
 TASK = ["eval.tasks=[{name: lines, path: recipes/tasks/stdlib_lines.jsonl, limit: 15}]"]
 
 
@@ -61,6 +63,7 @@ def curves(tmp_path_factory):
         # FSDP with selective activation checkpointing (kept outputs and recomputed ops across FSDP2's
         # per-block gathers; refused under ZeRO-3): the curve must not move.
         policy = [f"model.activation_checkpointing={SELECTIVE[name]}"] if name in SELECTIVE else []
+        policy += [f"checkpoint.final_model_shard_size={FINAL_SHARD}"] if name in PARALLEL_FINAL else []
         proc = accelerate_launch(config, [*CURVE, *TASK, f"output_dir={out}", *policy], extra=extra,
                                  extra_env=threads)
         check_ok(proc)
@@ -273,6 +276,10 @@ def test_export_of_the_last_checkpoint_gives_the_final_models_logits(curves, tmp
     assert "export:" in printed.getvalue()
     torch.testing.assert_close(_logits(out), _logits(curves[run] / "final_model"), rtol=0, atol=1e-6)
     assert (out / "tokenizer.json").is_file()
+    if run in PARALLEL_FINAL:  # the final model's shards were written by the two ranks, each its own, at once
+        index = json.loads((curves[run] / "final_model" / "model.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) >= 3
+        assert "written by 2 rank(s) in parallel" in (curves[run] / "console.txt").read_text()
 
 
 def test_a_dcp_shard_that_is_not_a_tensor_file_stops_every_rank_with_one_message(curves, tmp_path, capsys,
