@@ -58,7 +58,7 @@ def test_a_model_several_times_the_allowed_memory_exports_within_it_and_equal(wi
 
     checkpoint = wide_checkpoints[name]
     out = tmp_path / "exported"
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "export_memory_probe.py"), str(checkpoint), str(out),
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "export_probe.py"), str(checkpoint), str(out),
                            str(SHARD_BYTES)], capture_output=True, text=True, env=env(), timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     measured = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -5,7 +5,10 @@ Prints one JSON line: the process's anonymous resident memory (RssAnon: what the
 memory-mapped checkpoint file's pages are the page cache's, reclaimed under pressure) just before the export
 and its peak during it (sampled every millisecond), and the seconds the export took.
 
-    python tests/export_memory_probe.py CHECKPOINT OUT SHARD_BYTES
+    python tools/export_probe.py CHECKPOINT OUT SHARD_BYTES [--whole]
+
+``--whole`` measures the comparison instead: the whole fp32 model read into memory at once, as pretrain-export
+did before it read a group at a time (``pretrain.checkpoint.weights.full_state_dict``); nothing is written.
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ def anon_bytes() -> int:
 
 def main() -> None:
     checkpoint, out, shard_bytes = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+    whole = "--whole" in sys.argv[4:]
     # what the export imports, imported first: the baseline is the process before any weight is read
     import deepspeed.utils.zero_to_fp32  # noqa: F401
     import torch.distributed.checkpoint  # noqa: F401
     import transformers  # noqa: F401
 
     from pretrain.checkpoint.export import export
+    from pretrain.checkpoint.weights import full_state_dict
     from pretrain.model.build import build_model  # noqa: F401
     from pretrain.trust import enforce
 
@@ -49,7 +54,11 @@ def main() -> None:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     start = time.perf_counter()
-    export(checkpoint, out, log=lambda _: None, shard_bytes=shard_bytes)
+    if whole:
+        weights = full_state_dict(checkpoint, log=lambda _: None)
+        weights = {k: v.clone() for k, v in weights.items()}  # in this process's memory, not the page cache's
+    else:
+        export(checkpoint, out, log=lambda _: None, shard_bytes=shard_bytes)
     seconds = time.perf_counter() - start
     done.set()
     sampler.join()

@@ -1,0 +1,174 @@
+"""Scale benchmark of pretrain-export: its memory and time at three model widths on CPU, per checkpoint layout, the
+growth fitted on log-log, and the figures at 70B (issue 51's scale: a 70B dense model).
+
+    python tools/scale_ckpt.py [--widths 256,512,1024] [--layouts one,zero3,fsdp2] [--shard-mb 16] [--baseline]
+                               [--workdir D] [--write]
+
+For each layout and width, a real run writes the checkpoint (2 optimizer steps of the tiny recipe at that width:
+8 blocks of width W, SwiGLU 4W, one process or 2 ranks through accelerate launch; not measured), then
+tools/export_probe.py exports it in a fresh process and reports the growth of its anonymous memory (RssAnon:
+what the kernel cannot take back; the memory-mapped checkpoint files are page cache) and the seconds.
+``--baseline`` adds the comparison: the whole fp32 model read into memory at once, as pretrain-export did before.
+The memory's exponent against the fp32 bytes says whether it grows with the model (1) or is bounded by the shard
+(about 0); the figure at 70B follows the fitted exponent from the largest width (time: linear in the weights read).
+``--write`` puts the table in docs/performance.md's "## Checkpoint scale" section (between its markers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "performance.md"
+HEADING = "## Checkpoint scale"
+BEGIN = "<!-- tools/scale_ckpt.py --write: from here to the end marker -->"
+END = "<!-- end of tools/scale_ckpt.py --write -->"
+TARGET_FP32 = 70.6e9 * 4  # Llama-3-70B's 70.6e9 parameters in fp32
+TARGET_LARGEST = 128256 * 8192 * 4  # its largest tensor: the 128,256 x 8,192 embedding in fp32 (4.2 GB)
+LAYOUTS = {"one": (None, 1), "zero3": ("zero3.yaml", 2), "fsdp2": ("fsdp.yaml", 2), "zero2": ("zero2.yaml", 2),
+           "ddp": ("cpu_ddp.yaml", 2)}
+NAMES = {"one": "one process", "zero3": "ZeRO-3, 2 ranks", "fsdp2": "FSDP2, 2 ranks", "zero2": "ZeRO-2, 2 ranks",
+         "ddp": "DDP, 2 ranks"}
+
+
+def _scale_bench():
+    spec = importlib.util.spec_from_file_location("scale_bench", ROOT / "tools" / "scale_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def environment() -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", DS_ACCELERATOR="cpu",
+               OMP_NUM_THREADS="1")
+    return env
+
+
+def write_checkpoint(layout: str, width: int, workdir: Path) -> Path:
+    """A 2-step run of the tiny recipe at ``width`` on ``layout``; its step-2 checkpoint (reused if there)."""
+    out = workdir / f"{layout}_{width}"
+    checkpoint = out / "checkpoints" / "step_00000002"
+    if (checkpoint / "trainer_state.json").is_file():
+        return checkpoint
+    args = ["--recipe", str(ROOT / "recipes" / "tiny.yaml"), f"model.hidden_size={width}", "model.num_layers=8",
+            f"model.num_heads={max(width // 64, 1)}", f"model.num_kv_heads={max(width // 64, 1)}",
+            f"model.intermediate_size={4 * width}", "data.seq_len=64", "batch.global_batch_size=8",
+            "batch.micro_batch_size=4", "train.max_steps=2", "lr_schedule.warmup_steps=1",
+            "checkpoint.every_steps=2", "checkpoint.save_final_model=false", "eval.batches=1", "eval.tasks=[]",
+            "logging.progress=none", f"output_dir={out}"]
+    config, procs = LAYOUTS[layout]
+    run = str(ROOT / "pretrain" / "run.py")
+    if config is None:
+        cmd = [sys.executable, run, *args]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "accelerate_configs" / config), "--num_processes", str(procs), "--main_process_port", "0",
+               run, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=environment(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"the {layout} run at width {width} failed:\n{proc.stderr[-3000:]}")
+    return checkpoint
+
+
+def measure(checkpoint: Path, shard_bytes: int, whole: bool, workdir: Path) -> dict:
+    out = Path(tempfile.mkdtemp(dir=workdir)) / "exported"
+    cmd = [sys.executable, str(ROOT / "tools" / "export_probe.py"), str(checkpoint), str(out), str(shard_bytes)]
+    proc = subprocess.run(cmd + (["--whole"] if whole else []), cwd=ROOT, env=environment(), capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"the export of {checkpoint} failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"grown": result["peak_bytes"] - result["baseline_bytes"], "seconds": result["seconds"]}
+
+
+def fp32_bytes(checkpoint: Path) -> tuple[int, int]:
+    """(the model's fp32 bytes, its largest tensor's) from the checkpoint's headers and metadata (nothing read)."""
+    from pretrain.checkpoint.weights import open_weights
+
+    with open_weights(checkpoint, log=lambda _: None) as weights:
+        sizes = [spec.nbytes for spec in weights.specs.values()]
+    return sum(sizes), max(sizes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--widths", default="256,512,1024")
+    parser.add_argument("--layouts", default="one,zero3,fsdp2")
+    parser.add_argument("--shard-mb", type=int, default=16, help="pretrain-export --max-shard-size, in MiB")
+    parser.add_argument("--baseline", action="store_true", help="also the whole model read at once (the old export)")
+    parser.add_argument("--workdir", type=Path, default=None, help="keeps the runs' checkpoints for a rerun")
+    parser.add_argument("--write", action="store_true", help="the table into docs/performance.md")
+    args = parser.parse_args(argv)
+    bench = _scale_bench()
+    widths = [int(w) for w in args.widths.split(",")]
+    layouts = args.layouts.split(",")
+    shard = args.shard_mb * 2**20
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="scale_ckpt-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for layout in layouts:
+        for mode in ["export", *(["whole model (before)"] if args.baseline else [])]:
+            points = []
+            for width in widths:
+                checkpoint = write_checkpoint(layout, width, workdir)
+                total, largest = fp32_bytes(checkpoint)
+                points.append({"width": width, "fp32": total, "largest": largest,
+                               **measure(checkpoint, shard, mode != "export", workdir)})
+                print(f"{NAMES[layout]:>16} {mode:>20} width {width:>5}: {total / 2**20:8.1f} MiB fp32, "
+                      f"grew {points[-1]['grown'] / 2**20:7.1f} MiB in {points[-1]['seconds']:.2f}s", flush=True)
+            k_mem = bench.fit_exponent([p["fp32"] for p in points], [p["grown"] for p in points], 2**20)
+            k_time = bench.fit_exponent([p["fp32"] for p in points], [p["seconds"] for p in points], 1e-3)
+            last = points[-1]
+            rows.append({"layout": NAMES[layout], "mode": mode, "points": points, "k_mem": k_mem, "k_time": k_time,
+                         "mem_70b": bench.extrapolate(last["fp32"], last["grown"], TARGET_FP32, k_mem),
+                         "time_70b": bench.extrapolate(last["fp32"], last["seconds"], TARGET_FP32, k_time)})
+    table = render(rows, widths, args.shard_mb)
+    print(table)
+    if args.write:
+        write_doc(table, argv if argv is not None else sys.argv[1:])
+    return 0
+
+
+def render(rows: list[dict], widths: list[int], shard_mb: int) -> str:
+    head = ("| layout | what | " + " | ".join(f"width {w}: fp32 / grown / s" for w in widths)
+            + " | memory exponent | at 70B (fitted) | time at 70B (fitted) |")
+    lines = [head, "|" + " --- |" * (5 + len(widths))]
+    for row in rows:
+        cells = [f"{p['fp32'] / 2**20:.0f} MiB / {p['grown'] / 2**20:.0f} MiB / {p['seconds']:.1f}"
+                 for p in row["points"]]
+        lines.append(f"| {row['layout']} | {row['mode']} | " + " | ".join(cells)
+                     + f" | {row['k_mem']:.2f} | {row['mem_70b'] / 2**30:.1f} GiB | {row['time_70b'] / 60:.0f} min |")
+    bound = 2 * 5e9 + TARGET_LARGEST
+    lines.append("")
+    lines.append(f"Shards of {shard_mb} MiB here. At 70B with the default 5GB shards the export's own memory is bounded "
+                 f"by two shards and the largest tensor: 2 x 5 GB + {TARGET_LARGEST / 1e9:.1f} GB (the 128,256 x "
+                 f"8,192 embedding in fp32) = {bound / 2**30:.1f} GiB plus the process's constant, whatever the "
+                 "model's size.")
+    return "\n".join(lines)
+
+
+def write_doc(table: str, argv: list[str]) -> None:
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}"
+    body = (f"{BEGIN}\nMeasured {datetime.date.today().isoformat()} on this CPU machine ({machine}) with "
+            f"`python tools/scale_ckpt.py {' '.join(argv)}`:\n\n{table}\n{END}")
+    text = DOC.read_text()
+    if BEGIN in text:
+        start, end = text.index(BEGIN), text.index(END) + len(END)
+        text = text[:start] + body + text[end:]
+    else:
+        text = text.rstrip() + f"\n\n{HEADING}\n\n{body}\n"
+    DOC.write_text(text)
+    print(f"wrote {DOC}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
