@@ -55,8 +55,7 @@ def main() -> None:
     sampler.start()
     start = time.perf_counter()
     if whole:
-        weights = full_state_dict(checkpoint, log=lambda _: None)
-        weights = {k: v.clone() for k, v in weights.items()}  # in this process's memory, not the page cache's
+        weights = full_state_dict(checkpoint, log=lambda _: None)  # noqa: F841 - held until measured
     else:
         export(checkpoint, out, log=lambda _: None, shard_bytes=shard_bytes)
     seconds = time.perf_counter() - start

@@ -336,7 +336,7 @@ class Checkpointer:
         engine = getattr(getattr(acc, "deepspeed_engine_wrapped", None), "engine", None)
         optimizer = acc._optimizers[0].optimizer
         model = acc.unwrap_model(acc._models[0], keep_torch_compile=False)
-        fresh = neutral.load(source.load_dir, model, optimizer, deepspeed_engine=engine)
+        fresh = neutral.load(source.load_dir, model, optimizer, deepspeed_engine=engine, log=self.log)
         if fresh:
             self.log(f"resume: {len(fresh)} parameter(s) without optimizer state in {source.checkpoint} start with "
                      f"fresh states: {', '.join(fresh[:5])}")

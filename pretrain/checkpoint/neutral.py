@@ -37,6 +37,7 @@ states belong to the old layout's processes and are re-seeded (the data order do
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -287,7 +288,7 @@ def _chunks(names: list[str], size: Callable[[str], int]) -> Iterator[list[str]]
 
 
 # ---- loading into the layout of this run (every rank, after accelerator.prepare) ---------------------------
-def load(view: Path, model: Any, optimizer: Any, deepspeed_engine: Any = None) -> list[str]:
+def load(view: Path, model: Any, optimizer: Any, deepspeed_engine: Any = None, log: Log = print) -> list[str]:
     """The weights and optimizer states of the neutral form ``view`` into this run's ``model`` (unwrapped:
     the parameters' own names) and ``optimizer`` (torch's), or into the DeepSpeed engine. Returns the
     parameters that have no optimizer state in the source (started fresh; normally none)."""
@@ -303,7 +304,7 @@ def load(view: Path, model: Any, optimizer: Any, deepspeed_engine: Any = None) -
         if saved is not None and saved["shape"] != shape:
             raise ConfigError(f"{view}: {name} has shape {saved['shape']} there and {shape} in this model")
     if deepspeed_engine is not None:
-        return _load_zero(view, index, deepspeed_engine)
+        return _load_zero(view, index, deepspeed_engine, log)
     return _load_torch(view, index, model, optimizer)
 
 
@@ -341,9 +342,11 @@ def _load_torch(view: Path, index: dict[str, Any], model: Any, optimizer: Any) -
     return fresh
 
 
-def _load_zero(view: Path, index: dict[str, Any], engine: Any) -> list[str]:
+def _load_zero(view: Path, index: dict[str, Any], engine: Any, log: Log = print) -> list[str]:
+    """Each rank reads only its share: of every tensor, the flat range its ZeRO partition (ZeRO-3) or fragment
+    (ZeRO-1/2: DeepSpeed's ``_hp_mapping``) holds, through safetensors' slices (whole rows: at most a row more
+    on each side), and sets it where DeepSpeed's ``safe_set_full_*`` would (they take the full tensor)."""
     import torch
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
     from safetensors import safe_open
 
     zero = engine.optimizer
@@ -361,25 +364,45 @@ def _load_zero(view: Path, index: dict[str, Any], engine: Any) -> list[str]:
     if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
         zero._lazy_init_hp_params_optimizer_state()  # ZeRO-1/2: link each parameter to its states' fragments
     handles: dict[str, Any] = {}
+    read = [0]
 
-    def tensor(k: str) -> Any:
+    def handle(k: str) -> Any:
         file = index["files"][k]
         if file not in handles:
             handles[file] = safe_open(str(view / file), framework="pt")
-        return handles[file].get_tensor(k)
+        return handles[file]
 
-    def set_full(param: Any, value: Any, state: str | None) -> None:
-        if not hasattr(param, "ds_id"):  # ZeRO-1/2
-            if state is None:
-                safe_set_full_fp32_param(param, value)
-            else:
-                safe_set_full_optimizer_state(param, value, state)
+    def tensor(k: str) -> Any:
+        value = handle(k).get_tensor(k)
+        read[0] += value.numel() * value.element_size()
+        return value
+
+    def flat_range(k: str, start: int, length: int) -> Any:
+        """Elements [start, start + length) of tensor ``k`` flattened, reading the rows that hold them only."""
+        part = handle(k).get_slice(k)
+        shape = part.get_shape()
+        if len(shape) == 0:
+            return tensor(k).flatten()[start:start + length]
+        row = math.prod(shape[1:])
+        first, last = start // row, -(-(start + length) // row)
+        rows = part[first:last]
+        read[0] += rows.numel() * rows.element_size()
+        return rows.flatten()[start - first * row:start - first * row + length]
+
+    def set_share(param: Any, name: str, state: str | None) -> None:
+        k = key(WEIGHT if state is None else state, name)
+        if not hasattr(param, "ds_id"):  # ZeRO-1/2: deepspeed's set_full_hp_param, on the fragment alone
+            mapping = getattr(param, "_hp_mapping", None)
+            if mapping is None:
+                return  # no fragment of it in this rank's partition
+            address = mapping.lp_fragment_address
+            mapping.get_hp_fragment(state).data.copy_(flat_range(k, address.start, address.numel))
             return
         # ZeRO-3: what safe_set_full_* calls (stage3.set_full_hp_param), for a partition that holds padding too:
         # deepspeed 0.19.8 reads past the value's end on the last rank when the size does not divide by the ranks
         partition, _ = zero._get_fp32_opt_state_partition(param, release_swap_buffers=False, optim_state_key=state)
         start = partition.numel() * zero._get_param_partition_rank(param)
-        piece = value.flatten()[start:start + partition.numel()]
+        piece = flat_range(k, start, max(0, min(partition.numel(), param.ds_numel - start)))
         partition.data.zero_()
         partition.data[:piece.numel()].copy_(piece)
 
@@ -387,12 +410,12 @@ def _load_zero(view: Path, index: dict[str, Any], engine: Any) -> list[str]:
     with torch.no_grad():
         for name, p in engine.module.named_parameters():
             saved = index["params"].get(name)
-            set_full(p, tensor(key(WEIGHT, name)), None)
+            set_share(p, name, None)
             if saved is None:
                 fresh.append(name)
                 continue
             for s in saved["states"]:
-                set_full(p, tensor(key(s, name)), s)
+                set_share(p, name, s)
         if index["step"] is not None:
             for state in base.state.values():
                 if "step" in state:
@@ -410,6 +433,9 @@ def _load_zero(view: Path, index: dict[str, Any], engine: Any) -> list[str]:
         for name, buffer in engine.module.named_buffers():
             if key(WEIGHT, name) in index["files"]:
                 buffer.copy_(tensor(key(WEIGHT, name)))
+    total = sum((view / f).stat().st_size for f in set(index["files"].values()))
+    log(f"resume: this rank read {read[0] / 2**20:.2f} MiB of the neutral form's {total / 2**20:.2f} MiB (its share "
+        f"of {engine.dp_world_size} ZeRO partitions)")
     return fresh
 
 
