@@ -193,7 +193,9 @@ def _from_zero(ds: Path) -> Weights:
 
     with contextlib.redirect_stdout(sys.stderr):  # its progress prints
         model_states = z.parse_model_states(z.get_model_state_files(str(ds)))
-        stage, world, flat_groups, paddings = z.parse_optim_states(z.get_optim_files(str(ds)), str(ds))
+        parsed = z.parse_optim_states(z.get_optim_files(str(ds)), str(ds))
+        stage, world, flat_groups = parsed[:3]
+        paddings = parsed[3] if len(parsed) > 3 else None  # ZeRO-1/2's alignment paddings (deepspeed >= 0.17)
         if stage == 3:
             lazy = z._get_fp32_state_dict_from_zero3_checkpoint(world, flat_groups, model_states, False)
         else:
