@@ -32,8 +32,11 @@ def check_paths(checkpoint: Path, out: Path) -> None:
         raise ConfigError(f"{out} already exists and is not an empty directory; choose a new OUT (nothing is "
                           "overwritten)")
     from pretrain.checkpoint.integrity import verify_all
+    from pretrain.checkpoint.weights import read_by_export
 
-    damage = verify_all(checkpoint)  # reads the checkpoint once more, in this one process
+    # every file's size, and the checksums of the files the export reads (the weights'; not the optimizer's other
+    # states, the scheduler or the random states): what it trusts is checked, and no more is read for it
+    damage = verify_all(checkpoint, only=read_by_export(checkpoint))
     if damage:
         raise ConfigError(f"{checkpoint} is damaged ({damage}); export an older checkpoint, or restore this one "
                           "from a copy")

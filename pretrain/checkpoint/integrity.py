@@ -28,7 +28,7 @@ import json
 import os
 import re
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -245,12 +245,19 @@ def verify_own(directory: Path, rank: int, world_size: int) -> str | None:
     return "; ".join(problems) or None
 
 
-def verify_all(directory: Path) -> str | None:
-    """Every file's size and checksum, in this one process (pretrain-export); None when intact or unverified."""
+def verify_all(directory: Path, only: Callable[[str], bool] | None = None) -> str | None:
+    """Every file's size, and the checksums of every file (or of those ``only`` selects: the files a reader will
+    read), in this one process (pretrain-export); None when intact or unverified."""
     try:
-        read_manifest(directory)
+        manifest = read_manifest(directory)
     except Unverified:
         return None
     except ValueError as exc:
         return str(exc)
-    return check_sizes(directory) or verify_own(directory, 0, 1)
+    sizes = check_sizes(directory)
+    if sizes or only is None:
+        return sizes or verify_own(directory, 0, 1)
+    selected = {rel: entry for rel, entry in manifest["files"].items() if only(rel)}
+    problems = changed_files(directory, selected, manifest["algorithm"], manifest["segment_bytes"], sizes=False,
+                             recorder="the manifest records")
+    return "; ".join(problems) or None

@@ -101,6 +101,22 @@ def open_weights(checkpoint: Path, log: Log = print) -> Iterator[Weights]:
             weights.close()
 
 
+def read_by_export(checkpoint: Path) -> Callable[[str], bool]:
+    """Whether a checkpoint file (relative, '/'-separated) is one ``open_weights`` reads: the weights' files of the
+    checkpoint's layout (a ZeRO checkpoint's optimizer files hold its fp32 weights), and the trainer state."""
+    from pretrain.checkpoint.reshard import DEEPSPEED_DIR, FSDP_FULL_FILE, FSDP_SHARDED_DIR, MODEL_FILE, saved_layout
+    from pretrain.checkpoint.rundir import STATE_FILE, read_state
+
+    layout = saved_layout(checkpoint, read_state(checkpoint) or {})
+    if layout.engine == "deepspeed":
+        weights = (f"{DEEPSPEED_DIR}/",)
+    elif layout.engine == "fsdp":
+        weights = (f"{FSDP_SHARDED_DIR}/", FSDP_FULL_FILE)
+    else:
+        weights = (MODEL_FILE,)
+    return lambda rel: rel == STATE_FILE or rel.startswith(weights)
+
+
 def full_state_dict(checkpoint: Path, log: Log = print) -> dict[str, Any]:
     """The whole fp32 model state dict of a checkpoint of any layout, all of it in memory (what a test compares;
     the export reads a group at a time)."""

@@ -86,6 +86,9 @@ def test_manifest_finds_truncation_by_size_and_a_bit_flip_by_checksum(tmp_path):
     assert "model.safetensors has another crc32 than the manifest records (bytes from 0)" in verify_own(ckpt, 0, 2)
     assert verify_own(ckpt, 1, 2) is None
     assert "model.safetensors" in verify_all(ckpt)
+    # pretrain-export checks the checksums of what it reads (every file's size, always)
+    assert verify_all(ckpt, only=lambda rel: rel != "model.safetensors") is None
+    assert "model.safetensors" in verify_all(ckpt, only=lambda rel: rel == "model.safetensors")
     os.truncate(ckpt / "random_states_1.pkl", 2)
     assert "random_states_1.pkl is 2 bytes, the manifest records 1," in check_sizes(ckpt)
     (ckpt / MANIFEST_FILE).write_text("{not json")

@@ -84,3 +84,24 @@ def test_a_checkpoint_s_weights_are_read_one_group_at_a_time(tmp_path, monkeypat
     for group in groups:
         for name, value in group.items():
             assert value.dtype == torch.float32 and torch.equal(value, tensors[name].float())
+
+
+@pytest.mark.parametrize("layout, files, read", [
+    ({"engine": "ddp", "world_size": 2}, ["model.safetensors", "optimizer.bin", "scheduler.bin"],
+     ["model.safetensors"]),
+    ({"engine": "fsdp", "world_size": 2},
+     ["pytorch_model_fsdp_0/__0_0.distcp", "optimizer_0/__0_0.distcp", "random_states_0.pkl"],
+     ["pytorch_model_fsdp_0/__0_0.distcp"]),
+    ({"engine": "deepspeed", "world_size": 2, "zero_stage": 3},
+     ["pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt", "scheduler.bin"],
+     ["pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt"]),
+])
+def test_the_export_checks_the_checksums_of_the_files_it_reads(tmp_path, layout, files, read):
+    """Every file's size is checked; the checksums of the weights' files (and the trainer state), not of the
+    optimizer's other states, the scheduler or the random states, which the export never reads."""
+    from pretrain.checkpoint.weights import read_by_export
+    from tests.checkpoint.test_reshard import make_checkpoint
+
+    checkpoint = make_checkpoint(tmp_path / "step_00000003", world=2, layout=layout, files=files)
+    selected = read_by_export(checkpoint)
+    assert sorted(f for f in [*files, "trainer_state.json"] if selected(f)) == sorted([*read, "trainer_state.json"])
