@@ -91,8 +91,9 @@ def open_weights(checkpoint: Path, log: Log = print) -> Iterator[Weights]:
         raise ConfigError(f"{checkpoint} is not a complete checkpoint")
     layout = saved_layout(checkpoint, state)
     _refuse_crafted(checkpoint)
-    with weights_only(checkpoint), _mmap_loads():
-        weights = _open(checkpoint, layout)
+    with weights_only(checkpoint):
+        with _mmap_loads():  # while the files are opened (the reads after are of the mapped storages, or DCP's)
+            weights = _open(checkpoint, layout)
         try:
             log(f"export: {len(weights.specs)} tensors of {layout.describe()} in {checkpoint} "
                 f"({sum(s.nbytes for s in weights.specs.values()) / 2**30:.2f} GiB in fp32), read a group at a time")
