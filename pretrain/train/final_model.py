@@ -77,7 +77,7 @@ class FinalModel:
                 mine = k % world == rank
                 shard = {}
                 for name in plan.filename_to_tensors[filename]:
-                    value = gathered(tensors[name][1])  # a collective: every rank, in the plan's order
+                    value = gathered(tensors[name][1], keep=mine)  # a collective: every rank, in the plan's order
                     if mine:
                         shard[name] = value
                 if mine:
@@ -118,15 +118,17 @@ def full_tensors(module) -> dict[str, tuple]:
     return out
 
 
-def gathered(tensor):
-    """The full value of one tensor on CPU; a collective for a sharded one (every rank calls it, in one order)."""
+def gathered(tensor, keep: bool = True):
+    """The full value of one tensor on CPU (None unless ``keep``); a collective for a sharded one (every rank calls
+    it, in one order), nothing at all for a replicated one that is not kept."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(tensor, DTensor):
-        return tensor.full_tensor().detach().cpu()
+        full = tensor.full_tensor()
+        return full.detach().cpu() if keep else None
     if hasattr(tensor, "ds_id"):  # DeepSpeed ZeRO-3: gathered for the copy, partitioned again after
         import deepspeed
 
         with deepspeed.zero.GatheredParameters([tensor]):
-            return tensor.detach().cpu().clone()
-    return tensor.detach().cpu().clone()
+            return tensor.detach().cpu().clone() if keep else None
+    return tensor.detach().cpu().clone() if keep else None
