@@ -24,21 +24,16 @@ weights-only (``pretrain/trust.py``) and every pickle is checked before (``check
 from __future__ import annotations
 
 import contextlib
-import math
-import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from pretrain.checkpoint.engine_files import SAFETENSORS_DTYPES, ZeroFiles, flatten, mmap_loads
+from pretrain.checkpoint.engine_files import name_of as _name
 from pretrain.errors import ConfigError
 from pretrain.model.hf_save import Spec
 
 Log = Callable[[str], None]
-
-# safetensors' dtype names (safe_open's get_slice(...).get_dtype())
-_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
 class Weights:
@@ -92,7 +87,7 @@ def open_weights(checkpoint: Path, log: Log = print) -> Iterator[Weights]:
     layout = saved_layout(checkpoint, state)
     _refuse_crafted(checkpoint)
     with weights_only(checkpoint):
-        with _mmap_loads():  # while the files are opened (the reads after are of the mapped storages, or DCP's)
+        with mmap_loads():  # while the files are opened (the reads after are of the mapped storages, or DCP's)
             weights = _open(checkpoint, layout)
         try:
             log(f"export: {len(weights.specs)} tensors of {layout.describe()} in {checkpoint} "
@@ -149,10 +144,6 @@ def _float_spec(shape, dtype) -> Spec:
     return Spec(tuple(int(d) for d in shape), torch.float32 if dtype.is_floating_point else dtype)
 
 
-def _name(key: str) -> str:
-    return key.removeprefix("module.")
-
-
 def _from_safetensors(path: Path) -> Weights:
     import torch
     from safetensors import safe_open
@@ -162,7 +153,7 @@ def _from_safetensors(path: Path) -> Weights:
     specs = {}
     for name, key in keys.items():
         part = handle.get_slice(key)
-        specs[name] = _float_spec(part.get_shape(), getattr(torch, _SAFETENSORS_DTYPES[part.get_dtype()]))
+        specs[name] = _float_spec(part.get_shape(), getattr(torch, SAFETENSORS_DTYPES[part.get_dtype()]))
     return Weights(specs, lambda names: {n: handle.get_tensor(keys[n]) for n in names}, "safetensors")
 
 
@@ -192,12 +183,10 @@ def _from_dcp(directory: Path) -> Weights:
     def fetch(names: list[str]) -> dict[str, Any]:
         # what torch's own converter (torch.distributed.checkpoint.format_utils.dcp_to_torch_save) calls, for
         # these keys only: each is read from the chunks the metadata places it in
-        from pretrain.checkpoint.neutral import _flatten
-
         loaded: dict[str, Any] = {}
         _load_state_dict(loaded, storage_reader=FileSystemReader(str(directory)),
                          planner=_EmptyStateDictLoadPlanner(keys={keys[n] for n in names}), no_dist=True)
-        flat = _flatten(loaded)
+        flat = flatten(loaded)
         return {n: flat[keys[n]] for n in names}
 
     return Weights(specs, fetch, "DCP")
@@ -206,95 +195,7 @@ def _from_dcp(directory: Path) -> Weights:
 def _from_zero(ds: Path) -> Weights:
     """DeepSpeed ZeRO-1/2/3's fp32 master weights (its optimizer files' flat partitions), plus the buffers and
     frozen parameters its model-states files hold, as DeepSpeed's ``zero_to_fp32`` reads them."""
-    from deepspeed.utils import zero_to_fp32 as z
-
-    with contextlib.redirect_stdout(sys.stderr):  # its progress prints
-        model_states = z.parse_model_states(z.get_model_state_files(str(ds)))
-        parsed = z.parse_optim_states(z.get_optim_files(str(ds)), str(ds))
-        stage, world, flat_groups = parsed[:3]
-        paddings = parsed[3] if len(parsed) > 3 else None  # ZeRO-1/2's alignment paddings (deepspeed >= 0.17)
-        if stage == 3:
-            lazy = z._get_fp32_state_dict_from_zero3_checkpoint(world, flat_groups, model_states, False)
-        else:
-            lazy = dict(model_states[0].buffers)
-            z._zero2_merge_frozen_params(lazy, model_states)
-            lazy.update(_zero2_slices(world, flat_groups, model_states[0].param_shapes, paddings))
-            for alias, source in model_states[0].shared_params:
-                if source in lazy:
-                    lazy[alias] = lazy[source]
-    tensors = {_name(k): v for k, v in lazy.items()}
+    files = ZeroFiles(ds)
+    tensors = files.weights()
     specs = {n: _float_spec(v.shape, v.dtype) for n, v in tensors.items()}
-    return Weights(specs, lambda names: {n: tensors[n].contiguous() for n in names}, f"ZeRO-{stage}")
-
-
-class _Slices:
-    """A ZeRO-1/2 parameter: ``length`` elements from ``offset`` of the concatenation of every rank's flat fp32
-    partition of its group, shaped ``shape``; gathered when ``contiguous()`` is called."""
-
-    def __init__(self, partitions: list, offset: int, shape):
-        self.partitions, self.offset, self.shape = partitions, offset, shape
-        self.dtype = partitions[0].dtype
-
-    def contiguous(self):
-        import torch
-
-        start, remaining, pieces = self.offset, math.prod(self.shape), []
-        for part in self.partitions:
-            n = part.numel()
-            if start >= n:
-                start -= n
-                continue
-            take = min(n - start, remaining)
-            pieces.append(part[start:start + take])
-            remaining -= take
-            start = 0
-            if not remaining:
-                break
-        if remaining:
-            raise ConfigError(f"a DeepSpeed partition ends {remaining} elements before a parameter of shape "
-                              f"{tuple(self.shape)}: the checkpoint is damaged or not a ZeRO-1/2 checkpoint")
-        return torch.cat(pieces).view(self.shape)
-
-
-def _zero2_slices(world: int, flat_groups: list, param_shapes: list, paddings: list | None) -> dict[str, _Slices]:
-    """Where each parameter of a ZeRO-1/2 checkpoint lies in the ranks' partitions: DeepSpeed's ZeRO-1/2 merge
-    (``zero_to_fp32._zero2_merge_trainable_params``), with each group's concatenation left unmade."""
-    out = {}
-    for group, shapes in enumerate(param_shapes):
-        partitions = [flat_groups[rank][group] for rank in range(world)]
-        available = sum(p.numel() for p in partitions)
-        pads = paddings[group] if paddings is not None else None
-        if pads is not None and len(pads) != len(shapes):
-            raise ConfigError(f"DeepSpeed records {len(pads)} alignment paddings for {len(shapes)} parameters of "
-                              f"group {group}: the checkpoint is damaged")
-        offset = 0
-        for i, (name, shape) in enumerate(shapes.items()):
-            out[name] = _Slices(partitions, offset, shape)
-            offset += math.prod(shape)
-            if pads is not None:
-                offset += pads[i]
-        align = 2 * world  # DeepSpeed pads each group to a multiple of 2 x world size
-        if align * math.ceil(offset / align) != align * math.ceil(available / align):
-            raise ConfigError(f"DeepSpeed's group {group} holds {available} elements, its parameters {offset}: "
-                              "the checkpoint is damaged or was written by another DeepSpeed layout")
-    return out
-
-
-@contextlib.contextmanager
-def _mmap_loads() -> Iterator[None]:
-    """Every ``torch.load`` of a file path memory-maps it (DeepSpeed's model-states reader loads whole files, and a
-    ZeRO-1/2 model-states file holds the whole 16-bit model)."""
-    import torch
-
-    load = torch.load
-
-    def mapped(f, *args, **kwargs):
-        if isinstance(f, (str, Path)) and "mmap" not in kwargs:
-            kwargs["mmap"] = True
-        return load(f, *args, **kwargs)
-
-    torch.load = mapped
-    try:
-        yield
-    finally:
-        torch.load = load
+    return Weights(specs, lambda names: {n: tensors[n].contiguous() for n in names}, f"ZeRO-{files.stage}")
