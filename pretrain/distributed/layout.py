@@ -673,3 +673,17 @@ def compile_choice(requested: str, device_type: str, launch: Launch) -> tuple[st
                         "block breaks into small graphs, a long compile for little gain); model.compile=regional "
                         "forces it")
     return "regional", "auto: regional on CUDA (each repeated block compiled once)"
+
+
+def launcher_store(environ: Mapping[str, str] = os.environ) -> tuple[str, int, str] | None:
+    """The key-value store torchrun's agent hosts for its workers (accelerate launch starts torchrun): its host, port
+    and this attempt's name (torchrun's restart count), or None where no agent hosts one (one process started with
+    python, or a launcher other than torchrun). The workers' process group uses the same store later."""
+    if int(environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return None
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    host, port = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")
+    if not host or not (port or "").isdigit():
+        return None
+    return host, int(port), environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
