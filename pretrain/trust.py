@@ -7,7 +7,7 @@ So two rules hold for every file pretrain, or a library it calls, reads from a c
 - **No unpickling beyond torch's weights-only unpickler.** ``enforce()`` (called first by the entry point
   and pretrain-export) sets ``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1``, torch's own switch that makes every
   ``torch.load`` in this process, and in the processes it starts, ``weights_only=True`` whatever the caller
-  passes: DeepSpeed's checkpoint engine, ``zero_to_fp32``, ``ds_to_universal`` and torch.distributed.checkpoint
+  passes: DeepSpeed's checkpoint engine, ``zero_to_fp32`` and torch.distributed.checkpoint
   pass ``weights_only=False``. The few types their states hold beyond tensors and containers are allowed by
   name (``ALLOWED``, registered with ``torch.serialization.add_safe_globals``); anything else is refused
   without being constructed. DCP's ``.metadata`` is read by a plain ``pickle.load``, so ``check_files`` reads

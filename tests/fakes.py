@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -14,8 +13,7 @@ import torch
 class FakeAccelerator:
     """One process of accelerate's Accelerator, as far as the Checkpointer (save, load) and the loop's collectives use
     it. ``save_state`` writes ``files`` ({name: bytes, or what torch.save writes}) in their order, after ``on_save``
-    (called with the directory) and before raising ``fail_with``; ``load_state`` records each directory read (with a
-    DeepSpeed engine's load_universal when ``load_universal`` gives it one); ``reduce`` returns this rank's value."""
+    (called with the directory) and before raising ``fail_with``; ``load_state`` records each directory read; ``reduce`` returns this rank's value."""
 
     is_main_process = True
     num_processes = 1
@@ -24,20 +22,17 @@ class FakeAccelerator:
     device = torch.device("cpu")
 
     def __init__(self, files: dict[str, Any] | None = None, *, fail_with: BaseException | None = None,
-                 gradient_accumulation_steps: int = 1, load_universal: bool | None = None,
+                 gradient_accumulation_steps: int = 1,
                  on_save: Callable[[Path], None] | None = None):
         self.files = files if files is not None else {"model.safetensors": b"weights"}
         self.fail_with = fail_with
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.on_save = on_save
-        self.loads: list[tuple[str, bool | None]] = []  # (directory, the engine's load_universal when it was read)
-        if load_universal is not None:
-            config = SimpleNamespace(load_universal_checkpoint=load_universal)
-            self.deepspeed_engine_wrapped = SimpleNamespace(engine=SimpleNamespace(_config=config))
+        self.loads: list[str] = []  # the directories load_state read
 
     @property
     def loaded(self) -> str | None:
-        return self.loads[-1][0] if self.loads else None
+        return self.loads[-1] if self.loads else None
 
     def wait_for_everyone(self) -> None:
         pass
@@ -55,8 +50,7 @@ class FakeAccelerator:
             raise self.fail_with
 
     def load_state(self, path) -> None:
-        engine = getattr(self, "deepspeed_engine_wrapped", None)
-        self.loads.append((path, engine.engine._config.load_universal_checkpoint if engine else None))
+        self.loads.append(path)
 
     def reduce(self, tensor, reduction):
         return tensor

@@ -304,12 +304,6 @@ class Checkpointer:
         prepared for this launch (``reshard.prepare_resume``: where the state is read, whether the RNG is re-seeded
         from ``seed``). The checks that it may be loaded are the resume's (pretrain/checkpoint/resume.py)."""
         state = TrainerState.read(source.checkpoint)
-        engine = getattr(getattr(self.accelerator, "deepspeed_engine_wrapped", None), "engine", None)
-        if engine is not None:
-            # DeepSpeed reads checkpoint.load_universal from its config at every load_checkpoint; the config was
-            # built for the checkpoint the run started from, and a rollback may load the other kind (a checkpoint
-            # this run wrote after a resume on another world size, or the universal view of one it resumed).
-            engine._config.load_universal_checkpoint = source.load_universal
         with weights_only(source.load_dir):
             if source.neutral:
                 self._load_neutral(source)

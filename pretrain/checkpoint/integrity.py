@@ -150,6 +150,40 @@ def changed_files(directory: Path, recorded: dict[str, dict[str, Any]], algorith
     return problems
 
 
+def share_of_segments(recorded: dict[str, dict[str, Any]], rank: int, world_size: int,
+                      segment_bytes: int = SEGMENT_BYTES) -> list[tuple[str, int]]:
+    """The (file, segment index) pairs of ``recorded`` that ``rank`` of ``world_size`` checks: a contiguous run of
+    every file's segments in name order, about 1/world_size of them (each segment at most ``segment_bytes``)."""
+    segments = [(rel, i) for rel in sorted(recorded)
+                for i in range(max(1, -(-int(recorded[rel]["size"]) // segment_bytes)))]
+    return segments[len(segments) * rank // world_size:len(segments) * (rank + 1) // world_size]
+
+
+def changed_segments(directory: Path, recorded: dict[str, dict[str, Any]], rank: int, world_size: int,
+                     recorder: str = "recorded") -> list[str]:
+    """``changed_files`` for this rank's share of the segments only (``share_of_segments``): each of its files'
+    size, and the checksum of each of its segments; the ranks together check every byte once."""
+    problems: list[str] = []
+    mine = share_of_segments(recorded, rank, world_size, SEGMENT_BYTES)
+    for rel in dict.fromkeys(rel for rel, _ in mine):
+        path = directory / rel
+        if not path.is_file():
+            problems.append(f"{path} is missing")
+        elif (size := path.stat().st_size) != recorded[rel]["size"]:
+            problems.append(f"{path} is {size:,} bytes, {recorder} {recorded[rel]['size']:,}")
+    if problems:
+        return problems
+    expected = [recorded[rel][ALGORITHM][i] if i < len(recorded[rel][ALGORITHM]) else None for rel, i in mine]
+    with ThreadPoolExecutor(max_workers=max(1, min(MAX_HASH_THREADS, len(mine)))) as pool:
+        found = list(pool.map(lambda seg: crc32_segment(directory / seg[0], seg[1] * SEGMENT_BYTES, SEGMENT_BYTES),
+                              mine))
+    for (rel, i), value, want in zip(mine, found, expected, strict=True):
+        if value != want:
+            problems.append(f"{directory / rel} has another {ALGORITHM} than {recorder} (bytes from "
+                            f"{i * SEGMENT_BYTES:,})")
+    return problems
+
+
 def manifest_digest(directory: Path) -> str | None:
     """The SHA-256 of a checkpoint's manifest (which holds every file's size and checksums): what identifies the
     checkpoint's contents to what is derived from it (a converted view); None without a manifest."""

@@ -12,13 +12,15 @@ optimizer's step count. The neutral form is that, as data:
 - ``neutral.json``: the format, the layout it was read from, the optimizer step, each parameter's shape and
   state names.
 
-A checkpoint of one engine resumes under another through it (``reshard``: converted once by rank 0 into the
-sibling ``<checkpoint>.neutral/``, like the universal checkpoint). Read from:
+A checkpoint of one engine resumes under another through it (``reshard``: converted once into the sibling
+``<checkpoint>.neutral/``, each rank its ``Source.share``). Read from (``Source``: every tensor's name and size up
+front, the tensors read one bounded group at a time):
 
-- one process / DDP: ``model.safetensors`` and ``optimizer.bin`` (a torch state_dict that indexes parameters by
-  position: their names are the ``optimizer_params`` the checkpoint records, ``record_optimizer_params``);
-- FSDP2: its two DCP directories, read without a process group, a bounded number of bytes at a time;
-- ZeRO-1/2/3: DeepSpeed's own universal checkpoint (``ds_to_universal``: per parameter, full tensors).
+- one process / DDP: ``model.safetensors`` and ``optimizer.bin`` (memory-mapped; a torch state_dict that indexes
+  parameters by position: their names are the ``optimizer_params`` the checkpoint records,
+  ``record_optimizer_params``);
+- FSDP2: its two DCP directories, read by key without a process group, a bounded number of bytes at a time;
+- ZeRO-1/2/3: each rank's memory-mapped flat partitions, gathered per parameter (``engine_files.ZeroFiles``).
 
 Loaded into (after ``accelerator.prepare``, every rank):
 
@@ -67,10 +69,37 @@ class Entry:
     step: float | None = None
 
 
+@dataclass
+class Source:
+    """A checkpoint's state by parameter, opened (headers and metadata read, no tensor): ``params``, each parameter
+    with optimizer states and the bytes its fp32 weight and states take in the neutral form (the source's order);
+    ``extras``, the model's other entries (buffers, tied aliases, frozen parameters) and their bytes; ``entries``
+    and ``extra_tensors`` read the named ones. A converting rank reads only its ``share``."""
+
+    params: dict[str, int]
+    extras: dict[str, int]
+    entries: Callable[[list[str]], Iterator[Entry]]
+    extra_tensors: Callable[[list[str]], dict[str, Any]]
+
+    def share(self, rank: int, world: int) -> tuple[list[str], list[str]]:
+        """The parameters and extras rank ``rank`` of ``world`` converts: a contiguous run of the source's order,
+        split by bytes (each rank about 1/world of them; a tensor is never split)."""
+        sizes = [(name, size, False) for name, size in self.params.items()]
+        sizes += [(name, size, True) for name, size in self.extras.items()]
+        total = max(1, sum(size for _, size, _ in sizes))
+        params, extras, before = [], [], 0
+        for name, size, extra in sizes:
+            # the rank whose 1/world of the bytes holds the tensor's first byte
+            if min(world - 1, before * world // total) == rank:
+                (extras if extra else params).append(name)
+            before += size
+        return params, extras
+
+
 # ---- writing ----------------------------------------------------------------------------------------------
-def write(out: Path, entries: Iterator[Entry], extras: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
-    """The neutral form of ``entries`` (the optimizer's parameters) and ``extras`` (the model's other entries)
-    into ``out``, shard by shard; returns the index written to ``out/neutral.json``."""
+def write(out: Path, entries: Iterator[Entry], extras: dict[str, Any], prefix: str = "state") -> dict[str, Any]:
+    """``entries`` (the optimizer's parameters) and ``extras`` (the model's other entries) into ``out`` as
+    ``<prefix>-XXXXX.safetensors`` shards of at most SHARD_BYTES; returns this part of the index (``merge``)."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -81,7 +110,7 @@ def write(out: Path, entries: Iterator[Entry], extras: dict[str, Any], source: d
     def flush() -> None:
         nonlocal pending, size
         if pending:
-            name = f"state-{len(set(files.values())):05d}.safetensors"
+            name = f"{prefix}-{len(set(files.values())):05d}.safetensors"
             save_file(pending, str(out / name), metadata={"format": "pt"})
             files.update(dict.fromkeys(pending, name))
         pending, size = {}, 0
@@ -109,13 +138,25 @@ def write(out: Path, entries: Iterator[Entry], extras: dict[str, Any], source: d
         if name not in params:
             add(key(WEIGHT, name), value)
     flush()
+    return {"params": params, "extras": sorted(n for n in extras if n not in params), "files": files,
+            "steps": sorted(steps)}
+
+
+def merge(parts: list[dict[str, Any]], source: dict[str, Any]) -> dict[str, Any]:
+    """The index of the neutral form written as ``parts`` (``write``'s, by the converting ranks)."""
+    steps = {step for part in parts for step in part["steps"]}
     if len(steps) > 1:
         raise ConfigError(f"the optimizer's parameters were stepped different numbers of times ({sorted(steps)}): "
                           "the neutral form holds one step count")
-    index = {"format": FORMAT, "source": source, "step": steps.pop() if steps else None, "params": params,
-             "extras": sorted(n for n in extras if n not in params), "files": files}
+    params = {name: value for part in parts for name, value in part["params"].items()}
+    extras = sorted({name for part in parts for name in part["extras"]} - set(params))
+    files = {name: file for part in parts for name, file in part["files"].items()}
+    return {"format": FORMAT, "source": source, "step": steps.pop() if steps else None, "params": params,
+            "extras": extras, "files": files}
+
+
+def write_index(out: Path, index: dict[str, Any]) -> None:
     (out / INDEX_FILE).write_text(json.dumps(index, indent=1, sort_keys=True))
-    return index
 
 
 def read_index(view: Path) -> dict[str, Any]:
@@ -136,10 +177,13 @@ def optimizer_params(model: Any, optimizer: Any) -> list[list[str]] | None:
     return None if any(n is None for g in groups for n in g) else groups
 
 
-def from_single(checkpoint: Path, names: list[list[str]] | None, model_file: str, optimizer_file: str
-                ) -> tuple[Iterator[Entry], dict[str, Any]]:
-    """A one-process / DDP checkpoint: ``model.safetensors`` and ``optimizer.bin``, whose positions are
-    ``names`` (the checkpoint's recorded ``optimizer_params``)."""
+def _nbytes(shape: Any, states: int = 0) -> int:
+    return math.prod(shape) * 4 * (1 + states)
+
+
+def from_single(checkpoint: Path, names: list[list[str]] | None, model_file: str, optimizer_file: str) -> Source:
+    """A one-process / DDP checkpoint: ``model.safetensors`` and ``optimizer.bin`` (memory-mapped), whose
+    positions are ``names`` (the checkpoint's recorded ``optimizer_params``)."""
     import torch
     from safetensors import safe_open
 
@@ -153,25 +197,32 @@ def from_single(checkpoint: Path, names: list[list[str]] | None, model_file: str
     if len(optim["param_groups"]) != len(names) or any(
             len(g["params"]) != len(n) for g, n in zip(optim["param_groups"], names, strict=True)):
         raise ConfigError(f"{checkpoint}: its optimizer's groups do not match the parameter names it records")
-    named = [(index, name) for group, group_names in zip(optim["param_groups"], names, strict=True)
-             for index, name in zip(group["params"], group_names, strict=True)]
-    missing = [name for _, name in named if name not in stored]
+    index = {name: i for group, group_names in zip(optim["param_groups"], names, strict=True)
+             for i, name in zip(group["params"], group_names, strict=True)}
+    missing = [name for name in index if name not in stored]
     if missing:
         raise ConfigError(f"{checkpoint / model_file} lacks the parameters {missing[:3]} its optimizer holds")
 
-    def entries() -> Iterator[Entry]:
-        for index, name in named:
+    def shape(name: str) -> list[int]:
+        return weights.get_slice(name).get_shape()
+
+    def states(name: str) -> int:
+        return sum(1 for k, v in optim["state"].get(index[name], {}).items() if k != "step" and hasattr(v, "numel"))
+
+    def entries(chosen: list[str]) -> Iterator[Entry]:
+        for name in chosen:
             weight = weights.get_tensor(name)
-            state = optim["state"].get(index, {})
+            state = optim["state"].get(index[name], {})
             yield Entry(name, weight, _shaped_states(state, weight), _step(state.get("step")))
 
-    param_names = {name for _, name in named}
-    return entries(), {n: weights.get_tensor(n) for n in stored - param_names}
+    return Source({n: _nbytes(shape(n), states(n)) for n in index},
+                  {n: _nbytes(shape(n)) for n in sorted(stored - set(index))}, entries,
+                  lambda chosen: {n: weights.get_tensor(n) for n in chosen})
 
 
-def from_fsdp(checkpoint: Path, model_dir: str, optimizer_dir: str) -> tuple[Iterator[Entry], dict[str, Any]]:
+def from_fsdp(checkpoint: Path, model_dir: str, optimizer_dir: str) -> Source:
     """An FSDP2 checkpoint (accelerate's SHARDED_STATE_DICT: ``{"model": ...}`` and ``{"optimizer": ...}``
-    through torch.distributed.checkpoint), read without a process group, at most SHARD_BYTES at a time."""
+    through torch.distributed.checkpoint), read without a process group by key, at most SHARD_BYTES at a time."""
     from torch.distributed.checkpoint import FileSystemReader
 
     model_md = FileSystemReader(str(checkpoint / model_dir)).read_metadata().state_dict_metadata
@@ -193,13 +244,18 @@ def from_fsdp(checkpoint: Path, model_dir: str, optimizer_dir: str) -> tuple[Ite
         from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+        from pretrain.checkpoint.engine_files import flatten
+
         loaded: dict[str, Any] = {}
         _load_state_dict(loaded, storage_reader=FileSystemReader(str(checkpoint / directory)),
                          planner=_EmptyStateDictLoadPlanner(keys=set(keys)), no_dist=True)
-        return _flatten(loaded)
+        return flatten(loaded)
 
-    def entries() -> Iterator[Entry]:
-        for chunk in _chunks(list(per_param), lambda n: _md_bytes(model_md[weights[n]]) * (1 + len(per_param[n]))):
+    def size(name: str) -> int:
+        return _nbytes(model_md[weights[name]].size, sum(1 for s in per_param.get(name, {}) if s != "step"))
+
+    def entries(chosen: list[str]) -> Iterator[Entry]:
+        for chunk in _chunks(chosen, size):
             model = load(model_dir, [weights[n] for n in chunk])
             optim = load(optimizer_dir, [k for n in chunk for k in per_param[n].values()])
             for name in chunk:
@@ -207,46 +263,32 @@ def from_fsdp(checkpoint: Path, model_dir: str, optimizer_dir: str) -> tuple[Ite
                 weight = model[weights[name]]
                 yield Entry(name, weight, _shaped_states(state, weight), _step(state.get("step")))
 
-    extra_keys = [k for n, k in weights.items() if n not in per_param]
-    extras = load(model_dir, extra_keys) if extra_keys else {}
-    return entries(), {k.removeprefix("model."): v for k, v in extras.items()}
+    def extra_tensors(chosen: list[str]) -> dict[str, Any]:
+        loaded = load(model_dir, [weights[n] for n in chosen]) if chosen else {}
+        return {k.removeprefix("model."): v for k, v in loaded.items()}
+
+    return Source({n: size(n) for n in per_param}, {n: size(n) for n in weights if n not in per_param}, entries,
+                  extra_tensors)
 
 
-def from_universal(universal: Path, shapes: dict[str, list[int]]) -> tuple[Iterator[Entry], dict[str, Any]]:
-    """DeepSpeed's universal checkpoint (``zero/<name>/fp32.pt``, ``exp_avg.pt`` ...; ZeRO-3's flat, shaped by
-    ``shapes``, the parameter shapes its model states record). A parameter without optimizer states (a tied
-    alias DeepSpeed lists apart) is a model entry."""
-    import torch
+def from_zero(deepspeed_dir: Path) -> Source:
+    """A DeepSpeed ZeRO-1/2/3 checkpoint: each parameter's fp32 master and optimizer states gathered from every
+    rank's memory-mapped flat partition (``weights.ZeroFiles``), one parameter at a time."""
+    from pretrain.checkpoint.engine_files import ZeroFiles
 
-    zero = universal / "zero"
-    common = torch.load(zero / "optimizer_state.pt", map_location="cpu", weights_only=True)
-    osd = common.get("optimizer_state_dict") or {}
-    group_step = next((s.get("step") for s in osd.get("state", {}).values() if "step" in s), None)
+    files = ZeroFiles(deepspeed_dir)
+    weights = files.weights()
+    states, step = files.states()
+    trainable = [n for n in files.trainable() if n in weights]
 
-    def tensor(path: Path) -> Any:
-        value = torch.load(path, map_location="cpu", weights_only=True)
-        return value["param"] if isinstance(value, dict) else value
+    def entries(chosen: list[str]) -> Iterator[Entry]:
+        for name in chosen:
+            weight = weights[name].contiguous()
+            yield Entry(name, weight, {s: v[name].contiguous() for s, v in states.items() if name in v}, step)
 
-    names = sorted(p.name for p in zero.iterdir() if p.is_dir())
-    with_states = [n for n in names if any(f.name != "fp32.pt" for f in (zero / n).glob("*.pt"))]
-
-    def entries() -> Iterator[Entry]:
-        for name in with_states:
-            weight = tensor(zero / name / "fp32.pt")
-            if name in shapes:
-                weight = weight.reshape(shapes[name])
-            states = {f.stem: tensor(f).reshape(weight.shape) for f in sorted((zero / name).glob("*.pt"))
-                      if f.stem not in ("fp32", "step")}
-            step_file = zero / name / "step.pt"
-            step = tensor(step_file) if step_file.is_file() else group_step
-            yield Entry(name, weight, states, _step(step))
-
-    extras = {}
-    for name in names:
-        if name not in with_states:
-            weight = tensor(zero / name / "fp32.pt")
-            extras[name] = weight.reshape(shapes[name]) if name in shapes else weight
-    return entries(), extras
+    return Source({n: _nbytes(weights[n].shape, len(states)) for n in trainable},
+                  {n: _nbytes(v.shape) for n, v in weights.items() if n not in set(trainable)}, entries,
+                  lambda chosen: {n: weights[n].contiguous() for n in chosen})
 
 
 def _shaped_states(state: dict[str, Any], weight: Any) -> dict[str, Any]:
@@ -257,22 +299,6 @@ def _shaped_states(state: dict[str, Any], weight: Any) -> dict[str, Any]:
 
 def _step(value: Any) -> float | None:
     return None if value is None else float(value)
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _md_bytes(md: Any) -> int:
-    import math
-
-    return math.prod(md.size) * 4
 
 
 def _chunks(names: list[str], size: Callable[[str], int]) -> Iterator[list[str]]:
@@ -305,13 +331,31 @@ def load(view: Path, model: Any, optimizer: Any, deepspeed_engine: Any = None, l
             raise ConfigError(f"{view}: {name} has shape {saved['shape']} there and {shape} in this model")
     if deepspeed_engine is not None:
         return _load_zero(view, index, deepspeed_engine, log)
-    return _load_torch(view, index, model, optimizer)
+    return _load_torch(view, index, model, optimizer, log)
 
 
-def _load_torch(view: Path, index: dict[str, Any], model: Any, optimizer: Any) -> list[str]:
+def _read_line(view: Path, index: dict[str, Any], read: int, share: str) -> str:
+    total = sum((view / f).stat().st_size for f in set(index["files"].values()))
+    return f"resume: this rank read {read / 2**20:.2f} MiB of the neutral form's {total / 2**20:.2f} MiB ({share})"
+
+
+def _load_torch(view: Path, index: dict[str, Any], model: Any, optimizer: Any, log: Log = print) -> list[str]:
     import torch
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint import load as dcp_load
+
+    from pretrain.checkpoint.engine_files import SAFETENSORS_DTYPES
+
+    class CountingReader(HuggingFaceStorageReader):
+        """torch's safetensors reader (each request a slice, read as such), counting the bytes it reads."""
+
+        read = 0
+
+        def _process_read_request(self, f, req, planner):
+            part = f.get_slice(req.storage_index.fqn)
+            itemsize = getattr(torch, SAFETENSORS_DTYPES[part.get_dtype()]).itemsize
+            CountingReader.read += math.prod(req.lengths) * itemsize
+            return super()._process_read_request(f, req, planner)
 
     _create_states(optimizer)
     by_id = {id(p): n for n, p in model.named_parameters()}
@@ -338,7 +382,9 @@ def _load_torch(view: Path, index: dict[str, Any], model: Any, optimizer: Any) -
         if key(WEIGHT, name) in index["files"]:
             request[key(WEIGHT, name)] = buffer
     with torch.no_grad():
-        dcp_load(request, storage_reader=HuggingFaceStorageReader(str(view)))
+        dcp_load(request, storage_reader=CountingReader(str(view)))
+    sharded = any(type(t).__name__ == "DTensor" for t in request.values())
+    log(_read_line(view, index, CountingReader.read, "its shards' slices" if sharded else "a full replica"))
     return fresh
 
 
@@ -433,9 +479,7 @@ def _load_zero(view: Path, index: dict[str, Any], engine: Any, log: Log = print)
         for name, buffer in engine.module.named_buffers():
             if key(WEIGHT, name) in index["files"]:
                 buffer.copy_(tensor(key(WEIGHT, name)))
-    total = sum((view / f).stat().st_size for f in set(index["files"].values()))
-    log(f"resume: this rank read {read[0] / 2**20:.2f} MiB of the neutral form's {total / 2**20:.2f} MiB (its share "
-        f"of {engine.dp_world_size} ZeRO partitions)")
+    log(_read_line(view, index, read[0], f"its share of {engine.dp_world_size} ZeRO partitions"))
     return fresh
 
 

@@ -4,53 +4,54 @@ What a resume needs besides the model and optimizer does not depend on the layou
 optimizer step (``pretrain/data/loader.py``), the LR schedule counts optimizer steps and ``tokens_seen`` is a
 number in ``trainer_state.json``. What does depend on it is how the state was written:
 
-- DeepSpeed ZeRO-1/2/3 partitions optimizer states (ZeRO-3 also parameters) per data-parallel rank, and
-  DeepSpeed refuses another DP world size. Within ZeRO-1/2 such a checkpoint is converted once
-  with DeepSpeed's universal checkpoint (``deepspeed.checkpoint.ds_to_universal``) into the sibling
-  ``<checkpoint>.universal/``, which DeepSpeed loads (``checkpoint.load_universal``) on any DP world size.
 - DDP / one process: the state is complete and loads on any number of processes. accelerate registers a
   model before wrapping it in DDP and saves and loads that registered module, so the keys are the model's
   own on any process count; a file whose keys carry DDP's ``module.`` prefix (written by other tools) is
   renamed once into the sibling ``<checkpoint>.single/`` (other files linked).
 - FSDP: torch.distributed.checkpoint reshards on load; nothing to convert.
-- Across engines (DDP / one process, FSDP2, DeepSpeed), between ZeRO-1/2 and ZeRO-3 (whose universal files
-  DeepSpeed loads only into the same kind) and ZeRO-3 on another count (DeepSpeed's universal ZeRO-3 load gives
-  every parameter group the first one's hyperparameters, weight decay included): converted once into the neutral form (``neutral.py``: per parameter,
+- Across engines (DDP / one process, FSDP2, DeepSpeed) and DeepSpeed ZeRO on another DP world size or stage
+  (DeepSpeed refuses another world size): converted once into the neutral form (``neutral.py``: per parameter,
   by name, the fp32 weight and optimizer states) in the sibling ``<checkpoint>.neutral/``, which every engine
-  loads. Refused: ZeRO-0 (no ZeRO optimizer to read or set partitioned states through), NVMe-offloaded states
-  (they live outside the checkpoint, per rank), FSDP's full state dict, and a DDP checkpoint written before
-  checkpoints recorded their optimizer's parameter names.
+  loads, each rank its share. (DeepSpeed's universal checkpoint, which pretrain used within ZeRO-1/2 before, is
+  converted on one node at ~60 bytes of I/O per parameter, loads each kind's files only into the same kind, and its
+  ZeRO-3 load gives every parameter group the first group's hyperparameters, weight decay included.) Refused:
+  ZeRO-0 (no ZeRO optimizer to read or set partitioned states through), NVMe-offloaded states (they live outside
+  the checkpoint, per rank), FSDP's full state dict, and a DDP checkpoint written before checkpoints recorded their
+  optimizer's parameter names.
 - Each process's RNG file (``random_states_{i}.pkl``) belongs to a process of the old layout; when the
   world size or the engine changes every process is re-seeded from (seed, step, process index) after the load.
 
 The saved layout is read from the checkpoint (``trainer_state.json``'s ``layout``; for checkpoints written
 before it was recorded, from the files) and compared with the launch by ``plan_resume``, which pretrain-launch
 asks before any process starts and every process asks before its process group exists: an impossible
-combination is refused there. The conversion runs on global rank 0 under a temporary name and is renamed
-into place when complete; the other processes wait for it on the shared filesystem, still before any process
-group, so a conversion that outlasts a collective timeout (minutes for a 7B model) cannot kill the job.
+combination is refused there.
+
+The conversion runs before the process group exists, so that one that outlasts a collective timeout (a 70B
+checkpoint) cannot kill the job. Every rank converts its share: a contiguous run of the parameters, about 1/N of
+the bytes (``neutral.Source.share``), read from the checkpoint and written as its own safetensors shards into
+``.tmp-<view>.part-<rank>-of-<N>/``, with their checksums. The ranks agree through the key-value store of the
+launcher (``pretrain/distributed/peers.py``): rank 0 gathers the parts, moves them into ``.tmp-<view>``, writes
+the index and the stamp, and renames it into place; a rank that fails fails the conversion on every rank with its
+message. Where there is no launcher store (one process; a launcher other than torchrun), rank 0 converts all of
+it and the others wait on the shared filesystem.
 
 A converted sibling (a view) records what it was made from and what it holds (``converted_from.json``): its
 checkpoint's name, save time, step, the kind of view and the SHA-256 of the checkpoint's manifest (every file's
 size and CRCs), and the size and CRC-32s of each of its own files. A later resume reuses it only when both still
-hold: global rank 0 checks the source and every checksum of the view (it reads the view once: less than the
-conversion, which reads the checkpoint and writes the view), the other processes the source and the sizes (one
-stat per file; they load only after rank 0 has joined the process group, so after its check or rebuild). A view
-that does not hold (made from another save or state of the checkpoint, a file changed or missing in it, or
-made by an earlier pretrain that recorded no checksums) is pretrain's own, derived data: rank 0 says why in
-one line and converts it again (its record removed first, so the others wait for the new one), never loads it.
+hold: rank 0 checks the source, the file list and the sizes, and every rank the CRC-32s of its share of the
+view's 256 MiB segments (``integrity.changed_segments``), so that together they read the view once. A view that
+does not hold (made from another save or state of the checkpoint, a file changed or missing in it, or made by an
+earlier pretrain that recorded no checksums) is pretrain's own, derived data: rank 0 says why in one line and
+every rank converts it again, never loads it.
 
 ``pretrain/checkpoint/weights.py`` reads the fp32 weights of a checkpoint of any layout, with no process group.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -63,12 +64,14 @@ from pretrain.checkpoint.integrity import (
     MANIFEST_FILE,
     SEGMENT_BYTES,
     changed_files,
+    changed_segments,
     checkpoint_files,
     manifest_digest,
     record_files,
 )
 from pretrain.checkpoint.rundir import STATE_FILE, read_state
 from pretrain.distributed.layout import Launch
+from pretrain.distributed.peers import Peers
 from pretrain.errors import ConfigError
 from pretrain.recipe.init_from import HF_VIEW
 from pretrain.trust import check_files, contained, weights_only
@@ -80,12 +83,10 @@ FSDP_FULL_FILE = "pytorch_model_fsdp.bin"  # accelerate save_state: FSDP FULL_ST
 FSDP_OPTIMIZER_DIR = "optimizer_0"  # accelerate save_state: FSDP SHARDED_STATE_DICT's optimizer (DCP)
 OPTIMIZER_FILE = "optimizer.bin"  # accelerate save_state: the optimizer of a DDP / one-process run
 STAMP_FILE = "converted_from.json"
-UNIVERSAL, SINGLE_KEYS, NEUTRAL = "universal", "single", "neutral"  # the sibling's suffix: what it holds
-# ".ddp" siblings (keys given the "module." prefix) were written by earlier versions: still deleted with their checkpoint
-VIEW_SUFFIXES = (UNIVERSAL, NEUTRAL, "ddp", SINGLE_KEYS, HF_VIEW)  # HF_VIEW: model.init_from's (checkpoint/export.py)
-# ds_to_universal's worker processes (forked); None: one per core up to 8. A process that forks while other threads
-# hold locks can hang its children: the tests, which convert inside pytest, use 1 (DeepSpeed then forks nothing).
-CONVERT_WORKERS: int | None = None
+SINGLE_KEYS, NEUTRAL = "single", "neutral"  # the sibling's suffix: what it holds
+# ".ddp" siblings (keys given the "module." prefix) and ".universal" ones (DeepSpeed's universal checkpoint) were
+# written by earlier versions: still deleted with their checkpoint
+VIEW_SUFFIXES = ("universal", NEUTRAL, "ddp", SINGLE_KEYS, HF_VIEW)  # HF_VIEW: model.init_from's (checkpoint/export.py)
 WAIT_TIMEOUT_S = 4 * 3600.0  # the other processes wait this long for rank 0's conversion
 DEEPSPEED_CONFIGS = "accelerate_configs/zero1.yaml, zero2.yaml or zero3.yaml"
 
@@ -157,8 +158,8 @@ class LayoutRefused(ConfigError):
 
 def conversion(checkpoint: Path, saved: CheckpointLayout, target: CheckpointLayout) -> str | None:
     """What resuming ``checkpoint`` (written by ``saved``) under ``target`` needs: None (load as it is),
-    UNIVERSAL (DeepSpeed universal checkpoint: ZeRO-1/2 <-> ZeRO-1/2), NEUTRAL (the neutral form: across engines,
-    and to or from ZeRO-3 on another count or stage), or LayoutRefused naming what to do instead.
+    NEUTRAL (the neutral form: across engines, and ZeRO on another count or stage), or LayoutRefused naming what
+    to do instead.
     (DDP key renaming is decided from the weights file itself, see ``plan_resume``.)"""
     change = f"{saved.describe()} -> {target.describe()}"
     if "nvme" in (saved.offload_optimizer, target.offload_optimizer) and saved != target:
@@ -188,11 +189,10 @@ def conversion(checkpoint: Path, saved: CheckpointLayout, target: CheckpointLayo
     same_stage = saved.zero_stage == target.zero_stage or (saved.zero_stage is None and target.zero_stage in (1, 2))
     if saved.world_size == target.world_size and same_stage:
         return None
-    if saved.zero_stage == 3 or target.zero_stage == 3:
-        # DeepSpeed's universal checkpoint loads each kind's files only into the same kind, and its ZeRO-3 load gives
-        # every parameter group the first group's hyperparameters (the no-decay group would decay: deepspeed 0.19.8)
-        return NEUTRAL
-    return UNIVERSAL
+    # Another DP world size or stage: the neutral form, converted by every rank and loaded by its share. (DeepSpeed's
+    # universal checkpoint is converted on one node, ~60 bytes of I/O per parameter, loads each kind's files only
+    # into the same kind, and its ZeRO-3 load gives every parameter group the first group's hyperparameters.)
+    return NEUTRAL
 
 
 @dataclass(frozen=True)
@@ -202,7 +202,6 @@ class ResumeSource:
     checkpoint: Path  # the checkpoint (its trainer_state.json)
     load_dir: Path  # what accelerator.load_state reads: the checkpoint, or its converted sibling
     saved: CheckpointLayout | None  # None: not read (loaded as saved)
-    load_universal: bool = False  # DeepSpeed's checkpoint.load_universal
     neutral: bool = False  # load_dir is the neutral form (pretrain/checkpoint/neutral.py)
     world_changed: bool = False  # the per-process RNG files belong to other processes: re-seed instead
 
@@ -223,7 +222,7 @@ class ResumePlan:
     checkpoint: Path
     saved: CheckpointLayout
     target: CheckpointLayout
-    kind: str | None  # the sibling to convert into (UNIVERSAL, SINGLE_KEYS), or None: load the checkpoint itself
+    kind: str | None  # the sibling to convert into (NEUTRAL, SINGLE_KEYS), or None: load the checkpoint itself
 
     @property
     def world_changed(self) -> bool:
@@ -232,11 +231,9 @@ class ResumePlan:
     def describe(self) -> str:
         """What the run does with the checkpoint, in a few words (the dry run's resume line)."""
         written = f"layout {self.saved.describe()}"
-        if self.kind == UNIVERSAL:
-            return f"{written}, converted by rank 0 to a DeepSpeed universal checkpoint for {self.target.describe()}"
         if self.kind == NEUTRAL:
-            return (f"{written}, converted by rank 0 to the neutral form (weights and optimizer states by name) and "
-                    f"loaded into {self.target.describe()}")
+            return (f"{written}, converted by every rank to the neutral form (weights and optimizer states by name) "
+                    f"and loaded into {self.target.describe()}")
         if self.kind == SINGLE_KEYS:
             return f"{written}, converted by rank 0: DDP's module. prefix taken off its weights' keys"
         if self.saved != self.target:
@@ -263,9 +260,11 @@ def plan_resume(checkpoint: Path, launch: Launch) -> ResumePlan:
     return ResumePlan(checkpoint, saved, target, kind)
 
 
-def prepare_resume(checkpoint: Path, launch: Launch, log: Log = print) -> ResumeSource:
-    """Check that ``checkpoint`` can be resumed under ``launch`` and convert it if needed (rank 0 converts,
-    the others wait for the result). Plain file reads; call before any process group exists."""
+def prepare_resume(checkpoint: Path, launch: Launch, log: Log = print, peers: Peers | None = None) -> ResumeSource:
+    """Check that ``checkpoint`` can be resumed under ``launch`` and convert it if needed; call before any process
+    group exists (plain file reads). With ``peers`` (the launcher's store) every rank checks its share of a
+    converted view and converts its share of the checkpoint; without (one process, or no store), rank 0 does it
+    all and the others wait for its result on the filesystem."""
     plan = plan_resume(checkpoint, launch)
     saved, target, kind, world_changed = plan.saved, plan.target, plan.kind, plan.world_changed
     if kind is None:
@@ -274,17 +273,35 @@ def prepare_resume(checkpoint: Path, launch: Launch, log: Log = print) -> Resume
         return ResumeSource(checkpoint, checkpoint, saved, world_changed=world_changed)
     view = view_path(checkpoint, kind)
     made_from = _made_from(checkpoint, kind)
-    if not launch.is_main:
+    if peers is None and not launch.is_main:
         _wait_for(view, made_from)
-    elif (stale := _stale(view, made_from)) is None:
-        log(f"resume: {saved.describe()} -> {target.describe()}: reusing the converted {view} (checked against "
-            f"{checkpoint.name} and its own checksums)")
     else:
-        if view.exists():
-            log(f"resume: the converted {view} {stale}; converting it again")
-        _convert(checkpoint, view, kind, made_from, saved, target, log)
-    return ResumeSource(checkpoint, view, saved, load_universal=kind == UNIVERSAL, neutral=kind == NEUTRAL,
-                        world_changed=world_changed or kind == NEUTRAL)
+        peers = peers.scope(f"{kind}-{checkpoint.name}") if peers is not None else None
+        stale = _stale_shared(view, made_from, peers)
+        if stale is None:
+            if launch.is_main:
+                log(f"resume: {saved.describe()} -> {target.describe()}: reusing the converted {view} (checked "
+                    f"against {checkpoint.name} and its own checksums{', each rank its share' if peers else ''})")
+        else:
+            if view.exists() and launch.is_main:
+                log(f"resume: the converted {view} {stale}; converting it again")
+            _convert(checkpoint, view, kind, made_from, saved, target, log, peers)
+    return ResumeSource(checkpoint, view, saved, neutral=kind == NEUTRAL, world_changed=world_changed or kind == NEUTRAL)
+
+
+def _stale_shared(view: Path, made_from: dict[str, Any], peers: Peers | None) -> str | None:
+    """``_stale``, decided by rank 0 from the stamp and the files' sizes, the checksums checked by every rank for
+    its share of the view's segments (alone: all of them); the same answer on every rank."""
+    if peers is None:
+        return _stale(view, made_from)
+    stale = peers.decide("stale", _stale(view, made_from, checksums=False) if peers.is_main else None)
+    if stale is not None:
+        return stale
+    files = _stamp(view)["files"]
+    peers.publish("damaged", changed_segments(view, files, peers.rank, peers.world, f"its {STAMP_FILE} records"))
+    problems = [p for found in peers.gather("damaged") for p in found] if peers.is_main else []
+    return peers.decide("damaged", f"is damaged ({'; '.join(problems[:3])}{' ...' if len(problems) > 3 else ''})"
+                        if problems else None)
 
 
 def _ddp_keys_kind(checkpoint: Path) -> str | None:
@@ -374,53 +391,134 @@ def _failure_marker(view: Path) -> Path:
 
 
 def _convert(checkpoint: Path, view: Path, kind: str, made_from: dict, saved: CheckpointLayout,
-             target: CheckpointLayout, log: Log) -> None:
-    tmp = view.with_name(f".tmp-{view.name}")
+             target: CheckpointLayout, log: Log, peers: Peers | None) -> None:
+    """Convert ``checkpoint`` into ``view``: each rank of ``peers`` its share into its own part directory (the
+    neutral form; a key renaming is rank 0's alone), then rank 0 moves the parts into ``.tmp-<view>``, writes the
+    index and the stamp (each part's checksums recorded by its writer) and renames it into place."""
+    rank, world = (peers.rank, peers.world) if peers is not None else (0, 1)
     failed = _failure_marker(view)
-    failed.unlink(missing_ok=True)
-    if view.is_dir():  # a stale view: the processes that wait for this conversion must not take it meanwhile
-        (view / STAMP_FILE).unlink(missing_ok=True)
-    size_gib = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file()) / 2**30
-    what = {UNIVERSAL: "DeepSpeed universal checkpoint", NEUTRAL: "the neutral form: weights and optimizer states "
-            "by parameter name", SINGLE_KEYS: "model keys renamed"}[kind]
-    log(f"resume: {saved.describe()} -> {target.describe()}: converting {checkpoint} ({size_gib:.2f} GiB) into "
-        f"{view} ({what}); the other processes wait. This reads the whole checkpoint and writes about as much "
-        "again.")
     start = time.perf_counter()
+    if rank == 0:
+        failed.unlink(missing_ok=True)
+        if view.is_dir():  # a stale view: the processes that wait for this conversion must not take it meanwhile
+            (view / STAMP_FILE).unlink(missing_ok=True)
+        size_gib = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file()) / 2**30
+        what = {NEUTRAL: "the neutral form: weights and optimizer states by parameter name",
+                SINGLE_KEYS: "model keys renamed"}[kind]
+        who = (f"each of the {world} processes converts its share" if world > 1 and kind == NEUTRAL
+               else "the other processes wait")
+        log(f"resume: {saved.describe()} -> {target.describe()}: converting {checkpoint} ({size_gib:.2f} GiB) into "
+            f"{view} ({what}); {who}. This reads the checkpoint's weights and optimizer states once and writes about "
+            "as much again.")
+    # every pickle checked before any rank unpickles one (rank 0 decides, the others follow)
+    refused = _refusal(checkpoint) if rank == 0 and kind == NEUTRAL else None
+    if peers is not None:
+        refused = peers.decide("refused", refused)
+    if refused:
+        raise ConfigError(refused)
+    part_dir = view.with_name(f".tmp-{view.name}.part-{rank:05d}-of-{world:05d}")
     try:
-        if tmp.exists():
-            shutil.rmtree(tmp)  # left by a conversion that was killed
-        tmp.mkdir(parents=True)
-        # The manifest describes the checkpoint as saved, not the converted files: a view is derived data.
-        skip = {STATE_FILE, MANIFEST_FILE, DEEPSPEED_DIR if kind == UNIVERSAL else MODEL_FILE}
-        if kind == NEUTRAL:  # the weights and optimizer states become the neutral form; the scheduler etc. linked
-            skip |= {OPTIMIZER_FILE, FSDP_FULL_FILE}
-        for item in checkpoint.iterdir():
-            if item.is_file() and item.name not in skip:
-                _link_or_copy(item, tmp / item.name)
-        if kind == NEUTRAL:
-            _refuse_crafted(checkpoint)
-            with weights_only(checkpoint):
-                _to_neutral(checkpoint, saved, tmp)
-        elif kind == UNIVERSAL:
-            _refuse_crafted(checkpoint)
-            with weights_only(checkpoint):  # DeepSpeed's converter loads with weights_only=False
-                _to_universal(checkpoint / DEEPSPEED_DIR, tmp / DEEPSPEED_DIR)
-        else:
-            _strip_ddp_prefix(checkpoint / MODEL_FILE, tmp / MODEL_FILE)
-        # what it was made from and what it holds, read by every reuse (written last, inside the directory renamed
-        # into place: a view is whole or absent)
-        stamp = {**made_from, "algorithm": ALGORITHM, "segment_bytes": SEGMENT_BYTES,
-                 "files": record_files(tmp, checkpoint_files(tmp))}
-        (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=1, sort_keys=True))
-        if view.exists():
-            shutil.rmtree(view)  # converted from an earlier save of the same step
-        os.rename(tmp, view)
+        part = _convert_share(checkpoint, part_dir, kind, saved, rank, world)
+    except BaseException as exc:
+        part = {"failed": f"{type(exc).__name__}: {exc}"}
+        if peers is None:
+            failed.write_text(part["failed"])
+            shutil.rmtree(part_dir, ignore_errors=True)
+            raise
+        peers.publish("part", part)
+        if rank == 0:  # the others wait for rank 0's word (torchrun stops them too once a process fails)
+            peers.decide("done", f"rank 0: {part['failed']}")
+        raise
+    if peers is not None:
+        peers.publish("part", part)
+    if rank != 0:
+        done = peers.decide("done")
+        if done != "ok":
+            raise ConfigError(f"rank 0 could not complete the conversion into {view}: {done}")
+        return
+    try:
+        parts = peers.gather("part") if peers is not None else [part]
+        failures = [f"rank {r}: {p['failed']}" for r, p in enumerate(parts) if "failed" in p]
+        if failures:
+            raise ConfigError(f"converting {checkpoint} into {view} failed on {len(failures)} rank(s): "
+                              f"{'; '.join(failures[:3])}")
+        _assemble(checkpoint, view, kind, made_from, saved, parts, world)
     except BaseException as exc:
         failed.write_text(f"{type(exc).__name__}: {exc}")
-        shutil.rmtree(tmp, ignore_errors=True)
+        if peers is not None:
+            peers.decide("done", f"{type(exc).__name__}: {exc}")
         raise
-    log(f"resume: converted in {time.perf_counter() - start:.1f}s ({_size_gib(view):.2f} GiB in {view})")
+    if peers is not None:
+        peers.decide("done", "ok")
+    mib = 2**20
+    log(f"resume: converted in {time.perf_counter() - start:.1f}s ({_size_gib(view):.2f} GiB in {view}); rank 0 read "
+        f"{part['read'] / mib:.2f} MiB of the checkpoint's {part['total'] / mib:.2f} MiB of tensors (largest "
+        f"{part['largest'] / mib:.2f} MiB) and wrote {part['written'] / mib:.2f} MiB")
+
+
+def _convert_share(checkpoint: Path, part_dir: Path, kind: str, saved: CheckpointLayout, rank: int,
+                   world: int) -> dict[str, Any]:
+    """This rank's share of the conversion into ``part_dir``: the part of the neutral form's index it wrote, the
+    size and checksums of its files, and the bytes of tensors it read and wrote."""
+    shutil.rmtree(part_dir, ignore_errors=True)  # left by a conversion that was killed
+    part_dir.mkdir(parents=True)
+    if kind == SINGLE_KEYS:
+        if rank == 0:
+            _strip_ddp_prefix(checkpoint / MODEL_FILE, part_dir / MODEL_FILE)
+        size = (checkpoint / MODEL_FILE).stat().st_size if rank == 0 else 0
+        part: dict[str, Any] = {"read": size, "total": size, "largest": size}
+    else:
+        with weights_only(checkpoint):
+            source = _neutral_source(checkpoint, saved)
+            params, extras = source.share(rank, world)
+            part = neutral.write(part_dir, source.entries(params), source.extra_tensors(extras),
+                                 prefix=f"state-{rank:05d}")
+        sizes = {**source.params, **source.extras}
+        part["read"] = sum(sizes[n] for n in [*params, *extras])
+        part["total"], part["largest"] = sum(sizes.values()), max(sizes.values(), default=0)
+    written = checkpoint_files(part_dir)
+    part["records"] = record_files(part_dir, written)
+    part["written"] = sum(r["size"] for r in part["records"].values())
+    part["dir"] = part_dir.name
+    return part
+
+
+def _assemble(checkpoint: Path, view: Path, kind: str, made_from: dict, saved: CheckpointLayout,
+              parts: list[dict[str, Any]], world: int) -> None:
+    """Rank 0: the parts moved into ``.tmp-<view>`` with the checkpoint's other files linked, the index and the
+    stamp written, then renamed into ``view`` (a view is whole or absent)."""
+    tmp = view.with_name(f".tmp-{view.name}")
+    if tmp.exists():
+        shutil.rmtree(tmp)  # left by a conversion that was killed
+    tmp.mkdir(parents=True)
+    # The manifest describes the checkpoint as saved, not the converted files: a view is derived data.
+    skip = {STATE_FILE, MANIFEST_FILE, MODEL_FILE}
+    if kind == NEUTRAL:  # the weights and optimizer states become the neutral form; the scheduler etc. linked
+        skip |= {OPTIMIZER_FILE, FSDP_FULL_FILE}
+    linked = []
+    for item in checkpoint.iterdir():
+        if item.is_file() and item.name not in skip:
+            _link_or_copy(item, tmp / item.name)
+            linked.append(item.name)
+    records: dict[str, Any] = {}
+    for part in parts:
+        for rel, record in part["records"].items():
+            os.rename(view.with_name(part["dir"]) / rel, tmp / rel)
+            records[rel] = record
+    if kind == NEUTRAL:
+        neutral.write_index(tmp, neutral.merge(parts, asdict(saved)))
+        linked.append(neutral.INDEX_FILE)
+    records.update(record_files(tmp, linked))
+    # what it was made from and what it holds, read by every reuse (written last)
+    stamp = {**made_from, "algorithm": ALGORITHM, "segment_bytes": SEGMENT_BYTES, "files": records}
+    (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=1, sort_keys=True))
+    if view.exists():
+        shutil.rmtree(view)  # converted from an earlier save of the same step
+    os.rename(tmp, view)
+    for part in parts:
+        shutil.rmtree(view.with_name(part["dir"]), ignore_errors=True)
+    for old in view.parent.glob(f".tmp-{view.name}.part-*"):  # parts of a killed conversion on another world size
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _size_gib(path: Path) -> float:
@@ -434,48 +532,17 @@ def _link_or_copy(source: Path, dest: Path) -> None:
         shutil.copy2(source, dest)
 
 
-def _to_universal(deepspeed_dir: Path, out: Path) -> None:
-    """DeepSpeed's own converter, as its command line runs it (its prints go to stderr: they are progress)."""
-    from deepspeed.checkpoint import ds_to_universal
-
-    workers = CONVERT_WORKERS or max(1, min(8, os.cpu_count() or 1))
-    args = argparse.Namespace(input_folder=str(deepspeed_dir), output_folder=str(out), num_extract_workers=workers,
-                              num_merge_workers=max(1, workers // 2), keep_temp_folder=False, strict=True,
-                              # transformers models carry no universal_checkpoint_info; it is only a version tag
-                              inject_missing_state=True)
-    with contextlib.redirect_stdout(sys.stderr):
-        ds_to_universal.main(args)
-
-
-def _to_neutral(checkpoint: Path, saved: CheckpointLayout, out: Path) -> None:
-    """The neutral form of ``checkpoint`` (pretrain/checkpoint/neutral.py) into ``out``: read from DDP's files,
-    FSDP2's DCP shards, or DeepSpeed's universal checkpoint (written to a temporary directory beside ``out``)."""
-    import torch
-
-    state = read_state(checkpoint)
+def _neutral_source(checkpoint: Path, saved: CheckpointLayout) -> neutral.Source:
+    """The checkpoint's state by parameter (``neutral.Source``), from DDP's files, FSDP2's DCP shards, or DeepSpeed's
+    per-rank partitions."""
     if saved.engine == "ddp":
-        weights = MODEL_FILE if (checkpoint / MODEL_FILE).is_file() else None
-        if weights is None:
+        if not (checkpoint / MODEL_FILE).is_file():
             raise ConfigError(f"{checkpoint} has no {MODEL_FILE} (saved without safetensors?): it cannot be converted")
-        entries, extras = neutral.from_single(checkpoint, state.get("optimizer_params"), weights, OPTIMIZER_FILE)
-        neutral.write(out, entries, extras, asdict(saved))
-    elif saved.engine == "fsdp":
-        entries, extras = neutral.from_fsdp(checkpoint, FSDP_SHARDED_DIR, FSDP_OPTIMIZER_DIR)
-        neutral.write(out, entries, extras, asdict(saved))
-    else:
-        universal = out.with_name(f"{out.name}-universal")
-        shutil.rmtree(universal, ignore_errors=True)
-        try:
-            _to_universal(checkpoint / DEEPSPEED_DIR, universal)
-            shapes: dict[str, list[int]] = {}
-            for states_file in sorted((checkpoint / DEEPSPEED_DIR).glob("*model_states.pt"))[:1]:
-                recorded = torch.load(states_file, map_location="cpu", weights_only=True).get("param_shapes") or []
-                for group in recorded if isinstance(recorded, list) else [recorded]:
-                    shapes.update({name: list(shape) for name, shape in group.items()})
-            entries, extras = neutral.from_universal(universal, shapes)
-            neutral.write(out, entries, extras, asdict(saved))
-        finally:
-            shutil.rmtree(universal, ignore_errors=True)
+        return neutral.from_single(checkpoint, read_state(checkpoint).get("optimizer_params"), MODEL_FILE,
+                                   OPTIMIZER_FILE)
+    if saved.engine == "fsdp":
+        return neutral.from_fsdp(checkpoint, FSDP_SHARDED_DIR, FSDP_OPTIMIZER_DIR)
+    return neutral.from_zero(checkpoint / DEEPSPEED_DIR)
 
 
 def _strip_ddp_prefix(source: Path, dest: Path) -> None:
@@ -500,6 +567,11 @@ def _wait_for(view: Path, made_from: dict[str, Any], timeout_s: float = WAIT_TIM
                 "log, or convert by resuming once with a single process of the new layout"
             )
         time.sleep(poll_s)
+
+
+def _refusal(checkpoint: Path) -> str | None:
+    """Why a pickle of ``checkpoint`` is refused (read without running it), or None."""
+    return check_files(checkpoint, checkpoint_files(checkpoint)) or None
 
 
 def _refuse_crafted(checkpoint: Path) -> None:

@@ -10,8 +10,9 @@ pretrain-slurm call ``Resume.plan``; every training process calls ``Resume.prepa
   leave the others waiting).
 - **Data** (``check_resume_data``, before any store is prepared) and **recipe** (``check_compatible``): the
   checkpoint continues only what it trained, on the same tokens in the same order.
-- **Layout** (``reshard.prepare_resume``): refused, or converted by rank 0 while the others wait on the
-  filesystem (a conversion may outlast any collective timeout).
+- **Layout** (``reshard.prepare_resume``): refused, or converted by every rank, each its share, agreeing through
+  the launcher's store (a conversion may outlast any collective timeout); every rank takes rank 0's choice of
+  checkpoint through the same store first.
 - **Agreement** (``agree_on_resume``, collective): every rank takes rank 0's choice, checks that it sees that very
   checkpoint and verifies the checksums of its share of the files; damage moves every rank to the next fallback
   together, so ranks never load different steps. A damaged checkpoint passed over is moved aside to
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from pretrain.data import data_changes, planned_data_identity
 from pretrain.distributed.accelerator import SHARED_FS_HINT
 from pretrain.distributed.agreement import from_rank0, rank_problems
 from pretrain.distributed.layout import Launch
+from pretrain.distributed.peers import Peers
 from pretrain.errors import ConfigError
 from pretrain.recipe.config import CheckpointConfig, DataConfig, Recipe, renamed_keys
 from pretrain.trust import check_files, is_inside
@@ -219,6 +221,12 @@ class ResumeChoice:
         return choice.first_intact(candidates)
 
     @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ResumeChoice:
+        """A choice sent as JSON (``asdict``'s form: its pairs came back as lists)."""
+        pairs = {name: tuple(tuple(pair) for pair in values.get(name) or ()) for name in ("fallbacks", "damaged")}
+        return cls(**{**values, **pairs})
+
+    @classmethod
     def before(cls, output_dir: str | Path, step: int) -> ResumeChoice:
         """The newest complete checkpoint of ``output_dir`` saved before optimizer step ``step`` whose files have
         their manifest's sizes, older ones as fallbacks (stability.rollback's target: rank 0 decides, and
@@ -330,9 +338,11 @@ class Resumed:
 class Resume:
     """The resume of one run on one launch (``prepare``), loaded once the process group exists (``load``)."""
 
-    def __init__(self, recipe: Recipe, launch: Launch, choice: ResumeChoice, source: ResumeSource | None, log: Log):
+    def __init__(self, recipe: Recipe, launch: Launch, choice: ResumeChoice, source: ResumeSource | None, log: Log,
+                 peers: Peers | None = None):
         self.recipe = recipe
         self.launch = launch
+        self.peers = peers  # the launcher's store: the ranks share a conversion's work through it
         self.choice = choice  # what this process saw; rank 0's is the one every rank follows
         self.source = source  # the checkpoint this process saw, prepared for this launch (None: fresh start)
         self.log = log
@@ -366,26 +376,25 @@ class Resume:
     # ---- every process, before the process group ------------------------------------------------------------
     @classmethod
     def prepare(cls, recipe: Recipe, launch: Launch, log: Log = print) -> Resume:
-        """Decide, check the data, and convert (or refuse) the checkpoint for this launch; plain file reads
-        (rank 0 converts, the others wait for the conversion of the checkpoint they see)."""
-        # Every rank decides (errors are kept, not raised) for one purpose: the conversion it waits for is the
-        # one of the checkpoint it sees; ``load`` checks that it is rank 0's.
+        """Decide, check the data, and convert (or refuse) the checkpoint for this launch; plain file reads and
+        the launcher's store (every rank converts its share of rank 0's choice)."""
+        # Every rank decides (errors are kept, not raised) for one purpose: the conversion it takes part in is the
+        # one of the checkpoint it sees; ``load`` checks that it is rank 0's. Through the launcher's store every rank
+        # sees rank 0's choice (a rank that saw another checkpoint, in a save's last moments, would convert another).
+        peers = Peers.of_launch(launch)
         seen = ResumeChoice.decide(recipe.output_dir, recipe.checkpoint)
+        if peers is not None:
+            seen = ResumeChoice.from_dict(peers.scope("resume-choice").decide("choice", asdict(seen)))
         if seen.path:
             check_resume_data(Path(seen.path), recipe.data)  # before the store is prepared: exit 2 at once
-        source = prepare_resume(Path(seen.path), launch, log=log) if seen.path else None
-        return cls(recipe, launch, seen, source, log)
+        source = prepare_resume(Path(seen.path), launch, log=log, peers=peers) if seen.path else None
+        return cls(recipe, launch, seen, source, log, peers)
 
     @property
     def step(self) -> int | None:
         """Rank 0's resume step, for its trackers (which drop the metrics of redone steps); None elsewhere or
         for a fresh start."""
         return self.choice.step if self.launch.is_main else None
-
-    @property
-    def load_universal(self) -> bool:
-        """DeepSpeed's checkpoint.load_universal: the checkpoint was converted to a universal checkpoint."""
-        return self.source is not None and self.source.load_universal
 
     # ---- every process, collective, after accelerator.prepare -----------------------------------------------
     def load(self, accelerator: Accelerator, checkpointer: Checkpointer, state: RunState, *,
@@ -403,7 +412,7 @@ class Resume:
         if self.source is None or self.source.checkpoint != resume_from:
             # This rank saw another checkpoint before the process group existed (or the checksums sent every
             # rank to an older one, or a rollback goes back to one): follow rank 0, which prepares it first.
-            self.source = prepare_resume(resume_from, self.launch, log=self.log)
+            self.source = prepare_resume(resume_from, self.launch, log=self.log, peers=self.peers)
         record = TrainerState.read(resume_from)
         applied = self.check(resume_from, record, data)
         checkpointer.load(self.source, seed=self.recipe.train.seed)

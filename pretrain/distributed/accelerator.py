@@ -201,12 +201,9 @@ def deepspeed_config(recipe: Recipe, plan: BatchPlan, launch: Launch, lr: float)
     return build_deepspeed_config(recipe, plan, launch, lr, user)
 
 
-def deepspeed_plugin(config: dict, launch: Launch, load_universal: bool = False) -> tuple[DeepSpeedPlugin, dict]:
+def deepspeed_plugin(config: dict, launch: Launch) -> tuple[DeepSpeedPlugin, dict]:
     """accelerate's plugin for the DeepSpeed ``config`` check_run built (a copy: the plan keeps its own)."""
     config = copy.deepcopy(config)
-    if load_universal:
-        # The resume checkpoint was converted to DeepSpeed's universal format (pretrain/checkpoint/reshard.py).
-        config.setdefault("checkpoint", {})["load_universal"] = True
     stage = config["zero_optimization"]["stage"]
     zero3_init = launch.zero3_init if launch.zero3_init is not None else stage == 3
     # accelerate refuses a config dict next to accelerate-config DeepSpeed fields, assuming the dict is a
@@ -222,8 +219,7 @@ def deepspeed_plugin(config: dict, launch: Launch, load_universal: bool = False)
     return plugin, plugin.deepspeed_config
 
 
-def build_accelerator(recipe: Recipe, run_plan: RunPlan, output_dir: Path, trackers: list,
-                      load_universal: bool = False) -> AcceleratorSetup:
+def build_accelerator(recipe: Recipe, run_plan: RunPlan, output_dir: Path, trackers: list) -> AcceleratorSetup:
     """The accelerator for ``run_plan`` (check_run's: the precision and the DeepSpeed config are its decisions,
     not taken again here)."""
     plan, launch = run_plan.batch, run_plan.launch
@@ -241,7 +237,7 @@ def build_accelerator(recipe: Recipe, run_plan: RunPlan, output_dir: Path, track
     if run_plan.deepspeed is not None:
         if not torch.cuda.is_available():
             check_deepspeed_op_lock()
-        plugin, ds_config = deepspeed_plugin(run_plan.deepspeed[0], launch, load_universal)
+        plugin, ds_config = deepspeed_plugin(run_plan.deepspeed[0], launch)
         ds_optimizer = run_plan.deepspeed[1]
     handlers = []
     timeout = recipe.runtime.collective_timeout_s

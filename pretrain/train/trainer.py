@@ -97,8 +97,7 @@ class Trainer:
             ensure_data(recipe.data, self.launch, prepare_command, log=self.log)
 
         self.trackers = build_trackers(recipe, self.output_dir, self.resume.step, self.is_main)
-        self.setup = build_accelerator(recipe, run_plan, self.output_dir, self.trackers,
-                                       load_universal=self.resume.load_universal)
+        self.setup = build_accelerator(recipe, run_plan, self.output_dir, self.trackers)
         self.accelerator, self.device = self.setup.accelerator, self.setup.accelerator.device
         self.log(f"compile: {self.setup.compile_mode} ({self.setup.compile_reason})")
         check_shared_output_dir(self.accelerator, self.output_dir)  # every rank raises the same error, or none does

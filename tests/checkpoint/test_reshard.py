@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pretrain.checkpoint import reshard
-from pretrain.checkpoint.reshard import NEUTRAL, UNIVERSAL, CheckpointLayout, conversion, prepare_resume, saved_layout
+from pretrain.checkpoint.reshard import NEUTRAL, CheckpointLayout, conversion, prepare_resume, saved_layout
 from pretrain.checkpoint.state import TrainerState
 from pretrain.checkpoint.weights import full_state_dict
 from pretrain.cli import export
@@ -83,10 +83,11 @@ def test_older_checkpoints_without_a_recorded_layout_are_read_from_their_files(t
 @pytest.mark.parametrize("saved, target, expected", [
     (DS2_W2, DS2_W2, None),
     (CheckpointLayout("deepspeed", 2, None), CheckpointLayout("deepspeed", 2, 1), None),  # older ZeRO-1/2 files on ZeRO-1/2
-    (DS2_W2, CheckpointLayout("deepspeed", 1, 2), UNIVERSAL),
-    (DS2_W2, CheckpointLayout("deepspeed", 3, 2), UNIVERSAL),
-    (DS2_W2, CheckpointLayout("deepspeed", 2, 1), UNIVERSAL),
-    (CheckpointLayout("deepspeed", 4, 1), CheckpointLayout("deepspeed", 2, 2), UNIVERSAL),
+    # ZeRO on another DP world size or stage: the neutral form, converted by every rank (see reshard.conversion)
+    (DS2_W2, CheckpointLayout("deepspeed", 1, 2), NEUTRAL),
+    (DS2_W2, CheckpointLayout("deepspeed", 3, 2), NEUTRAL),
+    (DS2_W2, CheckpointLayout("deepspeed", 2, 1), NEUTRAL),
+    (CheckpointLayout("deepspeed", 4, 1), CheckpointLayout("deepspeed", 2, 2), NEUTRAL),
     (CheckpointLayout("deepspeed", 4, 3), CheckpointLayout("deepspeed", 2, 3), NEUTRAL),  # see reshard.conversion
     (CheckpointLayout("ddp", 2), CheckpointLayout("ddp", 3), None),  # full state; model keys are checked in the file
     (CheckpointLayout("fsdp", 8), CheckpointLayout("fsdp", 4), None),  # torch.distributed.checkpoint reshards on load
@@ -133,7 +134,7 @@ def test_what_the_neutral_form_cannot_read_is_refused_before_any_process_starts(
     named = make_checkpoint(tmp_path / "named", world=1, layout=Launch("ddp").to_dict(),
                             optimizer_params=[["w"], ["b"]])
     plan = reshard.plan_resume(named, Launch("deepspeed", zero_stage=2, gpus_per_node=2))
-    assert plan.kind == NEUTRAL and "converted by rank 0 to the neutral form" in plan.describe()
+    assert plan.kind == NEUTRAL and "converted by every rank to the neutral form" in plan.describe()
 
 
 def _ddp_checkpoint(tmp_path: Path, prefixed: bool, world: int = 2) -> Path:
@@ -151,7 +152,7 @@ def test_ddp_weights_with_the_module_prefix_are_renamed_for_any_process_count_an
     logged = []
     source = prepare_resume(ckpt, Launch("ddp", gpus_per_node=world), log=logged.append)
     assert source.load_dir == ckpt.with_name("step_00000003.single")
-    assert source.world_changed == (world != 2) and not source.load_universal
+    assert source.world_changed == (world != 2) and not source.neutral
     assert list(load_file(str(source.load_dir / "model.safetensors"))) == ["w"]
     assert {p.name for p in source.load_dir.iterdir()} == {"model.safetensors", "optimizer.bin", "scheduler.bin",
                                                           "random_states_0.pkl", "converted_from.json"}
@@ -253,6 +254,185 @@ def test_other_processes_wait_for_rank0s_conversion_and_report_its_failure(tmp_p
         reshard._wait_for(ckpt.with_name("elsewhere"), stamp, timeout_s=0.05, poll_s=0.01)
 
 
+# ---- the conversion shared by every rank through the launcher's store --------------------------------------
+SHAPES = {"embed.weight": (1024, 64), **{f"layer.{i}.weight": (512, 64) for i in range(4)}, "norm.weight": (64,),
+          "head.weight": (1024, 64)}  # 3 MiB of fp32 weights and Adam states: a third is 1 MiB
+
+
+def _adam_checkpoint(tmp_path: Path) -> Path:
+    """A one-process checkpoint as accelerate writes it: the model's safetensors, a torch AdamW state_dict that
+    indexes parameters by position, and the names the trainer state records for those positions."""
+    names = list(SHAPES)
+    ckpt = make_checkpoint(tmp_path / "checkpoints" / "step_00000003", world=1, layout=Launch("ddp").to_dict(),
+                           optimizer_params=[names[:3], names[3:]])
+    torch.save({"last_epoch": 3}, ckpt / "scheduler.bin")
+    torch.manual_seed(0)
+    weights = {n: torch.randn(shape) for n, shape in SHAPES.items()}
+    save_file(weights, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    state = {i: {"step": torch.tensor(3.0), "exp_avg": torch.randn(SHAPES[n]), "exp_avg_sq": torch.rand(SHAPES[n])}
+             for i, n in enumerate(names)}
+    groups = [{"params": [0, 1, 2], "lr": 1e-3, "weight_decay": 0.1},
+              {"params": list(range(3, len(names))), "lr": 1e-3, "weight_decay": 0.0}]
+    torch.save({"state": state, "param_groups": groups}, ckpt / "optimizer.bin")
+    return ckpt
+
+
+def _on_ranks(world: int, call, port: int) -> list:
+    """``call(rank, peers)`` on ``world`` threads, each a rank with its own client of one TCPStore (the launcher's
+    agent's, as torchrun hosts it); each thread's result, or the exception it raised."""
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from pretrain.distributed.peers import Peers
+
+    host = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    results: list = [None] * world
+
+    def run(rank: int) -> None:
+        store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60), wait_for_workers=False)
+        try:
+            results[rank] = call(rank, Peers(store, rank, world, "pretrain/0", timeout_s=60))
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            results[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    del host
+    return results
+
+
+def _neutral_tensors(view: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(view.glob("state-*.safetensors")):
+        out.update(load_file(str(file)))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 7, 64])
+def test_the_ranks_shares_cover_every_tensor_once_each_about_one_nth_of_the_bytes(world):
+    from pretrain.checkpoint.neutral import Source
+
+    sizes = {f"layer.{i}": (i % 5 + 1) * 100 for i in range(40)}
+    extras = {"rotary.inv_freq": 8, "lm_head.weight": 300}
+    source = Source(sizes, extras, entries=lambda names: iter(()), extra_tensors=lambda names: {})
+    shares = [source.share(rank, world) for rank in range(world)]
+    params = [n for share, _ in shares for n in share]
+    assert params == list(sizes)  # each once, in order: every rank a contiguous run
+    assert sorted(n for _, extra in shares for n in extra) == sorted(extras)
+    total, largest = sum(sizes.values()) + sum(extras.values()), max([*sizes.values(), *extras.values()])
+    for params, extra in shares:
+        assert sum(sizes[n] for n in params) + sum(extras[n] for n in extra) <= total / world + largest
+
+
+@pytest.mark.parametrize("world", [1, 2, 5])
+def test_every_segment_of_a_view_is_checked_by_exactly_one_rank(tmp_path, world, monkeypatch):
+    from pretrain.checkpoint import integrity
+    from pretrain.checkpoint.integrity import changed_segments, record_files, share_of_segments
+
+    monkeypatch.setattr(integrity, "SEGMENT_BYTES", 2**20)  # 1 MiB segments: 6 for the first file
+
+    for name, size in {"a.safetensors": 5 * 2**20 + 3, "b.safetensors": 0, "c.json": 10}.items():
+        (tmp_path / name).write_bytes(bytes(size))
+    recorded = record_files(tmp_path, ["a.safetensors", "b.safetensors", "c.json"])
+    seg = integrity.SEGMENT_BYTES
+    shares = [share_of_segments(recorded, rank, world, seg) for rank in range(world)]
+    everything = [(rel, i) for rel in sorted(recorded) for i in range(max(1, -(-recorded[rel]["size"] // seg)))]
+    assert [s for share in shares for s in share] == everything
+    assert all(changed_segments(tmp_path, recorded, rank, world) == [] for rank in range(world))
+    with open(tmp_path / "a.safetensors", "r+b") as f:  # one byte changed: found by the rank whose segment it is
+        f.seek(2**20)
+        f.write(b"x")
+    found = {rank: changed_segments(tmp_path, recorded, rank, world, "the stamp records") for rank in range(world)}
+    owner = next(rank for rank, share in enumerate(shares) if ("a.safetensors", 1) in share)
+    assert found[owner] == [f"{tmp_path / 'a.safetensors'} has another crc32 than the stamp records (bytes from "
+                            "1,048,576)"]
+    assert all(problems == [] for rank, problems in found.items() if rank != owner)
+
+
+def test_the_launchers_store_is_torchruns_agent_store_only():
+    from pretrain.distributed.layout import launcher_store
+
+    torchrun = {"WORLD_SIZE": "4", "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "node-0",
+                "MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": "2"}
+    assert launcher_store(torchrun) == ("node-0", 29500, "2")
+    assert launcher_store({**torchrun, "WORLD_SIZE": "1"}) is None  # one process: nobody to agree with
+    assert launcher_store({k: v for k, v in torchrun.items() if k != "TORCHELASTIC_USE_AGENT_STORE"}) is None
+    assert launcher_store({**torchrun, "MASTER_PORT": ""}) is None
+
+
+def test_every_rank_converts_its_share_and_the_view_equals_one_process_conversion(tmp_path):
+    """Issue 51: the neutral form is converted by every rank of the launch, each reading and writing its share (a
+    contiguous run of the parameters by bytes), and rank 0 assembles the parts. The result holds exactly what one
+    process's conversion holds; a reuse is checked by every rank for its share of the view's segments."""
+    from tests.helpers import free_port
+
+    ckpt = _adam_checkpoint(tmp_path / "alone")
+    alone = prepare_resume(ckpt, Launch("fsdp"), log=lambda _: None).load_dir
+    ckpt = _adam_checkpoint(tmp_path / "shared")
+    logs: list[list[str]] = [[], [], []]
+
+    def resume(rank, peers):
+        return prepare_resume(ckpt, Launch("fsdp", gpus_per_node=3, rank=rank), log=logs[rank].append, peers=peers)
+
+    sources = _on_ranks(3, resume, free_port())
+    assert all(not isinstance(s, BaseException) for s in sources), sources
+    view = sources[0].load_dir
+    assert all(s == sources[0] for s in sources) and view == ckpt.with_name("step_00000003.neutral")
+    assert "each of the 3 processes converts its share" in logs[0][0] and logs[1] == logs[2] == []
+    shared, reference = _neutral_tensors(view), _neutral_tensors(alone)
+    assert sorted(shared) == sorted(reference) and all(torch.equal(shared[k], reference[k]) for k in reference)
+    writers = {f.name.split("-")[1] for f in view.glob("state-*.safetensors")}
+    assert writers == {"00000", "00001", "00002"}  # every rank wrote its part
+    read = [float(x) for x in re.findall(r"rank 0 read ([\d.]+) MiB of the checkpoint's ([\d.]+) MiB", logs[0][-1])[0]]
+    assert read[0] < read[1] / 2  # about a third, whole tensors
+    index = json.loads((view / "neutral.json").read_text())
+    assert index["step"] == 3.0 and sorted(index["params"]) == sorted(SHAPES)
+    assert not list(view.parent.glob(".tmp-*"))  # the parts moved in, their directories gone
+
+    # reused: rank 0 checks the stamp and the sizes, every rank the checksums of its share of the segments
+    logs = [[], [], []]
+    again = _on_ranks(3, resume, free_port())
+    assert again == sources and "reusing the converted" in logs[0][0] and "each rank its share" in logs[0][0]
+
+    # a changed byte in the last segment (the last rank's share) is found there, and every rank converts again
+    last = sorted(view.glob("state-*.safetensors"))[-1]
+    data = bytearray(last.read_bytes())
+    data[-1] ^= 0xFF
+    last.write_bytes(bytes(data))
+    logs = [[], [], []]
+    third = _on_ranks(3, resume, free_port())
+    assert third == sources, third
+    assert logs[0][0].startswith(f"resume: the converted {view} is damaged ({last} has another crc32")
+    assert _neutral_tensors(view).keys() == reference.keys()
+    assert all(torch.equal(_neutral_tensors(view)[k], reference[k]) for k in reference)
+
+
+def test_a_rank_that_fails_its_share_fails_the_conversion_on_every_rank(tmp_path, monkeypatch):
+    from tests.helpers import free_port
+
+    ckpt = _adam_checkpoint(tmp_path)
+    convert = reshard._convert_share
+
+    def flaky(checkpoint, part_dir, kind, saved, rank, world):
+        if rank == 2:
+            raise OSError("No space left on device")
+        return convert(checkpoint, part_dir, kind, saved, rank, world)
+
+    monkeypatch.setattr(reshard, "_convert_share", flaky)
+    results = _on_ranks(3, lambda rank, peers: prepare_resume(ckpt, Launch("fsdp", gpus_per_node=3, rank=rank),
+                                                               log=lambda _: None, peers=peers), free_port())
+    assert isinstance(results[2], OSError)
+    for rank in (0, 1):
+        assert isinstance(results[rank], ConfigError), results[rank]
+        assert "rank 2: OSError: No space left on device" in str(results[rank])
+    assert not ckpt.with_name("step_00000003.neutral").exists()  # nothing half-made is ever loaded
+
+
 def test_converted_siblings_go_with_their_checkpoint(tmp_path):
     from pretrain.checkpoint.checkpointer import Checkpointer
     from pretrain.recipe.config import CheckpointConfig
@@ -342,7 +522,7 @@ def test_pretrain_launch_refuses_an_nvme_offloaded_checkpoint_on_another_count(t
 
 
 def test_pretrain_launch_passes_the_changes_a_resume_converts(tmp_path, capsys, monkeypatch):
-    """ZeRO-2 on 2 processes -> ZeRO-1 on 3 (a universal checkpoint) is decided supported before any process
+    """ZeRO-2 on 2 processes -> ZeRO-1 on 3 (through the neutral form) is decided supported before any process
     starts, and converts nothing there (the run converts, on rank 0)."""
     ckpt = make_checkpoint(tmp_path / "c", world=2, layout=Launch("deepspeed", zero_stage=2, gpus_per_node=2).to_dict())
     code, err, execs = preflight(capsys, monkeypatch, "--config_file", str(CONFIGS / "zero1.yaml"), "--num_processes",
@@ -405,13 +585,14 @@ def test_dry_run_reports_the_checkpoint_it_resumes_and_its_conversion_or_a_fresh
                     layout=Launch("deepspeed", zero_stage=2, gpus_per_node=2).to_dict())
     assert dry_run(capsys, *common) == (0, [
         "resume           from checkpoints/step_00000003 (step 3; layout DeepSpeed ZeRO-2 on 2 processes, converted by "
-        "rank 0 to a DeepSpeed universal checkpoint for DeepSpeed ZeRO-1 on 3 processes)"])
+        "every rank to the neutral form (weights and optimizer states by name) and loaded into DeepSpeed ZeRO-1 on 3 "
+        "processes)"])
     assert reshard.views(out / "checkpoints" / "step_00000003") == []  # decided, not converted
     fsdp = tmp_path / "fsdp"
     make_checkpoint(fsdp / "checkpoints" / "step_00000003", world=2, layout=Launch("fsdp", gpus_per_node=2).to_dict())
     assert dry_run(capsys, *common, f"output_dir={fsdp}") == (0, [
-        "resume           from checkpoints/step_00000003 (step 3; layout FSDP on 2 processes, converted by rank 0 to "
-        "the neutral form (weights and optimizer states by name) and loaded into DeepSpeed ZeRO-1 on 3 processes)"])
+        "resume           from checkpoints/step_00000003 (step 3; layout FSDP on 2 processes, converted by every rank "
+        "to the neutral form (weights and optimizer states by name) and loaded into DeepSpeed ZeRO-1 on 3 processes)"])
     code, resume = dry_run(capsys, *common, "checkpoint.resume=none")
     assert code == 2 and resume[0].startswith("resume           refused: checkpoint.resume=none but"), resume
 
@@ -466,12 +647,12 @@ def test_zero2_checkpoint_of_2_processes_continues_on_1_and_3_processes_on_the_s
             assert m["train/lr"] == pytest.approx(ref["train/lr"], rel=1e-9), (name, step)  # the schedule continues
             assert m["train/tokens_seen"] == ref["train/tokens_seen"], (name, step)
             assert m["batch/gas"] == 6 // int(name[0]), name
-    # the first resume converts (DeepSpeed universal checkpoint), the second reuses it
-    assert "converting" in logs["1 process ZeRO-2"] and "DeepSpeed universal checkpoint" in logs["1 process ZeRO-2"]
-    assert "reusing the converted" in logs["3 processes ZeRO-1"]
+    # the first resume converts (the neutral form), the second reuses it, its 3 ranks each checking a third
+    assert "converting" in logs["1 process ZeRO-2"] and "the neutral form" in logs["1 process ZeRO-2"]
+    assert "reusing the converted" in logs["3 processes ZeRO-1"] and "each rank its share" in logs["3 processes ZeRO-1"]
     assert "re-seeded" in logs["3 processes ZeRO-1"]
-    universal = runs["2 processes ZeRO-2"] / "checkpoints" / "step_00000003.universal"
-    assert (universal / "pytorch_model" / "zero").is_dir()
+    view = runs["2 processes ZeRO-2"] / "checkpoints" / "step_00000003.neutral"
+    assert (view / "neutral.json").is_file()
     state = json.loads((runs["3 processes ZeRO-1"] / "checkpoints" / "step_00000006" / "trainer_state.json").read_text())
     assert (state["layout"]["engine"], state["layout"]["zero_stage"], state["layout"]["world_size"]) == ("deepspeed", 1, 3)
 
@@ -496,11 +677,10 @@ def test_export_of_a_zero2_checkpoint_matches_the_step_reached_by_a_resumed_run(
 
 @pytest.mark.slow
 def test_a_rollback_after_a_resume_on_another_process_count_reloads_the_runs_own_checkpoint(resharded, tmp_path):
-    """Step 3 of the 2-process ZeRO-2 run resumed on 1 process (through its DeepSpeed universal view), then a
-    persistent spike on the batches of steps 7-9: the rollback goes back to step 6, which this run wrote itself and
-    DeepSpeed must read as a plain checkpoint, not as a universal one like the checkpoint it resumed (DeepSpeed
-    reads load_universal from its config at each load). Killed after the rollback, the run resumes from step 6
-    and gives the same losses."""
+    """Step 3 of the 2-process ZeRO-2 run resumed on 1 process (through its neutral form), then a persistent
+    spike on the batches of steps 7-9: the rollback goes back to step 6, which this run wrote itself and DeepSpeed
+    reads as a plain checkpoint, not through a view like the checkpoint it resumed. Killed after the rollback, the
+    run resumes from step 6 and gives the same losses."""
     from tests.train.test_rollback import _resumed_copy
 
     runs, _ = resharded
@@ -638,7 +818,7 @@ def test_ddp_resumes_across_one_and_several_processes_continue_the_curve(ddp_res
 # -> target), so the two checks cover each pair; tools/resume_matrix.py runs all 30 pairs end to end.
 RING = [  # source -> (target config, processes)
     ("one process", "ZeRO-2 with CPU offload", "zero2_offload.yaml", 2),
-    ("ZeRO-2", "FSDP2", "fsdp.yaml", 1),
+    ("ZeRO-2", "FSDP2", "fsdp.yaml", 2),
     ("FSDP2", "ZeRO-3", "zero3.yaml", 2),
     ("ZeRO-3", "DDP", "cpu_ddp.yaml", 3),
     ("DDP", "ZeRO-1", "zero1.yaml", 2),
@@ -675,10 +855,8 @@ def any_layout(tmp_path_factory, resharded, resharded_sharded):
 
 def neutral_state(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The checkpoint's neutral form, as a resume on another engine converts it (and reuses it): per parameter
-    its weight and optimizer states, by name. (Converted in this process: DeepSpeed's converter forks nothing.)"""
+    its weight and optimizer states, by name (converted in this process)."""
     from pretrain.checkpoint import neutral
-
-    reshard.CONVERT_WORKERS = 1
 
     engine = saved_layout(checkpoint, json.loads((checkpoint / "trainer_state.json").read_text())).engine
     source = prepare_resume(checkpoint, Launch("fsdp" if engine == "ddp" else "ddp"), log=lambda _: None)
@@ -725,11 +903,24 @@ def test_a_checkpoint_resumes_on_another_kind_on_its_curve_and_state(any_layout,
         assert m["train/tokens_seen"] == reference[step]["train/tokens_seen"], step
         assert m["batch/gas"] == 6 // num
     assert "the neutral form" in logs[target] and "re-seeded" in logs[target]
-    if target.startswith("ZeRO"):  # each rank read its share of the neutral form, not all of it
-        read, total = map(float, re.search(r"this rank read ([\d.]+) MiB of the neutral form's ([\d.]+) MiB",
-                                           logs[target]).groups())
-        print(f"{source} -> {target} on {num}: rank 0 read {read:.2f} of {total:.2f} MiB")
-        assert read <= total / num + 0.06  # its partitions, whole rows at their ends, and the buffers
+    # the load: each rank of a sharded layout read its share of the neutral form, a replica all of it
+    read, total = map(float, re.search(r"this rank read ([\d.]+) MiB of the neutral form's ([\d.]+) MiB",
+                                       logs[target]).groups())
+    shards = num if target.startswith(("ZeRO", "FSDP")) else 1
+    print(f"{source} -> {target} on {num}: rank 0 loaded {read:.2f} of {total:.2f} MiB")
+    assert read <= total / shards + 0.06  # its partitions / shards, whole rows at their ends, and the buffers
+    # the conversion: each of the target's ranks converted its share of the source (whole tensors), or the view an
+    # earlier resume of the same checkpoint made was reused, each rank checking its share of its checksums
+    found = re.search(r"rank 0 read ([\d.]+) MiB of the checkpoint's ([\d.]+) MiB of tensors \(largest ([\d.]+) MiB\)",
+                      logs[target])
+    if found is None:
+        assert "reusing the converted" in logs[target] and "each rank its share" in logs[target]
+    else:
+        converted, tensors, largest = map(float, found.groups())
+        print(f"{source} -> {target} on {num}: rank 0 converted {converted:.2f} of {tensors:.2f} MiB")
+        assert converted <= tensors / num + largest + 0.01
+        if num > 1:
+            assert converted < tensors and f"each of the {num} processes converts its share" in logs[target]
     worst = largest_difference(neutral_state(_step(sources[source], 6)), neutral_state(_step(resumed[target], 6)))
     print(f"step 6 state after {source} -> {target}: largest difference {worst:.1e}")
     assert worst <= STATE_RTOL

@@ -24,7 +24,6 @@ from pretrain.train.goodput import read_goodput
 from pretrain.train.rollback import Rollback
 from pretrain.train.stability import LOSS_FACTORS_ENV
 from pretrain.trust import allowed_globals
-from tests.fakes import FakeAccelerator
 from tests.helpers import (
     FAST,
     TINY,
@@ -388,22 +387,3 @@ def test_a_zero2_resume_from_an_async_checkpoint_continues_the_curve_with_the_sa
             _same_state(ours, theirs, name)
 
 
-def test_each_deepspeed_load_reads_its_own_checkpoints_kind(tmp_path):
-    """A run resumed on another world size loads a universal checkpoint; its rollback to a checkpoint it wrote itself
-    must load that one as a plain DeepSpeed checkpoint (DeepSpeed reads load_universal from its config at each
-    load), and the universal view of the checkpoint it resumed as universal again."""
-    from pretrain.checkpoint.checkpointer import Checkpointer
-    from pretrain.checkpoint.reshard import ResumeSource
-    from pretrain.checkpoint.state import TrainerState
-    from pretrain.recipe.config import CheckpointConfig
-
-    # a DeepSpeed engine's config built, like a run's, for the checkpoint it started from: a universal one
-    accelerator = FakeAccelerator({"optimizer.bin": {"w": torch.ones(2)}}, load_universal=True)
-    checkpointer = Checkpointer(accelerator, tmp_path, CheckpointConfig(keep_last=0), num_steps=10,
-                                log=lambda _: None)
-    checkpointer.save(TrainerState(step=8, tokens_seen=0, num_steps=10, plan={}, recipe={}))
-    written = tmp_path / "checkpoints" / "step_00000008"
-    view = written.with_name(f"{written.name}.universal")  # stands for the universal view of a resumed checkpoint
-    checkpointer.load(ResumeSource(written, written, saved=None), seed=0)
-    checkpointer.load(ResumeSource(written, view, saved=None, load_universal=True), seed=0)
-    assert accelerator.loads == [(str(written), False), (str(view), True)]
