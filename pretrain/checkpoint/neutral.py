@@ -160,10 +160,24 @@ def write_index(out: Path, index: dict[str, Any]) -> None:
 
 
 def read_index(view: Path) -> dict[str, Any]:
+    """The neutral form's index, its shards' names kept inside ``view`` (a file it names elsewhere is refused, never
+    opened)."""
+    from pretrain.trust import contained
+
     index = json.loads((view / INDEX_FILE).read_text())
-    if index.get("format") != FORMAT:
-        raise ConfigError(f"{view / INDEX_FILE}: neutral format {index.get('format')}, this pretrain reads {FORMAT}; "
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        found = index.get("format") if isinstance(index, dict) else type(index).__name__
+        raise ConfigError(f"{view / INDEX_FILE}: neutral format {found}, this pretrain reads {FORMAT}; "
                           "delete the directory and resume again to convert the checkpoint anew")
+    files = index.get("files")
+    if not isinstance(files, dict) or not all(isinstance(f, str) for f in files.values()):
+        raise ConfigError(f"{view / INDEX_FILE}: 'files' is not a map of tensor names to shard files; delete the "
+                          "directory and resume again to convert the checkpoint anew")
+    for file in set(files.values()):
+        if "/" in file or "\\" in file:
+            raise ConfigError(f"{view / INDEX_FILE} names {file!r}, not a shard of the directory; refused (the neutral "
+                              "form's shards lie in it). Delete the directory and resume again to convert anew")
+        contained(view, file, f"{view / INDEX_FILE}")
     return index
 
 

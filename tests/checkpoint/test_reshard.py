@@ -412,6 +412,20 @@ def test_every_rank_converts_its_share_and_the_view_equals_one_process_conversio
     assert all(torch.equal(_neutral_tensors(view)[k], reference[k]) for k in reference)
 
 
+@pytest.mark.parametrize("file", ["../outside.safetensors", "/etc/passwd", "sub/state-00000-00000.safetensors"])
+def test_a_neutral_index_that_names_a_file_outside_its_view_is_refused_before_it_is_opened(tmp_path, file):
+    """Issue 52's case in the neutral form: ``neutral.json``'s ``files`` were opened wherever they led."""
+    from pretrain.checkpoint import neutral
+
+    ckpt = _adam_checkpoint(tmp_path)
+    view = prepare_resume(ckpt, Launch("fsdp"), log=lambda _: None).load_dir
+    index = json.loads((view / "neutral.json").read_text())
+    index["files"]["param/embed.weight"] = file
+    (view / "neutral.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match=f"names '{re.escape(file)}'.*refused"):
+        neutral.read_index(view)
+
+
 def test_a_rank_that_fails_its_share_fails_the_conversion_on_every_rank(tmp_path, monkeypatch):
     from tests.helpers import free_port
 
