@@ -384,7 +384,13 @@ class Resume:
         peers = Peers.of_launch(launch)
         seen = ResumeChoice.decide(recipe.output_dir, recipe.checkpoint)
         if peers is not None:
-            seen = ResumeChoice.from_dict(peers.scope("resume-choice").decide("choice", asdict(seen)))
+            choice = peers.scope("resume-choice")
+            seen = ResumeChoice.from_dict(choice.decide("choice", asdict(seen)))
+            # A rank that does not see rank 0's checkpoint (node-local disk) prepares nothing, nor does any other:
+            # agree_on_resume then refuses on every rank, naming what each sees
+            choice.publish("sees", seen.path is None or read_state(Path(seen.path)) is not None)
+            if not choice.decide("all see", all(choice.gather("sees")) if choice.is_main else None):
+                return cls(recipe, launch, seen, None, log, peers)
         if seen.path:
             check_resume_data(Path(seen.path), recipe.data)  # before the store is prepared: exit 2 at once
         source = prepare_resume(Path(seen.path), launch, log=log, peers=peers) if seen.path else None
