@@ -57,8 +57,9 @@ class ZeroFiles:
                               "that did not complete, or files of two saves")
         key = c.FP32_FLAT_GROUPS if self.stage == 3 else c.SINGLE_PARTITION_OF_FP32_GROUPS
         self._fp32 = [optim[key] for optim in self._optim]
-        # ZeRO-1/2's per-parameter alignment paddings (deepspeed >= 0.17 records them)
-        self._paddings = first.get(c.PARAM_ALIGNMENT_PADDINGS) if self.stage < 3 else None
+        # ZeRO-1/2's per-parameter alignment paddings (deepspeed >= 0.17 records them, under a key 0.16 has no
+        # constant for)
+        self._paddings = first.get("param_alignment_paddings") if self.stage < 3 else None
 
     def _trainable(self, flat_groups: list) -> dict[str, Any]:
         from deepspeed.utils import zero_to_fp32 as z
