@@ -312,7 +312,9 @@ def remove_stale_files(shards_dir: Path, redo: set[int]) -> int:
 
 
 def _run_pool(spec: BuildSpec, todo: list[ShardPlan], num_workers: int, bar: Progress, records: dict) -> None:
-    ctx = multiprocessing.get_context("fork")
+    # forkserver, not fork: a fork of this process, which has threads (a progress bar's monitor, torch's), can leave
+    # the child holding a lock no thread will release; a worker stuck so hung the pool's exit (as --verify's did)
+    ctx = multiprocessing.get_context("forkserver")
     progress_queue = ctx.Queue()
     with ctx.Pool(min(num_workers, len(todo)), initializer=_init_worker, initargs=(progress_queue,)) as pool:
         results = pool.imap_unordered(_worker, [(spec, shard) for shard in todo])
